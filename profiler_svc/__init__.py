@@ -1,3 +1,27 @@
-"""profiler_svc: find why a PyTorch workload is slow, recommend fused kernels, prove the swap."""
+"""profiler_svc: find why a PyTorch workload is slow, recommend fused kernels, prove the swap.
+
+The public entry points are imported lazily so that `import profiler_svc` stays cheap and an
+area's heavy dependencies (torch, flask, sqlalchemy) load only when that area is used.
+"""
+import importlib
 
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "capture": "profiler_svc.capture",
+    "recommend": "profiler_svc.recommend",
+    "Report": "profiler_svc.recommend",
+    "load_trace": "profiler_svc.trace",
+    "ab_test": "profiler_svc.ab",
+    "ABResult": "profiler_svc.ab",
+    "UserError": "profiler_svc.errors",
+    "TraceError": "profiler_svc.errors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'profiler_svc' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
