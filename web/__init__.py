@@ -1,0 +1,124 @@
+"""The dashboard: a Flask app factory with two blueprints, HTML pages and the JSON API that mirrors them.
+
+Configuration (``create_app(config)`` keys, or the environment):
+- ``DATABASE_URL`` (``PROFILER_SVC_DATABASE_URL``), ``BLOB_DIR`` (``PROFILER_SVC_BLOB_DIR``)
+- ``API_TOKEN`` (``PROFILER_SVC_TOKEN``): required on every write endpoint of the API
+- ``SECRET_KEY`` (``PROFILER_SVC_SECRET_KEY``; else kept in ``$PROFILER_SVC_HOME/secret_key``): signs CSRF tokens
+- ``MAX_CONTENT_LENGTH`` (``PROFILER_SVC_MAX_UPLOAD_MB``, default 1024 MiB): upload size limit
+"""
+import os
+import secrets
+
+from flask import Flask, g, jsonify, render_template, request
+from flask_wtf.csrf import CSRFError, CSRFProtect
+from sqlalchemy.orm import Session
+from werkzeug.exceptions import HTTPException
+
+from ..errors import UserError
+from ..storage.db import database_url, get_engine, home
+from ..storage.ingest import default_blob_store
+from ..storage.blobs import BlobStore
+from ..storage.queries import NotFound
+
+csrf = CSRFProtect()
+
+
+def create_app(config: dict | None = None) -> Flask:
+    app = Flask(__name__)
+    app.config.from_mapping(
+        DATABASE_URL=None,
+        BLOB_DIR=os.environ.get("PROFILER_SVC_BLOB_DIR"),
+        API_TOKEN=os.environ.get("PROFILER_SVC_TOKEN"),
+        SECRET_KEY=os.environ.get("PROFILER_SVC_SECRET_KEY"),
+        MAX_CONTENT_LENGTH=int(os.environ.get("PROFILER_SVC_MAX_UPLOAD_MB", "1024")) << 20,
+        WTF_CSRF_TIME_LIMIT=None,  # tokens live as long as the session
+    )
+    app.config.update(config or {})
+    if not app.config["SECRET_KEY"]:
+        app.config["SECRET_KEY"] = _persistent_secret_key()
+
+    app.extensions["profiler_svc.engine"] = get_engine(app.config["DATABASE_URL"] or database_url())
+    app.extensions["profiler_svc.blobs"] = (BlobStore(app.config["BLOB_DIR"]) if app.config["BLOB_DIR"]
+                                            else default_blob_store())
+    csrf.init_app(app)
+
+    from . import api, pages
+    app.register_blueprint(pages.bp)
+    app.register_blueprint(api.bp)
+    csrf.exempt(api.bp)  # machine endpoints: bearer token instead of a cookie, so CSRF cannot apply
+
+    app.teardown_appcontext(_close_session)
+    app.after_request(_security_headers)
+    app.register_error_handler(HTTPException, _http_error)
+    app.register_error_handler(CSRFError, _csrf_error)
+    app.register_error_handler(NotFound, lambda exc: _error(404, str(exc)))
+    app.register_error_handler(UserError, lambda exc: _error(400, str(exc)))
+    app.jinja_env.filters["us"] = format_us
+    return app
+
+
+def db() -> Session:
+    """The request's database session, closed when the request ends."""
+    if "db" not in g:
+        from flask import current_app
+        g.db = Session(current_app.extensions["profiler_svc.engine"], expire_on_commit=False)
+    return g.db
+
+
+def _close_session(_exc):
+    session = g.pop("db", None)
+    if session is not None:
+        session.close()
+
+
+def _persistent_secret_key() -> str:
+    # One key for every web process on this host (gunicorn workers), kept across restarts.
+    path = home() / "secret_key"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+    except FileExistsError:
+        pass
+    return path.read_text().strip()
+
+
+def _security_headers(response):
+    # Everything is served from here (Plotly included), so nothing else need be allowed.
+    response.headers.setdefault(
+        "Content-Security-Policy",
+        "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
+        "object-src 'none'; base-uri 'none'; frame-ancestors 'none'")
+    response.headers.setdefault("X-Content-Type-Options", "nosniff")
+    response.headers.setdefault("Referrer-Policy", "same-origin")
+    return response
+
+
+def wants_json() -> bool:
+    return request.path.startswith("/api/")
+
+
+def _error(status: int, message: str):
+    if wants_json():
+        return jsonify(error=message), status
+    return render_template("error.html", status=status, message=message), status
+
+
+def _http_error(exc: HTTPException):
+    return _error(exc.code or 500, exc.description or exc.name)
+
+
+def _csrf_error(exc: CSRFError):
+    return _error(400, f"refused: {exc.description}")
+
+
+def format_us(value) -> str:
+    """Microseconds for people: 950 µs, 12.3 ms, 4.56 s."""
+    if value is None:
+        return "–"
+    value = float(value)
+    if abs(value) >= 1e6:
+        return f"{value / 1e6:.2f} s"
+    if abs(value) >= 1e3:
+        return f"{value / 1e3:.2f} ms"
+    return f"{value:.1f} µs"

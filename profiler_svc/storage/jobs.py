@@ -1,0 +1,100 @@
+"""The A/B job queue in the database: many workers on many GPU hosts, one dashboard.
+
+A worker claims the oldest queued job and holds it under a lease that a heartbeat extends. A job
+whose lease ran out (the worker crashed or lost its host) goes back to the queue, up to
+``MAX_ATTEMPTS`` claims; after that it fails with the reason.
+"""
+from datetime import timedelta
+
+from sqlalchemy import or_, select, update
+
+from .models import ABJob, ABResultRow, Finding, utcnow
+from .queries import NotFound
+
+MAX_ATTEMPTS = 3
+DEFAULT_LEASE_S = 120.0
+
+
+def enqueue(session, run, *, swap: str | None = None, finding_id: int | None = None,
+            params: dict | None = None) -> ABJob:
+    """Queue an A/B test of `swap` (or of the finding's recommended swap) on the run's workload."""
+    from ..errors import UserError
+    finding = None
+    if finding_id is not None:
+        finding = session.get(Finding, finding_id)
+        if finding is None or finding.run_id != run.id:
+            raise NotFound(f"run {run.id} has no finding with id {finding_id}")
+        swap = swap or finding.swap
+    if not swap:
+        raise UserError("nothing to A/B test: the finding recommends no bundled swap")
+    if not run.workload:
+        raise UserError(f"run {run.id} has no workload to A/B test (capture it with a workload, "
+                        "or ingest with --workload pkg.module:factory)")
+    job = ABJob(run_id=run.id, finding_id=finding.id if finding else None, swap=swap[:255],
+                workload=run.workload, params=params or {}, status="queued")
+    session.add(job)
+    session.flush()
+    return job
+
+
+def requeue_expired(session) -> int:
+    """Jobs whose worker stopped heartbeating: back to the queue, or failed after MAX_ATTEMPTS."""
+    now = utcnow()
+    expired = (ABJob.status == "running") & (ABJob.lease_expires_at < now)
+    failed = session.execute(
+        update(ABJob).where(expired, ABJob.attempts >= MAX_ATTEMPTS)
+        .values(status="failed", finished_at=now, lease_expires_at=None,
+                error=f"worker lease expired {MAX_ATTEMPTS} times")).rowcount
+    requeued = session.execute(
+        update(ABJob).where(expired).values(status="queued", worker=None, lease_expires_at=None)).rowcount
+    return requeued + failed
+
+
+def claim(session, worker: str, lease_s: float = DEFAULT_LEASE_S) -> ABJob | None:
+    """Take the oldest queued job, or None. Safe against any number of concurrent workers."""
+    requeue_expired(session)
+    candidates = select(ABJob.id).where(ABJob.status == "queued").order_by(ABJob.id).limit(1)
+    if session.bind.dialect.name == "postgresql":
+        candidates = candidates.with_for_update(skip_locked=True)
+    job_id = session.scalar(candidates)
+    if job_id is None:
+        return None
+    now = utcnow()
+    # The status condition makes the claim atomic on SQLite too: only one UPDATE can match.
+    claimed = session.execute(
+        update(ABJob).where(ABJob.id == job_id, ABJob.status == "queued")
+        .values(status="running", worker=worker[:255], attempts=ABJob.attempts + 1, started_at=now,
+                lease_expires_at=now + timedelta(seconds=lease_s))).rowcount
+    if claimed != 1:
+        return None
+    session.flush()
+    job = session.get(ABJob, job_id, populate_existing=True)
+    return job
+
+
+def heartbeat(session, job_id: int, worker: str, lease_s: float = DEFAULT_LEASE_S) -> bool:
+    """Extend the lease; False if the job is no longer ours (requeued after a stall)."""
+    return session.execute(
+        update(ABJob).where(ABJob.id == job_id, ABJob.worker == worker, ABJob.status == "running")
+        .values(lease_expires_at=utcnow() + timedelta(seconds=lease_s))).rowcount == 1
+
+
+def finish(session, job_id: int, worker: str, result: dict, device: str | None = None) -> bool:
+    done = session.execute(
+        update(ABJob).where(ABJob.id == job_id, ABJob.worker == worker, ABJob.status == "running")
+        .values(status="done", finished_at=utcnow(), lease_expires_at=None, error=None)).rowcount == 1
+    if done:
+        session.add(ABResultRow(job_id=job_id, result=result, device=device))
+    return done
+
+
+def fail(session, job_id: int, worker: str, error: str) -> bool:
+    return session.execute(
+        update(ABJob).where(ABJob.id == job_id, ABJob.worker == worker, ABJob.status == "running")
+        .values(status="failed", finished_at=utcnow(), lease_expires_at=None, error=error[:4000])).rowcount == 1
+
+
+def pending_count(session) -> int:
+    from sqlalchemy import func
+    return session.scalar(select(func.count(ABJob.id)).where(or_(ABJob.status == "queued",
+                                                                 ABJob.status == "running")))

@@ -1,0 +1,145 @@
+"""SQLAlchemy 2 models: runs, their per-rank traces, the precomputed aggregates, A/B jobs.
+
+Everything a page shows is stored at ingest (kernel summaries, findings, the timeline), so no
+page ever re-reads a trace. The trace itself lives compressed in the blob store; `Trace.blob_path`
+is its location relative to the blob root.
+"""
+from datetime import datetime, timezone
+
+from sqlalchemy import JSON, BigInteger, DateTime, Float, ForeignKey, Integer, String, Text
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {dict: JSON, list: JSON}
+
+
+class Run(Base):
+    """One profiled job: one trace per rank."""
+    __tablename__ = "runs"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(255), index=True)
+    # Uploads that share a group key (e.g. the per-rank traces of one job) land in one run.
+    group_key: Mapped[str | None] = mapped_column(String(255), unique=True)
+    host: Mapped[str | None] = mapped_column(String(255))
+    workload: Mapped[str | None] = mapped_column(String(500))  # "pkg.module:factory", enables A/B
+    meta: Mapped[dict] = mapped_column("metadata", default=dict)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
+
+    traces: Mapped[list["Trace"]] = relationship(back_populates="run", order_by="Trace.rank",
+                                                 cascade="all, delete-orphan")
+    findings: Mapped[list["Finding"]] = relationship(
+        back_populates="run", order_by="Finding.estimated_savings_us.desc()", cascade="all, delete-orphan")
+    jobs: Mapped[list["ABJob"]] = relationship(back_populates="run", order_by="ABJob.id.desc()",
+                                               cascade="all, delete-orphan")
+
+
+class Trace(Base):
+    """One trace file (one rank), stored compressed outside the database."""
+    __tablename__ = "traces"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    rank: Mapped[int] = mapped_column(default=0)
+    filename: Mapped[str] = mapped_column(String(255))
+    content_sha256: Mapped[str] = mapped_column(String(64), unique=True)  # of the uncompressed JSON
+    size_bytes: Mapped[int] = mapped_column(BigInteger)                   # uncompressed
+    stored_bytes: Mapped[int] = mapped_column(BigInteger)                 # gzip on disk
+    blob_path: Mapped[str] = mapped_column(String(255))
+    device_name: Mapped[str | None] = mapped_column(String(255))
+    span_us: Mapped[float] = mapped_column(Float, default=0.0)
+    gpu_busy_pct: Mapped[float] = mapped_column(Float, default=0.0)
+    kernel_count: Mapped[int] = mapped_column(Integer, default=0)
+    kernel_time_us: Mapped[float] = mapped_column(Float, default=0.0)
+    event_count: Mapped[int] = mapped_column(Integer, default=0)
+    summary: Mapped[dict] = mapped_column(default=dict)   # the report's "trace" section
+    timeline: Mapped[dict] = mapped_column(default=dict)  # see storage.timeline
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+    run: Mapped[Run] = relationship(back_populates="traces")
+    kernels: Mapped[list["KernelSummary"]] = relationship(
+        order_by="KernelSummary.total_us.desc()", cascade="all, delete-orphan")
+
+
+class KernelSummary(Base):
+    """One row of a trace's top-kernels table."""
+    __tablename__ = "kernel_summaries"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    trace_id: Mapped[int] = mapped_column(ForeignKey("traces.id", ondelete="CASCADE"), index=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(Text)
+    count: Mapped[int] = mapped_column(Integer)
+    total_us: Mapped[float] = mapped_column(Float)
+    mean_us: Mapped[float] = mapped_column(Float)
+    share_pct: Mapped[float] = mapped_column(Float)
+    op: Mapped[str | None] = mapped_column(Text)
+    module: Mapped[str | None] = mapped_column(Text)
+    input_shapes: Mapped[list] = mapped_column(default=list)
+    dtypes: Mapped[list] = mapped_column(default=list)
+    achieved_gbps: Mapped[float | None] = mapped_column(Float)
+    achieved_tflops: Mapped[float | None] = mapped_column(Float)
+
+
+class Finding(Base):
+    """One detector finding with its recommendation."""
+    __tablename__ = "findings"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    trace_id: Mapped[int] = mapped_column(ForeignKey("traces.id", ondelete="CASCADE"), index=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    finding_key: Mapped[str] = mapped_column(String(255))  # the report's finding id
+    category: Mapped[str] = mapped_column(String(32), index=True)
+    severity: Mapped[str] = mapped_column(String(16))
+    title: Mapped[str] = mapped_column(Text)
+    detail: Mapped[str] = mapped_column(Text, default="")
+    evidence: Mapped[dict] = mapped_column(default=dict)
+    estimated_savings_us: Mapped[float] = mapped_column(Float, default=0.0)
+    rank: Mapped[int | None] = mapped_column(Integer)
+    summary: Mapped[str] = mapped_column(Text, default="")  # recommendation summary
+    swap: Mapped[str | None] = mapped_column(String(255))
+    snippet: Mapped[str | None] = mapped_column(Text)
+
+    run: Mapped[Run] = relationship(back_populates="findings")
+
+
+class ABJob(Base):
+    """A queued A/B test of one swap on a run's workload, claimed by a worker under a lease."""
+    __tablename__ = "ab_jobs"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    finding_id: Mapped[int | None] = mapped_column(ForeignKey("findings.id", ondelete="SET NULL"))
+    swap: Mapped[str] = mapped_column(String(255))
+    workload: Mapped[str] = mapped_column(String(500))
+    params: Mapped[dict] = mapped_column(default=dict)  # ab_test keyword arguments (rounds, train, ...)
+    status: Mapped[str] = mapped_column(String(16), default="queued", index=True)  # queued|running|done|failed
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    worker: Mapped[str | None] = mapped_column(String(255))
+    lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+    run: Mapped[Run] = relationship(back_populates="jobs")
+    finding: Mapped[Finding | None] = relationship()
+    result: Mapped["ABResultRow | None"] = relationship(back_populates="job", cascade="all, delete-orphan")
+
+
+class ABResultRow(Base):
+    """`ABResult.to_dict()` of a finished job."""
+    __tablename__ = "ab_results"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("ab_jobs.id", ondelete="CASCADE"), unique=True)
+    result: Mapped[dict] = mapped_column(default=dict)
+    device: Mapped[str | None] = mapped_column(String(255))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+    job: Mapped[ABJob] = relationship(back_populates="result")

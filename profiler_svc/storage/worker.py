@@ -1,0 +1,106 @@
+"""`profiler_svc worker`: claim queued A/B jobs, run them on this host's GPU (or CPU), store the results."""
+import logging
+import os
+import socket
+import threading
+import time
+
+from sqlalchemy.engine import Engine
+
+from . import jobs
+from .db import session_scope
+from .queries import job_dict
+
+log = logging.getLogger(__name__)
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def run_ab_job(job: dict) -> dict:
+    """The real runner: load the workload, A/B-test the swap, return ABResult.to_dict().
+    Imported lazily so the web app and the queue never import torch."""
+    from .. import ab
+    loaded = ab.load_workload(job["workload"])
+    params = dict(job.get("params") or {})
+    if isinstance(loaded, tuple):
+        model, inputs = loaded[:2]
+    else:
+        model, inputs = loaded.model, loaded.inputs
+        for key in ("train", "loss_fn"):
+            if getattr(loaded, key, None) is not None:
+                params.setdefault(key, getattr(loaded, key))
+    return ab.ab_test(model, inputs, [job["swap"]], **params).to_dict()
+
+
+def device_name() -> str:
+    try:
+        import torch
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name()
+    except ImportError:
+        pass
+    return "cpu"
+
+
+class _Heartbeat(threading.Thread):
+    """Extends the job's lease every third of it while the runner works."""
+
+    def __init__(self, engine, job_id, worker, lease_s):
+        super().__init__(daemon=True, name=f"heartbeat-{job_id}")
+        self.engine, self.job_id, self.worker, self.lease_s = engine, job_id, worker, lease_s
+        self.stopped = threading.Event()
+
+    def run(self):
+        while not self.stopped.wait(self.lease_s / 3):
+            try:
+                with session_scope(self.engine) as session:
+                    if not jobs.heartbeat(session, self.job_id, self.worker, self.lease_s):
+                        log.warning("job %s is no longer ours", self.job_id)
+                        return
+            except Exception:  # a database blip: try again next beat, the lease still has time
+                log.exception("heartbeat for job %s failed", self.job_id)
+
+
+def work_once(engine: Engine, *, worker: str | None = None, runner=run_ab_job,
+              lease_s: float = jobs.DEFAULT_LEASE_S) -> int | None:
+    """Claim and run one job; returns its id, or None when the queue is empty."""
+    worker = worker or default_worker_id()
+    with session_scope(engine) as session:
+        job = jobs.claim(session, worker, lease_s)
+        spec = job_dict(job, with_result=False) if job else None
+    if spec is None:
+        return None
+    log.info("job %s: A/B %s on %s", spec["id"], spec["swap"], spec["workload"])
+    beat = _Heartbeat(engine, spec["id"], worker, lease_s)
+    beat.start()
+    try:
+        result = runner(spec)
+        error = None
+    except Exception as exc:  # the job failed, not the worker: record why and go on
+        log.exception("job %s failed", spec["id"])
+        result, error = None, f"{type(exc).__name__}: {exc}".splitlines()[0]
+    finally:
+        beat.stopped.set()
+        beat.join()
+    with session_scope(engine) as session:
+        if error is None:
+            jobs.finish(session, spec["id"], worker, result, device=device_name())
+        else:
+            jobs.fail(session, spec["id"], worker, error)
+    return spec["id"]
+
+
+def run_worker(engine: Engine, *, once: bool = False, poll_s: float = 2.0, worker: str | None = None,
+               runner=run_ab_job, lease_s: float = jobs.DEFAULT_LEASE_S) -> int:
+    """Work until interrupted; with `once`, until the queue is empty. Returns the number of jobs run."""
+    done = 0
+    while True:
+        job_id = work_once(engine, worker=worker, runner=runner, lease_s=lease_s)
+        if job_id is not None:
+            done += 1
+            continue
+        if once:
+            return done
+        time.sleep(poll_s)

@@ -1,0 +1,137 @@
+"""JSON API, /api/v1: mirrors every page; writes need ``Authorization: Bearer <API_TOKEN>``."""
+import hmac
+
+from flask import Blueprint, abort, current_app, jsonify, request
+
+from ..errors import UserError
+from ..storage import ingest, jobs, queries
+from ..storage.models import Run
+from . import db
+
+bp = Blueprint("api", __name__, url_prefix="/api/v1")
+
+AB_PARAMS = {"rounds": (int, 3, 1000), "warmup": (int, 0, 100), "seed": (int, 0, 2**31 - 1)}
+
+
+@bp.before_request
+def require_token_for_writes():
+    if request.method in ("GET", "HEAD", "OPTIONS"):
+        return
+    expected = current_app.config.get("API_TOKEN")
+    if not expected:
+        abort(403, "writes are disabled: the server has no API token (set PROFILER_SVC_TOKEN)")
+    sent = request.headers.get("Authorization", "")
+    scheme, _, token = sent.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected.encode()):
+        abort(401, "missing or wrong API token (send 'Authorization: Bearer <token>')")
+
+
+@bp.get("/runs")
+def runs():
+    return jsonify(queries.list_runs(db(), request.args.get("q"), limit=_int_arg("limit", 100, 1, 1000),
+                                     offset=_int_arg("offset", 0, 0, 10**9)))
+
+
+@bp.get("/runs/<int:run_id>")
+def run(run_id):
+    return jsonify(queries.run_page(db(), run_id, rank=_rank_arg()))
+
+
+@bp.get("/runs/<int:run_id>/timeline")
+def timeline(run_id):
+    queries.run_summary(db(), run_id)  # 404 for an unknown run
+    return jsonify(queries.timeline(db(), run_id, rank=_rank_arg()))
+
+
+@bp.get("/jobs")
+def job_list():
+    return jsonify(jobs=queries.list_jobs(db(), status=request.args.get("status")))
+
+
+@bp.get("/jobs/<int:job_id>")
+def job(job_id):
+    return jsonify(queries.job_page(db(), job_id))
+
+
+@bp.get("/compare")
+def compare():
+    return jsonify(queries.compare(db(), _int_arg("a", None, 1, 2**63), _int_arg("b", None, 1, 2**63)))
+
+
+@bp.post("/traces")
+def upload_trace():
+    """multipart field ``file`` (or the raw body), optional fields ``name``, ``run`` (group key), ``workload``."""
+    upload = request.files.get("file")
+    if upload is not None:
+        stream, filename = upload.stream, upload.filename or "upload.json"
+    elif request.mimetype in ("application/json", "application/gzip", "application/octet-stream"):
+        stream, filename = request.stream, request.args.get("filename", "upload.json")
+    else:
+        raise UserError("send the trace as multipart field 'file' (or as the request body)")
+    form = request.form if upload is not None else request.args
+    result = ingest.ingest_stream(
+        current_app.extensions["profiler_svc.engine"], stream, filename=filename,
+        blobs=current_app.extensions["profiler_svc.blobs"], name=_text(form, "name"),
+        group_key=_text(form, "run"), host=_text(form, "host") or request.remote_addr,
+        workload=_text(form, "workload"),
+        max_bytes=current_app.config.get("MAX_TRACE_BYTES", ingest.DEFAULT_MAX_TRACE_BYTES))
+    return jsonify(result.to_dict()), 200 if result.duplicate else 201
+
+
+@bp.post("/runs/<int:run_id>/ab")
+def request_ab(run_id):
+    """JSON body: ``finding_id`` and/or ``swap``, optional ``params`` (rounds, warmup, seed)."""
+    body = request.get_json(silent=True)
+    if not isinstance(body, dict):
+        raise UserError("send a JSON object: {\"finding_id\": N} or {\"swap\": \"name\"}")
+    session = db()
+    run = session.get(Run, run_id)
+    if run is None:
+        raise queries.NotFound(f"no run with id {run_id}")
+    finding_id = body.get("finding_id")
+    if finding_id is not None and not isinstance(finding_id, int):
+        raise UserError("finding_id must be an integer")
+    swap = body.get("swap")
+    if swap is not None and not isinstance(swap, str):
+        raise UserError("swap must be a string")
+    job = jobs.enqueue(session, run, swap=swap, finding_id=finding_id, params=ab_params(body.get("params") or {}))
+    session.commit()
+    return jsonify(queries.job_dict(job, with_result=False)), 201
+
+
+def ab_params(params) -> dict:
+    if not isinstance(params, dict):
+        raise UserError("params must be an object")
+    out = {}
+    for key, value in params.items():
+        if key not in AB_PARAMS:
+            raise UserError(f"unknown A/B parameter {key!r} (allowed: {', '.join(AB_PARAMS)})")
+        kind, low, high = AB_PARAMS[key]
+        if not isinstance(value, kind) or isinstance(value, bool) or not low <= value <= high:
+            raise UserError(f"A/B parameter {key} must be an integer in [{low}, {high}]")
+        out[key] = value
+    return out
+
+
+def _text(form, key, limit=255):
+    value = (form.get(key) or "").strip()
+    return value[:limit] or None
+
+
+def _int_arg(key, default, low, high):
+    raw = request.args.get(key)
+    if raw is None or raw == "":
+        if default is None:
+            raise UserError(f"query parameter {key!r} is required")
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise UserError(f"query parameter {key!r} must be an integer") from None
+    if not low <= value <= high:
+        raise UserError(f"query parameter {key!r} must be in [{low}, {high}]")
+    return value
+
+
+def _rank_arg():
+    return _int_arg("rank", -1, -1, 1 << 20) if request.args.get("rank") else None

@@ -1,0 +1,58 @@
+"""HTML pages. Each renders the same dict the JSON API returns for it."""
+from pathlib import Path
+
+from flask import Blueprint, redirect, render_template, request, send_file, url_for
+
+from ..errors import UserError
+from ..storage import jobs, queries
+from ..storage.models import Run
+from . import db
+from .api import _int_arg, _rank_arg
+
+bp = Blueprint("pages", __name__)
+
+
+@bp.get("/")
+def runs():
+    return render_template("runs.html", **queries.list_runs(db(), request.args.get("q")))
+
+
+@bp.get("/runs/<int:run_id>")
+def run(run_id):
+    return render_template("run.html", run=queries.run_page(db(), run_id, rank=_rank_arg()))
+
+
+@bp.post("/runs/<int:run_id>/ab")
+def request_ab(run_id):
+    session = db()
+    run = session.get(Run, run_id)
+    if run is None:
+        raise queries.NotFound(f"no run with id {run_id}")
+    finding_id = request.form.get("finding_id", "")
+    if finding_id and not finding_id.isdigit():
+        raise UserError("finding_id must be an integer")
+    job = jobs.enqueue(session, run, swap=request.form.get("swap") or None,
+                       finding_id=int(finding_id) if finding_id else None)
+    session.commit()
+    return redirect(url_for("pages.job", job_id=job.id), code=303)
+
+
+@bp.get("/jobs/<int:job_id>")
+def job(job_id):
+    return render_template("job.html", job=queries.job_page(db(), job_id))
+
+
+@bp.get("/compare")
+def compare():
+    if not request.args.get("a") or not request.args.get("b"):
+        return render_template("compare.html", cmp=None, runs=queries.list_runs(db(), limit=200)["runs"])
+    data = queries.compare(db(), _int_arg("a", None, 1, 2**63), _int_arg("b", None, 1, 2**63))
+    return render_template("compare.html", cmp=data, runs=None)
+
+
+@bp.get("/vendor/plotly.min.js")
+def plotly_js():
+    # The copy bundled in the installed plotly package: no CDN, works inside air-gapped clusters.
+    import plotly
+    path = Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
+    return send_file(path, mimetype="text/javascript", max_age=86400)
