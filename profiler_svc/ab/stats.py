@@ -1,0 +1,57 @@
+"""Timing one step, and the statistics that turn interleaved rounds into a verdict."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+BOOTSTRAP_RESAMPLES = 10_000
+CI_LEVEL = 0.95
+
+
+def timer_name(device: torch.device) -> str:
+    return "cuda_events" if device.type == "cuda" else "perf_counter"
+
+
+def time_ms(fn, device: torch.device) -> float:
+    """Milliseconds that `fn()` takes: CUDA events on a GPU, a synchronous wall clock elsewhere."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)  # nothing queued before the step is counted in it
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def speedup_ci(a_ms, b_ms, seed: int, level: float = CI_LEVEL,
+               resamples: int = BOOTSTRAP_RESAMPLES) -> tuple[float, float, float]:
+    """(median A / median B, CI low, CI high) by a paired percentile bootstrap over rounds.
+
+    Rounds are resampled as pairs because A and B of one round ran side by side and share
+    whatever the machine was doing then (clock boost, a neighbour's load).
+    """
+    a, b = np.asarray(a_ms, dtype=float), np.asarray(b_ms, dtype=float)
+    if a.shape != b.shape or a.size == 0:
+        raise ValueError("need the same, non-zero number of A and B timings")
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, a.size, size=(resamples, a.size))
+    ratios = np.median(a[idx], axis=1) / np.median(b[idx], axis=1)
+    tail = (1.0 - level) / 2
+    low, high = np.quantile(ratios, [tail, 1.0 - tail])
+    return float(np.median(a) / np.median(b)), float(low), float(high)
+
+
+def verdict(parity_passed: bool, ci_low: float | None, ci_high: float | None) -> str:
+    if not parity_passed:
+        return "parity_failed"
+    if ci_low > 1.0:
+        return "faster"
+    if ci_high < 1.0:
+        return "slower"
+    return "no_difference"
