@@ -10,7 +10,7 @@ from . import db
 
 bp = Blueprint("api", __name__, url_prefix="/api/v1")
 
-AB_PARAMS = {"rounds": (int, 3, 1000), "warmup": (int, 0, 100), "seed": (int, 0, 2**31 - 1)}
+AB_PARAMS = {"rounds": (int, 2, 1000), "warmup": (int, 0, 100), "seed": (int, 0, 2**31 - 1), "train": (bool, 0, 1)}
 
 
 @bp.before_request
@@ -107,7 +107,10 @@ def ab_params(params) -> dict:
         if key not in AB_PARAMS:
             raise UserError(f"unknown A/B parameter {key!r} (allowed: {', '.join(AB_PARAMS)})")
         kind, low, high = AB_PARAMS[key]
-        if not isinstance(value, kind) or isinstance(value, bool) or not low <= value <= high:
+        if kind is bool:
+            if not isinstance(value, bool):
+                raise UserError(f"A/B parameter {key} must be true or false")
+        elif not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
             raise UserError(f"A/B parameter {key} must be an integer in [{low}, {high}]")
         out[key] = value
     return out

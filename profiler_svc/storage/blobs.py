@@ -80,19 +80,20 @@ def _copy_as_gzip(source, out, max_bytes):
     size = 0
     if head == b"\x1f\x8b":
         # Already gzip: keep the bytes as sent, decompress only to hash and to check them.
-        out.write(head)
         inflater = zlib.decompressobj(wbits=31)
-        while chunk := source.read(CHUNK):
+        chunk = head
+        while chunk:
             out.write(chunk)
-            data = _inflate(inflater, chunk)
-            size += len(data)
-            _check_size(size, max_bytes)
-            digest.update(data)
-            while inflater.unused_data:  # concatenated gzip members
-                rest, inflater = inflater.unused_data, zlib.decompressobj(wbits=31)
-                data = _inflate(inflater, rest)
+            while chunk:
+                data = _inflate(inflater, chunk)  # bounded output: a gzip bomb stops at the size limit
                 size += len(data)
+                _check_size(size, max_bytes)
                 digest.update(data)
+                chunk = inflater.unconsumed_tail
+                if not chunk and inflater.eof and inflater.unused_data:
+                    # Concatenated gzip members (e.g. joined with `cat`): go on with a fresh inflater.
+                    chunk, inflater = inflater.unused_data, zlib.decompressobj(wbits=31)
+            chunk = source.read(CHUNK)
         if not inflater.eof:
             raise UserError("the gzip trace is truncated")
         return digest.hexdigest(), size
@@ -109,7 +110,7 @@ def _copy_as_gzip(source, out, max_bytes):
 
 def _inflate(inflater, chunk):
     try:
-        return inflater.decompress(chunk)
+        return inflater.decompress(chunk, 8 * CHUNK)
     except zlib.error as exc:
         raise UserError(f"the trace is not valid gzip: {exc}") from None
 

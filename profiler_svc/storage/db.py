@@ -30,9 +30,18 @@ def database_url() -> str:
     return os.environ.get(DATABASE_URL_ENV) or f"sqlite:///{home() / 'profiler_svc.sqlite3'}"
 
 
-@functools.lru_cache(maxsize=None)
+_engines: dict[str, Engine] = {}
+
+
 def get_engine(url: str | None = None) -> Engine:
+    """One engine (connection pool) per URL per process."""
     url = url or database_url()
+    if url not in _engines:
+        _engines[url] = _create_engine(url)
+    return _engines[url]
+
+
+def _create_engine(url: str) -> Engine:
     if url.startswith("sqlite"):
         # Several processes (web, worker, CLI ingest) share one file: wait for locks, don't fail.
         engine = create_engine(url, connect_args={"timeout": 30})
@@ -42,6 +51,12 @@ def get_engine(url: str | None = None) -> Engine:
         return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=10)
     except Exception as exc:  # unknown dialect or missing driver
         raise UserError(f"cannot use database URL {_redact(url)!r}: {exc}") from None
+
+
+def after_fork() -> None:
+    """In a forked child (gunicorn worker): never reuse the parent's pooled connections."""
+    for engine in _engines.values():
+        engine.dispose(close=False)
 
 
 def _sqlite_pragmas(dbapi_connection, _record):

@@ -22,16 +22,12 @@ def run_ab_job(job: dict) -> dict:
     """The real runner: load the workload, A/B-test the swap, return ABResult.to_dict().
     Imported lazily so the web app and the queue never import torch."""
     from .. import ab
-    loaded = ab.load_workload(job["workload"])
+    workload = ab.load_workload(job["workload"])
     params = dict(job.get("params") or {})
-    if isinstance(loaded, tuple):
-        model, inputs = loaded[:2]
-    else:
-        model, inputs = loaded.model, loaded.inputs
-        for key in ("train", "loss_fn"):
-            if getattr(loaded, key, None) is not None:
-                params.setdefault(key, getattr(loaded, key))
-    return ab.ab_test(model, inputs, [job["swap"]], **params).to_dict()
+    # A workload that brings a loss function is a training workload unless the job says otherwise.
+    train = params.pop("train", workload.loss_fn is not None)
+    # The factory puts the model on this host's GPU (or CPU); the worker just runs it.
+    return ab.ab_test(workload.model, workload.inputs, [job["swap"]], train=train, loss_fn=workload.loss_fn, **params).to_dict()
 
 
 def device_name() -> str:
