@@ -35,10 +35,20 @@ _engines: dict[str, Engine] = {}
 
 def get_engine(url: str | None = None) -> Engine:
     """One engine (connection pool) per URL per process."""
-    url = url or database_url()
+    url = with_driver(url or database_url())
     if url not in _engines:
         _engines[url] = _create_engine(url)
     return _engines[url]
+
+
+def with_driver(url: str) -> str:
+    """A bare ``postgresql://`` URL means psycopg 3 to SQLAlchemy 2.1; use psycopg2 when that is
+    the driver installed (it is what the `postgres` extra installs)."""
+    if url.startswith("postgresql://"):
+        import importlib.util
+        if importlib.util.find_spec("psycopg") is None and importlib.util.find_spec("psycopg2") is not None:
+            return "postgresql+psycopg2://" + url[len("postgresql://"):]
+    return url
 
 
 def _create_engine(url: str) -> Engine:

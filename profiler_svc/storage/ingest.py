@@ -136,12 +136,13 @@ def _store(engine, blobs, received, report, *, filename, name, group_key, host, 
         session.add_all(_kernel_rows(data.get("top_kernels", []), trace.id, run.id))
         session.add_all(_finding_rows(data.get("findings", []), trace.id, run.id, rank))
         session.flush()
-        relpath = blobs.commit(received)
         try:
+            blobs.commit(received)
             session.commit()
         except BaseException:
+            # Our flushed row holds the content hash, so no committed trace shares this blob.
             session.rollback()
-            blobs.delete(relpath)
+            blobs.delete(trace.blob_path)
             raise
         return IngestResult(run_id=run.id, trace_id=trace.id, duplicate=False)
 

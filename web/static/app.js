@@ -24,6 +24,11 @@ const baseLayout = {
 };
 const config = {displaylogo: false, responsive: true};
 
+function kernelAxis(rows) {
+  return {tickvals: rows.map((k, i) => i), ticktext: rows.map(k => escapeText(shorten(k.name, 60))),
+          automargin: true, fixedrange: true};
+}
+
 function drawTopKernels() {
   const kernels = pageData("top-kernels-data");
   const element = document.getElementById("top-kernels-chart");
@@ -32,14 +37,14 @@ function drawTopKernels() {
   Plotly.newPlot(element, [{
     type: "bar", orientation: "h",
     x: rows.map(k => k.total_us / 1000),
-    y: rows.map((k, i) => escapeText(shorten(k.name, 60)) + " ".repeat(i % 2)),  // keep labels unique
+    y: rows.map((k, i) => i),  // positions, labelled below: truncated names may collide
     hovertext: rows.map(k => [
       escapeText(shorten(k.name, 120)),
       "op: " + escapeText(k.op || "?"), "module: " + escapeText(k.module || "?"),
       `${k.count} calls, ${(k.total_us / 1000).toFixed(3)} ms (${k.share_pct.toFixed(1)} %)`].join("<br>")),
     hoverinfo: "text", marker: {color: "#3b6ea8"},
   }], {...baseLayout, margin: {...baseLayout.margin, l: 360}, height: 60 + 24 * rows.length,
-       xaxis: {title: {text: "total time (ms)"}}, yaxis: {automargin: true}}, config);
+       xaxis: {title: {text: "total time (ms)"}}, yaxis: kernelAxis(rows)}, config);
 }
 
 // One scatter line per row, segments separated by nulls: a single SVG path however many segments.
@@ -92,12 +97,12 @@ function drawCompare() {
   Plotly.newPlot(element, [{
     type: "bar", orientation: "h",
     x: rows.map(k => k.delta_us / 1000),
-    y: rows.map((k, i) => escapeText(shorten(k.name, 60)) + " ".repeat(i % 2)),
+    y: rows.map((k, i) => i),
     hovertext: rows.map(k => `${escapeText(shorten(k.name, 120))}<br>A ${(k.a_us / 1000).toFixed(3)} ms, ` +
                              `B ${(k.b_us / 1000).toFixed(3)} ms`),
     hoverinfo: "text", marker: {color: rows.map(k => k.delta_us > 0 ? "#d62728" : "#2ca02c")},
   }], {...baseLayout, margin: {...baseLayout.margin, l: 360}, height: 60 + 24 * rows.length,
-       xaxis: {title: {text: "B − A (ms)"}}, yaxis: {automargin: true}}, config);
+       xaxis: {title: {text: "B − A (ms)"}}, yaxis: kernelAxis(rows)}, config);
 }
 
 document.addEventListener("DOMContentLoaded", () => {

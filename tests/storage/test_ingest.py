@@ -1,0 +1,142 @@
+import gzip
+import json
+
+import pytest
+from sqlalchemy import func, inspect, select
+
+from dbfixtures import DATA, SMALL_TRACE, stored_files, trace_variant
+from profiler_svc.errors import UserError
+from profiler_svc.storage import db as storage_db
+from profiler_svc.storage import ingest
+from profiler_svc.storage.models import Finding, KernelSummary, Run, Trace
+
+
+def count(engine, model):
+    with storage_db.session_scope(engine) as s:
+        return s.scalar(select(func.count()).select_from(model))
+
+
+def test_upgrade_creates_every_table_and_is_repeatable(engine):
+    storage_db.upgrade(engine)  # second run: a no-op
+    tables = set(inspect(engine).get_table_names())
+    assert {"runs", "traces", "kernel_summaries", "findings", "ab_jobs", "ab_results", "alembic_version"} <= tables
+    with engine.connect() as conn:
+        from sqlalchemy import text
+        assert conn.execute(text("select version_num from alembic_version")).scalar() == "0001"
+
+
+def test_ingest_stores_aggregates_and_the_compressed_trace(engine, blobs):
+    [result] = ingest.ingest_path(engine, SMALL_TRACE, blobs=blobs, workload="pkg.mod:make")
+    assert not result.duplicate
+    report = ingest.analyse(SMALL_TRACE).to_dict()
+    with storage_db.session_scope(engine) as s:
+        trace = s.get(Trace, result.trace_id)
+        assert trace.run.name == "llama_bf16_compiled_infer"
+        assert trace.run.workload == "pkg.mod:make"
+        assert trace.kernel_count == report["trace"]["kernel_count"] > 0
+        assert trace.gpu_busy_pct == pytest.approx(report["trace"]["gpu_busy_pct"])
+        assert s.scalar(select(func.count(KernelSummary.id)).where(KernelSummary.trace_id == trace.id)) \
+            == len(report["top_kernels"])
+        assert s.scalar(select(func.count(Finding.id)).where(Finding.trace_id == trace.id)) == len(report["findings"])
+        # The timeline accounts for every kernel.
+        assert sum(st["kernels"] for st in trace.timeline["streams"]) == trace.kernel_count
+        with blobs.open(trace.blob_path) as f:
+            assert f.read() == gzip.decompress(SMALL_TRACE.read_bytes())
+    assert stored_files(blobs) == [blobs.root / trace.blob_path]
+
+
+def test_ingest_is_idempotent_by_content_gzip_or_not(engine, blobs, tmp_path):
+    [first] = ingest.ingest_path(engine, SMALL_TRACE, blobs=blobs)
+    plain = tmp_path / "same.json"
+    plain.write_bytes(gzip.decompress(SMALL_TRACE.read_bytes()))
+    [again] = ingest.ingest_path(engine, SMALL_TRACE, blobs=blobs)
+    [as_plain] = ingest.ingest_path(engine, plain, blobs=blobs)
+    assert again.duplicate and as_plain.duplicate
+    assert (again.run_id, again.trace_id) == (as_plain.run_id, as_plain.trace_id) == (first.run_id, first.trace_id)
+    assert count(engine, Trace) == 1 and count(engine, Run) == 1
+    assert len(stored_files(blobs)) == 1
+
+
+def test_a_folder_of_ranks_is_one_run(engine, blobs):
+    results = ingest.ingest_path(engine, DATA / "ddp", blobs=blobs)
+    assert len(results) == 2 and len({r.run_id for r in results}) == 1
+    with storage_db.session_scope(engine) as s:
+        run = s.get(Run, results[0].run_id)
+        assert [t.rank for t in run.traces] == [0, 1]
+        assert run.name == "ddp"
+
+
+def test_uploads_sharing_a_group_key_join_one_run(engine, blobs, tmp_path):
+    a = ingest.ingest_path(engine, trace_variant(tmp_path, "a"), blobs=blobs, group_key="job-7")[0]
+    b = ingest.ingest_path(engine, trace_variant(tmp_path, "b"), blobs=blobs, group_key="job-7")[0]
+    c = ingest.ingest_path(engine, trace_variant(tmp_path, "c"), blobs=blobs)[0]
+    assert a.run_id == b.run_id != c.run_id
+    assert a.trace_id != b.trace_id
+
+
+def test_failed_analysis_leaves_no_rows_and_no_files(engine, blobs, monkeypatch):
+    def broken(path):
+        raise RuntimeError("detector crashed")
+    monkeypatch.setattr(ingest, "analyse", broken)
+    with pytest.raises(UserError, match="analysis failed: RuntimeError: detector crashed"):
+        ingest.ingest_path(engine, SMALL_TRACE, blobs=blobs)
+    assert count(engine, Run) == count(engine, Trace) == 0
+    assert stored_files(blobs) == []
+
+
+def test_failure_after_the_blob_moved_rolls_back_rows_and_file(engine, blobs, monkeypatch):
+    real_commit = blobs.commit
+
+    def commit_then_fail(received):
+        real_commit(received)
+        raise OSError("disk full")
+    monkeypatch.setattr(blobs, "commit", commit_then_fail)
+    with pytest.raises(OSError):
+        ingest.ingest_path(engine, SMALL_TRACE, blobs=blobs)
+    assert count(engine, Run) == count(engine, Trace) == count(engine, KernelSummary) == 0
+    assert stored_files(blobs) == []  # moved in, then removed again
+
+
+def test_failed_database_commit_removes_the_blob(engine, blobs, monkeypatch):
+    from sqlalchemy.orm import Session
+    real_commit = Session.commit
+
+    def failing_commit(self):
+        if self.new or self.dirty or any(isinstance(o, Trace) for o in self.identity_map.values()):
+            raise RuntimeError("connection lost")
+        return real_commit(self)
+    monkeypatch.setattr(Session, "commit", failing_commit)
+    with pytest.raises(RuntimeError, match="connection lost"):
+        ingest.ingest_path(engine, SMALL_TRACE, blobs=blobs)
+    monkeypatch.setattr(Session, "commit", real_commit)
+    assert count(engine, Run) == count(engine, Trace) == 0
+    assert stored_files(blobs) == []
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"", "empty"),
+    (gzip.compress(b"{}")[:10] + b"\xff" * 64, "not valid gzip"),
+    (gzip.compress(b'{"traceEvents": [')[:-8], "truncated"),
+])
+def test_unreadable_uploads_are_refused_cleanly(engine, blobs, tmp_path, content, message):
+    bad = tmp_path / "bad.json.gz"
+    bad.write_bytes(content)
+    with pytest.raises(UserError, match=message):
+        ingest.ingest_path(engine, bad, blobs=blobs)
+    assert count(engine, Trace) == 0 and stored_files(blobs) == []
+
+
+def test_not_a_trace_is_a_trace_error(engine, blobs, tmp_path):
+    bad = tmp_path / "notes.json"
+    bad.write_text(json.dumps({"hello": "world"}))
+    with pytest.raises(UserError):
+        ingest.ingest_path(engine, bad, blobs=blobs)
+    assert count(engine, Trace) == 0 and stored_files(blobs) == []
+
+
+def test_decompressed_size_limit_stops_gzip_bombs(engine, blobs, tmp_path):
+    bomb = tmp_path / "bomb.json.gz"
+    bomb.write_bytes(gzip.compress(b" " * (8 << 20)))  # 8 MiB of spaces, ~8 KiB compressed
+    with open(bomb, "rb") as f, pytest.raises(UserError, match="larger than the 1 MiB limit"):
+        ingest.ingest_stream(engine, f, filename="bomb.json.gz", blobs=blobs, max_bytes=1 << 20)
+    assert stored_files(blobs) == []
