@@ -30,16 +30,6 @@ def run_ab_job(job: dict) -> dict:
     return ab.ab_test(workload.model, workload.inputs, [job["swap"]], train=train, loss_fn=workload.loss_fn, **params).to_dict()
 
 
-def device_name() -> str:
-    try:
-        import torch
-        if torch.cuda.is_available():
-            return torch.cuda.get_device_name()
-    except ImportError:
-        pass
-    return "cpu"
-
-
 class _Heartbeat(threading.Thread):
     """Extends the job's lease every third of it while the runner works."""
 
@@ -82,7 +72,7 @@ def work_once(engine: Engine, *, worker: str | None = None, runner=run_ab_job,
         beat.join()
     with session_scope(engine) as session:
         if error is None:
-            jobs.finish(session, spec["id"], worker, result, device=device_name())
+            jobs.finish(session, spec["id"], worker, result, device=(result or {}).get("device"))
         else:
             jobs.fail(session, spec["id"], worker, error)
     return spec["id"]
