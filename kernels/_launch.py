@@ -1,0 +1,70 @@
+"""Launch helpers shared by the row-wise kernels (norms, softmax, cross-entropy): tile sizes, warps, grids."""
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Widest row kept whole in registers; wider rows are processed in chunks of CHUNK_N columns.
+MAX_TILE_N = 16384
+CHUNK_N = 4096
+
+
+def interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def require_triton(*tensors: torch.Tensor) -> None:
+    """Fail clearly where Triton cannot run: CPU tensors outside the interpreter."""
+    if interpreted():
+        return
+    for t in tensors:
+        if t is not None and t.device.type != "cuda":
+            raise RuntimeError("profiler_svc kernels need CUDA tensors (or TRITON_INTERPRET=1 on the CPU)")
+
+
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """(..., N) -> (M, N) with unit column stride, copying only when the input's layout needs it."""
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def row_tiles(n: int) -> tuple[int, int, int, bool]:
+    """(BLOCK_M, BLOCK_N, num_warps, one_tile) for a kernel that reduces rows of n columns."""
+    block_n = triton.next_power_of_2(max(n, 1))
+    one_tile = block_n <= MAX_TILE_N
+    if not one_tile:
+        block_n = CHUNK_N
+    # Several short rows per program, so each program still moves a few KiB.
+    block_m = max(1, min(16, 2048 // block_n)) if one_tile else 1
+    num_warps = min(16, max(4, block_m * block_n // 512))
+    return block_m, block_n, num_warps, one_tile
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def persistent_programs(device: torch.device, blocks: int, per_sm: int = 2) -> int:
+    """Programs for a grid-stride kernel: a few per SM on a GPU, few under the (slow) interpreter."""
+    if device.type == "cuda":
+        return max(1, min(blocks, per_sm * _sm_count(device.index if device.index is not None else torch.cuda.current_device())))
+    return max(1, min(blocks, 4))
+
+
+# The interpreter rounds fp32 -> bf16 by truncation; the GPU rounds to nearest even. Round explicitly
+# there, so CPU tests judge the same numerics the GPU produces.
+_EXACT_BF16_ROUNDING = tl.constexpr(interpreted())
+
+
+@triton.jit
+def round_to(x, dtype: tl.constexpr):
+    """fp32 x -> dtype, rounding to nearest even (as the GPU's conversion does)."""
+    if _EXACT_BF16_ROUNDING:
+        if dtype == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits += 0x7FFF + ((bits >> 16) & 1)
+            x = (bits & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return x.to(dtype)

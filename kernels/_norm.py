@@ -1,0 +1,267 @@
+"""The row-normalization kernels behind RMSNorm and LayerNorm (CENTER=True subtracts the mean).
+
+y = (x - [mean]) * rstd * (offset + w) + [b], fp32 inside, one rounding to the output dtype.
+An optional residual is added first and the sum written out (the pre-norm residual stream).
+Backward: dx = rstd * (w·dy - x̂·mean(x̂·w·dy) - [mean(w·dy)]) (+ the sum's own gradient);
+dw, db are summed per program over a grid-stride of rows, then across programs on the host.
+"""
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+from ._launch import as_rows, persistent_programs, require_triton, round_to, row_tiles
+
+
+@triton.jit
+def _load_row_sum(X, R, S, rows, cols, mask, stride_x, stride_r, stride_s, HAS_RESIDUAL: tl.constexpr,
+                  WRITE_SUM: tl.constexpr, ACC: tl.constexpr):
+    x = tl.load(X + rows * stride_x + cols, mask=mask, other=0.0).to(ACC)
+    if HAS_RESIDUAL:
+        x += tl.load(R + rows * stride_r + cols, mask=mask, other=0.0).to(ACC)
+        if WRITE_SUM:
+            tl.store(S + rows * stride_s + cols, round_to(x, S.dtype.element_ty), mask=mask)
+    return x
+
+
+@triton.jit
+def _scale_shift(xhat, W, B, cols, N, offset, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ACC: tl.constexpr):
+    """xhat * (offset + w) + b, with one rounding for the multiply-add."""
+    w = 1.0
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=cols < N, other=0.0).to(ACC) + offset
+    if HAS_BIAS:
+        return tl.fma(xhat, w, tl.load(B + cols, mask=cols < N, other=0.0).to(ACC))
+    return xhat * w
+
+
+@triton.jit
+def _norm_fwd_kernel(
+    X, R, W, B, Y, S, MEAN, RSTD, stride_x, stride_r, stride_y, stride_s, M, N, eps, offset,
+    CENTER: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_TILE: tl.constexpr, ACC: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    rows = rows.to(tl.int64)[:, None]
+    if ONE_TILE:  # the row stays in registers
+        cols = tl.arange(0, BLOCK_N)[None, :]
+        mask = row_mask[:, None] & (cols < N)
+        x = _load_row_sum(X, R, S, rows, cols, mask, stride_x, stride_r, stride_s, HAS_RESIDUAL, True, ACC)
+        mean = tl.zeros([BLOCK_M], dtype=ACC)
+        if CENTER:
+            mean = tl.sum(x, axis=1) / N
+            x = tl.where(mask, x - mean[:, None], 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)
+        y = _scale_shift(x * rstd[:, None], W, B, cols, N, offset, HAS_WEIGHT, HAS_BIAS, ACC)
+        tl.store(Y + rows * stride_y + cols, round_to(y, Y.dtype.element_ty), mask=mask)
+    else:  # wide rows, in chunks: [mean pass], variance pass (centered, as accurate as two-pass), write pass
+        mean = tl.zeros([BLOCK_M], dtype=ACC)
+        if CENTER:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
+            for start in range(0, N, BLOCK_N):
+                cols = start + tl.arange(0, BLOCK_N)[None, :]
+                mask = row_mask[:, None] & (cols < N)
+                acc += _load_row_sum(X, R, S, rows, cols, mask, stride_x, stride_r, stride_s, HAS_RESIDUAL, True, ACC)
+            mean = tl.sum(acc, axis=1) / N
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
+        for start in range(0, N, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)[None, :]
+            mask = row_mask[:, None] & (cols < N)
+            x = _load_row_sum(X, R, S, rows, cols, mask, stride_x, stride_r, stride_s, HAS_RESIDUAL, not CENTER, ACC)
+            x = tl.where(mask, x - mean[:, None], 0.0)
+            acc += x * x
+        rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=1) / N + eps)
+        for start in range(0, N, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)[None, :]
+            mask = row_mask[:, None] & (cols < N)
+            x = _load_row_sum(X, R, S, rows, cols, mask, stride_x, stride_r, stride_s, HAS_RESIDUAL, False, ACC)
+            y = _scale_shift((x - mean[:, None]) * rstd[:, None], W, B, cols, N, offset, HAS_WEIGHT, HAS_BIAS, ACC)
+            tl.store(Y + rows * stride_y + cols, round_to(y, Y.dtype.element_ty), mask=mask)
+    if CENTER:
+        tl.store(MEAN + rows, mean[:, None], mask=row_mask[:, None])
+    tl.store(RSTD + rows, rstd[:, None], mask=row_mask[:, None])
+
+
+@triton.jit
+def _norm_bwd_kernel(
+    DY, X, W, MEAN, RSTD, DS, DX, DW_PARTIAL, DB_PARTIAL, stride_dy, stride_x, stride_ds, stride_dx, M, N, offset,
+    CENTER: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_TILE: tl.constexpr, ACC: tl.constexpr,
+):
+    # Grid-stride over row blocks; each program keeps its share of dw/db and writes it once.
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    if ONE_TILE:
+        cols = tl.arange(0, BLOCK_N)[None, :]
+        if HAS_WEIGHT:
+            w = tl.load(W + cols, mask=cols < N, other=0.0).to(ACC) + offset
+        dw = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
+        db = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
+        for first in range(pid * BLOCK_M, M, programs * BLOCK_M):
+            rows = first + tl.arange(0, BLOCK_M)
+            row_mask = rows < M
+            rows = rows.to(tl.int64)[:, None]
+            mask = row_mask[:, None] & (cols < N)
+            dy = tl.load(DY + rows * stride_dy + cols, mask=mask, other=0.0).to(ACC)
+            x = tl.load(X + rows * stride_x + cols, mask=mask, other=0.0).to(ACC)
+            if CENTER:
+                x -= tl.load(MEAN + rows, mask=row_mask[:, None], other=0.0)
+            rstd = tl.load(RSTD + rows, mask=row_mask[:, None], other=0.0)
+            xhat = tl.where(mask, x * rstd, 0.0)
+            wdy = dy
+            if HAS_WEIGHT:
+                wdy = dy * w
+            dx = wdy - xhat * (tl.sum(xhat * wdy, axis=1)[:, None] / N)
+            if CENTER:
+                dx -= tl.sum(wdy, axis=1)[:, None] / N
+            dx *= rstd
+            if HAS_DS:
+                dx += tl.load(DS + rows * stride_ds + cols, mask=mask, other=0.0).to(ACC)
+            tl.store(DX + rows * stride_dx + cols, round_to(dx, DX.dtype.element_ty), mask=mask)
+            dw += dy * xhat
+            db += dy
+        if HAS_WEIGHT:
+            tl.store(DW_PARTIAL + pid * N + cols, tl.sum(dw, axis=0)[None, :], mask=cols < N)
+        if HAS_BIAS:
+            tl.store(DB_PARTIAL + pid * N + cols, tl.sum(db, axis=0)[None, :], mask=cols < N)
+    else:  # wide rows (BLOCK_M == 1): dw/db partials accumulate in this program's own row of the buffers
+        for row32 in range(pid, M, programs):
+            row = tl.cast(row32, tl.int64)
+            mean = 0.0
+            if CENTER:
+                mean = tl.load(MEAN + row)
+            rstd = tl.load(RSTD + row)
+            dot = tl.zeros([BLOCK_N], dtype=ACC)
+            total = tl.zeros([BLOCK_N], dtype=ACC)
+            for start in range(0, N, BLOCK_N):
+                cols = start + tl.arange(0, BLOCK_N)
+                mask = cols < N
+                wdy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(ACC)
+                if HAS_WEIGHT:
+                    wdy *= tl.load(W + cols, mask=mask, other=0.0).to(ACC) + offset
+                x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(ACC)
+                dot += tl.where(mask, (x - mean) * rstd, 0.0) * wdy
+                total += wdy
+            mean_dot = tl.sum(dot, axis=0) / N
+            mean_wdy = tl.sum(total, axis=0) / N
+            for start in range(0, N, BLOCK_N):
+                cols = start + tl.arange(0, BLOCK_N)
+                mask = cols < N
+                dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(ACC)
+                xhat = (tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(ACC) - mean) * rstd
+                wdy = dy
+                if HAS_WEIGHT:
+                    wdy = dy * (tl.load(W + cols, mask=mask, other=0.0).to(ACC) + offset)
+                    partial = DW_PARTIAL + pid * N + cols
+                    tl.store(partial, tl.load(partial, mask=mask, other=0.0) + dy * xhat, mask=mask)
+                if HAS_BIAS:
+                    partial = DB_PARTIAL + pid * N + cols
+                    tl.store(partial, tl.load(partial, mask=mask, other=0.0) + dy, mask=mask)
+                dx = wdy - xhat * mean_dot
+                if CENTER:
+                    dx -= mean_wdy
+                dx *= rstd
+                if HAS_DS:
+                    dx += tl.load(DS + row * stride_ds + cols, mask=mask, other=0.0).to(ACC)
+                tl.store(DX + row * stride_dx + cols, round_to(dx, DX.dtype.element_ty), mask=mask)
+
+
+def _stats_dtype(x: torch.Tensor) -> torch.dtype:
+    # fp32 inputs get fp64 math: fp32 statistics alone would make the output less accurate than eager's.
+    return torch.float64 if x.dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def _acc_type(x: torch.Tensor):
+    return tl.float64 if _stats_dtype(x) == torch.float64 else tl.float32
+
+
+@triton_op("profiler_svc::norm_fwd", mutates_args={})
+def norm_fwd(
+    x: torch.Tensor, residual: Optional[torch.Tensor], weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+    eps: float, offset: float, center: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x, residual: (M, N), unit column stride. Returns y, s (x + residual, or empty), mean (or empty), rstd."""
+    m, n = x.shape
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    s = torch.empty((m, n) if residual is not None else (0,), dtype=x.dtype, device=x.device)
+    mean = torch.empty((m,) if center else (0,), dtype=_stats_dtype(x), device=x.device)
+    rstd = torch.empty((m,), dtype=_stats_dtype(x), device=x.device)
+    block_m, block_n, num_warps, one_tile = row_tiles(n)
+    wrap_triton(_norm_fwd_kernel)[(triton.cdiv(m, block_m),)](
+        x, residual if residual is not None else x, weight if weight is not None else x,
+        bias if bias is not None else x, y, s, mean, rstd,
+        x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0), n, m, n, eps, offset,
+        CENTER=center, HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, ONE_TILE=one_tile, ACC=_acc_type(x), num_warps=num_warps,
+    )
+    return y, s, mean, rstd
+
+
+@triton_op("profiler_svc::norm_bwd", mutates_args={})
+def norm_bwd(
+    dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor], has_bias: bool, mean: torch.Tensor,
+    rstd: torch.Tensor, ds: Optional[torch.Tensor], offset: float, center: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns dx (also the residual's gradient), dw and db (fp32; empty where there is none)."""
+    m, n = x.shape
+    dx = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    block_m, block_n, num_warps, one_tile = row_tiles(n)
+    programs = persistent_programs(x.device, triton.cdiv(m, block_m))
+    dw_partial = torch.zeros((programs, n) if weight is not None else (0,), dtype=_stats_dtype(x), device=x.device)
+    db_partial = torch.zeros((programs, n) if has_bias else (0,), dtype=_stats_dtype(x), device=x.device)
+    wrap_triton(_norm_bwd_kernel)[(programs,)](
+        dy, x, weight if weight is not None else x, mean, rstd, ds if ds is not None else dy, dx,
+        dw_partial, db_partial,
+        dy.stride(0), x.stride(0), ds.stride(0) if ds is not None else 0, dx.stride(0), m, n, offset,
+        CENTER=center, HAS_WEIGHT=weight is not None, HAS_BIAS=has_bias, HAS_DS=ds is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, ONE_TILE=one_tile, ACC=_acc_type(x), num_warps=num_warps,
+    )
+    dw = dw_partial.sum(0) if weight is not None else dx.new_empty((0,), dtype=_stats_dtype(x))
+    db = db_partial.sum(0) if has_bias else dx.new_empty((0,), dtype=_stats_dtype(x))
+    return dx, dw, db
+
+
+class NormFunction(torch.autograd.Function):
+    """Autograd for both norms: forward(x, weight, bias, eps, offset, center, residual)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, offset, center, residual):
+        shape = x.shape
+        x2 = as_rows(x)
+        r2 = as_rows(residual) if residual is not None else None
+        y, s, mean, rstd = torch.ops.profiler_svc.norm_fwd(x2, r2, weight, bias, eps, offset, center)
+        ctx.save_for_backward(s if residual is not None else x2, weight, mean, rstd)
+        ctx.offset, ctx.center, ctx.has_bias, ctx.has_residual = offset, center, bias is not None, residual is not None
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        if residual is None:
+            return y.view(shape)
+        return y.view(shape), s.view(shape)
+
+    @staticmethod
+    def backward(ctx, dy, ds=None):
+        saved, weight, mean, rstd = ctx.saved_tensors
+        shape = dy.shape
+        dx, dw, db = torch.ops.profiler_svc.norm_bwd(
+            as_rows(dy), saved, weight, ctx.has_bias, mean, rstd, as_rows(ds) if ds is not None else None,
+            ctx.offset, ctx.center,
+        )
+        dx = dx.view(shape)
+        return (
+            dx,
+            dw.to(weight.dtype) if weight is not None else None,
+            db.to(ctx.bias_dtype) if ctx.has_bias else None,
+            None, None, None,
+            dx if ctx.has_residual else None,
+        )
+
+
+def check_norm_args(x, weight, bias, residual) -> None:
+    require_triton(x)
+    for name, param in (("weight", weight), ("bias", bias)):
+        if param is not None and param.shape != x.shape[-1:]:
+            raise ValueError(f"{name} shape {tuple(param.shape)} does not match the last dim of x {tuple(x.shape)}")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"residual shape {tuple(residual.shape)} differs from x's {tuple(x.shape)}")

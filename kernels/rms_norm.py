@@ -1,0 +1,94 @@
+"""RMSNorm, forward and backward, with an optional fused residual add.
+
+y = x / sqrt(mean(x²) + eps) * (offset + w), computed in fp32 and rounded once to x's dtype.
+offset=0 is HF Llama/Mistral/Qwen2/T5 and nn.RMSNorm; offset=1 is Gemma (weights stored as w - 1).
+With `residual`, s = x + residual is normalized and also returned (the pre-norm residual stream).
+"""
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ._norm import NormFunction, check_norm_args
+from .swap import SwapEntry, behaves_like, place
+
+
+def rms_norm(x, weight=None, eps: float = 1e-6, *, offset: float = 0.0, residual=None):
+    """RMSNorm over the last dim; returns y, or (y, x + residual) when `residual` is given."""
+    check_norm_args(x, weight, None, residual)
+    return NormFunction.apply(x, weight, None, float(eps), float(offset), False, residual)
+
+
+class RMSNorm(nn.Module):
+    """Drop-in RMSNorm module; `offset=1.0` for Gemma's (1 + w) scaling."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, offset: float = 0.0, elementwise_affine: bool = True):
+        super().__init__()
+        self.eps, self.offset = eps, offset
+        init = torch.zeros(hidden_size) if offset else torch.ones(hidden_size)
+        self.register_parameter("weight", nn.Parameter(init) if elementwise_affine else None)
+        self.hidden_size = hidden_size
+
+    def forward(self, x, residual=None):
+        return rms_norm(x, self.weight, self.eps, offset=self.offset, residual=residual)
+
+    def extra_repr(self):
+        return f"{self.hidden_size}, eps={self.eps}, offset={self.offset}"
+
+
+# ---- swap: HF *RMSNorm (Llama, Mistral, Qwen2, Gemma, ...), T5LayerNorm, nn.RMSNorm --------------
+
+
+def _probe_rms_norm(module: nn.Module) -> Optional[tuple[int, float, float]]:
+    """(hidden, eps, offset) if `module` computes an RMSNorm over its last dim, else None."""
+    if any(True for _ in module.children()):
+        return None
+    params = dict(module.named_parameters())
+    if set(params) - {"weight"}:
+        return None
+    weight = params.get("weight")
+    if weight is not None and weight.dim() != 1:
+        return None
+    eps = getattr(module, "eps", getattr(module, "variance_epsilon", "missing"))
+    if eps == "missing" or not (eps is None or isinstance(eps, (int, float))):
+        return None
+    shape = getattr(module, "normalized_shape", None)
+    hidden = weight.shape[0] if weight is not None else (shape[-1] if shape and len(shape) == 1 else None)
+    if hidden is None:
+        return None
+    device, dtype = place(module)
+    if eps is None:  # nn.RMSNorm: eps defaults to the input dtype's machine epsilon
+        eps = torch.finfo(dtype).eps
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(3, hidden, generator=gen, device=device).to(dtype)
+    for offset in (0.0, 1.0):
+        def expected(x, offset=offset):
+            y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+            return y * (weight.float() + offset) if weight is not None else y
+        if (weight is not None or offset == 0.0) and behaves_like(module, expected, (x,)):
+            return hidden, float(eps), offset
+    return None
+
+
+def _replace_rms_norm(module: nn.Module) -> RMSNorm:
+    hidden, eps, offset = _probe_rms_norm(module)
+    weight = getattr(module, "weight", None)
+    new = RMSNorm(hidden, eps, offset, elementwise_affine=False)
+    new.weight = weight  # shared, not copied: training updates and checkpoints still hit the original
+    return new
+
+
+def _example_inputs(module: nn.Module) -> tuple:
+    device, dtype = place(module)
+    hidden = _probe_rms_norm(module)[0]
+    gen = torch.Generator(device=device).manual_seed(1)
+    return (torch.randn(2, 5, hidden, generator=gen, device=device).to(dtype),)
+
+
+SWAP = SwapEntry(
+    name="rms_norm",
+    summary="Fused RMSNorm (Llama, Mistral, Qwen2, Gemma (1+w), T5, nn.RMSNorm): one pass, fp32 math",
+    matches=lambda m: _probe_rms_norm(m) is not None,
+    replace=_replace_rms_norm,
+    example_inputs=_example_inputs,
+)

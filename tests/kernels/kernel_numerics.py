@@ -1,0 +1,44 @@
+"""Shared numerics check for the kernel tests: error vs an fp64 reference, ours against eager's.
+
+Error is ‖out − ref‖ / ‖ref‖ (relative, in the norm: stable from run to run, unlike the max), for the
+output and for every input gradient. A kernel passes when each of its errors is at most SLACK times
+the best baseline's on the very same inputs, plus eps(dtype)/sqrt(numel): the error of a few values
+(a bias gradient of N=1) is one or two roundings, won or lost by luck; over many values it averages out.
+"""
+import torch
+
+SLACK = 1.1
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    ref = ref.double()
+    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
+def errors(fn, inputs64, reference, dtype, dy_seed=0) -> list[tuple[float, int]]:
+    """[(error, numel)] for the output, then each input that requires grad, of fn in `dtype` vs fp64."""
+    gen = torch.Generator().manual_seed(dy_seed)
+    ref_in = [t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t for t in inputs64]
+    ref_out = reference(*ref_in)
+    dy = torch.randn(ref_out.shape, generator=gen, dtype=torch.float64)
+    need = [t for t in ref_in if isinstance(t, torch.Tensor) and t.requires_grad]
+    ref_grads = torch.autograd.grad(ref_out, need, dy) if need else []
+    run_in = [
+        t.detach().to(dtype if t.is_floating_point() else t.dtype).requires_grad_(t.requires_grad)
+        if isinstance(t, torch.Tensor) else t
+        for t in inputs64
+    ]
+    out = fn(*run_in)
+    run_need = [t for t in run_in if isinstance(t, torch.Tensor) and t.requires_grad]
+    grads = torch.autograd.grad(out, run_need, dy.to(out.dtype)) if run_need else []
+    return [(rel_err(out, ref_out), out.numel())] + [(rel_err(g, r), g.numel()) for g, r in zip(grads, ref_grads)]
+
+
+def assert_no_worse(ours, baselines: dict, inputs64, reference, dtype) -> None:
+    mine = errors(ours, inputs64, reference, dtype)
+    theirs = {name: errors(fn, inputs64, reference, dtype) for name, fn in baselines.items()}
+    for i, (err, numel) in enumerate(mine):
+        best = min(errs[i][0] for errs in theirs.values())
+        floor = torch.finfo(dtype).eps / numel**0.5
+        what = "forward" if i == 0 else f"grad {i}"
+        assert err == err and err <= SLACK * best + floor, f"{what}: ours {err:.3g} vs best eager {best:.3g} ({theirs})"

@@ -1,0 +1,52 @@
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_numerics import assert_no_worse, rel_err
+
+from profiler_svc.kernels import layer_norm
+from profiler_svc.kernels.layer_norm import LayerNorm
+
+pytestmark = pytest.mark.xdist_group("kernels_norm")
+
+
+def reference(x, w, b, eps=1e-5):
+    mean = x.mean(-1, keepdim=True)
+    var = (x - mean).pow(2).mean(-1, keepdim=True)
+    return (x - mean) * torch.rsqrt(var + eps) * w + b
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(37, 1000), (64, 1), (3, 5, 96), (2, 20000)])
+def test_numerics_no_worse_than_eager(dtype, shape):
+    gen = torch.Generator().manual_seed(5)
+    # A large common offset makes a naive E[x²] - E[x]² variance lose digits: the kernel must not.
+    x = (torch.randn(shape, generator=gen, dtype=torch.float64) * 2 + 4).requires_grad_()
+    w = torch.randn(shape[-1], generator=gen, dtype=torch.float64).requires_grad_()
+    b = torch.randn(shape[-1], generator=gen, dtype=torch.float64).requires_grad_()
+    eager = {"F.layer_norm": lambda x, w, b: F.layer_norm(x, x.shape[-1:], w, b, 1e-5)}
+    assert_no_worse(lambda x, w, b: layer_norm(x, w, b, 1e-5), eager, [x, w, b], reference, dtype)
+
+
+def test_residual_no_bias_and_non_contiguous():
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(40, 33, generator=gen).t()  # (33, 40), not contiguous
+    r = torch.randn(33, 40, generator=gen)
+    w = torch.randn(40, generator=gen)
+    y, s = layer_norm(x, w, None, 1e-5, residual=r)
+    assert torch.equal(s, x + r)
+    assert rel_err(y, reference((x + r).double(), w.double(), 0.0)) < 1e-6
+
+
+def test_module_matches_nn_layer_norm():
+    torch.manual_seed(0)
+    ref = torch.nn.LayerNorm(24)
+    with torch.no_grad():
+        ref.weight.normal_(), ref.bias.normal_()
+    m = LayerNorm(24)
+    m.load_state_dict(ref.state_dict())
+    x = torch.randn(3, 24, requires_grad=True)
+    torch.testing.assert_close(m(x), ref(x))
+    g = torch.autograd.grad(m(x).square().sum(), [x, m.weight, m.bias])
+    g_ref = torch.autograd.grad(ref(x).square().sum(), [x, ref.weight, ref.bias])
+    for a, b in zip(g, g_ref):
+        torch.testing.assert_close(a, b)

@@ -1,0 +1,103 @@
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_numerics import assert_no_worse, rel_err
+
+from profiler_svc.kernels import rms_norm
+from profiler_svc.kernels.rms_norm import RMSNorm
+
+pytestmark = pytest.mark.xdist_group("kernels_norm")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def hf_llama_rms_norm(x, w, eps=1e-6):  # transformers' LlamaRMSNorm.forward, verbatim numerics
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(dtype)
+
+
+def hf_gemma_rms_norm(x, w, eps=1e-6):  # transformers' GemmaRMSNorm.forward
+    h = x.float()
+    out = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (out * (1.0 + w.float())).type_as(x)
+
+
+def reference(x, w, eps=1e-6, offset=0.0):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (w + offset)
+
+
+def inputs(shape, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen, dtype=torch.float64).requires_grad_()
+    w = (1 + 0.1 * torch.randn(shape[-1], generator=gen, dtype=torch.float64)).requires_grad_()
+    return [x, w]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(37, 1000), (3, 5, 96), (2, 20000)])
+def test_llama_numerics_no_worse_than_eager(dtype, shape):
+    baselines = {"hf_llama": hf_llama_rms_norm, "F.rms_norm": lambda x, w: F.rms_norm(x, (x.shape[-1],), w, 1e-6)}
+    assert_no_worse(lambda x, w: rms_norm(x, w, 1e-6), baselines, inputs(shape, 1), reference, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_single_column(dtype):
+    # N=1: y = ±w and dx is ~0 (pure cancellation), so dx is checked in absolute terms only.
+    x, w = inputs((64, 1), 7)
+    xs, ws = (t.detach().to(dtype).requires_grad_() for t in (x, w))
+    y = rms_norm(xs, ws, 1e-6)
+    assert rel_err(y, reference(x, w)) <= 1.1 * rel_err(hf_llama_rms_norm(xs, ws), reference(x, w)) + 1e-7
+    dx, dw = torch.autograd.grad(y.sum(), [xs, ws])
+    dx64, dw64 = torch.autograd.grad(reference(x, w).sum(), [x, w])
+    assert (dx.double() - dx64).abs().max() <= torch.finfo(dtype).eps
+    assert rel_err(dw, dw64) <= torch.finfo(dtype).eps
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemma_offset_numerics_no_worse_than_eager(dtype):
+    x, w = inputs((37, 1000), 2)
+    w = (w.detach() - 1).requires_grad_()  # Gemma stores w - 1
+    assert_no_worse(
+        lambda x, w: rms_norm(x, w, 1e-6, offset=1.0), {"hf_gemma": hf_gemma_rms_norm}, [x, w],
+        lambda x, w: reference(x, w, offset=1.0), dtype,
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_residual_add(dtype):
+    gen = torch.Generator().manual_seed(3)
+    x, r = (torch.randn(9, 300, generator=gen, dtype=torch.float64) for _ in range(2))
+    w = torch.randn(300, generator=gen, dtype=torch.float64)
+    xs, rs, ws = (t.to(dtype).requires_grad_() for t in (x, r, w))
+    y, s = rms_norm(xs, ws, 1e-6, residual=rs)
+    assert torch.equal(s, xs + rs) or rel_err(s, x + r) <= rel_err(xs + rs, x + r)
+    assert rel_err(y, reference(x + r, w)) <= 1.1 * rel_err(hf_llama_rms_norm(xs + rs, ws), reference(x + r, w)) + 1e-7
+    # Gradients flow to both x and residual, through y and through the returned sum.
+    dy, ds = torch.randn_like(y), torch.randn_like(s)
+    (y * dy + s * ds).sum().backward()
+    x64, r64, w64 = (t.clone().requires_grad_() for t in (x, r, w))
+    s64 = x64 + r64
+    (reference(s64, w64) * dy.double() + s64 * ds.double()).sum().backward()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert rel_err(xs.grad, x64.grad) < tol and torch.equal(xs.grad, rs.grad)
+    assert rel_err(ws.grad, w64.grad) < tol
+
+
+def test_non_contiguous_input_and_no_weight():
+    gen = torch.Generator().manual_seed(4)
+    base = torch.randn(64, 48, generator=gen)
+    x = base.t()  # (48, 64), column stride 48
+    assert not x.is_contiguous()
+    out = rms_norm(x, None, 1e-5)
+    assert out.shape == x.shape
+    assert rel_err(out, reference(x.double(), torch.ones(64, dtype=torch.float64), 1e-5)) < 1e-6
+
+
+def test_module_shares_parameter_and_rejects_bad_weight():
+    m = RMSNorm(16, eps=1e-5, offset=1.0)
+    assert torch.count_nonzero(m.weight) == 0  # Gemma-style init: w = 0 means scale 1
+    x = torch.randn(2, 16)
+    assert rel_err(m(x), reference(x.double(), m.weight.double(), 1e-5, 1.0)) < 1e-6
+    with pytest.raises(ValueError, match="weight shape"):
+        rms_norm(x, torch.ones(15))
