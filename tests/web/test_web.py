@@ -1,0 +1,197 @@
+import gzip
+import io
+import json
+import re
+
+import pytest
+
+from dbfixtures import DATA, SMALL_TRACE, stored_files, trace_variant
+from profiler_svc.storage import ingest
+from profiler_svc.web import create_app
+
+TOKEN = "test-token-123"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+HOSTILE = '<script>alert("pwned")</script><img src=x onerror=alert(1)>'
+
+
+def make_app(engine, blobs, **config):
+    return create_app({"DATABASE_URL": engine.url.render_as_string(hide_password=False),
+                       "BLOB_DIR": str(blobs.root), "API_TOKEN": TOKEN, "SECRET_KEY": "test-secret",
+                       "TESTING": True, **config})
+
+
+@pytest.fixture
+def client(engine, blobs):
+    return make_app(engine, blobs).test_client()
+
+
+def upload(client, path, headers=AUTH, **fields):
+    data = {"file": (io.BytesIO(path.read_bytes()), path.name), **fields}
+    return client.post("/api/v1/traces", data=data, headers=headers, content_type="multipart/form-data")
+
+
+def csrf_token(html: bytes) -> str:
+    return re.search(rb'name="csrf_token" value="([^"]+)"', html).group(1).decode()
+
+
+def test_upload_then_every_page_and_its_json_mirror(client):
+    first = upload(client, SMALL_TRACE, name="llama infer", workload="examples.tiny:make")
+    assert first.status_code == 201
+    body = first.get_json()
+    assert body["duplicate"] is False
+    again = upload(client, SMALL_TRACE)
+    assert again.status_code == 200 and again.get_json() == {**body, "duplicate": True}
+
+    run_id = body["run_id"]
+    api = client.get(f"/api/v1/runs/{run_id}").get_json()
+    assert api["name"] == "llama infer" and api["workload"] == "examples.tiny:make"
+    assert api["summary"]["kernel_count"] > 0 and api["top_kernels"]
+    assert sum(s["kernels"] for s in api["timeline"]["streams"]) == api["summary"]["kernel_count"]
+
+    page = client.get(f"/runs/{run_id}")
+    assert page.status_code == 200
+    html = page.get_data(as_text=True)
+    assert 'id="top-kernels-chart"' in html and 'id="timeline-chart"' in html
+    assert f"{api['summary']['gpu_busy_pct']:.1f} %" in html
+    top = api["top_kernels"][0]
+    assert (top["name"].replace("<", "&lt;").replace(">", "&gt;").replace("&", "&amp;")[:30] in html
+            or top["name"][:30] in html)
+    for finding in api["findings"]:
+        assert f'id="finding-{finding["id"]}"' in html
+
+    listing = client.get("/api/v1/runs?q=llama").get_json()["runs"]
+    assert [r["id"] for r in listing] == [run_id]
+    assert client.get("/api/v1/runs?q=nomatch").get_json()["runs"] == []
+    assert b"llama infer" in client.get("/?q=LLAMA").data
+    assert b"llama infer" not in client.get("/?q=nomatch").data
+
+
+def test_ranks_uploaded_separately_form_one_run(client):
+    ids = [upload(client, DATA / "ddp" / f"gpt2_ddp_rank{r}.json.gz", run="ddp-job-1").get_json() for r in (1, 0)]
+    assert ids[0]["run_id"] == ids[1]["run_id"]
+    run = client.get(f"/api/v1/runs/{ids[0]['run_id']}").get_json()
+    assert run["ranks"] == [0, 1]
+    rank1 = client.get(f"/api/v1/runs/{run['id']}/timeline?rank=1").get_json()
+    assert rank1["rank"] == 1
+    assert client.get(f"/api/v1/runs/{run['id']}/timeline?rank=5").status_code == 404
+    assert client.get(f"/runs/{run['id']}?rank=1").status_code == 200
+
+
+def test_compare_two_runs(client, tmp_path):
+    a = upload(client, SMALL_TRACE).get_json()["run_id"]
+    b = upload(client, DATA / "ddp" / "gpt2_ddp_rank0.json.gz").get_json()["run_id"]
+    cmp = client.get(f"/api/v1/compare?a={a}&b={b}").get_json()
+    run_a, run_b = (client.get(f"/api/v1/runs/{i}").get_json() for i in (a, b))
+    assert cmp["total_delta_us"] == pytest.approx(
+        run_b["summary"]["kernel_time_us"] - run_a["summary"]["kernel_time_us"], abs=1e-3)
+    for k in cmp["kernels"]:
+        assert k["delta_us"] == pytest.approx(k["b_us"] - k["a_us"], abs=2e-3)
+    deltas = [abs(k["delta_us"]) for k in cmp["kernels"]]
+    assert deltas == sorted(deltas, reverse=True)
+    html = client.get(f"/compare?a={a}&b={b}")
+    assert html.status_code == 200 and b'id="compare-chart"' in html.data
+    assert client.get("/compare").status_code == 200
+    assert client.get("/api/v1/compare?a=1").status_code == 400
+
+
+def test_ab_request_from_the_page_needs_csrf(client):
+    run_id = upload(client, SMALL_TRACE, workload="examples.tiny:make").get_json()["run_id"]
+    page = client.get(f"/runs/{run_id}").data
+    token = csrf_token(page)
+    # Without a token, or with a forged one: refused, nothing queued.
+    assert client.post(f"/runs/{run_id}/ab", data={"swap": "rms_norm"}).status_code == 400
+    assert client.post(f"/runs/{run_id}/ab", data={"swap": "rms_norm", "csrf_token": "forged"}).status_code == 400
+    assert client.get("/api/v1/jobs").get_json()["jobs"] == []
+    answer = client.post(f"/runs/{run_id}/ab", data={"swap": "rms_norm", "csrf_token": token})
+    assert answer.status_code == 303
+    job_id = int(answer.headers["Location"].rsplit("/", 1)[1])
+    job = client.get(f"/api/v1/jobs/{job_id}").get_json()
+    assert job["status"] == "queued" and job["swap"] == "rms_norm" and job["workload"] == "examples.tiny:make"
+    assert b"queued" in client.get(f"/jobs/{job_id}").data
+
+
+def test_api_writes_need_the_token(engine, blobs, client):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
+        assert upload(client, SMALL_TRACE, headers=headers).status_code == 401
+        assert client.post("/api/v1/runs/1/ab", json={"swap": "rms_norm"}, headers=headers).status_code == 401
+    no_token = make_app(engine, blobs, API_TOKEN=None).test_client()
+    assert upload(no_token, SMALL_TRACE, headers=AUTH).status_code == 403
+    assert client.get("/api/v1/runs").get_json()["runs"] == []
+    assert stored_files(blobs) == []
+
+
+def test_api_ab_request_validates_its_input(client):
+    run_id = upload(client, SMALL_TRACE, workload="examples.tiny:make").get_json()["run_id"]
+    bad = [("not json", 400), ({"swap": 3}, 400), ({"swap": "rms_norm", "params": {"rounds": 10**9}}, 400),
+           ({"swap": "rms_norm", "params": {"evil": 1}}, 400), ({"finding_id": "1"}, 400)]
+    for body, status in bad:
+        kwargs = {"data": body, "content_type": "text/plain"} if isinstance(body, str) else {"json": body}
+        answer = client.post(f"/api/v1/runs/{run_id}/ab", headers=AUTH, **kwargs)
+        assert answer.status_code == status and "error" in answer.get_json()
+    assert client.post("/api/v1/runs/99999/ab", json={"swap": "x"}, headers=AUTH).status_code == 404
+    ok = client.post(f"/api/v1/runs/{run_id}/ab", json={"swap": "rms_norm", "params": {"rounds": 7}}, headers=AUTH)
+    assert ok.status_code == 201 and ok.get_json()["params"] == {"rounds": 7}
+
+
+def test_upload_size_limit(engine, blobs):
+    small = make_app(engine, blobs, MAX_CONTENT_LENGTH=4096).test_client()
+    answer = upload(small, SMALL_TRACE)
+    assert answer.status_code == 413 and "error" in answer.get_json()
+    assert stored_files(blobs) == []
+
+
+def test_bad_uploads_are_clear_errors_with_nothing_stored(client, blobs):
+    garbage = client.post("/api/v1/traces", headers=AUTH, content_type="multipart/form-data",
+                          data={"file": (io.BytesIO(b"\x1f\x8b" + b"\x00" * 40), "x.json.gz")})
+    assert garbage.status_code == 400 and "\n" not in garbage.get_json()["error"]
+    missing = client.post("/api/v1/traces", headers=AUTH, data={"name": "x"})
+    assert missing.status_code == 400
+    assert client.get("/api/v1/runs").get_json()["runs"] == [] and stored_files(blobs) == []
+
+
+def test_raw_gzip_body_upload(client):
+    answer = client.post("/api/v1/traces?name=raw", headers=AUTH, data=SMALL_TRACE.read_bytes(),
+                         content_type="application/gzip")
+    assert answer.status_code == 201
+    assert client.get(f"/api/v1/runs/{answer.get_json()['run_id']}").get_json()["name"] == "raw"
+
+
+def test_hostile_names_are_inert(client, tmp_path, blobs):
+    hostile_trace = trace_variant(tmp_path, "hostile", kernel_name=HOSTILE)
+    body = upload(client, hostile_trace, name=HOSTILE, workload="x.y:z").get_json()
+    api = client.get(f"/api/v1/runs/{body['run_id']}").get_json()
+    assert api["name"] == HOSTILE
+    assert any(k["name"] == HOSTILE for k in api["top_kernels"])
+    for url in (f"/runs/{body['run_id']}", "/", f"/compare?a={body['run_id']}&b={body['run_id']}"):
+        html = client.get(url).get_data(as_text=True)
+        assert "<script>alert" not in html and "<img src=x" not in html
+        assert "&lt;script&gt;alert" in html or "\\u003cscript\\u003e" in html
+    page = client.get(f"/runs/{body['run_id']}")
+    assert "script-src 'self'" in page.headers["Content-Security-Policy"]
+
+
+def test_no_path_traversal(client, blobs):
+    answer = client.post("/api/v1/traces", headers=AUTH, content_type="multipart/form-data",
+                         data={"file": (io.BytesIO(SMALL_TRACE.read_bytes()), "../../../../tmp/evil.json.gz")})
+    assert answer.status_code == 201
+    run = client.get(f"/api/v1/runs/{answer.get_json()['run_id']}").get_json()
+    assert run["traces"][0]["filename"] == "evil.json.gz"
+    files = stored_files(blobs)
+    assert len(files) == 1 and blobs.root in files[0].parents
+    assert client.get("/static/../../pyproject.toml").status_code == 404
+    assert client.get("/static/%2e%2e/__init__.py").status_code == 404
+    with pytest.raises(Exception):
+        blobs.path("../../etc/passwd")
+
+
+def test_plotly_is_served_locally(client):
+    js = client.get("/vendor/plotly.min.js")
+    assert js.status_code == 200 and b"plotly" in js.data[:2000].lower()
+    page = client.get("/").get_data(as_text=True)
+    assert "/vendor/plotly.min.js" in page and "cdn" not in page.lower()
+
+
+def test_unknown_pages_are_404_pages(client):
+    assert client.get("/runs/424242").status_code == 404
+    assert client.get("/jobs/424242").status_code == 404
+    assert client.get("/api/v1/jobs/424242").get_json()["error"] == "no ab job with id 424242"
