@@ -21,7 +21,7 @@ import traceback
 import torch
 import torch.nn.functional as F
 
-DEVICE = "cuda"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FIXTURES = {}
 
 
@@ -229,7 +229,22 @@ def resnet18_bf16_channels_last_train():
     return step
 
 
+@fixture("cpu_transformer_encoder_infer", model="torch.nn.TransformerEncoder (2 layers, d_model 256, 4 heads)",
+         dtype="fp32", mode="inference on the CPU (no CUDA activity)", batch="8x128", attn="nn.MultiheadAttention",
+         plants="nothing: a CPU-only trace has no kernels; the analyser must cope", cpu=True)
+def cpu_transformer_encoder_infer():
+    layer = torch.nn.TransformerEncoderLayer(d_model=256, nhead=4, dim_feedforward=1024, batch_first=True)
+    model = torch.nn.TransformerEncoder(layer, num_layers=2).eval()
+    x = torch.randn(8, 128, 256)
+    return torch.no_grad()(lambda: model(x))
+
+
 # ---- driver -------------------------------------------------------------------------------
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
 
 def reset_numerics():
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -242,20 +257,22 @@ def reset_numerics():
 
 def capture(name, out_dir):
     fn, info = FIXTURES[name]
-    reset_numerics()
+    if torch.cuda.is_available():
+        reset_numerics()
     torch.manual_seed(0)
     step = fn()
     step()  # first call outside the profiler: cuBLAS handles, autotuning
-    torch.cuda.synchronize()
+    sync()
     path = os.path.join(out_dir, f"{name}.json")
     sched = torch.profiler.schedule(wait=1, warmup=1, active=2, repeat=1)
-    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=acts, schedule=sched, record_shapes=True,
                                 on_trace_ready=lambda p: p.export_chrome_trace(path)) as prof:
-        prof.add_metadata_json("profiler_svc_fixture", json.dumps({"name": name, **info}))
         for _ in range(4):
             step()
-            torch.cuda.synchronize()
+            sync()
             prof.step()
     with open(path, "rb") as src, gzip.open(path + ".gz", "wb", compresslevel=9) as dst:
         shutil.copyfileobj(src, dst)
@@ -296,12 +313,14 @@ def main():
     out_dir = sys.argv[1]
     if "RANK" in os.environ:
         return capture_ddp(out_dir)
-    names = sys.argv[2:] or list(FIXTURES)
+    on_gpu = torch.cuda.is_available()
+    names = sys.argv[2:] or [n for n, (_, info) in FIXTURES.items() if info.get("cpu", False) != on_gpu]
     os.makedirs(out_dir, exist_ok=True)
-    import transformers
-    env = {"torch": torch.__version__, "transformers": transformers.__version__,
-           "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(),
-           "captured": time.strftime("%Y-%m-%d")}
+    env = {"torch": torch.__version__, "cuda": torch.version.cuda,
+           "gpu": torch.cuda.get_device_name() if on_gpu else None, "captured": time.strftime("%Y-%m-%d")}
+    with contextlib.suppress(ImportError):
+        import transformers
+        env["transformers"] = transformers.__version__
     with contextlib.suppress(ImportError):
         import timm
         env["timm"] = timm.__version__
@@ -318,9 +337,11 @@ def main():
         except Exception:
             traceback.print_exc()
             print(f"FAIL {name}", flush=True)
-        torch.cuda.empty_cache()
+        if on_gpu:
+            torch.cuda.empty_cache()
         torch._dynamo.reset()
-    with open(os.path.join(out_dir, "manifest.json"), "w") as f:
+    manifest_path = os.path.join(out_dir, "manifest.json" if on_gpu else "manifest_cpu.json")
+    with open(manifest_path, "w") as f:
         json.dump(manifest, f, indent=1)
 
 

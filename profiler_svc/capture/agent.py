@@ -1,0 +1,255 @@
+"""``with profiler_svc.capture(model) as cap:`` -- torch.profiler plus module attribution and metadata.
+
+    with profiler_svc.capture(model, wait=1, warmup=1, active=3) as cap:
+        for batch in loader:
+            train_step(batch)
+            cap.step()
+    print(cap.trace_path)
+    print(cap.recommend().to_text())
+
+See docs/capture.md for what is recorded and how files are named.
+"""
+import datetime
+import gzip
+import json
+import os
+import re
+import shutil
+import tempfile
+import uuid
+import warnings
+
+import torch
+from torch.profiler import ProfilerAction, ProfilerActivity
+
+from ..errors import UserError
+from ..trace.labels import METADATA_KEY
+from .hooks import ModuleHooks, class_name
+from .metadata import numerics, rank_and_world_size, static_metadata
+from .upload import UploadError, upload_trace
+
+DEFAULT_OUT = "profiler_svc_traces"
+URL_ENV = "PROFILER_SVC_URL"
+DEFAULT_SCHEDULE = {"wait": 1, "warmup": 1, "active": 3}
+WORKLOAD_PATTERN = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")  # "pkg.module:factory"
+RECORDING = (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE)
+
+
+def capture(model, out=None, *, wait=None, warmup=None, active=None, repeat=1, nvtx=True,
+            record_shapes=True, upload=None, workload=None, name=None, **profile_kwargs):
+    """Profile ``model`` inside a ``with`` block; see :class:`Capture`."""
+    return Capture(model, out, wait=wait, warmup=warmup, active=active, repeat=repeat, nvtx=nvtx,
+                   record_shapes=record_shapes, upload=upload, workload=workload, name=name,
+                   **profile_kwargs)
+
+
+class Capture:
+    """A torch.profiler session that labels every module call and writes one gzipped trace per cycle.
+
+    out: a folder (default ``profiler_svc_traces``) or a ``.json.gz`` file path.
+    wait/warmup/active/repeat: the profiler schedule, counted in ``cap.step()`` calls. Give none
+        of them to record the whole block; missing ones default to wait=1, warmup=1, active=3.
+    nvtx: NVTX ranges per module call (domain ``profiler_svc``) when Nsight Systems listens.
+    upload: service URL to POST traces to (default ``$PROFILER_SVC_URL``; False: never).
+    workload: ``"pkg.module:factory"`` that rebuilds the workload, for the A/B service.
+    name: the traces' name (default: the model's class).
+    profile_kwargs: passed on to ``torch.profiler.profile`` (``with_stack``, ``profile_memory``...).
+    """
+
+    def __init__(self, model, out=None, *, wait=None, warmup=None, active=None, repeat=1, nvtx=True,
+                 record_shapes=True, upload=None, workload=None, name=None, **profile_kwargs):
+        if not isinstance(model, torch.nn.Module):
+            raise UserError(f"capture() needs a torch.nn.Module, got {type(model).__name__}")
+        self.schedule = _schedule(wait, warmup, active, repeat)
+        if workload is not None and not (isinstance(workload, str) and WORKLOAD_PATTERN.match(workload)):
+            raise UserError(f"workload must look like 'pkg.module:factory', got {workload!r}")
+        self.upload_url = os.environ.get(URL_ENV) if upload is None else (upload or None)
+        if self.upload_url and not re.match(r"^https?://", self.upload_url):
+            raise UserError(f"upload URL must start with http:// or https://, got {self.upload_url!r}")
+        for key in ("activities", "schedule", "on_trace_ready"):
+            if key in profile_kwargs:
+                raise UserError(f"capture() sets {key} itself; it cannot be passed through")
+
+        self.model = model
+        self.name = name or class_name(model)
+        self.rank, self.world_size = rank_and_world_size()
+        self.run = _run_id()
+        self.out_dir, self._file_stem = _output_location(out, self.name, self.run, self.rank, self.world_size)
+        self.record_shapes = record_shapes
+        self.profile_kwargs = profile_kwargs
+        self.hooks = ModuleHooks(model, use_nvtx=nvtx)
+        self.hooks.on_root_call = self._sample_numerics
+        settings = {**(self.schedule or {}), "record_shapes": record_shapes, "nvtx": nvtx,
+                    **{k: v for k, v in profile_kwargs.items() if isinstance(v, (bool, int, str))}}
+        self.metadata = static_metadata(model, rank=self.rank, world_size=self.world_size,
+                                        workload=workload, run=self.run, name=self.name, settings=settings)
+        self.trace_paths = []
+        self.uploads = []  # the service's replies, one per uploaded trace
+        self.steps = 0
+        self._numerics = None
+        self._profiler = None
+        self._discard = False
+        self._cycles_saved = 0
+
+    # ---- the with block --------------------------------------------------------------------
+
+    def __enter__(self):
+        activities = [ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(ProfilerActivity.CUDA)
+        schedule = torch.profiler.schedule(**self.schedule) if self.schedule else None
+        self._profiler = torch.profiler.profile(
+            activities=activities, schedule=schedule, record_shapes=self.record_shapes,
+            on_trace_ready=self._write_trace, **self.profile_kwargs)
+        self._profiler.__enter__()
+        self._sync_hooks()
+        return self
+
+    def step(self):
+        """Mark the end of one training or inference step (drives the schedule)."""
+        profiler = self._profiler
+        if profiler is None:
+            raise RuntimeError("cap.step() called outside the capture block")
+        self.steps += 1
+        if profiler.current_action == ProfilerAction.RECORD_AND_SAVE:
+            self._add_metadata(profiler)  # the cycle is saved inside this step(): last chance to add it
+        profiler.step()
+        self._sync_hooks()
+
+    def __exit__(self, exc_type, exc, tb):
+        profiler, self._profiler = self._profiler, None
+        # A cycle cut short by an exception is dropped, not saved half-way through a step.
+        self._discard = exc_type is not None
+        try:
+            if profiler.current_action in RECORDING and not self._discard:
+                self._add_metadata(profiler)
+            profiler.__exit__(exc_type, exc, tb)
+        finally:
+            self.hooks.detach()
+        if exc_type is None or issubclass(exc_type, Exception):
+            self._upload_all()
+        if exc_type is None and not self._cycles_saved:
+            warnings.warn(f"profiler_svc.capture: no trace written: the block made {self.steps} "
+                          f"cap.step() calls, the schedule {self.schedule} needs more", stacklevel=2)
+        return False  # never swallow the user's exception
+
+    # ---- results ---------------------------------------------------------------------------
+
+    @property
+    def trace_path(self):
+        """The last trace written (one per schedule cycle), or None."""
+        return self.trace_paths[-1] if self.trace_paths else None
+
+    def recommend(self, **kwargs):
+        """Analyse the last trace written: ``profiler_svc.recommend(cap.trace_path, **kwargs)``."""
+        if self.trace_path is None:
+            raise UserError("capture wrote no trace to analyse")
+        from ..recommend import recommend
+        return recommend(self.trace_path, **kwargs)
+
+    # ---- internals -------------------------------------------------------------------------
+
+    def _sync_hooks(self):
+        """Hooks only while the profiler warms up or records: nothing to pay for elsewhere."""
+        if self._profiler.current_action == ProfilerAction.NONE:
+            self.hooks.detach()
+        else:
+            self.hooks.attach()
+
+    def _sample_numerics(self):
+        # Called as the model is entered, so that autocast and sdpa_kernel contexts around the
+        # call are seen. Once per saved cycle.
+        if self._numerics is None:
+            self._numerics = numerics()
+
+    def _add_metadata(self, profiler):
+        metadata = {**self.metadata, "numerics": self._numerics or numerics(), "steps": self.steps}
+        profiler.add_metadata_json(METADATA_KEY, json.dumps(metadata))
+
+    def _write_trace(self, profiler):
+        """on_trace_ready: export, gzip and rename into place, so no reader sees a partial file."""
+        self._numerics = None
+        if self._discard:
+            return
+        self._cycles_saved += 1
+        cycle = len(self.trace_paths)
+        stem = self._file_stem + (f"_cycle{cycle}" if cycle else "")
+        path = os.path.join(self.out_dir, stem + ".json.gz")
+        raw = packed = None
+        try:
+            os.makedirs(self.out_dir, exist_ok=True)
+            fd, raw = tempfile.mkstemp(dir=self.out_dir, prefix=f".{stem}.", suffix=".json.partial")
+            os.close(fd)
+            profiler.export_chrome_trace(raw)
+            fd, packed = tempfile.mkstemp(dir=self.out_dir, prefix=f".{stem}.", suffix=".gz.partial")
+            with os.fdopen(fd, "wb") as sink, open(raw, "rb") as source, \
+                    gzip.GzipFile(filename="", mode="wb", fileobj=sink, compresslevel=6) as zipped:
+                shutil.copyfileobj(source, zipped, 1 << 20)
+            os.chmod(packed, 0o644)
+            os.replace(packed, path)
+            packed = None
+            self.trace_paths.append(path)
+        except Exception as exc:  # a diagnostic tool must not kill the training job
+            warnings.warn(f"profiler_svc.capture: could not write {path}: {exc}", stacklevel=2)
+        finally:
+            for leftover in (raw, packed):
+                if leftover and os.path.exists(leftover):
+                    os.remove(leftover)
+
+    def _upload_all(self):
+        if not self.upload_url:
+            return
+        for path in self.trace_paths:
+            stem = os.path.basename(path).removesuffix(".json.gz")
+            try:
+                self.uploads.append(upload_trace(self.upload_url, path, name=stem, run=self.run))
+            except (UploadError, OSError) as exc:
+                warnings.warn(f"profiler_svc.capture: upload failed, trace kept at {path}: {exc}",
+                              stacklevel=3)
+
+
+def _schedule(wait, warmup, active, repeat):
+    given = {"wait": wait, "warmup": warmup, "active": active}
+    if all(v is None for v in given.values()):
+        return None
+    schedule = {k: DEFAULT_SCHEDULE[k] if v is None else v for k, v in given.items()}
+    schedule["repeat"] = repeat
+    for key, value in schedule.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise UserError(f"{key} must be a non-negative integer, got {value!r}")
+    if schedule["active"] < 1:
+        raise UserError("active must be at least 1")
+    return schedule
+
+
+def _run_id():
+    """One id for all ranks of a job where the launcher gives one, so the service can group them."""
+    for env in ("PROFILER_SVC_RUN", "TORCHELASTIC_RUN_ID"):
+        value = os.environ.get(env)
+        if value and value != "none":
+            return _safe(value)
+    return datetime.datetime.now().strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+
+
+def _safe(text):
+    """A string usable in a file name."""
+    return re.sub(r"[^\w.-]", "_", text)
+
+
+def _output_location(out, name, run, rank, world_size):
+    """(folder, file stem). A folder gets ``<name>_<run>_rank<r>``; a file path keeps its name,
+    with ``_rank<r>`` added when there are several ranks."""
+    out = os.fspath(out) if out is not None else os.environ.get("PROFILER_SVC_OUT", DEFAULT_OUT)
+    if out.endswith(".json.gz"):
+        folder, stem = os.path.split(out)
+        stem = stem.removesuffix(".json.gz") + (f"_rank{rank}" if world_size > 1 else "")
+    else:
+        folder, stem = out, f"{_safe(name)}_{run}_rank{rank}"
+    folder = folder or "."
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"cannot create trace folder {folder}: {exc.strerror}") from None
+    if not os.access(folder, os.W_OK):
+        raise UserError(f"trace folder {folder} is not writable")
+    return folder, stem

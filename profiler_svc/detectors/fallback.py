@@ -1,0 +1,424 @@
+"""Fallback kernels: a slow path taken where a fast one exists, with the reason it was refused.
+
+- GEMM/conv on the CUDA-core FFMA/SIMT path (fp32 without TF32; fp16/bf16 shapes tensor cores refuse)
+- GEMMs on low-alignment (CUTLASS align1/align2) or older-architecture kernels
+- scaled_dot_product_attention on the math path; eager attention (matmul -> softmax -> matmul)
+- elementwise kernels off the vectorized path because of non-contiguous or mixed-dtype operands
+- autocast cast storms: weights re-cast to the autocast dtype on every call
+"""
+from collections import defaultdict
+
+import numpy as np
+
+from ..trace.model import Trace
+from .common import (TENSOR_CORE_EFFICIENCY, VOCAB_MIN, aligned_gemm_rates, name_mask, peak_tflops, Finding, Recommendation, conv_shape, fmt_shape, fmt_us, gemm_shape, is_attention,
+                     is_contiguous, is_gemm, is_low_alignment, is_old_arch, is_simt_matmul, module_class,
+                     op_bytes, short_kernel_name, steps_note, window_kernels)
+
+
+
+def detect(trace: Trace) -> list[Finding]:
+    if not trace.has_gpu:
+        return []
+    kernels = window_kernels(trace)
+    findings = []
+    findings += _simt_matmuls(trace, kernels)
+    findings += _low_alignment_gemms(trace, kernels)
+    findings += _sdpa_math(trace, kernels)
+    findings += _eager_attention(trace, kernels)
+    findings += _unvectorized_elementwise(trace, kernels)
+    findings += _cast_storm(trace, kernels)
+    return findings
+
+
+def _group_by_op(trace, kernels):
+    """{(launching op name, top op name, input shapes, dtypes): [kernel rows]}, inputs decoded once per op."""
+    groups = defaultdict(list)
+    inputs_by_op = {}
+    for row in kernels.itertuples():
+        if row.op not in inputs_by_op:
+            inputs_by_op[row.op] = trace.op_inputs(row.op)
+        inp = inputs_by_op[row.op]
+        key = (row.op_name, row.top_op_name, str([t[0] for t in inp.tensors()]), tuple(t[1] for t in inp.tensors()))
+        groups[key].append((row, inp))
+    return groups
+
+
+def _evidence(rows, trace, extra=None):
+    names = sorted({short_kernel_name(r.name) for r, _ in rows})
+    modules = sorted({r.module for r, _ in rows if r.module})
+    first, inp = rows[0]
+    evidence = {
+        "kernels": names[:5],
+        "op": first.op_name,
+        "top_op": first.top_op_name,
+        "input_shapes": [t[0] for t in inp.tensors()],
+        "dtypes": [t[1] for t in inp.tensors()],
+        "calls": len(rows),
+        "time_us": round(sum(r.dur for r, _ in rows), 2),
+    }
+    if modules:
+        evidence["modules"] = modules[:10]
+    if extra:
+        evidence.update(extra)
+    return evidence
+
+
+def _simt_matmuls(trace, kernels):
+    candidates = kernels[name_mask(kernels, is_simt_matmul)]
+    # SDPA's math path runs its bmm in fp32 inside the op: the SDPA finding covers it
+    candidates = candidates[candidates["top_op_name"] != "aten::scaled_dot_product_attention"]
+    tf32_off = trace.numerics.get("allow_tf32_matmul") is False
+    precision = trace.numerics.get("float32_matmul_precision")
+    by_kind = defaultdict(list)
+    for (op, top_op, shapes, dtypes), rows in _group_by_op(trace, candidates).items():
+        g = gemm_shape(op, rows[0][1])
+        if g and min(g.m, g.n, g.k) < 8:
+            continue  # outer products and tiny GEMMs: tensor cores would not help
+        label = "convolution" if "conv" in (op or "") or "conv" in (top_op or "") else "matmul"
+        dtype = dtypes[0] if dtypes else "fp32"
+        time = sum(r.dur for r, _ in rows)
+        flops = _flops(op, rows[0][1])
+        rate = peak_tflops(trace, dtype) * TENSOR_CORE_EFFICIENCY
+        expected = flops / (rate * 1e6) * len(rows) if flops else 0.5 * time
+        by_kind[(label, dtype)].append({"op": top_op or op, "shapes": [t[0] for t in rows[0][1].tensors()],
+                                        "rows": rows, "time": time,
+                                        "expected": min(max(expected, 0.1 * time), time)})
+    findings = []
+    for (label, dtype), groups in by_kind.items():
+        groups.sort(key=lambda g: -g["time"])
+        rows = [r for g in groups for r in g["rows"]]
+        time = sum(g["time"] for g in groups)
+        expected = sum(g["expected"] for g in groups)
+        if dtype == "fp32":
+            why = ("fp32 inputs with TF32 disabled"
+                   + (f" (allow_tf32={not tf32_off}, float32_matmul_precision='{precision}')" if precision else "")
+                   + ": cuBLAS/cuDNN pick CUDA-core FFMA kernels")
+            fix = ("Allow TF32 tensor cores for fp32 matmuls/convolutions (10-bit mantissa products, fp32 accumulate; "
+                   "fine for most training), or run the model in bf16 autocast.")
+            snippet = ('torch.backends.cuda.matmul.allow_tf32 = True   # or torch.set_float32_matmul_precision("high")\n'
+                       "torch.backends.cudnn.allow_tf32 = True")
+        else:
+            worst_shapes = groups[0]["shapes"]
+            channels = [d for shape in worst_shapes[:2] if len(shape) >= 2 for d in shape[:2]]
+            if any(c % 8 for c in channels[1:]):
+                why = f"{dtype} channel counts {channels} that tensor-core kernels refuse (not multiples of 8)"
+                fix = "Pad the channel/feature dimensions to multiples of 8 so tensor-core kernels apply."
+                snippet = None
+            else:
+                bench = trace.numerics.get("cudnn_benchmark")
+                why = (f"{dtype} with aligned channels: cuDNN's heuristic chose a CUDA-core kernel"
+                       + (" (cudnn.benchmark is off)" if bench is False else ""))
+                fix = "Let cuDNN time its candidates (cudnn.benchmark) so it picks a tensor-core kernel for these shapes."
+                snippet = "torch.backends.cudnn.benchmark = True  # input shapes must be static"
+        worst = groups[0]
+        findings.append(Finding(
+            category="fallback_kernel",
+            title=f"{dtype} {label}s on the CUDA-core (FFMA) path: {len(groups)} shape{'s' if len(groups) > 1 else ''}, "
+                  f"{len(rows)} calls",
+            detail=(f"{len(rows)} {label} calls took {fmt_us(time)} {steps_note(trace)} on non-tensor-core kernels "
+                    f"(e.g. {short_kernel_name(worst['rows'][0][0].name, 60)}; largest: {worst['op']} {worst['shapes']}, "
+                    f"{fmt_us(worst['time'])}). Why: {why}. On tensor cores the same work needs about {fmt_us(expected)}."),
+            evidence=_evidence(worst["rows"], trace, {
+                "reason": why, "calls": len(rows), "time_us": round(time, 2), "numerics": trace.numerics or None,
+                "shapes": [{"op": g["op"], "input_shapes": g["shapes"], "calls": len(g["rows"]),
+                            "time_us": round(g["time"], 2)} for g in groups[:12]]}),
+            estimated_savings_us=max(0.0, time - expected),
+            recommendation=Recommendation(fix, None, snippet),
+            key=f"fallback_kernel:simt:{label}:{dtype}",
+        ))
+    return findings
+
+
+def _flops(op, inputs):
+    g = gemm_shape(op, inputs)
+    if g:
+        return g.flops
+    c = conv_shape(inputs) if op and "conv" in op else None
+    if c:
+        (n, _, *spatial), weight, _ = c[0], c[1], c[2]
+        out_channels, in_per_group, *kernel = weight
+        # output spatial size unknown from inputs alone; 'same'-size approximation (stride 1)
+        return 2.0 * n * out_channels * in_per_group * np.prod(kernel) * np.prod(spatial)
+    return 0.0
+
+
+def _low_alignment_gemms(trace, kernels):
+    candidates = kernels[name_mask(kernels, lambda n: (is_low_alignment(n) or (is_old_arch(n) and trace.device.major >= 8))
+                          and not is_simt_matmul(n))]
+    findings = []
+    rates = aligned_gemm_rates(trace, kernels) if len(candidates) else {}
+    for (op, top_op, shapes, dtypes), rows in _group_by_op(trace, candidates).items():
+        inp = rows[0][1]
+        g = gemm_shape(op, inp)
+        if g and not [v for v in (g.m, g.n, g.k) if v % 8 and v < VOCAB_MIN]:
+            continue  # only a vocabulary-sized dimension is off: the misalignment detector says how to pad it
+        time = sum(r.dur for r, _ in rows)
+        dtype = g.dtype if g else (dtypes[0] if dtypes else "")
+        rates.setdefault(dtype, peak_tflops(trace, dtype) * TENSOR_CORE_EFFICIENCY)
+        multiple = 16 if dtype == "fp8" else 8
+        misaligned = {}
+        if g:
+            for dim, value in (("M", g.m), ("N", g.n), ("K", g.k)):
+                pad_to = 64 if value >= VOCAB_MIN else multiple  # vocabularies: whole 64-wide tiles
+                if value % pad_to:
+                    misaligned[dim] = (value, -(-value // pad_to) * pad_to)
+        expected = g.flops / (rates[dtype] * 1e6) * len(rows) if g else 0.5 * time
+        savings = max(0.0, time - expected)
+        kernel = short_kernel_name(rows[0][0].name, 70)
+        why = ("an operand's leading dimension is not a multiple of "
+               f"{multiple} elements (16 bytes), so only a low-alignment kernel ({kernel}) can read it")
+        dims = ", ".join(f"{d}={v} → {p}" for d, (v, p) in misaligned.items())
+        findings.append(Finding(
+            category="fallback_kernel",
+            title=f"GEMM on a low-alignment kernel: {top_op or op} {shapes}",
+            detail=(f"{len(rows)} calls took {fmt_us(time)} {steps_note(trace)}; {why}. "
+                    + (f"Misaligned: {dims}. " if dims else "")
+                    + f"This trace's aligned {dtype} GEMMs run at {rates[dtype]:.0f} TFLOP/s, which would take "
+                      f"{fmt_us(expected)}."),
+            evidence=_evidence(rows, trace, {"gemm": g.__dict__ if g else None,
+                                             "misaligned": {d: {"size": v, "padded": p} for d, (v, p) in misaligned.items()},
+                                             "aligned_tflops_in_trace": round(rates[dtype], 1)}),
+            estimated_savings_us=savings,
+            recommendation=Recommendation(
+                f"Pad {dims or 'the GEMM dimensions'} to multiples of {multiple} (hidden/intermediate/vocab sizes, "
+                "or pad the weight and slice the output).",
+                None,
+                "# e.g. pad a Linear's out_features and slice the result\n"
+                "lin = nn.Linear(in_f, round_up(out_f, 8)); y = lin(x)[..., :out_f]"),
+            key=f"fallback_kernel:align:{top_op}:{shapes}",
+        ))
+    return findings
+
+
+_FUSED_SDPA_OPS = ("flash", "efficient", "cudnn", "fused", "_flash_attention", "_efficient_attention")
+
+
+def _sdpa_math(trace, kernels):
+    under_sdpa = kernels[kernels["top_op_name"] == "aten::scaled_dot_product_attention"]
+    if not len(under_sdpa):
+        return []
+    findings = []
+    by_call = defaultdict(list)
+    for row in under_sdpa.itertuples():
+        by_call[row.top_op].append(row)
+    math_calls = {top: rows for top, rows in by_call.items()
+                  if not any(is_attention(r.name) or any(s in (r.op_name or "") for s in _FUSED_SDPA_OPS) for r in rows)}
+    if not math_calls:
+        return []
+    groups = defaultdict(list)
+    for top_row, rows in math_calls.items():
+        inp = trace.op_inputs(top_row)
+        groups[str([t[0] for t in inp.tensors()])].append((top_row, rows, inp))
+    for shapes, calls in groups.items():
+        inp = calls[0][2]
+        tensors = inp.tensors()
+        time = sum(r.dur for _, rows, _ in calls for r in rows)
+        q = tensors[0] if tensors else None
+        reasons = _sdpa_reasons(trace, inp)
+        expected = 0.0
+        if q and len(q[0]) == 4:
+            b, h, s, d = q[0]
+            s_k = tensors[1][0][2] if len(tensors) > 1 and len(tensors[1][0]) == 4 else s
+            expected = 4.0 * b * h * s * s_k * d / (peak_tflops(trace, q[1]) * TENSOR_CORE_EFFICIENCY * 1e6) * len(calls)
+        savings = max(0.0, time - expected)
+        modules = sorted({r.module for _, rows, _ in calls for r in rows if r.module})
+        findings.append(Finding(
+            category="fallback_kernel",
+            title=f"scaled_dot_product_attention on the math path {shapes}",
+            detail=(f"{len(calls)} SDPA calls ran as separate bmm/softmax/mask kernels (the math backend), "
+                    f"{fmt_us(time)} {steps_note(trace)}; a fused flash/memory-efficient kernel would need about "
+                    f"{fmt_us(expected)} and never materializes the attention matrix. Why: {'; '.join(reasons)}."),
+            evidence={"op": "aten::scaled_dot_product_attention", "input_shapes": [t[0] for t in tensors],
+                      "dtypes": [t[1] for t in tensors], "calls": len(calls), "time_us": round(time, 2),
+                      "kernels": sorted({short_kernel_name(r.name) for _, rows, _ in calls for r in rows})[:6],
+                      "reason": reasons, **({"modules": modules[:10]} if modules else {})},
+            estimated_savings_us=savings,
+            recommendation=Recommendation(
+                "Let SDPA use a fused backend: keep q/k/v in fp16/bf16, head_dim a multiple of 8 and <= 256, "
+                "prefer is_causal=True over an explicit mask, and leave the flash/memory-efficient backends enabled.",
+                None,
+                "torch.backends.cuda.enable_flash_sdp(True)\ntorch.backends.cuda.enable_mem_efficient_sdp(True)\n"
+                "out = F.scaled_dot_product_attention(q, k, v, is_causal=True)"),
+            key=f"fallback_kernel:sdpa_math:{shapes}",
+        ))
+    return findings
+
+
+def _sdpa_reasons(trace, inp):
+    tensors = inp.tensors()
+    reasons = []
+    if tensors:
+        q_shape, q_dtype, _ = tensors[0]
+        if q_dtype == "fp32":
+            reasons.append("fp32 q/k/v (flash attention needs fp16/bf16)")
+        if q_shape and q_shape[-1] > 256:
+            reasons.append(f"head_dim {q_shape[-1]} > 256")
+        elif q_shape and q_shape[-1] % 8:
+            reasons.append(f"head_dim {q_shape[-1]} not a multiple of 8")
+        if len(tensors) > 3:
+            reasons.append(f"an explicit attn_mask {fmt_shape(tensors[3][0])} (flash accepts only is_causal)")
+    backends = trace.numerics.get("sdpa_backends")
+    if isinstance(backends, dict):
+        off = [k for k, v in backends.items() if v is False and k != "math"]
+        if off:
+            reasons.append("backends disabled: " + ", ".join(off))
+    if not reasons:
+        reasons.append("the fused backends were disabled or refused these inputs (shapes and dtypes look eligible: "
+                       "check torch.backends.cuda.enable_flash_sdp / enable_mem_efficient_sdp / sdpa_kernel contexts)")
+    return reasons
+
+
+def _eager_attention(trace, kernels):
+    """softmax over a [.., Sq, Sk] score matrix between two matmuls, outside SDPA."""
+    cpu = trace.cpu
+    soft = cpu[(cpu["name"].isin(["aten::softmax", "aten::_softmax"])) & (cpu["top"] == cpu.index)
+               & (~cpu["backward"])]
+    if not len(soft):
+        return []
+    # top-level ops per thread in time order, with their kernel time
+    tops = cpu[(cpu["top"] == cpu.index)].sort_values("ts")
+    kernel_time = kernels.groupby("top_op")["dur"].sum()
+    gemm_time = kernels[name_mask(kernels, is_gemm)].groupby("top_op")["dur"].sum()
+    positions = {row: i for i, row in enumerate(tops.index)}
+    names = tops["name"].tolist()
+    index = tops.index.to_numpy()
+    matmuls = {"aten::matmul", "aten::bmm", "aten::baddbmm", "aten::einsum"}
+    groups = defaultdict(list)
+    for row in soft.index:
+        inp = trace.op_inputs(row)
+        t = inp.tensors()
+        if not t or len(t[0][0]) < 3 or t[0][0][-1] < 16 or t[0][0][-2] < 16:
+            continue
+        i = positions[row]
+        before = next((j for j in range(i - 1, max(i - 8, -1), -1) if names[j] in matmuls), None)
+        after = next((j for j in range(i + 1, min(i + 6, len(names))) if names[j] in matmuls), None)
+        if before is None or after is None:
+            continue
+        rows = index[before:after + 1]
+        time = float(kernel_time.reindex(rows).fillna(0).sum())
+        gemms = float(gemm_time.reindex(rows).fillna(0).sum())
+        module = cpu["module"].iat[row]
+        groups[(module_class(module) or "", str(t[0][0]), t[0][1])].append((row, time, module, t[0], gemms))
+    findings = []
+    for (cls, shape, dtype), calls in groups.items():
+        time = sum(c[1] for c in calls)
+        scores = calls[0][3][0]
+        # a fused kernel still does the two GEMMs' work: the saving is the score-matrix traffic around them
+        expected = sum(c[4] for c in calls)
+        savings = max(0.0, time - expected)
+        modules = sorted({c[2] for c in calls if c[2]})
+        findings.append(Finding(
+            category="fallback_kernel",
+            title=f"eager attention (matmul → softmax → matmul) over scores {shape}" + (f" in {cls}" if cls else ""),
+            detail=(f"{len(calls)} attention calls materialize the {shape} {dtype} score matrix and run the "
+                    f"scale/mask/softmax/dropout as separate kernels: {fmt_us(time)} {steps_note(trace)}, of which the "
+                    f"two GEMMs take {fmt_us(expected)}. scaled_dot_product_attention (flash / memory-efficient) fuses "
+                    f"it and never writes the scores."),
+            evidence={"op": "aten::softmax", "score_shape": scores, "dtypes": [dtype], "calls": len(calls),
+                      "time_us": round(time, 2), **({"modules": modules[:10]} if modules else {})},
+            estimated_savings_us=savings,
+            recommendation=Recommendation(
+                "Use scaled_dot_product_attention: for Hugging Face models load with attn_implementation=\"sdpa\" "
+                "(or \"flash_attention_2\"); in your own code replace matmul/softmax/matmul by F.scaled_dot_product_attention.",
+                None,
+                'model = AutoModel.from_config(config, attn_implementation="sdpa")\n'
+                "# or: out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)"),
+            key=f"fallback_kernel:eager_attention:{cls}:{shape}",
+        ))
+    return findings
+
+
+_UNVECTORIZED = ("gpu_kernel_impl_nocast", "unrolled_elementwise_kernel", "elementwise_kernel<128")
+
+
+def _unvectorized_elementwise(trace, kernels):
+    cand = kernels[name_mask(kernels, lambda n: ("vectorized" not in n and any(s in n for s in _UNVECTORIZED)))]
+    if not len(cand):
+        return []
+    bandwidth = trace.device.memory_bandwidth_gbps * 1e3  # bytes per µs
+    total_kernel = float(kernels["dur"].sum()) or 1.0
+    findings = []
+    for (op, top_op, shapes, dtypes), rows in _group_by_op(trace, cand).items():
+        inp = rows[0][1]
+        tensors = inp.tensors()
+        time = sum(r.dur for r, _ in rows)
+        if time < 0.01 * total_kernel or not tensors or op_bytes(inp) < (1 << 20):
+            continue  # small tensors: launch cost dominates and vectorizing would not show
+        reasons = []
+        full = max(t[0] for t in tensors)
+        noncontig = [fmt_shape(s) for s, _, st in tensors if s == full and not is_contiguous(s, st)]
+        if noncontig:
+            reasons.append(f"non-contiguous operand {', '.join(noncontig)} (strides {[st for s, _, st in tensors if s == full]})")
+        if len(set(dtypes)) > 1 and op != "aten::copy_":  # copy_ across dtypes is the cast itself
+            reasons.append(f"mixed dtypes {'/'.join(dict.fromkeys(dtypes))} (a cast inside the kernel)")
+        if not reasons:
+            continue  # broadcasting alone: expected, and part of a chain the unfused detector reports
+        moved = op_bytes(inp) * len(rows)
+        expected = moved / (0.8 * bandwidth)
+        savings = max(0.0, time - expected)
+        if savings < 0.005 * total_kernel:
+            continue
+        findings.append(Finding(
+            category="fallback_kernel",
+            title=f"elementwise {op} off the vectorized path {shapes}",
+            detail=(f"{len(rows)} calls took {fmt_us(time)} {steps_note(trace)} at "
+                    f"{moved / time / 1e3:.0f} GB/s ({short_kernel_name(rows[0][0].name, 60)}). Why: "
+                    f"{'; '.join(reasons)}. Contiguous same-dtype operands take the vectorized kernel "
+                    f"(about {fmt_us(expected)})."),
+            evidence=_evidence(rows, trace, {"reason": reasons, "bytes": moved}),
+            estimated_savings_us=savings,
+            recommendation=Recommendation(
+                "Make the operands contiguous and of one dtype before the op (or fuse the op into its neighbours "
+                "with torch.compile).", None, "x = x.contiguous()  # once, where the view is created\ny = x.to(w.dtype) * w"),
+            key=f"fallback_kernel:unvectorized:{top_op}:{shapes}",
+        ))
+    return findings
+
+
+_CAST_PARENTS = {"aten::linear", "aten::conv1d", "aten::conv2d", "aten::conv3d", "aten::matmul", "aten::bmm",
+                 "aten::addmm", "aten::mm", "aten::baddbmm", "aten::layer_norm", "aten::group_norm",
+                 "aten::convolution", "aten::_convolution", "aten::einsum"}
+
+
+def _cast_storm(trace, kernels):
+    """Autocast re-casts fp32 weights for every op call: copy kernels under compute ops."""
+    casts = kernels[(kernels["op_name"] == "aten::copy_") & kernels["top_op_name"].isin(_CAST_PARENTS)]
+    if not len(casts):
+        return []
+    steps = max(len(trace.steps), 1)
+    rows = []
+    for row in casts.itertuples():
+        inp = trace.op_inputs(row.op)
+        d = inp.tensors()
+        if len(d) >= 2 and d[1][1] == "fp32" and d[0][1] in ("bf16", "fp16"):  # autocast casts fp32 down
+            rows.append((row, inp))
+    total_kernel = float(kernels["dur"].sum()) or 1.0
+    time = sum(r.dur for r, _ in rows)
+    if len(rows) / steps < 10 or time < 0.02 * total_kernel:
+        return []
+    parents = defaultdict(int)
+    for r, _ in rows:
+        parents[r.top_op_name] += 1
+    shapes = defaultdict(int)
+    for r, inp in rows:
+        shapes[tuple(inp.tensors()[1][0])] += 1
+    src, dst = rows[0][1].tensors()[1][1], rows[0][1].tensors()[0][1]
+    autocast = trace.numerics.get("autocast")
+    return [Finding(
+        category="fallback_kernel",
+        title=f"autocast cast storm: {len(rows)} {src}→{dst} casts inside compute ops",
+        detail=(f"{len(rows) / steps:.0f} dtype casts per step (under {', '.join(f'{k} ×{v}' for k, v in sorted(parents.items(), key=lambda x: -x[1])[:4])}) "
+                f"re-cast the same fp32 tensors, mostly weights, to {dst} on every call: {fmt_us(time)} {steps_note(trace)}."),
+        evidence={"kernels": sorted({short_kernel_name(r.name) for r, _ in rows})[:4], "op": "aten::copy_",
+                  "calls": len(rows), "time_us": round(time, 2), "casts_per_step": round(len(rows) / steps, 1),
+                  "parent_ops": dict(parents), "input_shapes": [list(s) for s, _ in sorted(shapes.items(), key=lambda x: -x[1])[:8]],
+                  "dtypes": [src, dst], **({"autocast": autocast} if autocast else {})},
+        estimated_savings_us=time,
+        recommendation=Recommendation(
+            f"Keep the weights in {dst} and let the optimizer hold fp32 master weights, or torch.compile the "
+            "model so the casts fuse into their consumers.", None,
+            f"model.to(torch.{'bfloat16' if dst == 'bf16' else 'float16'})  # + an optimizer with fp32 master weights\n"
+            "# or: model = torch.compile(model)"),
+        key=f"fallback_kernel:cast_storm:{src}->{dst}",
+    )]

@@ -1,0 +1,69 @@
+"""GPU idle intervals inside the analysed window, each with the launch that ended it.
+
+Shared by the launch-gap and host-sync detectors: both explain the same idle time, from two sides.
+"""
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from ..trace.model import Trace
+
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+              "cuStreamSynchronize", "cuCtxSynchronize", "cuEventSynchronize", "cudaStreamWaitEvent")
+# Blocking calls: the host waits for the GPU inside these.
+BLOCKING_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+                  "cuStreamSynchronize", "cuCtxSynchronize", "cuEventSynchronize")
+
+
+@dataclass
+class IdleGaps:
+    start: np.ndarray      # µs
+    end: np.ndarray
+    next_row: np.ndarray   # row in `gpu` of the activity that ended the gap
+    gpu: pd.DataFrame      # kernels + memcpy/memset in the window, time order
+
+    @property
+    def dur(self):
+        return self.end - self.start
+
+
+def gpu_activity(trace: Trace) -> pd.DataFrame:
+    start, end = trace.window
+    cols = ["ts", "dur", "end", "name", "stream", "correlation", "op", "top_op_name", "module"]
+    gpu = pd.concat([trace.kernels[cols], trace.memory[cols]], ignore_index=True)
+    gpu = gpu[(gpu["end"] >= start) & (gpu["ts"] <= end)]
+    return gpu.sort_values("ts", kind="stable").reset_index(drop=True)
+
+
+def idle_gaps(trace: Trace) -> IdleGaps:
+    gpu = gpu_activity(trace)
+    if not len(gpu):
+        return IdleGaps(np.zeros(0), np.zeros(0), np.zeros(0, dtype=np.int64), gpu)
+    ts, ends = gpu["ts"].to_numpy(), gpu["end"].to_numpy()
+    busy_until = np.maximum.accumulate(ends)
+    # a gap opens after everything so far has ended and closes at the next start
+    is_gap = np.zeros(len(ts), dtype=bool)
+    is_gap[1:] = ts[1:] > busy_until[:-1]
+    rows = np.flatnonzero(is_gap)
+    starts, stops = busy_until[rows - 1], ts[rows]
+    window_start, _ = trace.window
+    if ts[0] > window_start:  # idle from the window's start to the first GPU work
+        starts = np.concatenate([[window_start], starts])
+        stops = np.concatenate([[ts[0]], stops])
+        rows = np.concatenate([[0], rows])
+    return IdleGaps(starts, stops, rows, gpu)
+
+
+def launch_times(trace: Trace, gpu: pd.DataFrame) -> np.ndarray:
+    """Host time each GPU activity's launch call started (NaN when the trace has no launch for it)."""
+    runtime = trace.runtime
+    launches = runtime[runtime["correlation"] >= 0]
+    by_corr = pd.Series(launches["ts"].to_numpy(), index=launches["correlation"].to_numpy())
+    by_corr = by_corr[~by_corr.index.duplicated()]
+    return by_corr.reindex(gpu["correlation"].to_numpy()).to_numpy(dtype=float)
+
+
+def blocking_calls(trace: Trace) -> pd.DataFrame:
+    runtime = trace.runtime
+    return runtime[runtime["name"].isin(BLOCKING_CALLS)].sort_values("ts")

@@ -1,0 +1,77 @@
+"""Host syncs: .item(), _local_scalar_dense, nonzero, device-to-host copies and explicit
+synchronizations inside the step, each with the op that caused it and the GPU idle time after it."""
+from collections import defaultdict
+
+import numpy as np
+
+from ..trace.model import Trace
+from .common import Finding, Recommendation, fmt_us, steps_note
+from .gpu_idle import blocking_calls, gpu_activity
+
+_FIXES = {
+    "aten::item": ("Keep the value on the GPU (compare/accumulate tensors), or read it once every N steps.",
+                   "loss_sum += loss.detach()          # no .item() per step\nif step % 100 == 0: print(loss_sum.item())"),
+    "aten::_local_scalar_dense": ("Avoid Python scalars from GPU tensors inside the step (.item(), float(t), if t:).",
+                                  "torch.where(cond, a, b)  # instead of `a if cond.item() else b`"),
+    "aten::nonzero": ("nonzero/masked_select need the result size on the host: use fixed-size masks "
+                      "(torch.where, masked_fill) or nonzero_static.", "idx = torch.nonzero_static(mask, size=max_n)"),
+    "aten::to": ("A device-to-host copy blocks: copy asynchronously into pinned memory, or keep the data on the GPU.",
+                 "host = torch.empty(shape, pin_memory=True); host.copy_(t, non_blocking=True)"),
+}
+_EXPLICIT = "torch.cuda.synchronize()"
+
+
+def detect(trace: Trace) -> list[Finding]:
+    if not trace.has_gpu:
+        return []
+    syncs = blocking_calls(trace)
+    start, end = trace.window
+    syncs = syncs[(syncs["ts"] >= start) & (syncs["ts"] <= end)]
+    if not len(syncs):
+        return []
+    gpu = gpu_activity(trace)
+    starts = gpu["ts"].to_numpy()
+    cpu = trace.cpu
+    steps = trace.steps
+    step_ends = steps["end"].to_numpy() if len(steps) else np.array([end])
+    groups = defaultdict(list)
+    for call in syncs.itertuples():
+        nxt = np.searchsorted(starts, call.end)
+        idle = float(starts[nxt] - call.end) if nxt < len(starts) else 0.0
+        if call.op >= 0:
+            top = cpu["top"].iat[call.op]
+            cause = cpu["name"].iat[top] if top >= 0 else cpu["name"].iat[call.op]
+            inner = cpu["name"].iat[call.op]
+            module = cpu["module"].iat[call.op]
+        else:
+            # a bare synchronize at the very end of a profiled step is the harness timing the step: not a finding
+            step_end = step_ends[min(np.searchsorted(step_ends, call.ts), len(step_ends) - 1)]
+            if nxt >= len(starts) or starts[nxt] >= step_end:
+                continue
+            cause, inner, module = _EXPLICIT, call.name, None
+        groups[(cause, inner)].append((call, idle, module))
+    findings = []
+    for (cause, inner), calls in groups.items():
+        idle = sum(i for _, i, _ in calls)
+        blocked = sum(c.dur for c, _, _ in calls)
+        per_step = len(calls) / max(len(steps), 1)
+        fix, snippet = _FIXES.get(cause) or _FIXES.get(inner) or (
+            "Move the synchronization out of the step, or make the dependent host work asynchronous.", None)
+        modules = sorted({m for _, _, m in calls if m})
+        findings.append(Finding(
+            category="host_sync",
+            title=f"host sync in {cause}" + (f" ({inner})" if inner != cause else "") + f": {len(calls)} calls",
+            detail=(f"{len(calls)} blocking {', '.join(sorted({c.name for c, _, _ in calls}))} calls ({per_step:.0f} per step) "
+                    f"from {cause} held the CPU {fmt_us(blocked)} {steps_note(trace)}; after each the GPU sat idle "
+                    f"until the CPU launched again: {fmt_us(idle)} in total."),
+            evidence={"op": cause, "inner_op": inner, "runtime_calls": sorted({c.name for c, _, _ in calls}),
+                      "calls": len(calls), "per_step": round(per_step, 1), "host_blocked_us": round(blocked, 2),
+                      "gpu_idle_after_us": round(idle, 2),
+                      "examples": [{"ts_us": round(c.ts, 2), "blocked_us": round(c.dur, 2), "idle_after_us": round(i, 2)}
+                                   for c, i, _ in sorted(calls, key=lambda x: -x[1])[:5]],
+                      **({"modules": modules[:10]} if modules else {})},
+            estimated_savings_us=idle,
+            recommendation=Recommendation(fix, None, snippet),
+            key=f"host_sync:{cause}:{inner}",
+        ))
+    return findings

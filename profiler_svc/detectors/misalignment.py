@@ -1,0 +1,169 @@
+"""Shape/dtype misalignment: GEMM dimensions that are not multiples of the tensor-core granule,
+vocabularies not a multiple of 64, attention head_dim that flash kernels refuse, conv channel counts
+that block tensor cores. Each finding gives the exact padded size."""
+from collections import defaultdict
+
+from ..trace.model import Trace
+from .common import (GEMM_OPS, GRANULE, aligned_gemm_rates, name_mask, VOCAB_MIN, Finding, Recommendation, conv_shape, fmt_us, gemm_shape, is_gemm,
+                     is_low_alignment, is_old_arch, is_simt_matmul, steps_note, window_kernels)
+
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def detect(trace: Trace) -> list[Finding]:
+    if not trace.has_gpu:
+        return []
+    kernels = window_kernels(trace)
+    gemms = kernels[name_mask(kernels, is_gemm) & kernels["op_name"].isin(GEMM_OPS).to_numpy()]
+    rate = aligned_gemm_rates(trace, gemms)
+    findings = []
+    findings += _gemm_dims(trace, gemms, rate)
+    findings += _head_dim(trace, kernels)
+    findings += _conv_channels(trace, kernels)
+    return findings
+
+
+def _rows_with_shapes(trace, rows):
+    cache = {}
+    for row in rows.itertuples():
+        if row.op not in cache:
+            cache[row.op] = gemm_shape(row.op_name, trace.op_inputs(row.op))
+        if cache[row.op]:
+            yield row, cache[row.op]
+
+
+def _gemm_dims(trace, gemms, rate):
+    groups = defaultdict(list)
+    for row, g in _rows_with_shapes(trace, gemms):
+        granule = GRANULE.get(g.dtype)
+        if not granule or is_simt_matmul(row.name):
+            continue
+        low_align = is_low_alignment(row.name) or is_old_arch(row.name)
+        off = []
+        for dim, value in (("M", g.m), ("N", g.n), ("K", g.k)):
+            if value >= VOCAB_MIN and value % 64:
+                off.append((dim, value, round_up(value, 64)))
+            elif value % granule and not low_align and not (dim == "M" and value < granule):
+                # low-alignment kernels: the fallback detector reports them; M < granule is a GEMV (decode), not a pad
+                off.append((dim, value, round_up(value, granule)))
+        if low_align and any(v % granule for _, v, _ in off if v < VOCAB_MIN):
+            continue  # the fallback detector's low-alignment finding already names every dimension to pad
+        if off:
+            sizes = tuple(sorted({(v, p) for _, v, p in off}))
+            groups[(sizes, g.dtype)].append((row, g, off))
+    findings = []
+    for (sizes, dtype), items in groups.items():
+        time = sum(r.dur for r, _, _ in items)
+        flops = sum(g.flops for _, g, _ in items)
+        expected = flops / (rate[dtype] * 1e6)
+        savings = max(0.0, time - expected)
+        vocab = any(v >= VOCAB_MIN for v, _ in sizes)
+        pads = ", ".join(f"{v} → {p}" for v, p in sizes)
+        what = "vocabulary/output size" if vocab else "GEMM dimension"
+        row0, g0, off0 = items[0]
+        modules = sorted({r.module for r, _, _ in items if r.module})
+        ops = sorted({r.top_op_name or r.op_name for r, _, _ in items})
+        findings.append(Finding(
+            category="misalignment",
+            title=f"{dtype} {what} not a multiple of {64 if vocab else GRANULE[dtype]}: pad {pads}",
+            detail=(f"{len(items)} GEMM calls ({', '.join(ops)}) have sizes {pads}: "
+                    f"tensor-core tiles and vectorized loads want multiples of {64 if vocab else GRANULE[dtype]}. They took "
+                    f"{fmt_us(time)} {steps_note(trace)} at {flops / time / 1e6 if time else 0:.0f} TFLOP/s; this trace's aligned "
+                    f"{dtype} GEMMs reach {rate[dtype]:.0f} TFLOP/s ({fmt_us(expected)} for the same work)."),
+            evidence={"op": row0.op_name, "top_op": row0.top_op_name, "gemm": {"M": g0.m, "N": g0.n, "K": g0.k, "batch": g0.batch},
+                      "misaligned": [{"dim": d, "size": v, "padded": p} for d, v, p in off0],
+                      "dtypes": [dtype], "calls": len(items), "time_us": round(time, 2),
+                      "kernels": sorted({r.name[:100] for r, _, _ in items})[:4],
+                      "achieved_tflops": round(flops / time / 1e6, 1) if time else None,
+                      "aligned_tflops_in_trace": round(rate[dtype], 1), **({"modules": modules[:10]} if modules else {})},
+            estimated_savings_us=savings,
+            recommendation=Recommendation(
+                (f"Pad the vocabulary {pads} (resize the embedding/lm_head; the extra rows are never predicted)."
+                 if vocab else f"Pad {pads} (hidden/intermediate sizes, or tokens per batch for M)."),
+                None,
+                (f"model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)  # {pads}" if vocab else
+                 f"# e.g. choose sizes that are multiples of {GRANULE[dtype]}: {pads}"),
+            ),
+            key=f"misalignment:gemm:{dtype}:{sizes}",
+        ))
+    return findings
+
+
+def _head_dim(trace, kernels):
+    """head_dim from SDPA inputs and from eager attention's Q·K^T ([.., S, D] x [.., D, S])."""
+    cpu = trace.cpu
+    found = defaultdict(list)
+    sdpa = cpu[cpu["name"] == "aten::scaled_dot_product_attention"]
+    for row in sdpa.index:
+        t = trace.op_inputs(row).tensors()
+        if t and len(t[0][0]) == 4:
+            found[(t[0][0][-1], t[0][1])].append(row)
+    for row in cpu[cpu["name"].isin(["aten::matmul", "aten::bmm"]) & (cpu["top"] == cpu.index)].index:
+        t = trace.op_inputs(row).tensors()
+        if len(t) >= 2 and len(t[0][0]) >= 3 and len(t[1][0]) == len(t[0][0]):
+            a, b = t[0][0], t[1][0]
+            if a[-1] == b[-2] and a[-2] == b[-1] and a[-2] >= 16 and 16 <= a[-1] <= 512 and a[-1] < a[-2]:
+                found[(a[-1], t[0][1])].append(row)
+    kernel_time = kernels.groupby("top_op")["dur"].sum()
+    findings = []
+    for (d, dtype), rows in found.items():
+        if d % 8 == 0 and d <= 256:
+            continue
+        time = float(kernel_time.reindex(rows).fillna(0).sum())
+        padded = round_up(d, 8) if d <= 256 else 256
+        modules = sorted({m for m in cpu["module"].iloc[rows] if m})
+        why = (f"head_dim {d} is not a multiple of 8" if d % 8 else f"head_dim {d} is above 256")
+        findings.append(Finding(
+            category="misalignment",
+            title=f"attention head_dim {d}: flash attention refuses it",
+            detail=(f"{why}: flash and memory-efficient SDPA kernels need head_dim a multiple of 8 and at most 256, "
+                    f"so {len(rows)} attention calls ({fmt_us(time)} {steps_note(trace)}) fall back to padded or "
+                    f"unfused paths. Choose hidden_size / num_heads = {padded} (or pad q/k/v to {padded})."),
+            evidence={"head_dim": d, "padded": padded, "dtypes": [dtype], "calls": len(rows), "time_us": round(time, 2),
+                      "ops": sorted(set(cpu["name"].iloc[rows])), **({"modules": modules[:10]} if modules else {})},
+            # the fallback detector prices the unfused attention itself; this one says how to fix the shape
+            estimated_savings_us=0.0,
+            recommendation=Recommendation(
+                f"Make head_dim {padded}: change num_attention_heads or hidden_size, or pad q/k/v and slice the output.",
+                None, f"q, k, v = (F.pad(t, (0, {padded - d})) for t in (q, k, v))  # then out[..., :{d}]"
+                if padded > d else None),
+            key=f"misalignment:head_dim:{d}",
+        ))
+    return findings
+
+
+def _conv_channels(trace, kernels):
+    convs = kernels[kernels["op_name"].isin(["aten::cudnn_convolution", "aten::convolution", "aten::_convolution",
+                                             "aten::miopen_convolution", "aten::cudnn_convolution_transpose"])]
+    groups = defaultdict(list)
+    for row in convs.itertuples():
+        c = conv_shape(trace.op_inputs(row.op))
+        if not c:
+            continue
+        x, w, dtype = c
+        granule = GRANULE.get(dtype)
+        if not granule or dtype == "fp32":
+            continue
+        in_c, out_c = x[1], w[0]
+        off = [(name, v) for name, v in (("in_channels", in_c), ("out_channels", out_c)) if v % 8 and v > 4]
+        if off:
+            groups[(tuple(off), dtype)].append(row)
+    findings = []
+    for (off, dtype), rows in groups.items():
+        time = sum(r.dur for r in rows)
+        pads = ", ".join(f"{n} {v} → {round_up(v, 8)}" for n, v in off)
+        findings.append(Finding(
+            category="misalignment",
+            title=f"{dtype} convolution channels not multiples of 8: {pads}",
+            detail=(f"{len(rows)} convolution kernels ({fmt_us(time)} {steps_note(trace)}) have {pads}; tensor-core "
+                    "convolutions (implicit GEMM) need channel counts that are multiples of 8."),
+            evidence={"op": rows[0].op_name, "dtypes": [dtype], "calls": len(rows), "time_us": round(time, 2),
+                      "channels": dict(off)},
+            estimated_savings_us=0.5 * time,
+            recommendation=Recommendation(f"Pad the channels: {pads}.", None, None),
+            key=f"misalignment:conv:{off}",
+        ))
+    return findings

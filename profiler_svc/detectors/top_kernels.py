@@ -1,0 +1,62 @@
+"""Top kernels: where GPU time goes, with the op and module that launched each kernel and how close it
+runs to the device's ceilings (bandwidth for memory-bound kernels, FLOP rate for GEMMs)."""
+import pandas as pd
+
+from ..trace.model import Trace
+from .common import gemm_shape, is_compute_bound_kernel, op_bytes, short_kernel_name, window_kernels
+
+
+def top_kernels(trace: Trace, n: int = 20) -> list[dict]:
+    kernels = window_kernels(trace)
+    if not len(kernels):
+        return []
+    total = float(kernels["dur"].sum()) or 1.0
+    grouped = kernels.groupby("name", sort=False)["dur"].agg(["sum", "count", "mean"]).sort_values("sum", ascending=False)
+    out = []
+    cache = {}
+    bandwidth = trace.device.memory_bandwidth_gbps
+    for name, stats in grouped.head(n).iterrows():
+        rows = kernels[kernels["name"] == name]
+        first = rows.iloc[0]
+        op, top_op = _most_common(rows["op_name"]), _most_common(rows["top_op_name"])
+        module = _most_common(rows["module"])
+        row = rows[rows["op_name"] == op].iloc[0] if op else first
+        inputs = trace.op_inputs(int(row["op"]))
+        tensors = inputs.tensors()
+        item = {
+            "name": name, "short_name": short_kernel_name(name), "count": int(stats["count"]),
+            "total_us": round(float(stats["sum"]), 3), "mean_us": round(float(stats["mean"]), 3),
+            "share_pct": round(100.0 * float(stats["sum"]) / total, 2),
+            "op": op, "top_op": top_op, "module": module,
+            "input_shapes": [t[0] for t in tensors], "dtypes": [t[1] for t in tensors],
+            "achieved_gbps": None, "bandwidth_pct": None, "achieved_tflops": None, "peak_pct": None,
+        }
+        # rates over every call of this kernel (shapes differ between calls)
+        flops = moved = timed = 0.0
+        for op_row, op_name, dur in zip(rows["op"].tolist(), rows["op_name"].tolist(), rows["dur"].tolist()):
+            if op_row < 0 or dur <= 0:
+                continue
+            if op_row not in cache:
+                inp = trace.op_inputs(op_row)
+                cache[op_row] = (gemm_shape(op_name, inp), op_bytes(inp))
+            g, nbytes = cache[op_row]
+            flops += g.flops if g else 0.0
+            moved += nbytes
+            timed += dur
+        dtype = gemm_shape(op, inputs).dtype if op and gemm_shape(op, inputs) else None
+        if flops and timed:
+            tflops = flops / timed / 1e6
+            peak = trace.device.peak_tflops.get("tf32" if dtype == "fp32" else dtype)
+            item["achieved_tflops"] = round(tflops, 2)
+            item["peak_pct"] = round(100 * tflops / peak, 1) if peak else None
+        elif not is_compute_bound_kernel(name) and moved and timed:
+            gbps = moved / timed / 1e3
+            item["achieved_gbps"] = round(gbps, 1)
+            item["bandwidth_pct"] = round(100 * gbps / bandwidth, 1)
+        out.append(item)
+    return out
+
+
+def _most_common(series: pd.Series):
+    values = series.dropna()
+    return values.value_counts().index[0] if len(values) else None

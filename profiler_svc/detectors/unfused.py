@@ -1,0 +1,253 @@
+"""Unfused memory-bound chains: runs of elementwise/reduction kernels with no GEMM between them, on one
+stream, over tensors of the same rows (eager RMSNorm, Python tanh-GELU, SiLU·mul, rotary, upcast softmax).
+
+Each chain's bytes are counted from its ops' recorded shapes and dtypes; the fused minimum reads the
+chain's input once and writes its output once; the saving is the chain's measured time minus that
+minimum at the device's copy bandwidth.
+"""
+import re
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+from ..trace.model import Trace
+from .common import (name_mask, Finding, Recommendation, fmt_us, is_compute_bound_kernel, is_communication,
+                     module_class, numel, op_bytes, short_kernel_name, steps_note, tensor_bytes, window_kernels)
+
+# A fused kernel still costs a launch and a tail.
+_FUSED_FLOOR_US = 2.0
+
+
+@dataclass
+class Pattern:
+    swap: str
+    label: str
+    # fused minimum traffic as a multiple of the chain's largest tensor (input read + output written)
+    passes: float
+    snippet: str
+
+
+PATTERNS = {
+    "rms_norm": Pattern("rms_norm", "eager RMSNorm", 2,
+                        "from profiler_svc.kernels import swap\nswap(model, [\"rms_norm\"])"),
+    "layer_norm": Pattern("layer_norm", "eager LayerNorm", 2,
+                          "from profiler_svc.kernels import swap\nswap(model, [\"layer_norm\"])"),
+    "gelu_tanh": Pattern("gelu_tanh", "tanh-GELU written in Python", 2,
+                         "from profiler_svc.kernels import swap\nswap(model, [\"gelu_tanh\"])"),
+    "swiglu": Pattern("swiglu", "SiLU(gate)·up in separate kernels", 3,
+                      "from profiler_svc.kernels import swap\nswap(model, [\"swiglu\"])"),
+    "geglu": Pattern("geglu", "GELU(gate)·up in separate kernels", 3,
+                     "from profiler_svc.kernels import swap\nswap(model, [\"geglu\"])"),
+    "rope": Pattern("rope", "rotary embedding as mul/neg/cat/add kernels", 2,
+                    "from profiler_svc.kernels import rope\nq, k = rope(q, k, cos, sin)"),
+    "softmax": Pattern("softmax", "softmax with fp32 upcast and downcast", 2,
+                       "from profiler_svc.kernels import softmax\nprobs = softmax(scores)  # fp32 math inside, one pass"),
+    "cross_entropy": Pattern("cross_entropy", "cross-entropy over upcast fp32 logits", 1,
+                             "from profiler_svc.kernels import fused_linear_cross_entropy\n"
+                             "loss = fused_linear_cross_entropy(hidden, lm_head.weight, labels)  # never materializes logits"),
+    "optimizer": Pattern(None, "optimizer step as many foreach kernels", 7,
+                         "opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)"),
+    "generic": Pattern(None, "chain of memory-bound kernels", 2,
+                       "model = torch.compile(model)  # inductor fuses elementwise/reduction chains"),
+}
+
+
+_BACKWARD = re.compile(r"^autograd::engine::evaluate_function: (\w+?)Backward\d*$")
+
+
+def op_kind(name: str) -> str:
+    """'autograd::engine::evaluate_function: PowBackward0' -> 'aten::pow': backward chains classify like forward."""
+    m = _BACKWARD.match(name or "")
+    if not m:
+        return name or ""
+    base = re.sub(r"(?<!^)(?=[A-Z])", "_", m.group(1)).lower()
+    return "aten::" + {"to_copy": "to", "nll_loss": "nll_loss", "log_softmax": "log_softmax"}.get(base, base)
+
+
+def classify(ops: Counter) -> str:
+    has = lambda *names: all(ops.get(n, 0) for n in names)
+    if sum(v for k, v in ops.items() if k.startswith("aten::_foreach_")) >= len(ops) and len(ops):
+        return "optimizer"
+    if has("aten::tanh", "aten::pow") and ops.get("aten::mul", 0) >= 3:
+        return "gelu_tanh"
+    if has("aten::pow", "aten::mean", "aten::rsqrt") or has("aten::pow", "aten::mean", "aten::sqrt"):
+        return "layer_norm" if ops.get("aten::sub", 0) else "rms_norm"
+    if has("aten::mean", "aten::sub", "aten::var") or has("aten::var_mean", "aten::sub"):
+        return "layer_norm"
+    if (ops.get("aten::log_softmax", 0) or ops.get("aten::_log_softmax", 0)) and (
+            ops.get("aten::nll_loss", 0) or ops.get("aten::nll_loss_nd", 0) or ops.get("aten::nll_loss_forward", 0)
+            or ops.get("aten::nll_loss2d", 0)):
+        return "cross_entropy"
+    if ops.get("aten::neg", 0) and (ops.get("aten::cat", 0) or ops.get("aten::slice", 0)) and ops.get("aten::mul", 0) >= 2:
+        return "rope"
+    if (ops.get("aten::softmax", 0) or ops.get("aten::_softmax", 0)) and ops.get("aten::to", 0):
+        return "softmax"
+    return "generic"
+
+
+@dataclass
+class Chain:
+    rows: list = field(default_factory=list)      # kernel tuples
+    ops: Counter = field(default_factory=Counter)
+    bytes: int = 0
+    largest: int = 0                               # bytes of the largest tensor touched
+    shape: list = None
+    dtype: str = ""
+
+    @property
+    def time(self):
+        return sum(r.dur for r in self.rows)
+
+
+def detect(trace: Trace) -> list[Finding]:
+    if not trace.has_gpu:
+        return []
+    kernels = window_kernels(trace).sort_values("ts")
+    inputs = {}
+
+    def info(row):
+        if row.op not in inputs:
+            inp = trace.op_inputs(row.op)
+            tensors = inp.tensors()
+            big = max(tensors, key=lambda t: numel(t[0])) if tensors else _tensor_list(inp)
+            rows_key = numel(big[0][:-1]) if big and len(big[0]) > 1 else None
+            inputs[row.op] = (op_bytes(inp), big, rows_key)
+        return inputs[row.op]
+
+    chains = []
+    for _, stream in kernels.groupby("stream", sort=False):
+        chains += _stream_chains(stream, info)
+    chains += _gated_pairs(kernels, info)
+    return _findings(trace, chains)
+
+
+def _stream_chains(stream, info):
+    chains, current, current_key = [], None, object()
+    for row in stream.itertuples():
+        if is_compute_bound_kernel(row.name) or is_communication(row.name) or row.op < 0:
+            _close(chains, current)
+            current, current_key = None, object()
+            continue
+        moved, big, rows_key = info(row)
+        context = (row.module, row.backward)
+        key = (rows_key, context)
+        if current is None or (key != current_key and not (rows_key is None and context == current_key[1])):
+            _close(chains, current)
+            current, current_key = Chain(), key
+        current.rows.append(row)
+        for kind in {op_kind(row.top_op_name), op_kind(row.op_name)}:  # composite op and the op inside it
+            current.ops[kind] += 1
+        current.bytes += moved
+        if big and tensor_bytes(big[0], big[1]) > current.largest:
+            current.largest, current.shape, current.dtype = tensor_bytes(big[0], big[1]), big[0], big[1]
+    _close(chains, current)
+    return chains
+
+
+def _close(chains, chain):
+    if chain is not None and len(chain.rows) >= 3:
+        chains.append(chain)
+
+
+def _gated_pairs(kernels, info):
+    """act(gate) ... GEMM(up) ... act·up: the activation and the product sit on either side of a GEMM."""
+    pairs = []
+    rows = list(kernels.itertuples())
+    acts = {"aten::silu": "swiglu", "aten::gelu": "geglu"}
+    for i, row in enumerate(rows):
+        kind = acts.get(row.top_op_name)
+        if not kind or row.backward:
+            continue
+        moved, big, _ = info(row)
+        for nxt in rows[i + 1:i + 6]:
+            if nxt.stream != row.stream or nxt.top_op_name in acts:
+                continue
+            if nxt.top_op_name == "aten::mul" and not is_compute_bound_kernel(nxt.name):
+                moved2, big2, _ = info(nxt)
+                if big and big2 and big[0] == big2[0]:
+                    chain = Chain(rows=[row, nxt], ops=Counter({row.top_op_name: 1, "aten::mul": 1}),
+                                  bytes=moved + moved2, largest=tensor_bytes(big[0], big[1]), shape=big[0], dtype=big[1])
+                    chain.kind = kind
+                    pairs.append(chain)
+                break
+    return pairs
+
+
+def _findings(trace, chains):
+    bandwidth = trace.device.memory_bandwidth_gbps * 1e3  # bytes per µs
+    groups = defaultdict(list)
+    forward_kind_by_class = {}
+    for chain in chains:
+        kind = getattr(chain, "kind", None) or classify(chain.ops)
+        module = chain.rows[0].module
+        if not chain.rows[0].backward and kind != "generic" and module_class(module):
+            forward_kind_by_class[module_class(module)] = kind
+        chain.kind = kind
+    for chain in chains:
+        module = chain.rows[0].module
+        cls = module_class(module)
+        if chain.rows[0].backward and chain.kind == "generic" and cls and cls in forward_kind_by_class:
+            chain.kind = forward_kind_by_class[cls]  # the swap fuses this module's backward too
+        groups[(chain.kind, cls if chain.kind != "generic" or cls else _signature(chain))].append(chain)
+
+    findings = []
+    for (kind, cls), group in groups.items():
+        pattern = PATTERNS[kind]
+        time = sum(c.time for c in group)
+        fused = sum(max(pattern.passes * c.largest / bandwidth, _FUSED_FLOOR_US) for c in group)
+        savings = max(0.0, time - fused)
+        moved = sum(c.bytes for c in group)
+        fused_bytes = sum(pattern.passes * c.largest for c in group)
+        # the optimizer's chain is one foreach op per step pass: its fused minimum counts the whole step once
+        if kind == "optimizer":
+            fused = sum(max(pattern.passes * c.largest / bandwidth, _FUSED_FLOOR_US) for c in group[:1]) * len(group)
+        forward = [c for c in group if not c.rows[0].backward]
+        backward = len(group) - len(forward)
+        instances = sorted({c.rows[0].module for c in group if c.rows[0].module})
+        first = (forward or group)[0]
+        names = [op_kind(r.top_op_name).replace("aten::", "") for r in first.rows]
+        ops = " → ".join(names[:10]) + (" → …" if len(names) > 10 else "")
+        where = f" in {cls}" if cls and kind != "generic" else ""
+        n_kernels = sum(len(c.rows) for c in group)
+        counted = ([f"{len(forward)} forward"] if forward else []) + ([f"{backward} backward"] if backward else [])
+        noun = "optimizer steps" if kind == "optimizer" else "chains"
+        detail = (f"{' and '.join(counted)} {noun}{where} "
+                  f"({n_kernels} kernels, e.g. {ops}) took {fmt_us(time)} {steps_note(trace)} moving "
+                  f"{moved / 1e6:.1f} MB; fused, each reads its input once and writes its output once: "
+                  f"{fused_bytes / 1e6:.1f} MB, {fmt_us(fused)} at {trace.device.memory_bandwidth_gbps:.0f} GB/s.")
+        if kind == "optimizer":
+            summary = ("Use the fused optimizer implementation (one kernel per parameter group reads params, grads and "
+                       "states once).")
+        elif pattern.swap:
+            summary = (f"Swap in the bundled fused `{pattern.swap}` kernel"
+                       + (f" for {len(instances)} module instance{'s' if len(instances) != 1 else ''}" if instances
+                          else " (capture with profiler_svc.capture to name the module instances)") + ".")
+        else:
+            summary = "Fuse the chain: torch.compile the module (or write the math as one kernel)."
+        findings.append(Finding(
+            category="unfused_chain",
+            title=f"{pattern.label}{where}: {len(group)} chains, {n_kernels} kernels",
+            detail=detail,
+            evidence={"pattern": kind, "ops": [op_kind(r.top_op_name) for r in first.rows][:24],
+                      "kernels": [short_kernel_name(r.name, 70) for r in first.rows][:8],
+                      "input_shapes": [first.shape] if first.shape else [], "dtypes": [first.dtype] if first.dtype else [],
+                      "chains": len(group), "kernel_count": n_kernels, "time_us": round(time, 2),
+                      "bytes_moved": int(moved), "fused_min_bytes": int(fused_bytes),
+                      **({"modules": instances[:32], "module_class": cls} if instances else {})},
+            estimated_savings_us=savings,
+            recommendation=Recommendation(summary, pattern.swap, pattern.snippet),
+            key=f"unfused_chain:{kind}:{cls or ''}",
+        ))
+    return findings
+
+
+def _signature(chain):
+    return "/".join(op_kind(r.top_op_name).replace("aten::", "") for r in chain.rows[:6])
+
+
+def _tensor_list(inp):
+    """A foreach op's first TensorList as one (flat shape, dtype) pseudo-tensor: the parameters it updates."""
+    for dims in inp.dims:
+        if isinstance(dims, list) and dims and all(isinstance(d, list) for d in dims):
+            total = sum(numel(d) for d in dims if all(isinstance(x, int) for x in d))
+            return ([total], "fp32", None)  # optimizer states are fp32; params may be narrower (upper bound)
+    return None

@@ -1,0 +1,156 @@
+"""The normalized trace: pandas tables and the links between them.
+
+Times are microseconds since the trace's first event. Row links are integer positions (-1: none):
+  kernels.op / memory.op / runtime.op -> cpu row of the launching op (by External id)
+  cpu.parent -> enclosing CPU event on the same thread; cpu.top -> outermost op of that nest
+  cpu.module / kernels.module -> "qualified.name (Class)" from capture's labels (backward ops through
+  their autograd sequence number)
+"""
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Optional
+
+import msgspec
+import numpy as np
+import pandas as pd
+
+from . import labels
+from .device import DeviceInfo
+
+_DTYPE_NAMES = {
+    "float": "fp32", "double": "fp64", "c10::Half": "fp16", "c10::BFloat16": "bf16",
+    "c10::Float8_e4m3fn": "fp8", "c10::Float8_e5m2": "fp8", "long int": "int64", "int": "int32",
+    "bool": "bool", "unsigned char": "uint8", "signed char": "int8", "short int": "int16",
+    "c10::complex<float>": "complex64",
+}
+_ELEMENT_BYTES = {"fp32": 4, "fp64": 8, "fp16": 2, "bf16": 2, "fp8": 1, "int64": 8, "int32": 4,
+                  "bool": 1, "uint8": 1, "int8": 1, "int16": 2, "complex64": 8}
+
+
+def short_dtype(type_name: str) -> str:
+    return _DTYPE_NAMES.get(type_name, type_name)
+
+
+def element_bytes(dtype: str) -> Optional[int]:
+    return _ELEMENT_BYTES.get(dtype)
+
+
+@dataclass
+class OpInputs:
+    """One op's recorded inputs (record_shapes=True); empty lists where the trace has none."""
+    dims: list
+    dtypes: list       # short names: fp32, bf16, ... ("" for non-tensors)
+    strides: list
+    concrete: list
+
+    def tensors(self):
+        """(shape, dtype, strides) for each tensor input."""
+        out = []
+        for i, d in enumerate(self.dims):
+            dtype = self.dtypes[i] if i < len(self.dtypes) else ""
+            if isinstance(d, list) and d and all(isinstance(x, int) for x in d) and element_bytes(dtype):
+                stride = self.strides[i] if i < len(self.strides) else None
+                out.append((d, dtype, stride))
+        return out
+
+
+@dataclass
+class Trace:
+    path: str
+    rank: Optional[int]
+    metadata: dict
+    device: DeviceInfo
+    kernels: pd.DataFrame
+    memory: pd.DataFrame
+    cpu: pd.DataFrame
+    runtime: pd.DataFrame
+    event_count: int
+    thread_names: dict = field(default_factory=dict)
+
+    # -- op inputs ---------------------------------------------------------------------------
+    def op_inputs(self, row: int) -> OpInputs:
+        if row is None or row < 0:
+            return OpInputs([], [], [], [])
+        r = self.cpu
+        return OpInputs(
+            dims=_decode(r["input_dims"].iat[row]),
+            dtypes=[short_dtype(t) if isinstance(t, str) else "" for t in _decode(r["input_types"].iat[row])],
+            strides=_decode(r["input_strides"].iat[row]),
+            concrete=_decode(r["concrete_inputs"].iat[row]),
+        )
+
+    # -- windows -----------------------------------------------------------------------------
+    @cached_property
+    def steps(self) -> pd.DataFrame:
+        """ProfilerStep#N annotations (the profiler's active steps), in time order."""
+        cpu = self.cpu
+        steps = cpu[(cpu["cat"] == "user_annotation") & cpu["name"].str.startswith("ProfilerStep#")]
+        return steps[["name", "ts", "dur", "end"]].sort_values("ts").reset_index(drop=True)
+
+    @cached_property
+    def window(self) -> tuple[float, float]:
+        """The analysed window: the profiler steps if any, else first to last event."""
+        if len(self.steps):
+            start, end = float(self.steps["ts"].min()), float(self.steps["end"].max())
+            if len(self.kernels):  # GPU work launched in the last step finishes after it on the host
+                last = self.kernels[self.kernels["ts"] <= end]["end"]
+                end = max(end, float(last.max()) if len(last) else end)
+            return start, end
+        ends = [t["end"].max() for t in (self.kernels, self.memory, self.cpu, self.runtime) if len(t)]
+        return 0.0, float(max(ends)) if ends else 0.0
+
+    @property
+    def span_us(self) -> float:
+        start, end = self.window
+        return end - start
+
+    @cached_property
+    def gpu_busy_us(self) -> float:
+        """Union of kernel and memcpy/memset intervals inside the window, all streams."""
+        gpu = pd.concat([self.kernels[["ts", "end"]], self.memory[["ts", "end"]]])
+        start, end = self.window
+        return _union_length(gpu["ts"].to_numpy().clip(start, end), gpu["end"].to_numpy().clip(start, end))
+
+    @property
+    def gpu_busy_pct(self) -> float:
+        return 100.0 * self.gpu_busy_us / self.span_us if self.span_us > 0 else 0.0
+
+    @property
+    def has_gpu(self) -> bool:
+        return len(self.kernels) > 0
+
+    @property
+    def capture_metadata(self) -> dict:
+        info = self.metadata.get(labels.METADATA_KEY)
+        return info if isinstance(info, dict) else {}
+
+    @property
+    def numerics(self) -> dict:
+        numerics = self.capture_metadata.get("numerics")
+        return numerics if isinstance(numerics, dict) else {}
+
+
+def _decode(raw):
+    if raw is None or not len(raw):
+        return []
+    try:
+        value = msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        return []
+    return value if isinstance(value, list) else []
+
+
+def _union_length(starts: np.ndarray, ends: np.ndarray) -> float:
+    if not len(starts):
+        return 0.0
+    order = np.argsort(starts, kind="stable")
+    s, e = starts[order], ends[order]
+    run_end = np.maximum.accumulate(e)
+    # a new busy run starts where an interval begins after everything before it has ended
+    new_run = np.empty(len(s), dtype=bool)
+    new_run[0] = True
+    new_run[1:] = s[1:] > run_end[:-1]
+    run_ids = np.cumsum(new_run) - 1
+    run_starts = s[new_run]
+    run_ends = np.maximum.reduceat(e, np.flatnonzero(new_run))
+    return float((run_ends - run_starts).sum())

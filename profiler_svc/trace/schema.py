@@ -1,0 +1,54 @@
+"""The slice of the Kineto/Chrome trace format that the analyser reads, as msgspec structs.
+
+msgspec decodes straight into these slotted structs and skips every field not named here, which
+keeps a million-event trace to a few hundred bytes an event. Argument lists that only a few
+detectors need (input shapes, dtypes, strides) stay as raw JSON until asked for.
+"""
+from typing import Optional, Union
+
+import msgspec
+from msgspec import Raw, field
+
+Number = Union[int, float]
+EMPTY = Raw()  # absent raw field (msgspec cannot put Raw in a union with None)
+
+
+class EventArgs(msgspec.Struct, gc=False):
+    external_id: Optional[int] = field(name="External id", default=None)
+    correlation: Optional[int] = None
+    stream: Optional[int] = None
+    device: Optional[int] = None
+    bytes: Optional[Number] = None
+    sequence_number: Optional[int] = field(name="Sequence number", default=None)
+    fwd_thread_id: Optional[int] = field(name="Fwd thread id", default=None)
+    input_dims: Raw = field(name="Input Dims", default=EMPTY)
+    input_types: Raw = field(name="Input type", default=EMPTY)
+    input_strides: Raw = field(name="Input Strides", default=EMPTY)
+    concrete_inputs: Raw = field(name="Concrete Inputs", default=EMPTY)
+    grid: Optional[list[int]] = None
+    block: Optional[list[int]] = None
+    # Kineto writes thread/process names in "M" events' args
+    name: Optional[str] = None
+
+
+class TraceEvent(msgspec.Struct, gc=False):
+    ph: str = ""
+    cat: str = ""
+    name: str = ""
+    pid: Union[int, str] = 0
+    tid: Union[int, str] = 0
+    ts: Number = 0.0
+    dur: Number = 0.0
+    args: Optional[EventArgs] = None
+
+
+class TraceDocument(msgspec.Struct, gc=False):
+    """Kineto's JSON object format. The Chrome "JSON array format" decodes as list[TraceEvent]."""
+    traceEvents: list[TraceEvent]
+
+
+EVENTS_DECODER = msgspec.json.Decoder(TraceDocument)
+ARRAY_DECODER = msgspec.json.Decoder(list[TraceEvent])
+# Top-level keys other than traceEvents (deviceProperties, distributedInfo, our metadata, ...).
+TOP_LEVEL_DECODER = msgspec.json.Decoder(dict[str, Raw])
+ANY_DECODER = msgspec.json.Decoder()
