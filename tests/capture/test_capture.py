@@ -1,0 +1,377 @@
+"""The capture agent on CPU: hooks removed, labels and metadata in the trace, schedule, ranks, upload."""
+import glob
+import gzip
+import http.server
+import json
+import os
+import threading
+from email.parser import BytesParser
+
+import pytest
+import torch
+import torch.nn as nn
+
+import profiler_svc
+from profiler_svc.capture import hooks as capture_hooks
+from profiler_svc.errors import UserError
+from profiler_svc.trace.labels import METADATA_KEY, METADATA_SCHEMA, module_label, parse_module_label
+
+
+class Block(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, width)
+        self.act = nn.ReLU(inplace=True)  # in place on fc's output: must survive the backward hooks
+
+    def forward(self, x, *, scale=1.0):
+        return x + self.act(self.fc(self.norm(x))) * scale
+
+
+class TinyModel(nn.Module):
+    def __init__(self, width=16, classes=4):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(width), Block(width)])
+        self.head = nn.Linear(width, classes, bias=False).to(torch.float64)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x=x, scale=0.5)  # keyword inputs, as Hugging Face layers take them
+        return self.head(x.double())
+
+
+MODULES = {"": "TinyModel", "blocks": "ModuleList", "blocks.0": "Block", "blocks.0.norm": "LayerNorm",
+           "blocks.0.fc": "Linear", "blocks.0.act": "ReLU", "blocks.1": "Block", "blocks.1.norm": "LayerNorm",
+           "blocks.1.fc": "Linear", "blocks.1.act": "ReLU", "head": "Linear"}
+CALLED = {name: cls for name, cls in MODULES.items() if name != "blocks"}  # ModuleList is never called
+
+
+def train_step(model, x):
+    model(x).sum().backward()
+
+
+def load(path):
+    with gzip.open(path) as f:
+        return json.load(f)
+
+
+def module_labels(trace):
+    return [e["name"] for e in trace["traceEvents"] if parse_module_label(e.get("name", ""))]
+
+
+def hook_state(model):
+    """Every hook dict of every module, by content, plus the parameters by identity and value."""
+    modules = {name: {key: dict(value) for key, value in vars(module).items()
+                      if "hook" in key and isinstance(value, dict)}
+               for name, module in model.named_modules()}
+    params = {name: (id(p), p.detach().clone()) for name, p in model.named_parameters()}
+    return modules, params, model.training
+
+
+def assert_same_state(before, after):
+    assert after[0] == before[0]
+    assert after[2] == before[2]
+    assert after[1].keys() == before[1].keys()
+    for name, (identity, value) in before[1].items():
+        assert after[1][name][0] == identity
+        assert torch.equal(after[1][name][1], value)
+
+
+@pytest.fixture
+def model():
+    torch.manual_seed(0)
+    return TinyModel()
+
+
+@pytest.fixture
+def x():
+    return torch.randn(3, 16)
+
+
+def test_labels_and_metadata_in_trace(model, x, tmp_path):
+    with profiler_svc.capture(model, out=tmp_path, workload="tests.capture:build") as cap:
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # sampled as the model is entered
+            train_step(model, x)
+    assert os.path.dirname(cap.trace_path) == str(tmp_path)
+    assert cap.trace_path.endswith("_rank0.json.gz")
+    trace = load(cap.trace_path)
+
+    labels = module_labels(trace)
+    assert sorted(set(labels)) == sorted(module_label(n, c) for n, c in CALLED.items())
+    assert len(labels) == len(CALLED)  # one call each; no schedule: the whole block is recorded
+    assert {e["cat"] for e in trace["traceEvents"] if e.get("name") in labels} == {"user_annotation"}
+    # Ops run inside their module's label: the Linear's addmm lies within blocks.0.fc's span.
+    fc = next(e for e in trace["traceEvents"] if e.get("name") == module_label("blocks.0.fc", "Linear"))
+    assert any(e.get("cat") == "cpu_op" and e["name"] == "aten::addmm" and e["tid"] == fc["tid"]
+               and fc["ts"] <= e["ts"] <= fc["ts"] + fc["dur"] for e in trace["traceEvents"])
+
+    meta = trace[METADATA_KEY]
+    assert meta["schema"] == METADATA_SCHEMA
+    assert {n: m["class"] for n, m in meta["modules"].items()} == MODULES
+    assert meta["modules"]["head"]["params"] == {"weight": {"dtype": "float64", "shape": [4, 16]}}
+    assert meta["modules"]["blocks.1.fc"]["params"]["bias"] == {"dtype": "float32", "shape": [16]}
+    numerics = meta["numerics"]
+    assert numerics["autocast"]["cpu"] == {"enabled": True, "dtype": "bfloat16"}
+    assert numerics["float32_matmul_precision"] == torch.get_float32_matmul_precision()
+    assert numerics["allow_tf32_matmul"] == torch.backends.cuda.matmul.allow_tf32
+    assert set(numerics["sdpa_backends"]) == {"flash", "mem_efficient", "math", "cudnn"}
+    assert meta["device"]["type"] == "cpu"
+    assert meta["versions"]["torch"] == torch.__version__
+    assert (meta["rank"], meta["world_size"], meta["workload"]) == (0, 1, "tests.capture:build")
+
+
+def test_hooks_removed_and_model_unchanged(model, x, tmp_path):
+    before = hook_state(model)
+    reference = TinyModel()
+    reference.load_state_dict(model.state_dict())
+    train_step(reference, x)
+    with profiler_svc.capture(model, out=tmp_path) as cap:
+        assert cap.hooks.attached
+        train_step(model, x)
+    assert_same_state(before, hook_state(model))
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad), name  # the hooks change no gradient
+
+
+def test_user_exception_propagates_untouched(model, x, tmp_path):
+    before = hook_state(model)
+    error = ValueError("from the user's step")
+    with pytest.raises(ValueError) as raised:
+        with profiler_svc.capture(model, out=tmp_path, wait=0, warmup=0, active=2) as cap:
+            train_step(model, x)
+            cap.step()
+            raise error
+    assert raised.value is error
+    assert_same_state(before, hook_state(model))
+    assert cap.trace_paths == [] and os.listdir(tmp_path) == []  # the interrupted cycle is dropped
+
+
+def test_exception_inside_forward_closes_labels(model, x, tmp_path):
+    before = hook_state(model)
+
+    def fail(_module, _args, _output):
+        raise RuntimeError("inside blocks.1.fc")
+
+    handle = model.blocks[1].fc.register_forward_hook(fail)
+    with profiler_svc.capture(model, out=tmp_path) as cap:
+        with pytest.raises(RuntimeError, match="inside blocks.1.fc"):
+            model(x)
+        handle.remove()
+        model(x)  # the next call is labelled from the root again
+        assert cap.hooks._stack() == []
+    assert_same_state(before, hook_state(model))
+    labels = module_labels(load(cap.trace_path))
+    assert labels.count(module_label("", "TinyModel")) == 2
+
+
+def test_schedule_wait_warmup_active(model, x, tmp_path):
+    attached = []
+    with profiler_svc.capture(model, out=tmp_path, wait=1, warmup=1, active=2, repeat=2) as cap:
+        for _ in range(9):
+            attached.append(cap.hooks.attached)
+            train_step(model, x)
+            cap.step()
+    # Hooks only in warmup and active steps; two cycles of wait, warmup, active, active.
+    assert attached == [False, True, True, True, False, True, True, True, False]
+    assert len(cap.trace_paths) == 2
+    assert cap.trace_paths[0].endswith("_rank0.json.gz")
+    assert cap.trace_paths[1] == cap.trace_paths[0].replace("_rank0", "_rank0_cycle1")
+    for path, steps in zip(cap.trace_paths, ([2, 3], [6, 7])):
+        trace = load(path)
+        recorded = sorted(int(e["name"].split("#")[1]) for e in trace["traceEvents"]
+                          if e.get("name", "").startswith("ProfilerStep#"))
+        assert recorded == steps
+        assert module_labels(trace).count(module_label("", "TinyModel")) == 2
+        assert trace[METADATA_KEY]["capture"]["active"] == 2
+
+
+def test_too_few_steps_warns(model, x, tmp_path):
+    with pytest.warns(UserWarning, match="no trace written"):
+        with profiler_svc.capture(model, out=tmp_path, wait=2, warmup=1, active=1) as cap:
+            train_step(model, x)
+            cap.step()
+    assert cap.trace_path is None and os.listdir(tmp_path) == []
+
+
+def test_ranks_write_their_own_files(model, x, tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job42")
+    with profiler_svc.capture(model, out=tmp_path) as cap:
+        model(x)
+    assert os.path.basename(cap.trace_path) == "TinyModel_job42_rank1.json.gz"
+    meta = load(cap.trace_path)[METADATA_KEY]
+    assert (meta["rank"], meta["world_size"], meta["run"]) == (1, 2, "job42")
+    with profiler_svc.capture(model, out=tmp_path / "named.json.gz") as cap:
+        model(x)
+    assert cap.trace_path == str(tmp_path / "named_rank1.json.gz")
+
+
+def test_write_failure_warns_and_leaves_nothing(model, x, tmp_path, monkeypatch):
+    def broken_export(self, path):
+        with open(path, "w") as f:
+            f.write('{"traceEvents": [')
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch.profiler.profile, "export_chrome_trace", broken_export)
+    with pytest.warns(UserWarning, match="could not write .*disk full"):
+        with profiler_svc.capture(model, out=tmp_path) as cap:
+            model(x)
+    assert cap.trace_paths == [] and os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"wait": -1}, "wait must be a non-negative integer"),
+    ({"active": 0}, "active must be at least 1"),
+    ({"workload": "not a reference"}, "workload must look like"),
+    ({"upload": "ftp://host"}, "must start with http"),
+    ({"schedule": None}, "sets schedule itself"),
+])
+def test_bad_arguments(model, tmp_path, kwargs, message):
+    with pytest.raises(UserError, match=message):
+        profiler_svc.capture(model, out=tmp_path, **kwargs)
+    assert os.listdir(tmp_path) == []
+
+
+def test_bad_model_and_folder(model, tmp_path):
+    with pytest.raises(UserError, match="needs a torch.nn.Module"):
+        profiler_svc.capture(lambda x: x)
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(UserError, match="cannot create trace folder"):
+        profiler_svc.capture(model, out=blocker / "traces")
+
+
+# ---- upload -------------------------------------------------------------------------------
+
+class IngestHandler(http.server.BaseHTTPRequestHandler):
+    received = []
+    status = 201
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        message = BytesParser().parsebytes(
+            f"Content-Type: {self.headers['Content-Type']}\r\n\r\n".encode() + body)
+        form = {part.get_param("name", header="content-disposition"): part.get_payload(decode=True)
+                for part in message.get_payload()}
+        type(self).received.append((self.path, self.headers.get("Authorization"), form))
+        reply = json.dumps({"id": len(self.received)}).encode()
+        self.send_response(self.status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(reply)))
+        self.end_headers()
+        self.wfile.write(reply)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def ingest_server():
+    handler = type("Handler", (IngestHandler,), {"received": []})
+    server = http.server.HTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield handler, f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_upload_posts_trace_with_token(model, x, tmp_path, ingest_server, monkeypatch):
+    handler, url = ingest_server
+    monkeypatch.setenv("PROFILER_SVC_TOKEN", "s3cret")
+    monkeypatch.setenv("PROFILER_SVC_URL", url)
+    with profiler_svc.capture(model, out=tmp_path) as cap:
+        model(x)
+    assert cap.uploads == [{"id": 1}]
+    [(path, auth, form)] = handler.received
+    assert (path, auth) == ("/api/v1/traces", "Bearer s3cret")
+    with open(cap.trace_path, "rb") as f:
+        assert form["file"] == f.read()
+    assert form["run"].decode() == cap.run
+    assert form["name"].decode() == os.path.basename(cap.trace_path).removesuffix(".json.gz")
+
+
+def test_upload_failure_warns_and_keeps_trace(model, x, tmp_path, ingest_server):
+    handler, url = ingest_server
+    handler.status = 500
+    with pytest.warns(UserWarning, match="upload failed, trace kept at .*HTTP 500"):
+        with profiler_svc.capture(model, out=tmp_path, upload=url) as cap:
+            model(x)
+    assert os.path.exists(cap.trace_path) and cap.uploads == []
+    with pytest.warns(UserWarning, match="upload failed.*could not reach"):
+        with profiler_svc.capture(model, out=tmp_path, upload="http://127.0.0.1:9") as cap:
+            model(x)
+    assert os.path.exists(cap.trace_path)
+
+
+# ---- NVTX ranges (a stand-in domain: no Nsight Systems on CI) -----------------------------
+
+class RecordingDomain:
+    def __init__(self):
+        self.events = []
+        self.open = {}
+
+    def get_event_attributes(self, message):
+        return message
+
+    def push_range(self, message):
+        self.events.append(("push", message))
+
+    def pop_range(self):
+        self.events.append(("pop", None))
+
+    def start_range(self, message):
+        range_id = len(self.events)
+        self.open[range_id] = message
+        self.events.append(("start", message))
+        return range_id
+
+    def end_range(self, range_id):
+        self.events.append(("end", self.open.pop(range_id)))
+
+
+def test_nvtx_ranges_forward_and_backward(model, x, tmp_path, monkeypatch):
+    domain = RecordingDomain()
+    monkeypatch.setattr(capture_hooks, "nvtx_domain", lambda: domain)
+    before = hook_state(model)
+    with profiler_svc.capture(model, out=tmp_path):
+        train_step(model, x)
+    assert_same_state(before, hook_state(model))
+
+    depth, pushed = 0, []
+    for kind, message in domain.events:
+        if kind == "push":
+            depth += 1
+            pushed.append(message)
+        elif kind == "pop":
+            depth -= 1
+            assert depth >= 0
+    assert depth == 0 and pushed == [module_label(n, c) for n, c in CALLED.items()]
+
+    started = [m for kind, m in domain.events if kind == "start"]
+    assert domain.open == {}  # every backward range ended
+    # Every module whose input needs a gradient gets one, in backward order: the head first.
+    # x needs none, so the modules that take it do not: no end could be seen for them.
+    assert started[0] == "backward::head (Linear)"
+    takes_x = {"", "blocks.0", "blocks.0.norm"}
+    assert sorted(started) == sorted(f"backward::{n} ({c})" for n, c in CALLED.items() if n not in takes_x)
+
+
+def test_nvtx_off_means_no_ranges(model, x, tmp_path, monkeypatch):
+    domain = RecordingDomain()
+    monkeypatch.setattr(capture_hooks, "nvtx_domain", lambda: domain)
+    with profiler_svc.capture(model, out=tmp_path, nvtx=False) as cap:
+        train_step(model, x)
+    assert domain.events == [] and module_labels(load(cap.trace_path))
+
+
+def test_compiled_model_labels_its_root_only(model, x, tmp_path):
+    compiled = torch.compile(model, backend="eager")
+    compiled(x)
+    with profiler_svc.capture(compiled, out=tmp_path) as cap:
+        compiled(x)
+    trace = load(cap.trace_path)
+    assert module_labels(trace) == [module_label("", "TinyModel")]
+    assert {n: m["class"] for n, m in trace[METADATA_KEY]["modules"].items()} == MODULES
+    assert not any(h for m in model.modules() for h in (m._forward_hooks, m._forward_pre_hooks))
