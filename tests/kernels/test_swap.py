@@ -1,0 +1,160 @@
+import pytest
+import torch
+from torch import nn
+
+from profiler_svc.kernels import SwapEntry, available_swaps, swap, swapped, unswap
+from profiler_svc.kernels.layer_norm import LayerNorm
+from profiler_svc.kernels.rms_norm import RMSNorm
+
+pytestmark = pytest.mark.xdist_group("kernels_swap")
+transformers = pytest.importorskip("transformers")
+
+
+def tiny_llama():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=128,
+    )
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def randomize_norm_weights(model):
+    # Fresh HF norms have w = 1 (or 0 for Gemma): make them distinct so a wrong formula shows.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.2)
+
+
+def test_registry_lists_my_swaps():
+    names = available_swaps()
+    assert {"rms_norm", "layer_norm"} <= set(names)
+    with pytest.raises(ValueError, match="unknown swap 'nope'"):
+        swap(nn.Linear(2, 2), ["nope"])
+
+
+def test_llama_norms_swapped_checked_shared_and_restored():
+    model = tiny_llama()
+    randomize_norm_weights(model)
+    originals = {n: m for n, m in model.named_modules() if type(m).__name__ == "LlamaRMSNorm"}
+    ids = torch.randint(0, 128, (2, 7))
+    with torch.no_grad():
+        expected = model(ids).logits
+
+    report = swap(model, ["rms_norm"])
+
+    assert sorted(row[0] for row in report.swapped) == sorted(originals)
+    assert all(row[1] == "LlamaRMSNorm" and row[2] == "rms_norm" and row[3] < 1e-5 for row in report.swapped)
+    assert report.skipped == []
+    for name, orig in originals.items():
+        new = model.get_submodule(name)
+        assert isinstance(new, RMSNorm) and new.offset == 0.0 and new.eps == orig.variance_epsilon
+        assert new.weight is orig.weight  # shared, not copied
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, expected, rtol=1e-4, atol=1e-4)
+    assert report.to_dict()["swapped"][0]["swap"] == "rms_norm"
+
+    # Training through the swap updates the original parameters.
+    model.train()
+    model(ids, labels=ids).loss.backward()
+    assert all(orig.weight.grad is not None and orig.weight.grad.abs().sum() > 0 for orig in originals.values())
+
+    unswap(model)
+    for name, orig in originals.items():
+        assert model.get_submodule(name) is orig
+    assert swap(model, ["rms_norm"]).swapped  # swappable again after unswap
+    unswap(model)
+
+
+def test_gemma_norm_gets_the_one_plus_w_offset():
+    torch.manual_seed(0)
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+
+    parent = nn.Sequential(GemmaRMSNorm(48, eps=1e-6))
+    with torch.no_grad():
+        parent[0].weight.normal_(0.0, 0.3)
+    x = torch.randn(3, 48)
+    expected = parent(x)
+    report = swap(parent, ["rms_norm"])
+    assert len(report.swapped) == 1 and parent[0].offset == 1.0
+    torch.testing.assert_close(parent(x), expected)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: nn.RMSNorm(40, eps=1e-5),
+    lambda: nn.RMSNorm(40, elementwise_affine=False),
+    lambda: __import__("transformers.models.t5.modeling_t5", fromlist=["T5LayerNorm"]).T5LayerNorm(40),
+    lambda: __import__("transformers.models.qwen2.modeling_qwen2", fromlist=["Qwen2RMSNorm"]).Qwen2RMSNorm(40),
+])
+def test_other_rms_norms_match(make):
+    parent = nn.Sequential(make()).to(torch.bfloat16)
+    x = torch.randn(4, 40, dtype=torch.bfloat16)
+    expected = parent(x)
+    report = swap(parent)
+    assert [r[2] for r in report.swapped] == ["rms_norm"], report
+    assert (parent(x).float() - expected.float()).abs().max() <= 2 * torch.finfo(torch.bfloat16).eps * expected.abs().max()
+
+
+def test_layer_norm_swap_and_context_manager_restores_on_error():
+    ln = nn.LayerNorm(32)
+    parent = nn.Sequential(nn.Linear(8, 32), ln)
+    with pytest.raises(RuntimeError, match="boom"):
+        with swapped(parent, ["layer_norm"]) as report:
+            assert isinstance(parent[1], LayerNorm) and parent[1].weight is ln.weight and parent[1].bias is ln.bias
+            assert [r[0] for r in report.swapped] == ["1"]
+            raise RuntimeError("boom")
+    assert parent[1] is ln
+
+
+class LooksLikeRMSNormButIsNot(nn.Module):
+    """Named and shaped like an RMSNorm, but it computes LayerNorm without a bias."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+        self.variance_epsilon = 1e-6
+
+    def forward(self, x):
+        return nn.functional.layer_norm(x, x.shape[-1:], self.weight, None, self.variance_epsilon)
+
+
+class PlainRMS(nn.Module):
+    """An RMSNorm under an unrecognizable name."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.scale_eps = 1e-6
+        self.eps = 1e-6
+        self.weight = nn.Parameter(torch.rand(n) + 0.5)
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def test_matching_is_by_behaviour_not_name():
+    model = nn.Sequential(LooksLikeRMSNormButIsNot(24), PlainRMS(24))
+    report = swap(model)
+    kinds = {row[0]: row[2] for row in report.swapped}
+    assert kinds == {"0": "layer_norm", "1": "rms_norm"}  # the impostor is a (bias-free) LayerNorm
+
+
+def test_parity_failure_skips_and_keeps_the_original():
+    class WrongNorm(nn.Module):
+        def forward(self, x):
+            return x * 1.01  # 1% off: far beyond rounding
+
+    broken = SwapEntry(
+        name="broken", summary="always wrong", matches=lambda m: isinstance(m, nn.LayerNorm),
+        replace=lambda m: WrongNorm(), example_inputs=lambda m: (torch.randn(2, 16),),
+    )
+    ln = nn.LayerNorm(16)
+    parent = nn.Sequential(ln)
+    report = swap(parent, [broken])
+    assert report.swapped == [] and parent[0] is ln
+    (name, swap_name, reason), = report.skipped
+    assert (name, swap_name) == ("0", "broken") and reason.startswith("parity")
+    # check=False trusts the entry.
+    assert len(swap(parent, [broken], check=False).swapped) == 1
+    unswap(parent)
+    assert parent[0] is ln
