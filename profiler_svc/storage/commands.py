@@ -95,13 +95,15 @@ def cmd_serve(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from .demo import prepare_demo
-    url_base = f"http://{args.host}:{args.port}"
+    from .demo import prepare_demo, start_background_worker
     app = prepare_demo(print_fn=print)
     if args.no_serve:
         return 0
-    print(f"dashboard: {url_base}/  (Ctrl-C to stop)", flush=True)
-    serve(app, args.host, args.port, workers=1)
+    start_background_worker(app.config["DATABASE_URL"])
+    from werkzeug.serving import make_server
+    server = make_server(args.host, args.port, app, threaded=True)
+    print(f"dashboard: http://{args.host}:{server.port}/  (Ctrl-C to stop)", flush=True)
+    server.serve_forever()
     return 0
 
 

@@ -1,0 +1,126 @@
+"""`profiler_svc demo`: bundled GPU traces plus a live CPU capture, in a SQLite file of its own.
+
+The bundled traces (``profiler_svc/samples``) were captured on an H200 (see the manifest there);
+the live capture profiles `tiny_llama` on this machine. ``tiny_llama`` is also the run's
+workload, so the dashboard's "A/B test this swap" works on this machine (on CPU through
+Triton's interpreter when there is no GPU).
+"""
+import os
+import re
+import threading
+from pathlib import Path
+
+SAMPLES = Path(__file__).resolve().parents[1] / "samples"
+WORKLOAD = "profiler_svc.storage.demo:tiny_llama"
+
+
+def tiny_llama():
+    """A small Llama-style model written the eager way (RMSNorm in Python, SiLU * up): the kind of
+    code whose unfused chains the analyser finds. Returns (model, inputs)."""
+    import torch
+    from torch import nn
+
+    class RMSNorm(nn.Module):
+        def __init__(self, dim, eps=1e-6):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(dim))
+            self.eps = eps
+
+        def forward(self, x):
+            variance = x.float().pow(2).mean(-1, keepdim=True)
+            return self.weight * (x.float() * torch.rsqrt(variance + self.eps)).to(x.dtype)
+
+    class Block(nn.Module):
+        def __init__(self, dim, hidden):
+            super().__init__()
+            self.norm = RMSNorm(dim)
+            self.gate = nn.Linear(dim, hidden, bias=False)
+            self.up = nn.Linear(dim, hidden, bias=False)
+            self.down = nn.Linear(hidden, dim, bias=False)
+
+        def forward(self, x):
+            h = self.norm(x)
+            return x + self.down(nn.functional.silu(self.gate(h)) * self.up(h))
+
+    class TinyLlama(nn.Module):
+        def __init__(self, vocab=512, dim=128, hidden=344, layers=2):
+            super().__init__()
+            self.embed = nn.Embedding(vocab, dim)
+            self.layers = nn.ModuleList(Block(dim, hidden) for _ in range(layers))
+            self.norm = RMSNorm(dim)
+            self.lm_head = nn.Linear(dim, vocab, bias=False)
+
+        def forward(self, tokens):
+            x = self.embed(tokens)
+            for layer in self.layers:
+                x = layer(x)
+            return self.lm_head(self.norm(x))
+
+    torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = TinyLlama().to(device).eval()
+    tokens = torch.randint(0, 512, (2, 64), device=device)
+    return model, (tokens,)
+
+
+def demo_config() -> dict:
+    """The demo's own database and blob folder, under $PROFILER_SVC_HOME/demo."""
+    from .db import home
+    folder = home() / "demo"
+    folder.mkdir(parents=True, exist_ok=True)
+    return {"DATABASE_URL": f"sqlite:///{folder / 'demo.sqlite3'}", "BLOB_DIR": str(folder / "blobs"),
+            "folder": folder}
+
+
+def live_capture(folder: Path) -> Path:
+    """Profile a few inference steps of tiny_llama on this machine; returns the trace path."""
+    import torch
+    from ..capture import capture
+    model, inputs = tiny_llama()
+    out = folder / "live" / "tiny_llama_live.json.gz"
+    out.unlink(missing_ok=True)
+    with torch.no_grad(), capture(model, out=out, wait=1, warmup=1, active=2, upload=False,
+                                  workload=WORKLOAD, name="tiny_llama (live capture)") as cap:
+        for _ in range(4):
+            model(*inputs)
+            cap.step()
+    return Path(cap.trace_paths[-1]) if cap.trace_paths else out
+
+
+def prepare_demo(print_fn=print, live: bool = True):
+    """Ingest the samples (ranks of one job grouped) and a live capture; returns the Flask app."""
+    from ..web import create_app
+    from .blobs import BlobStore
+    from .db import get_engine, upgrade
+    from .ingest import ingest_path
+
+    config = demo_config()
+    engine = get_engine(config["DATABASE_URL"])
+    upgrade(engine)
+    blobs = BlobStore(config["BLOB_DIR"])
+    for path in sorted(SAMPLES.glob("*.json.gz")):
+        match = re.match(r"(.+)_rank\d+$", path.name.removesuffix(".json.gz"))
+        group = f"sample:{match.group(1)}" if match else None
+        [result] = ingest_path(engine, path, blobs=blobs, name=match.group(1) if match else None,
+                               group_key=group, host="H200 (bundled sample)")
+        print_fn(f"sample {path.name}: run {result.run_id}{' (already stored)' if result.duplicate else ''}")
+    if live:
+        trace = live_capture(config["folder"])
+        [result] = ingest_path(engine, trace, blobs=blobs, name="tiny_llama (live capture)", workload=WORKLOAD)
+        print_fn(f"live capture {trace.name}: run {result.run_id}")
+    token = os.environ.get("PROFILER_SVC_TOKEN")
+    return create_app({"DATABASE_URL": config["DATABASE_URL"], "BLOB_DIR": config["BLOB_DIR"],
+                       **({"API_TOKEN": token} if token else {})})
+
+
+def start_background_worker(database_url: str) -> threading.Thread:
+    """Run the demo's A/B jobs in this process, so the dashboard's A/B button works without a second shell."""
+    import torch
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # the bundled Triton kernels on CPU
+    from .db import get_engine
+    from .worker import run_worker
+    thread = threading.Thread(target=run_worker, args=(get_engine(database_url),), kwargs={"poll_s": 1.0},
+                              daemon=True, name="demo-worker")
+    thread.start()
+    return thread
