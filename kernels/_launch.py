@@ -9,6 +9,8 @@ import triton.language as tl
 # Widest row kept whole in registers; wider rows are processed in chunks of CHUNK_N columns.
 MAX_TILE_N = 16384
 CHUNK_N = 4096
+# Tile elements per warp in the row kernels (16 per thread): bounds registers per thread.
+WARP_ELEMENTS = 512
 
 
 def interpreted() -> bool:
@@ -30,15 +32,15 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
-def row_tiles(n: int) -> tuple[int, int, int, bool]:
+def row_tiles(n: int, max_tile_n: int = MAX_TILE_N) -> tuple[int, int, int, bool]:
     """(BLOCK_M, BLOCK_N, num_warps, one_tile) for a kernel that reduces rows of n columns."""
     block_n = triton.next_power_of_2(max(n, 1))
-    one_tile = block_n <= MAX_TILE_N
+    one_tile = block_n <= max_tile_n
     if not one_tile:
         block_n = CHUNK_N
     # Several short rows per program, so each program still moves a few KiB.
     block_m = max(1, min(16, 2048 // block_n)) if one_tile else 1
-    num_warps = min(16, max(4, block_m * block_n // 512))
+    num_warps = min(32, max(4, block_m * block_n // WARP_ELEMENTS))
     return block_m, block_n, num_warps, one_tile
 
 
