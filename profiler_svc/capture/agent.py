@@ -202,7 +202,9 @@ class Capture:
         for path in self.trace_paths:
             stem = os.path.basename(path).removesuffix(".json.gz")
             try:
-                self.uploads.append(upload_trace(self.upload_url, path, name=stem, run=self.run))
+                self.uploads.append(upload_trace(self.upload_url, path, name=stem, run=self.run,
+                                                 host=self.metadata["host"],
+                                                 workload=self.metadata["workload"]))
             except (UploadError, OSError) as exc:
                 warnings.warn(f"profiler_svc.capture: upload failed, trace kept at {path}: {exc}",
                               stacklevel=3)

@@ -20,7 +20,6 @@ model runs at full speed, and ``detach`` leaves the model's hook dictionaries as
 import sys
 import threading
 
-import nvtx
 import torch
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
@@ -29,26 +28,26 @@ from ..trace.labels import module_label
 
 NVTX_DOMAIN = "profiler_svc"
 
-try:  # a DummyDomain is what nvtx hands out when no tool is attached
-    from nvtx._lib.lib import DummyDomain as _DummyDomain
-except ImportError:  # pragma: no cover - older nvtx
-    _DummyDomain = ()
 
 
 def nvtx_domain():
     """The profiler_svc NVTX domain, or None when no tool (Nsight Systems) listens."""
+    try:
+        import nvtx
+        from nvtx._lib.lib import DummyDomain  # what nvtx hands out when no tool is attached
+    except ImportError:  # a broken or stripped install: profile without NVTX rather than fail
+        return None
     domain = nvtx.get_domain(NVTX_DOMAIN)
-    return None if isinstance(domain, _DummyDomain) else domain
+    return None if isinstance(domain, DummyDomain) else domain
 
 
 def walk_modules(model):
     """Yield ``(qualified name, module, traced)`` for every module, once each, in pre-order.
 
-    ``traced`` is True inside a compiled region, where dynamo traces module calls: hooks there
-    would only add guards and recompiles, so they are not attached. A ``torch.compile(module)``
-    wrapper (``OptimizedModule``) runs its own hooks eagerly and is labelled; it is yielded
-    under the same name as the module it wraps, whose names (without torch.compile's
-    ``_orig_mod`` step) follow, so a compiled model's names match the eager one's.
+    Transparent wrappers (``torch.compile``'s ``OptimizedModule``, DDP, DataParallel) add no step
+    to the names: the module they run follows under the wrapper's own name, so names match the
+    plain model's. ``traced`` is True inside a compiled region, where dynamo traces module calls:
+    hooks there would only add guards and recompiles.
     """
     seen = set()
     stack = [("", model, False)]
@@ -57,9 +56,10 @@ def walk_modules(model):
         if id(module) in seen:
             continue
         seen.add(id(module))
-        if is_compile_wrapper(module):
+        inner = unwrap(module)
+        if inner is not None:
             yield name, module, traced
-            stack.append((name, module._orig_mod, True))
+            stack.append((name, inner, traced or is_compile_wrapper(module)))
             continue
         # module.compile() compiles the module's whole call, its own hooks included.
         traced = traced or getattr(module, "_compiled_call_impl", None) is not None
@@ -76,9 +76,19 @@ def is_compile_wrapper(module) -> bool:
     return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
 
 
-def class_name(module) -> str:
+def unwrap(module):
+    """The module a transparent wrapper runs, or None for any other module."""
     if is_compile_wrapper(module):
-        module = module._orig_mod
+        return module._orig_mod
+    if isinstance(module, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+        return module.module
+    return None
+
+
+def class_name(module) -> str:
+    """The class of the model the user wrote, seen through wrappers."""
+    while unwrap(module) is not None:
+        module = unwrap(module)
     return type(module).__name__
 
 
@@ -87,8 +97,11 @@ class ModuleHooks:
 
     def __init__(self, model, use_nvtx=True):
         self.domain = nvtx_domain() if use_nvtx else None
+        # Labelled: every eagerly called module; of the wrappers only torch.compile's, since the
+        # module it runs is traced (a DDP wrapper's module is labelled itself).
         self.targets = [(module, module_label(name, class_name(module)))
-                        for name, module, traced in walk_modules(model) if not traced]
+                        for name, module, traced in walk_modules(model)
+                        if not traced and (unwrap(module) is None or is_compile_wrapper(module))]
         self.handles = []
         self.local = threading.local()  # per-thread stack of open labels (DataParallel replicas)
         self.on_root_call = None  # called on every call of the model itself: numerics sampling

@@ -7,18 +7,19 @@ import contextlib
 import importlib.metadata
 import os
 import platform
+import socket
 
 import torch
 
 from ..trace.labels import METADATA_SCHEMA
-from .hooks import class_name, is_compile_wrapper, walk_modules
+from .hooks import class_name, unwrap, walk_modules
 
 
 def module_tree(model) -> dict:
     """``{qualified name: {"class", "params": {name: {"dtype", "shape"}}}}``; the root is ``""``."""
     tree = {}
     for name, module, _traced in walk_modules(model):
-        if is_compile_wrapper(module):  # the module it wraps follows under the same name
+        if unwrap(module) is not None:  # the module it wraps follows under the same name
             continue
         params = {param_name: {"dtype": dtype_name(param.dtype), "shape": list(param.shape)}
                   for param_name, param in module.named_parameters(recurse=False)}
@@ -133,6 +134,7 @@ def static_metadata(model, *, rank, world_size, workload, run, name, settings) -
         "schema": METADATA_SCHEMA,
         "name": name,
         "run": run,
+        "host": socket.gethostname(),
         "rank": rank,
         "world_size": world_size,
         "workload": workload,

@@ -1,8 +1,8 @@
 """POST a captured trace to a running profiler_svc service's ingest API (stdlib only).
 
 ``POST {url}/api/v1/traces`` with ``Authorization: Bearer <PROFILER_SVC_TOKEN>`` and a
-multipart form: ``file`` (the .json.gz), ``name`` and ``run`` (the group key shared by the
-ranks of one job).
+multipart form: ``file`` (the .json.gz), ``name``, ``run`` (the group key shared by the
+ranks of one job) and, where known, ``host`` and ``workload``.
 """
 import json
 import os
@@ -32,10 +32,12 @@ def _multipart(fields: dict, file_field: str, path: str):
     return b"".join(parts), f"multipart/form-data; boundary={boundary}"
 
 
-def upload_trace(url: str, path: str, *, name: str, run: str, token=None, timeout=120) -> dict:
+def upload_trace(url: str, path: str, *, name: str, run: str, host=None, workload=None, token=None,
+                 timeout=120) -> dict:
     """Upload one trace file; returns the service's JSON reply. Raises UploadError."""
     token = token if token is not None else os.environ.get(TOKEN_ENV)
-    body, content_type = _multipart({"name": name, "run": run}, "file", path)
+    fields = {"name": name, "run": run, "host": host, "workload": workload}
+    body, content_type = _multipart({k: v for k, v in fields.items() if v}, "file", path)
     request = urllib.request.Request(url.rstrip("/") + INGEST_PATH, data=body, method="POST",
                                      headers={"Content-Type": content_type})
     if token:

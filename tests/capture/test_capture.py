@@ -281,7 +281,7 @@ def test_upload_posts_trace_with_token(model, x, tmp_path, ingest_server, monkey
     handler, url = ingest_server
     monkeypatch.setenv("PROFILER_SVC_TOKEN", "s3cret")
     monkeypatch.setenv("PROFILER_SVC_URL", url)
-    with profiler_svc.capture(model, out=tmp_path) as cap:
+    with profiler_svc.capture(model, out=tmp_path, workload="my_pkg.jobs:tiny") as cap:
         model(x)
     assert cap.uploads == [{"id": 1}]
     [(path, auth, form)] = handler.received
@@ -289,6 +289,7 @@ def test_upload_posts_trace_with_token(model, x, tmp_path, ingest_server, monkey
     with open(cap.trace_path, "rb") as f:
         assert form["file"] == f.read()
     assert form["run"].decode() == cap.run
+    assert form["workload"] == b"my_pkg.jobs:tiny" and form["host"]
     assert form["name"].decode() == os.path.basename(cap.trace_path).removesuffix(".json.gz")
 
 
@@ -375,3 +376,13 @@ def test_compiled_model_labels_its_root_only(model, x, tmp_path):
     assert module_labels(trace) == [module_label("", "TinyModel")]
     assert {n: m["class"] for n, m in trace[METADATA_KEY]["modules"].items()} == MODULES
     assert not any(h for m in model.modules() for h in (m._forward_hooks, m._forward_pre_hooks))
+
+
+def test_parallel_wrapper_adds_no_name_step(model, x, tmp_path):
+    wrapped = nn.DataParallel(model)  # on CPU it just calls the module: same names as DDP gives
+    with profiler_svc.capture(wrapped, out=tmp_path) as cap:
+        wrapped(x)
+    trace = load(cap.trace_path)
+    assert sorted(module_labels(trace)) == sorted(module_label(n, c) for n, c in CALLED.items())
+    assert {n: m["class"] for n, m in trace[METADATA_KEY]["modules"].items()} == MODULES
+    assert os.path.basename(cap.trace_path).startswith("TinyModel_")
