@@ -9,8 +9,8 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "capture": "profiler_svc.capture",
-    "recommend": "profiler_svc.recommend",
-    "Report": "profiler_svc.recommend",
+    "recommend": "profiler_svc.recommendations",
+    "Report": "profiler_svc.recommendations",
     "load_trace": "profiler_svc.trace",
     "ab_test": "profiler_svc.ab",
     "ABResult": "profiler_svc.ab",
@@ -24,4 +24,7 @@ __all__ = sorted(_EXPORTS)
 def __getattr__(name):
     if name not in _EXPORTS:
         raise AttributeError(f"module 'profiler_svc' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    # bind it here: importing a same-named subpackage (profiler_svc.capture) would otherwise shadow the function
+    globals()[name] = value
+    return value

@@ -12,7 +12,7 @@ from .errors import UserError
 
 # Areas that contribute subcommands, in help order. Each module defines add_commands(subparsers).
 COMMAND_MODULES = (
-    "profiler_svc.recommend.commands",
+    "profiler_svc.recommendations.commands",
     "profiler_svc.ab.commands",
     "profiler_svc.storage.commands",
 )

@@ -218,6 +218,10 @@ def fmt_us(us: float) -> str:
     return f"{us:.1f} µs"
 
 
+def plural(n: int, noun: str, nouns: str = None) -> str:
+    return f"{n} {noun if n == 1 else (nouns or noun + 's')}"
+
+
 def fmt_shape(shape) -> str:
     return "[" + ", ".join(str(x) for x in shape) + "]"
 

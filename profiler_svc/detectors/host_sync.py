@@ -1,5 +1,6 @@
 """Host syncs: .item(), _local_scalar_dense, nonzero, device-to-host copies and explicit
 synchronizations inside the step, each with the op that caused it and the GPU idle time after it."""
+import re
 from collections import defaultdict
 
 import numpy as np
@@ -48,7 +49,7 @@ def detect(trace: Trace) -> list[Finding]:
             step_end = step_ends[min(np.searchsorted(step_ends, call.ts), len(step_ends) - 1)]
             if nxt >= len(starts) or starts[nxt] >= step_end:
                 continue
-            cause, inner, module = _EXPLICIT, call.name, None
+            cause, inner, module = _bare_sync_cause(trace, call), call.name, None
         groups[(cause, inner)].append((call, idle, module))
     findings = []
     for (cause, inner), calls in groups.items():
@@ -75,3 +76,18 @@ def detect(trace: Trace) -> list[Finding]:
             key=f"host_sync:{cause}:{inner}",
         ))
     return findings
+
+
+def _bare_sync_cause(trace, call) -> str:
+    """Name a synchronization that no op encloses: the user's torch.cuda.synchronize(), or a library thread."""
+    if _is_main_thread(trace, call.thread):
+        return _EXPLICIT if call.name in ("cudaDeviceSynchronize", "cuCtxSynchronize") else "synchronize outside any op (main thread)"
+    name = trace.thread_names.get(call.thread, "")
+    inner = re.search(r"\((.+)\)", name)  # Kineto names threads "thread 711 (pt_gloo_runner)"
+    return f"synchronize outside any op ({inner.group(1) if inner else 'background thread'})"
+
+
+def _is_main_thread(trace, thread) -> bool:
+    """The thread that ran the profiler steps: a bare sync there is the user's torch.cuda.synchronize()."""
+    steps = trace.cpu[(trace.cpu["cat"] == "user_annotation") & trace.cpu["name"].str.startswith("ProfilerStep#")]
+    return bool(len(steps)) and steps["thread"].iloc[0] == thread

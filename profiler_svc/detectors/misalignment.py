@@ -49,7 +49,7 @@ def _gemm_dims(trace, gemms, rate):
             elif value % granule and not low_align and not (dim == "M" and value < granule):
                 # low-alignment kernels: the fallback detector reports them; M < granule is a GEMV (decode), not a pad
                 off.append((dim, value, round_up(value, granule)))
-        if low_align and any(v % granule for _, v, _ in off if v < VOCAB_MIN):
+        if low_align and any(v % granule for v in (g.m, g.n, g.k) if v < VOCAB_MIN):
             continue  # the fallback detector's low-alignment finding already names every dimension to pad
         if off:
             sizes = tuple(sorted({(v, p) for _, v, p in off}))

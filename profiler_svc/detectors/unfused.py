@@ -10,7 +10,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 from ..trace.model import Trace
-from .common import (name_mask, Finding, Recommendation, fmt_us, is_compute_bound_kernel, is_communication,
+from .common import (name_mask, plural, Finding, Recommendation, fmt_us, is_compute_bound_kernel, is_communication,
                      module_class, numel, op_bytes, short_kernel_name, steps_note, tensor_bytes, window_kernels)
 
 # A fused kernel still costs a launch and a tail.
@@ -102,6 +102,8 @@ def detect(trace: Trace) -> list[Finding]:
     if not trace.has_gpu:
         return []
     kernels = window_kernels(trace).sort_values("ts")
+    # SDPA's math path is priced whole by the fallback detector; its inner elementwise kernels are not a chain here
+    kernels = kernels[kernels["top_op_name"] != "aten::scaled_dot_product_attention"]
     inputs = {}
 
     def info(row):
@@ -209,7 +211,7 @@ def _findings(trace, chains):
         where = f" in {cls}" if cls and kind != "generic" else ""
         n_kernels = sum(len(c.rows) for c in group)
         counted = ([f"{len(forward)} forward"] if forward else []) + ([f"{backward} backward"] if backward else [])
-        noun = "optimizer steps" if kind == "optimizer" else "chains"
+        noun = ("optimizer step" if kind == "optimizer" else "chain") + ("s" if len(group) > 1 else "")
         detail = (f"{' and '.join(counted)} {noun}{where} "
                   f"({n_kernels} kernels, e.g. {ops}) took {fmt_us(time)} {steps_note(trace)} moving "
                   f"{moved / 1e6:.1f} MB; fused, each reads its input once and writes its output once: "
@@ -225,7 +227,7 @@ def _findings(trace, chains):
             summary = "Fuse the chain: torch.compile the module (or write the math as one kernel)."
         findings.append(Finding(
             category="unfused_chain",
-            title=f"{pattern.label}{where}: {len(group)} chains, {n_kernels} kernels",
+            title=f"{pattern.label}{where}: {plural(len(group), 'chain')}, {plural(n_kernels, 'kernel')}",
             detail=detail,
             evidence={"pattern": kind, "ops": [op_kind(r.top_op_name) for r in first.rows][:24],
                       "kernels": [short_kernel_name(r.name, 70) for r in first.rows][:8],

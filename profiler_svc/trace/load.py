@@ -166,7 +166,7 @@ def build_trace(events, metadata, path="trace") -> Trace:
     _link_cpu_tree(cpu)
     _attribute_backward(cpu)
     op_rows = _rows_by_external_id(cpu)
-    for table in (kernels, memory, runtime):
+    for table in (runtime, kernels, memory):  # runtime first: kernels without an External id go through it
         table["op"] = _lookup(op_rows, table["external_id"].to_numpy())
         missing = table["op"].to_numpy() < 0
         if missing.any() and table is not runtime and len(runtime):

@@ -1,0 +1,132 @@
+"""`profiler_svc recommend`: formats, exit codes, and bad input (one line, exit 2, no traceback)."""
+import gzip
+import json
+import subprocess
+import sys
+
+import pytest
+
+from profiler_svc.cli import main
+from tests.conftest import fixture_path
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_json_report_contract(capsys):
+    code, out, err = run(capsys, "recommend", str(fixture_path("gpt2_fp16_train")), "--format", "json", "--top", "5")
+    assert code == 0 and err == ""
+    report = json.loads(out)
+    assert report["schema"] == "profiler_svc.report/1"
+    assert {"device", "span_us", "gpu_busy_pct"} <= set(report["trace"])
+    assert len(report["findings"]) == 5 and len(report["top_kernels"]) == 5
+    for f in report["findings"]:
+        assert f["category"] in ("fallback_kernel", "unfused_chain", "misalignment", "launch_gaps", "host_sync")
+        assert set(f) >= {"id", "category", "severity", "title", "detail", "evidence", "estimated_savings_us",
+                          "recommendation"}
+        assert set(f["recommendation"]) == {"summary", "swap", "snippet"}
+    k = report["top_kernels"][0]
+    assert k["share_pct"] > 0 and k["count"] >= 1 and "op" in k and "module" in k
+
+
+def test_text_and_markdown(capsys):
+    code, out, _ = run(capsys, "recommend", str(fixture_path("llama_bf16_train")))
+    assert code == 0 and "eager RMSNorm" in out and "[swap: rms_norm]" in out and "Top kernels" in out
+    code, out, _ = run(capsys, "recommend", str(fixture_path("llama_bf16_train")), "--format", "markdown")
+    assert code == 0 and out.startswith("## profiler_svc report") and "| # | severity |" in out and "```python" in out
+
+
+def test_fail_on(capsys):
+    path = str(fixture_path("gpt2_fp32_notf32_infer"))
+    assert run(capsys, "recommend", path, "--fail-on", "high")[0] == 1
+    clean = str(fixture_path("cpu_transformer_encoder_infer"))
+    assert run(capsys, "recommend", clean, "--fail-on", "info")[0] == 0
+
+
+def test_output_file(tmp_path, capsys):
+    target = tmp_path / "report.json"
+    code, out, _ = run(capsys, "recommend", str(fixture_path("bert_fp16_odd_hidden_infer")), "--format", "json",
+                       "-o", str(target))
+    assert code == 0 and out == "" and json.loads(target.read_text())["findings"]
+
+
+def _bad_inputs(tmp_path):
+    good = gzip.decompress(fixture_path("bert_fp16_odd_hidden_infer").read_bytes())
+    cases = {
+        "missing": (tmp_path / "nope.json", None, "no such file"),
+        "empty": (tmp_path / "empty.json", b"", "empty"),
+        "not json": (tmp_path / "text.json", b"hello world", "not JSON"),
+        "truncated json": (tmp_path / "cut.json", good[: len(good) // 2], "truncated"),
+        "truncated gzip": (tmp_path / "cut.json.gz", gzip.compress(good)[:5000], "truncated"),
+        "broken gzip": (tmp_path / "bad.json.gz", b"\x1f\x8b" + b"\x00garbage" * 20, "gzip"),
+        "wrong type": (tmp_path / "type.json", json.dumps(
+            {"traceEvents": [{"ph": "X", "cat": "kernel", "name": "k", "ts": "soon", "dur": 1}]}).encode(), "ts"),
+        "events not a list": (tmp_path / "obj.json", b'{"traceEvents": {"a": 1}}', "traceEvents"),
+        "no events key": (tmp_path / "nokey.json", b'{"schemaVersion": 1}', "traceEvents"),
+        "negative duration": (tmp_path / "neg.json", json.dumps(
+            {"traceEvents": [{"ph": "X", "cat": "kernel", "name": "k", "ts": 1, "dur": -5}]}).encode(), "negative"),
+        "empty folder": (tmp_path / "emptydir", "dir", "no trace files"),
+    }
+    for path, content, _ in cases.values():
+        if content == "dir":
+            path.mkdir()
+        elif content is not None:
+            path.write_bytes(content)
+    return cases
+
+
+def test_bad_input_is_one_line_exit_2(tmp_path, capsys):
+    for label, (path, _, expect) in _bad_inputs(tmp_path).items():
+        code, out, err = run(capsys, "recommend", str(path))
+        lines = err.strip().splitlines()
+        assert code == 2, label
+        assert len(lines) == 1 and lines[0].startswith("profiler_svc: error:"), (label, err)
+        assert expect.lower() in lines[0].lower(), (label, lines[0])
+        assert out == ""
+
+
+def test_size_limit(tmp_path):
+    big = tmp_path / "big.json.gz"
+    big.write_bytes(gzip.compress(b'{"traceEvents": [' + b" " * 5_000_000 + b"]}"))
+    proc = subprocess.run([sys.executable, "-m", "profiler_svc.cli", "recommend", str(big)], capture_output=True,
+                          text=True, env={"PROFILER_SVC_MAX_TRACE_BYTES": "1000000", "PATH": ""})
+    assert proc.returncode == 2 and "limit" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_no_traceback_from_the_real_command(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"traceEvents": [{"ph": "X", "args": "oops"}]}')
+    proc = subprocess.run([sys.executable, "-m", "profiler_svc.cli", "recommend", str(bad)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1
+
+
+def test_usage_errors_exit_2(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["recommend", str(fixture_path("gpt2_fp16_train")), "--top", "zero"])
+    assert exc.value.code == 2
+
+
+def test_hostile_names_are_inert(tmp_path, capsys):
+    name = "<img src=x onerror=alert`1`>\x1b[2J|evil"
+    events = [{"ph": "X", "cat": "cpu_op", "name": "aten::mul", "pid": 1, "tid": 1, "ts": 0, "dur": 50,
+               "args": {"External id": 1}}]
+    events += [{"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": 7, "ts": 10 + i * 10, "dur": 5,
+                "args": {"External id": 1, "stream": 7, "correlation": 100 + i}} for i in range(3)]
+    path = tmp_path / "hostile.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    _, text, _ = run(capsys, "recommend", str(path))
+    _, md, _ = run(capsys, "recommend", str(path), "--format", "markdown")
+    assert "\x1b" not in text and "<img" not in md and "&lt;img" in md and "\\|evil" in md
+    _, js, _ = run(capsys, "recommend", str(path), "--format", "json")
+    assert json.loads(js)["top_kernels"][0]["name"] == name  # JSON keeps the data exact
+
+
+def test_python_api():
+    import profiler_svc
+    report = profiler_svc.recommend(fixture_path("qwen2_bf16_decode"))
+    assert isinstance(report, profiler_svc.Report) and report.findings[0].category == "launch_gaps"
+    assert "rms_norm" in report.swaps()
