@@ -119,6 +119,23 @@ def summarize(samples):
             "host_ms_median": statistics.median(host)}
 
 
+def report(args, labelled_modules, samples, trials):
+    summary = {variant: summarize(s) for variant, s in samples.items()}
+    base = summary["profiler"]["step_ms_median"]
+    bare = summary["bare"]["step_ms_median"]
+    result = {
+        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
+        "cuda": torch.version.cuda, "transformers": __import__("transformers").__version__,
+        "config": vars(args), "trials_done": trials, "labelled_modules": labelled_modules, "summary": summary,
+        "overhead_vs_profiler_pct": {v: 100 * (summary[v]["step_ms_median"] / base - 1) for v in PROFILED},
+        "overhead_vs_bare_pct": {v: 100 * (summary[v]["step_ms_median"] / bare - 1) for v in UNPROFILED},
+    }
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**result, "samples": samples}, f, indent=1)
+    return result
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=2048)
@@ -146,21 +163,10 @@ def main():
                 samples[variant] += profiled_session(variant, model, step, args.active, out_dir)
             for variant in UNPROFILED[trial % 3:] + UNPROFILED[:trial % 3]:
                 samples[variant] += unprofiled_session(variant, model, step, args.active)
-            print(f"trial {trial + 1}/{args.trials} done", flush=True)
-
-    summary = {variant: summarize(s) for variant, s in samples.items()}
-    base = summary["profiler"]["step_ms_median"]
-    bare = summary["bare"]["step_ms_median"]
-    result = {
-        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__, "cuda": torch.version.cuda,
-        "transformers": __import__("transformers").__version__, "config": vars(args),
-        "labelled_modules": labelled_modules, "summary": summary,
-        "overhead_vs_profiler_pct": {v: 100 * (summary[v]["step_ms_median"] / base - 1) for v in PROFILED},
-        "overhead_vs_bare_pct": {v: 100 * (summary[v]["step_ms_median"] / bare - 1) for v in UNPROFILED},
-    }
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({**result, "samples": samples}, f, indent=1)
+            result = report(args, labelled_modules, samples, trial + 1)  # kept if a later trial is cut off
+            print(f"trial {trial + 1}/{args.trials}: capture "
+                  f"{result['overhead_vs_profiler_pct']['capture']:+.2f}% vs profiler", flush=True)
+    summary = result["summary"]
     print(f"\n{result['gpu']}, torch {result['torch']}, transformers {result['transformers']}, "
           f"{labelled_modules} labelled modules, {args.trials} trials x {args.active} steps per variant")
     print("| variant | step ms median | IQR | host ms median | vs |")

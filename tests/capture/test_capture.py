@@ -386,3 +386,22 @@ def test_parallel_wrapper_adds_no_name_step(model, x, tmp_path):
     assert sorted(module_labels(trace)) == sorted(module_label(n, c) for n, c in CALLED.items())
     assert {n: m["class"] for n, m in trace[METADATA_KEY]["modules"].items()} == MODULES
     assert os.path.basename(cap.trace_path).startswith("TinyModel_")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_kernels_run_inside_module_labels(tmp_path):
+    torch.manual_seed(0)
+    model = TinyModel(width=256).cuda()
+    x = torch.randn(64, 256, device="cuda")
+    with profiler_svc.capture(model, out=tmp_path, wait=0, warmup=1, active=1) as cap:
+        for _ in range(2):
+            train_step(model, x)
+            torch.cuda.synchronize()
+            cap.step()
+    trace = load(cap.trace_path)
+    events = trace["traceEvents"]
+    gpu_labels = {e["name"] for e in events if e.get("cat") == "gpu_user_annotation"}
+    assert module_label("blocks.0.fc", "Linear") in gpu_labels  # Kineto's GPU span of the label
+    meta = trace[METADATA_KEY]
+    assert meta["device"]["type"] == "cuda" and meta["device"]["sm_count"] > 0
+    assert meta["versions"]["cuda"] == torch.version.cuda
