@@ -1,0 +1,59 @@
+import logging
+
+import pytest
+
+from dbfixtures import DATA, SMALL_TRACE
+from profiler_svc.cli import main
+
+
+@pytest.fixture
+def sqlite_env(monkeypatch, tmp_path):
+    url = f"sqlite:///{tmp_path / 'cli.sqlite3'}"
+    monkeypatch.setenv("PROFILER_SVC_DATABASE_URL", url)
+    monkeypatch.setenv("PROFILER_SVC_BLOB_DIR", str(tmp_path / "blobs"))
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield url
+    root.handlers[:], root.level = handlers, level  # `worker` configures logging onto capsys's stderr
+    from profiler_svc.storage import db
+    engine = db._engines.pop(url, None)
+    if engine is not None:
+        engine.dispose()
+
+
+def one_line_error(capsys):
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("profiler_svc: error: ") and "\n" not in err and "Traceback" not in err
+    return err
+
+
+def test_db_upgrade_ingest_and_worker(sqlite_env, capsys):
+    assert main(["db", "upgrade"]) == 0
+    assert "latest schema" in capsys.readouterr().out
+    assert main(["ingest", str(SMALL_TRACE), "--name", "cli run", "--workload", "pkg.mod:make"]) == 0
+    assert capsys.readouterr().out.strip() == "run 1 trace 1: stored"
+    assert main(["ingest", str(SMALL_TRACE)]) == 0
+    assert capsys.readouterr().out.strip() == "run 1 trace 1: already stored"
+    assert main(["ingest", str(DATA / "ddp")]) == 0
+    assert capsys.readouterr().out.split("\n")[:2] == ["run 2 trace 2: stored", "run 2 trace 3: stored"]
+    assert main(["worker", "--once"]) == 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["ingest", "/no/such/trace.json"], "no such file or folder"),
+    (["ingest", str(DATA / "manifest.json")], ""),
+])
+def test_ingest_bad_input_is_one_line(sqlite_env, capsys, argv, message):
+    assert main(argv) == 2
+    assert message in one_line_error(capsys)
+
+
+def test_unusable_database_urls_are_one_line(monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv("PROFILER_SVC_DATABASE_URL", "nosuchdb://x/y")
+    assert main(["ingest", str(SMALL_TRACE)]) == 2
+    assert "nosuchdb" in one_line_error(capsys)
+    # A PostgreSQL database that was never migrated: told to run `db upgrade` (no server needed
+    # to check the message when it is down: either way one line, exit 2).
+    monkeypatch.setenv("PROFILER_SVC_DATABASE_URL", "postgresql://postgres@127.0.0.1:1/none")
+    assert main(["worker", "--once"]) == 2
+    one_line_error(capsys)
