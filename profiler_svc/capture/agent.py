@@ -144,7 +144,7 @@ class Capture:
         """Analyse the last trace written: ``profiler_svc.recommend(cap.trace_path, **kwargs)``."""
         if self.trace_path is None:
             raise UserError("capture wrote no trace to analyse")
-        from ..recommend import recommend
+        from .. import recommend  # lazily: the analyser's dependencies load only when asked for
         return recommend(self.trace_path, **kwargs)
 
     # ---- internals -------------------------------------------------------------------------

@@ -120,6 +120,14 @@ def test_labels_and_metadata_in_trace(model, x, tmp_path):
     assert (meta["rank"], meta["world_size"], meta["workload"]) == (0, 1, "tests.capture:build")
 
 
+def test_recommend_analyses_the_trace(model, x, tmp_path):
+    with profiler_svc.capture(model, out=tmp_path) as cap:
+        train_step(model, x)
+    report = cap.recommend().to_dict()
+    assert report["source"]["files"] == [cap.trace_path]
+    assert report["trace"]["labelled"] is True
+
+
 def test_hooks_removed_and_model_unchanged(model, x, tmp_path):
     before = hook_state(model)
     reference = TinyModel()
