@@ -1,0 +1,311 @@
+"""Cross-entropy over logits, and a chunked fused linear + cross-entropy that never holds all logits.
+
+Per row r with target t (rows whose target is ignore_index contribute nothing):
+    lse = logsumexp(x),  loss = (1 - ε)·(lse - x_t) + ε·(lse - mean(x))          (ε = label smoothing)
+    dloss/dx_j = g_r · (softmax(x)_j - (1 - ε)·[j = t] - ε/V)
+One online pass over a row gives lse, x_t and mean(x) (fp32 math; fp64 for fp32 logits); the
+backward recomputes softmax from the saved lse, so forward + backward reads the logits twice and
+writes the gradient once. The fused linear version runs the same kernel on row chunks of
+hidden @ weight.T, writing the logits' gradient over the chunk's logits in place and folding it into
+the hidden and weight gradients at once, so memory holds one chunk of logits, never all of them.
+"""
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import nn
+from torch.library import triton_op, wrap_triton
+
+from ._launch import require_triton, round_to
+from .swap import SwapEntry, place
+
+BLOCK_V = 4096  # columns per step of the online pass
+REDUCTIONS = ("mean", "sum", "none")
+
+
+@triton.jit
+def _cross_entropy_kernel(
+    X, T, LSE, LOSS, DX, SCALE, stride_x, stride_dx, stride_scale, V, ignore_index, smoothing,
+    COMPUTE_LSE: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    target = tl.load(T + row).to(tl.int64)
+    ignored = target == ignore_index
+    x_row = X + row * stride_x
+    if COMPUTE_LSE:
+        m = tl.full([BLOCK_N], -float("inf"), dtype=ACC)
+        s = tl.zeros([BLOCK_N], dtype=ACC)
+        total = tl.zeros([BLOCK_N], dtype=ACC)
+        for start in range(0, V, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            x = tl.load(x_row + cols, mask=cols < V, other=-float("inf")).to(ACC)
+            m_new = tl.maximum(m, x)
+            shift = tl.where(m_new == -float("inf"), 0.0, m_new)  # a lane that has seen only -inf stays 0
+            s = s * tl.exp(m - shift) + tl.exp(x - shift)
+            m = m_new
+            total += tl.where(cols < V, x, 0.0)
+        row_max = tl.max(m, axis=0)
+        lse = row_max + tl.log(tl.sum(s * tl.exp(m - row_max), axis=0))
+        in_range = (target >= 0) & (target < V)  # never read outside the row, whatever the target
+        x_t = tl.load(x_row + tl.where(in_range, target, 0)).to(ACC)
+        loss = (1.0 - smoothing) * (lse - x_t) + smoothing * (lse - tl.sum(total, axis=0) / V)
+        tl.store(LSE + row, lse)
+        tl.store(LOSS + row, tl.where(ignored, 0.0, loss))
+    else:
+        lse = tl.load(LSE + row)
+    if WRITE_GRAD:
+        scale = tl.where(ignored, 0.0, tl.load(SCALE + row * stride_scale).to(ACC))
+        for start in range(0, V, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            mask = cols < V
+            x = tl.load(x_row + cols, mask=mask, other=0.0).to(ACC)
+            grad = tl.exp(x - lse) - smoothing / V - tl.where(cols == target, 1.0 - smoothing, 0.0)
+            tl.store(DX + row * stride_dx + cols, round_to(scale * grad, DX.dtype.element_ty), mask=mask)
+
+
+def _acc_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def _launch(x, target, lse, loss, dx, scale, ignore_index, smoothing, compute_lse, write_grad):
+    wrap_triton(_cross_entropy_kernel)[(x.shape[0],)](
+        x, target, lse, loss, dx, scale, x.stride(0), dx.stride(0), scale.stride(0) if scale.dim() else 0,
+        x.shape[1], ignore_index, smoothing, COMPUTE_LSE=compute_lse, WRITE_GRAD=write_grad,
+        BLOCK_N=min(BLOCK_V, triton.next_power_of_2(x.shape[1])),
+        ACC=tl.float64 if _acc_dtype(x) == torch.float64 else tl.float32, num_warps=8 if x.shape[1] >= 2048 else 4,
+    )
+
+
+@triton_op("profiler_svc::cross_entropy_fwd", mutates_args={})
+def _cross_entropy_fwd(
+    x: torch.Tensor, target: torch.Tensor, ignore_index: int, smoothing: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, V) with unit column stride. Returns each row's loss (0 where ignored) and lse, in fp32 (fp64)."""
+    lse = torch.empty((x.shape[0],), dtype=_acc_dtype(x), device=x.device)
+    loss = torch.empty((x.shape[0],), dtype=_acc_dtype(x), device=x.device)
+    _launch(x, target, lse, loss, x, lse, ignore_index, smoothing, True, False)
+    return loss, lse
+
+
+@triton_op("profiler_svc::cross_entropy_bwd", mutates_args={})
+def _cross_entropy_bwd(
+    x: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor, ignore_index: int, smoothing: float
+) -> torch.Tensor:
+    """d(loss)/dx for per-row loss weights `scale` (M,) or a scalar (0-dim)."""
+    dx = torch.empty_like(x)
+    _launch(x, target, lse, lse, dx, scale, ignore_index, smoothing, False, True)
+    return dx
+
+
+@triton_op("profiler_svc::cross_entropy_fwd_bwd", mutates_args={"x"})
+def _cross_entropy_fwd_bwd_(
+    x: torch.Tensor, target: torch.Tensor, scale: torch.Tensor, ignore_index: int, smoothing: float
+) -> torch.Tensor:
+    """Each row's loss; x is overwritten by d(loss · scale)/dx (the fused linear version's own buffer)."""
+    lse = torch.empty((x.shape[0],), dtype=_acc_dtype(x), device=x.device)
+    loss = torch.empty((x.shape[0],), dtype=_acc_dtype(x), device=x.device)
+    _launch(x, target, lse, loss, x, scale, ignore_index, smoothing, True, True)
+    return loss
+
+
+def _reduce(loss_rows, target, ignore_index, reduction, dtype):
+    if reduction == "none":
+        return loss_rows.to(dtype)
+    if reduction == "sum":
+        return loss_rows.sum().to(dtype)
+    return (loss_rows.sum() / (target != ignore_index).sum()).to(dtype)  # 0/0 = nan when all ignored, as in eager
+
+
+def _row_scale(grad, target, ignore_index, reduction):
+    """Per-row (or scalar) weight of each row's loss in the reduced loss, times the incoming gradient."""
+    if reduction == "mean":
+        return (grad / (target != ignore_index).sum()).float()
+    return grad.float()
+
+
+class CrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, ignore_index, reduction, smoothing):
+        loss_rows, lse = torch.ops.profiler_svc.cross_entropy_fwd(logits, target, ignore_index, smoothing)
+        ctx.save_for_backward(logits, target, lse)
+        ctx.args = ignore_index, reduction, smoothing
+        return _reduce(loss_rows, target, ignore_index, reduction, logits.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, target, lse = ctx.saved_tensors
+        ignore_index, reduction, smoothing = ctx.args
+        scale = _row_scale(grad, target, ignore_index, reduction)
+        dx = torch.ops.profiler_svc.cross_entropy_bwd(logits, target, lse, scale, ignore_index, smoothing)
+        return dx, None, None, None, None
+
+
+def _check(logits_or_hidden, target, reduction, label_smoothing, what="logits"):
+    require_triton(logits_or_hidden)
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {', '.join(REDUCTIONS)}, got {reduction!r}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if target.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"target must hold class indices (int64), got {target.dtype}")
+    if not logits_or_hidden.is_floating_point():
+        raise ValueError(f"{what} must be floating point, got {logits_or_hidden.dtype}")
+
+
+def cross_entropy(logits, target, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0):
+    """F.cross_entropy with class indices: logits (N, C) or (N, C, d1, ...) and target (N,) or (N, d1, ...)."""
+    _check(logits, target, reduction, label_smoothing)
+    if logits.dim() > 2:  # class dim is 1, as in F.cross_entropy
+        logits = logits.movedim(1, -1)
+    if logits.shape[:-1] != target.shape:
+        raise ValueError(f"target shape {tuple(target.shape)} does not fit logits {tuple(logits.shape)}")
+    rows = logits.reshape(-1, logits.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    loss = CrossEntropyFunction.apply(rows, target.reshape(-1), int(ignore_index), reduction, float(label_smoothing))
+    return loss.view(target.shape) if reduction == "none" else loss
+
+
+class CrossEntropyLoss(nn.Module):
+    """Drop-in for nn.CrossEntropyLoss with class-index targets (no class weights)."""
+
+    def __init__(self, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0):
+        super().__init__()
+        self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
+
+    def forward(self, logits, target):
+        return cross_entropy(logits, target, self.ignore_index, self.reduction, self.label_smoothing)
+
+
+# ---- fused linear + cross-entropy -----------------------------------------------------------------
+
+
+def _chunk_rows(m: int, hidden: int, vocab: int) -> int:
+    # A chunk's logits about as large as the hidden states themselves (Liger's rule), at least 1 row.
+    return max(1, triton.next_power_of_2(triton.cdiv(m, triton.cdiv(vocab, hidden))))
+
+
+def _mm_fp32(a, b):
+    """a @ b with an fp32 result (fp32 accumulation, not rounded to bf16/fp16 in between)."""
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
+def _chunked_pass(hidden, weight, bias, target, scale, ignore_index, smoothing, chunk_rows, need_grads):
+    """Loss rows, and with need_grads the gradients of sum(loss_rows · scale) for hidden, weight, bias."""
+    m = hidden.shape[0]
+    loss_rows = hidden.new_empty((m,), dtype=_acc_dtype(hidden))
+    # fp32 until the incoming gradient is applied: one rounding in all, as in eager.
+    grad_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if need_grads else None
+    # fp32 accumulators across chunks: one rounding at the end, as eager's single matmul has.
+    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grads else None
+    grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_grads and bias is not None else None
+    for start in range(0, m, chunk_rows):
+        stop = min(start + chunk_rows, m)
+        h = hidden[start:stop]
+        logits = h @ weight.t()
+        if bias is not None:
+            logits = logits + bias
+        t = target[start:stop]
+        if need_grads:
+            s = scale[start:stop] if scale.dim() else scale
+            loss_rows[start:stop] = torch.ops.profiler_svc.cross_entropy_fwd_bwd(logits, t, s, ignore_index, smoothing)
+            grad_logits = logits  # overwritten in place by the kernel
+            grad_hidden[start:stop] = _mm_fp32(grad_logits, weight)
+            grad_weight += _mm_fp32(grad_logits.t(), h)
+            if grad_bias is not None:
+                grad_bias += grad_logits.float().sum(0)
+        else:
+            loss_rows[start:stop] = torch.ops.profiler_svc.cross_entropy_fwd(logits, t, ignore_index, smoothing)[0]
+    return loss_rows, grad_hidden, grad_weight, grad_bias
+
+
+class FusedLinearCrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, ignore_index, reduction, smoothing, chunk_rows):
+        needs_grad = any(ctx.needs_input_grad[:3])
+        args = (ignore_index, smoothing, chunk_rows)
+        if needs_grad and reduction != "none":
+            # The gradient is known up to the incoming scalar: compute it now, while each chunk is at hand.
+            one = torch.ones((), device=hidden.device, dtype=torch.float32)
+            scale = _row_scale(one, target, ignore_index, reduction)
+            loss_rows, *grads = _chunked_pass(hidden, weight, bias, target, scale, ignore_index, smoothing, chunk_rows, True)
+            ctx.save_for_backward(*(g if g is not None else torch.empty(0) for g in grads))
+        else:
+            loss_rows, *_ = _chunked_pass(hidden, weight, bias, target, None, ignore_index, smoothing, chunk_rows, False)
+            ctx.save_for_backward(hidden, weight, bias if bias is not None else torch.empty(0), target)
+        ctx.args, ctx.reduction, ctx.has_bias = args, reduction, bias is not None
+        ctx.dtypes = hidden.dtype, weight.dtype, bias.dtype if bias is not None else None
+        return _reduce(loss_rows, target, ignore_index, reduction, hidden.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ignore_index, smoothing, chunk_rows = ctx.args
+        if ctx.reduction != "none":
+            grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+            g = grad.float()
+            grad_hidden = grad_hidden * g
+        else:  # per-row incoming gradients: the weight gradient does not factor, so run the chunks again
+            hidden, weight, bias, target = ctx.saved_tensors
+            bias = bias if ctx.has_bias else None
+            _, grad_hidden, grad_weight, grad_bias = _chunked_pass(
+                hidden, weight, bias, target, grad.float(), ignore_index, smoothing, chunk_rows, True
+            )
+            g = torch.ones((), device=grad.device)
+        grad_hidden = grad_hidden.to(ctx.dtypes[0])
+        grad_weight = (grad_weight * g).to(ctx.dtypes[1])
+        grad_bias = (grad_bias * g).to(ctx.dtypes[2]) if ctx.has_bias else None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+
+
+def fused_linear_cross_entropy(
+    hidden, weight, target, bias=None, ignore_index: int = -100, reduction: str = "mean",
+    label_smoothing: float = 0.0, chunk_rows: Optional[int] = None,
+):
+    """cross_entropy(hidden @ weight.T + bias, target) without materializing all the logits.
+
+    hidden (..., H), weight (V, H) (an lm_head's), target (...). chunk_rows: rows per chunk (default:
+    enough that a chunk's logits are about the size of `hidden`).
+    """
+    _check(hidden, target, reduction, label_smoothing, what="hidden")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight {tuple(weight.shape)} does not fit hidden {tuple(hidden.shape)}: need (V, H)")
+    if hidden.shape[:-1] != target.shape:
+        raise ValueError(f"target shape {tuple(target.shape)} does not fit hidden {tuple(hidden.shape)}")
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    chunk = chunk_rows or _chunk_rows(rows.shape[0], weight.shape[1], weight.shape[0])
+    loss = FusedLinearCrossEntropyFunction.apply(
+        rows, weight, bias, target.reshape(-1), int(ignore_index), reduction, float(label_smoothing), int(chunk)
+    )
+    return loss.view(target.shape) if reduction == "none" else loss
+
+
+# ---- swap: nn.CrossEntropyLoss with class-index targets and no class weights ------------------------
+
+
+def _matches(module: nn.Module) -> bool:
+    return (
+        isinstance(module, nn.CrossEntropyLoss)
+        and module.weight is None
+        and module.reduction in REDUCTIONS
+    )
+
+
+def _example_inputs(module: nn.Module) -> tuple:
+    device, dtype = place(module)
+    gen = torch.Generator().manual_seed(1)
+    logits = (3 * torch.randn(12, 37, generator=gen)).to(device=device, dtype=dtype)
+    target = torch.randint(0, 37, (12,), generator=gen).to(device)
+    target[3] = module.ignore_index
+    return logits, target
+
+
+SWAP = SwapEntry(
+    name="cross_entropy",
+    summary="Fused cross-entropy (ignore_index, mean/sum/none, label smoothing): logits read twice, no fp32 copy",
+    matches=_matches,
+    replace=lambda m: CrossEntropyLoss(m.ignore_index, m.reduction, m.label_smoothing),
+    example_inputs=_example_inputs,
+)

@@ -1,0 +1,104 @@
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_numerics import assert_no_worse, rel_err
+from torch import nn
+
+from profiler_svc.kernels import cross_entropy, fused_linear_cross_entropy, swap, unswap
+from profiler_svc.kernels.cross_entropy import CrossEntropyLoss
+
+pytestmark = pytest.mark.xdist_group("kernels_ce")
+
+
+def problem(m, v, seed, ignore_every=5):
+    gen = torch.Generator().manual_seed(seed)
+    logits = (3 * torch.randn(m, v, generator=gen, dtype=torch.float64)).requires_grad_()
+    target = torch.randint(0, v, (m,), generator=gen)
+    target[::ignore_every] = -100
+    return logits, target
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("reduction,smoothing", [("mean", 0.0), ("sum", 0.1), ("none", 0.0)])
+@pytest.mark.parametrize("m,v", [(37, 1000), (16, 9000)])  # 9000: several chunks of the online pass
+def test_numerics_no_worse_than_eager(dtype, reduction, smoothing, m, v):
+    logits, target = problem(m, v, seed=v)
+
+    def call(fn):
+        return lambda x: fn(x, target, ignore_index=-100, reduction=reduction, label_smoothing=smoothing)
+
+    eager = {"F.cross_entropy": call(F.cross_entropy), "float-upcast": lambda x: call(F.cross_entropy)(x.float()).to(x.dtype)}
+    assert_no_worse(call(cross_entropy), eager, [logits], call(F.cross_entropy), dtype)
+
+
+def test_edge_cases():
+    logits, target = problem(6, 50, seed=1)
+    x = logits.detach().float()
+    target[:] = -100
+    assert torch.isnan(cross_entropy(x, target)) and torch.isnan(F.cross_entropy(x, target))  # 0/0, as eager
+    assert cross_entropy(x, target, reduction="sum") == 0
+    # Class dim 1 and extra dims, as F.cross_entropy takes them; a non-contiguous view.
+    gen = torch.Generator().manual_seed(2)
+    x3 = torch.randn(2, 7, 5, generator=gen)
+    t3 = torch.randint(0, 7, (2, 5), generator=gen)
+    torch.testing.assert_close(cross_entropy(x3, t3, reduction="none"), F.cross_entropy(x3, t3, reduction="none"))
+    xt = torch.randn(30, 4, generator=gen).t()
+    t = torch.randint(0, 30, (4,), generator=gen)
+    torch.testing.assert_close(cross_entropy(xt, t), F.cross_entropy(xt, t))
+    with pytest.raises(ValueError, match="reduction"):
+        cross_entropy(x, target, reduction="avg")
+    with pytest.raises(ValueError, match="class indices"):
+        cross_entropy(x, x)
+
+
+@pytest.mark.parametrize("reduction,smoothing", [("mean", 0.0), ("sum", 0.2), ("none", 0.0)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fused_linear_cross_entropy_matches_unfused(reduction, smoothing, with_bias):
+    gen = torch.Generator().manual_seed(3)
+    m, h, v = 45, 24, 300
+    hidden = torch.randn(m, h, generator=gen, dtype=torch.float64).requires_grad_()
+    weight = (torch.randn(v, h, generator=gen, dtype=torch.float64) / h**0.5).requires_grad_()
+    bias = torch.randn(v, generator=gen, dtype=torch.float64).requires_grad_() if with_bias else None
+    target = torch.randint(0, v, (m,), generator=gen)
+    target[::4] = -100
+    kwargs = dict(ignore_index=-100, reduction=reduction, label_smoothing=smoothing)
+    ref = F.cross_entropy(F.linear(hidden, weight, bias), target, **kwargs)
+    leaves = [t for t in (hidden, weight, bias) if t is not None]
+    dy = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
+    ref_grads = torch.autograd.grad(ref, leaves, dy)
+
+    ours_leaves = [t.detach().float().requires_grad_() for t in leaves]
+    h32, w32 = ours_leaves[:2]
+    b32 = ours_leaves[2] if with_bias else None
+    # 7 rows per chunk: several chunks and a ragged last one.
+    loss = fused_linear_cross_entropy(h32, w32, target, b32, chunk_rows=7, **kwargs)
+    grads = torch.autograd.grad(loss, ours_leaves, dy.float())
+    assert rel_err(loss, ref) < 1e-6
+    for g, r in zip(grads, ref_grads):
+        assert rel_err(g, r) < 1e-5
+
+
+def test_fused_linear_cross_entropy_bf16_no_worse_than_unfused_eager():
+    gen = torch.Generator().manual_seed(4)
+    hidden = torch.randn(3, 11, 32, generator=gen, dtype=torch.float64).requires_grad_()
+    weight = (torch.randn(500, 32, generator=gen, dtype=torch.float64) / 32**0.5).requires_grad_()
+    target = torch.randint(0, 500, (3, 11), generator=gen)
+
+    def reference(h, w):
+        return F.cross_entropy(F.linear(h, w).flatten(0, 1), target.flatten())
+
+    eager = {"hf": lambda h, w: F.cross_entropy(F.linear(h, w).float().flatten(0, 1), target.flatten()).to(h.dtype)}
+    ours = lambda h, w: fused_linear_cross_entropy(h, w, target, chunk_rows=8)  # noqa: E731
+    assert_no_worse(ours, eager, [hidden, weight], reference, torch.bfloat16)
+
+
+def test_swap_cross_entropy_loss():
+    loss_fn = nn.CrossEntropyLoss(ignore_index=0, label_smoothing=0.1)
+    weighted = nn.CrossEntropyLoss(weight=torch.ones(5))
+    holder = nn.ModuleDict({"loss": loss_fn, "weighted": weighted, "proj": nn.Linear(3, 5)})
+    report = swap(holder, ["cross_entropy"])
+    assert [r[0] for r in report.swapped] == ["loss"] and holder["weighted"] is weighted
+    new = holder["loss"]
+    assert isinstance(new, CrossEntropyLoss) and (new.ignore_index, new.label_smoothing) == (0, 0.1)
+    unswap(holder)
+    assert holder["loss"] is loss_fn
