@@ -1,0 +1,164 @@
+"""Rotary position embedding applied to q and k (HF layout and rotate_half convention), forward and backward.
+
+    q_embed = q·cos + rotate_half(q)·sin,   rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2])
+
+q: [batch, heads, seq, head_dim] (HF's `unsqueeze_dim=1`; [batch, seq, heads, head_dim] with
+`unsqueeze_dim=2`), k likewise with its own head count (GQA), cos/sin: [batch or 1, seq, head_dim]
+or [seq, head_dim], as HF's rotary module returns them. q and k may be strided views (HF passes
+`proj(x).view(...).transpose(1, 2)`): the kernel reads them in place, no copy. One program per
+(batch, position) rotates every head of q and k, reading cos/sin once. Math in fp32, rounded once
+to q's dtype; the backward is the same rotation with the sine negated.
+
+No swap entry: HF attention modules call the module-global `apply_rotary_pos_emb`, which an
+instance swap cannot reach without rebinding globals or replacing their `forward`; call `rope`
+(a drop-in for `apply_rotary_pos_emb`) from your own attention code instead.
+"""
+import torch
+import triton
+import triton.language as tl
+from torch import nn
+from torch.library import triton_op, wrap_triton
+
+from ._launch import round_to
+from .gelu_tanh import _upcast, check_float
+
+
+@triton.jit
+def _rotate_heads(
+    X, O, stride_xh, stride_oh, n_heads, c1, c2, s1, s2,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BACKWARD: tl.constexpr,
+):
+    """Rotate every head of one (batch, position): X and O point at head 0, dimension 0."""
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    dims = tl.arange(0, BLOCK_D)[None, :]
+    mask = (heads < n_heads) & (dims < HALF)
+    x_first = X + heads * stride_xh + dims
+    o_first = O + heads * stride_oh + dims
+    x1 = _upcast(tl.load(x_first, mask=mask))
+    x2 = _upcast(tl.load(x_first + HALF, mask=mask))
+    if BACKWARD:  # the transpose of the rotation: dx1 = dy1·c1 + dy2·s2, dx2 = dy2·c2 − dy1·s1
+        o1 = x1 * c1 + x2 * s2
+        o2 = x2 * c2 - x1 * s1
+    else:
+        o1 = x1 * c1 - x2 * s1
+        o2 = x2 * c2 + x1 * s2
+    tl.store(o_first, round_to(o1, O.dtype.element_ty), mask=mask)
+    tl.store(o_first + HALF, round_to(o2, O.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(
+    Q, K, QO, KO, COS, SIN, seq_len, n_q_heads, n_k_heads,
+    sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sqo_b, sqo_s, sqo_h, sko_b, sko_s, sko_h, sc_b, sc_s,
+    HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr,
+    BACKWARD: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = (pid // seq_len).to(tl.int64)
+    s = (pid % seq_len).to(tl.int64)
+    dims = tl.arange(0, BLOCK_D)
+    dmask = dims < HALF
+    cs = COS + b * sc_b + s * sc_s + dims
+    sn = SIN + b * sc_b + s * sc_s + dims
+    c1 = _upcast(tl.load(cs, mask=dmask))[None, :]
+    c2 = _upcast(tl.load(cs + HALF, mask=dmask))[None, :]
+    s1 = _upcast(tl.load(sn, mask=dmask))[None, :]
+    s2 = _upcast(tl.load(sn + HALF, mask=dmask))[None, :]
+    _rotate_heads(Q + b * sq_b + s * sq_s, QO + b * sqo_b + s * sqo_s, sq_h, sqo_h, n_q_heads,
+                  c1, c2, s1, s2, HALF, BLOCK_HQ, BLOCK_D, BACKWARD)
+    _rotate_heads(K + b * sk_b + s * sk_s, KO + b * sko_b + s * sko_s, sk_h, sko_h, n_k_heads,
+                  c1, c2, s1, s2, HALF, BLOCK_HK, BLOCK_D, BACKWARD)
+
+
+@triton_op("profiler_svc::rope", mutates_args={})
+def _rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k: [B, S, H, D] views (any strides, unit stride on D); cos, sin: [B, S, D] (batch stride may be 0).
+
+    Returns the rotated q and k in the same layout as the inputs (empty_like keeps a dense view's strides).
+    """
+    batch, seq, n_q_heads, dim = q.shape
+    n_k_heads = k.shape[2]
+    qo, ko = torch.empty_like(q), torch.empty_like(k)
+    if q.numel() and k.numel():
+        half = dim // 2
+        block_d = triton.next_power_of_2(half)
+        block_hq, block_hk = triton.next_power_of_2(n_q_heads), triton.next_power_of_2(n_k_heads)
+        num_warps = 4 if block_hq * block_d <= 2048 else 8
+        wrap_triton(_rope_kernel)[(batch * seq,)](
+            q, k, qo, ko, cos, sin, seq, n_q_heads, n_k_heads,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            qo.stride(0), qo.stride(1), qo.stride(2), ko.stride(0), ko.stride(1), ko.stride(2),
+            cos.stride(0), cos.stride(1),
+            HALF=half, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_D=block_d, BACKWARD=backward,
+            num_warps=num_warps,
+        )
+    return qo, ko
+
+
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RopeFunction(torch.autograd.Function):
+    """On [B, S, H, D] views of q and k and [B, S, D] cos/sin (see `rope` for the HF layouts)."""
+
+    @staticmethod
+    def forward(ctx, q, k, cos, sin):
+        cos_grad = ctx.needs_input_grad[2] or ctx.needs_input_grad[3]
+        # Learned cos/sin are rare: their gradient is computed in plain PyTorch from the saved inputs.
+        ctx.save_for_backward(cos, sin, *((q, k) if cos_grad else ()))
+        return torch.ops.profiler_svc.rope(q, k, cos, sin, False)
+
+    @staticmethod
+    def backward(ctx, dq, dk):
+        cos, sin, *qk = ctx.saved_tensors
+        dq_in, dk_in = torch.ops.profiler_svc.rope(_unit_last(dq), _unit_last(dk), cos, sin, True)
+        dcos = dsin = None
+        if qk:  # [B, S, D]: summed over heads here, over a broadcast batch by autograd's expand
+            acc = torch.promote_types(dq.dtype, torch.float32)
+            q, k, dqf, dkf = (t.to(acc) for t in (*qk, dq, dk))
+            dcos = ((dqf * q).sum(2) + (dkf * k).sum(2)).to(cos.dtype)
+            dsin = ((dqf * _rotate_half(q)).sum(2) + (dkf * _rotate_half(k)).sum(2)).to(sin.dtype)
+        return dq_in, dk_in, dcos, dsin
+
+
+def _unit_last(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def rope(q, k, cos, sin, position_ids=None, unsqueeze_dim: int = 1):
+    """Drop-in for HF `apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1)`.
+
+    Returns (q_embed, k_embed) in q's and k's dtype. `position_ids` is ignored, as in HF.
+    """
+    check_float(q, k)
+    if unsqueeze_dim not in (1, 2):
+        raise ValueError(f"unsqueeze_dim must be 1 ([B, H, S, D]) or 2 ([B, S, H, D]), got {unsqueeze_dim}")
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError(f"q and k must be 4-D, got shapes {tuple(q.shape)} and {tuple(k.shape)}")
+    if cos.shape != sin.shape or cos.dim() not in (2, 3):
+        raise ValueError(f"cos and sin must share a [batch, seq, head_dim] or [seq, head_dim] shape, got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    # Work on [B, S, H, D] views: a permutation of strides, never a copy.
+    qv, kv = (q, k) if unsqueeze_dim == 2 else (q.transpose(1, 2), k.transpose(1, 2))
+    batch, seq, _, dim = qv.shape
+    if kv.shape[0] != batch or kv.shape[1] != seq or kv.shape[3] != dim:
+        raise ValueError(f"q and k differ in batch, sequence or head_dim: {tuple(q.shape)} vs {tuple(k.shape)}")
+    if dim % 2:
+        raise ValueError(f"head_dim must be even, got {dim}")
+    if cos.dim() == 2:
+        cos, sin = cos[None], sin[None]
+    if cos.shape[1:] != (seq, dim) or cos.shape[0] not in (1, batch):
+        raise ValueError(f"cos/sin shape {tuple(cos.shape)} does not fit q {tuple(q.shape)} with unsqueeze_dim={unsqueeze_dim}")
+    if not cos.is_floating_point() or cos.device != q.device:
+        raise TypeError(f"cos and sin must be floating-point tensors on {q.device}")
+    cos, sin = (_unit_last(t).expand(batch, seq, dim) for t in (cos, sin))
+    qo, ko = RopeFunction.apply(_unit_last(qv), _unit_last(kv), cos, sin)
+    return (qo, ko) if unsqueeze_dim == 2 else (qo.transpose(1, 2), ko.transpose(1, 2))
+
+
+class RoPE(nn.Module):
+    """Module form of `rope`: forward(q, k, cos, sin, position_ids=None, unsqueeze_dim=1)."""
+
+    def forward(self, q, k, cos, sin, position_ids=None, unsqueeze_dim: int = 1):
+        return rope(q, k, cos, sin, position_ids, unsqueeze_dim)

@@ -1,0 +1,182 @@
+"""SwiGLU, silu(gate)·up, forward and backward, and the gated-MLP swap (HF LlamaMLP, MistralMLP, Qwen2MLP).
+
+One pass each way: the forward reads gate and up and writes the product; the backward reads
+gate, up and the output gradient and writes both input gradients, recomputing the activation
+instead of saving it. Math in fp32, rounded once. The kernels are generic over the gate's
+activation (SiLU, tanh-GELU, erf-GELU), so geglu.py reuses them.
+"""
+import torch
+import triton
+import triton.language as tl
+from torch import nn
+from torch.library import triton_op
+
+from ._launch import round_to
+from .gelu_tanh import (
+    GELU_ERF, GELU_TANH, _gelu, _sigmoid_pair, _times_sigmoid, _upcast, check_float, gelu_flavour, launch_elementwise,
+)
+from .swap import SwapEntry, behaves_like, place
+
+# Gate activations, as the kernels' ACT constexpr: 0 and 1 are gelu_tanh.py's GELU_ERF and GELU_TANH.
+SILU = 2
+ACT_NAMES = {GELU_ERF: "gelu", GELU_TANH: "gelu_tanh", SILU: "silu"}
+
+
+@triton.jit
+def _act(x, ACT: tl.constexpr):
+    """(act(x), act'(x))."""
+    if ACT == 2:
+        s, one_minus_s = _sigmoid_pair(x)
+        return _times_sigmoid(x, x), s + x * s * one_minus_s
+    else:
+        return _gelu(x, ACT)
+
+
+@triton.jit
+def _gated_fwd_kernel(GATE, UP, OUT, n, ACT: tl.constexpr, BLOCK: tl.constexpr):
+    start = tl.program_id(0).to(tl.int64) * BLOCK  # 64-bit: tensors may exceed 2**31 elements
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n - start
+    gate = _upcast(tl.load(GATE + start + offs, mask=mask))
+    up = _upcast(tl.load(UP + start + offs, mask=mask))
+    act, _ = _act(gate, ACT)
+    tl.store(OUT + start + offs, round_to(act * up, OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gated_bwd_kernel(DOUT, GATE, UP, DGATE, DUP, n, ACT: tl.constexpr, BLOCK: tl.constexpr):
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n - start
+    dout = _upcast(tl.load(DOUT + start + offs, mask=mask))
+    gate = _upcast(tl.load(GATE + start + offs, mask=mask))
+    up = _upcast(tl.load(UP + start + offs, mask=mask))
+    act, dact = _act(gate, ACT)
+    tl.store(DGATE + start + offs, round_to(dout * up * dact, DGATE.dtype.element_ty), mask=mask)
+    tl.store(DUP + start + offs, round_to(dout * act, DUP.dtype.element_ty), mask=mask)
+
+
+@triton_op("profiler_svc::gated_act_fwd", mutates_args={})
+def _gated_fwd(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tensor:
+    """gate, up contiguous, same shape. Returns act(gate) * up."""
+    out = torch.empty_like(gate)
+    launch_elementwise(_gated_fwd_kernel, gate, up, out, n=gate.numel(), ACT=act)
+    return out
+
+
+@triton_op("profiler_svc::gated_act_bwd", mutates_args={})
+def _gated_bwd(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """All contiguous, same shape. Returns (d gate, d up)."""
+    dgate, dup = torch.empty_like(gate), torch.empty_like(up)
+    launch_elementwise(_gated_bwd_kernel, dout, gate, up, dgate, dup, n=gate.numel(), ACT=act)
+    return dgate, dup
+
+
+class GatedActFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up, act):
+        gate, up = gate.contiguous(), up.contiguous()
+        ctx.save_for_backward(gate, up)
+        ctx.act = act
+        return torch.ops.profiler_svc.gated_act_fwd(gate, up, act)
+
+    @staticmethod
+    def backward(ctx, dout):
+        gate, up = ctx.saved_tensors
+        dgate, dup = torch.ops.profiler_svc.gated_act_bwd(dout.contiguous(), gate, up, ctx.act)
+        return dgate, dup, None
+
+
+def gated_act(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tensor:
+    check_float(gate, up)
+    if gate.shape != up.shape:
+        raise ValueError(f"gate and up must have the same shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
+    return GatedActFunction.apply(gate, up, act)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """F.silu(gate) * up, fused forward and backward."""
+    return gated_act(gate, up, SILU)
+
+
+class SwiGLU(nn.Module):
+    def forward(self, gate, up):
+        return swiglu(gate, up)
+
+
+class GatedMLP(nn.Module):
+    """down_proj(act(gate_proj(x)) · up_proj(x)) with the fused gated activation.
+
+    Shares (does not copy) the three projections of the MLP it replaces, so training updates,
+    hooks and checkpoints still act on the original layers.
+    """
+
+    def __init__(self, gate_proj: nn.Module, up_proj: nn.Module, down_proj: nn.Module, act: int):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
+        self.act = act
+
+    def forward(self, x):
+        return self.down_proj(gated_act(self.gate_proj(x), self.up_proj(x), self.act))
+
+    def extra_repr(self):
+        return f"act={ACT_NAMES[self.act]}"
+
+
+# ---- swap: gated MLP instances, matched by structure and by behaviour ---------------------------
+
+
+def act_kind(module: nn.Module):
+    """SILU, GELU_TANH or GELU_ERF if `module` is one of these parameter-free activations, else None."""
+    if isinstance(module, nn.SiLU) or "silu" in type(module).__name__.lower() or "swish" in type(module).__name__.lower():
+        x = torch.linspace(-8.0, 8.0, 65, device=place(module)[0])
+        if not any(True for _ in module.parameters()) and behaves_like(module, torch.nn.functional.silu, (x,), rtol=2e-6):
+            return SILU
+        return None
+    return gelu_flavour(module)
+
+
+def gated_mlp_act(module: nn.Module):
+    """The gate activation if `module` computes down_proj(act_fn(gate_proj(x)) * up_proj(x)), else None.
+
+    Structure first (gate_proj / up_proj / down_proj projections and a known act_fn), then behaviour:
+    the module run on a small input must agree with that formula built from its own layers, which
+    rules out look-alikes that scale, gate or drop out differently.
+    """
+    layers = [getattr(module, name, None) for name in ("gate_proj", "up_proj", "down_proj", "act_fn")]
+    if not all(isinstance(layer, nn.Module) for layer in layers):
+        return None
+    gate_proj, up_proj, down_proj, act_fn = layers
+    act = act_kind(act_fn)
+    in_features = getattr(gate_proj, "in_features", None)
+    if act is None or not isinstance(in_features, int):
+        return None
+    device, dtype = place(module)
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(2, 3, in_features, generator=gen, device=device).to(dtype)
+    expected = lambda _: down_proj(act_fn(gate_proj(x)) * up_proj(x))  # noqa: E731  (in the module's dtype)
+    was_training = module.training
+    module.eval()  # the probe must not depend on dropout
+    try:
+        return act if behaves_like(module, expected, (x,)) else None
+    finally:
+        module.train(was_training)
+
+
+def mlp_example_inputs(module: nn.Module) -> tuple:
+    device, dtype = place(module)
+    gen = torch.Generator(device=device).manual_seed(1)
+    return (torch.randn(2, 5, module.gate_proj.in_features, generator=gen, device=device).to(dtype),)
+
+
+def replace_gated_mlp(module: nn.Module) -> GatedMLP:
+    return GatedMLP(module.gate_proj, module.up_proj, module.down_proj, gated_mlp_act(module))
+
+
+SWAP = SwapEntry(
+    name="swiglu",
+    summary="Gated MLP with fused SiLU·mul (Llama, Mistral, Qwen2 MLPs): one pass each way, fp32 math",
+    matches=lambda m: gated_mlp_act(m) == SILU,
+    replace=replace_gated_mlp,
+    example_inputs=mlp_example_inputs,
+)
