@@ -44,7 +44,7 @@ class IngestResult:
 
 def analyse(path: Path):
     """The analyser; a module-level name so tests can count calls."""
-    from ..recommend import recommend
+    from ..recommendations import recommend
     return recommend(str(path))
 
 

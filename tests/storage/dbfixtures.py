@@ -19,16 +19,6 @@ POSTGRES_ADMIN_URL = os.environ.get("PROFILER_SVC_TEST_POSTGRES", "postgresql://
 
 
 @pytest.fixture(autouse=True)
-def _analyser(monkeypatch):
-    """TEMPORARY: the fake analyser stands in until profiler_svc.recommend.recommend lands."""
-    try:
-        from profiler_svc.recommend import recommend  # noqa: F401
-    except Exception:  # not there yet, or half-written in the shared checkout
-        from fake_analyser import fake_recommend
-        monkeypatch.setattr("profiler_svc.storage.ingest.analyse", fake_recommend)
-
-
-@pytest.fixture(autouse=True)
 def _isolated_home(monkeypatch, tmp_path):
     """Never touch the user's real data folder or database."""
     monkeypatch.setenv("PROFILER_SVC_HOME", str(tmp_path / "home"))
