@@ -40,6 +40,24 @@ def _setting(read):
         return None
 
 
+def _legacy(read, read_new, from_new):
+    """A legacy TF32 setting. Once the new ``fp32_precision`` API was used, torch refuses to read
+    the legacy ones; they then follow from the new setting ("tf32" or "ieee") through from_new."""
+    value = _setting(read)
+    return value if value is not None else from_new.get(_setting(read_new))
+
+
+_ALLOW_TF32 = {"tf32": True, "ieee": False}
+
+
+def _matmul_precision():
+    return torch.backends.cuda.matmul.fp32_precision
+
+
+def _conv_precision():
+    return torch.backends.cudnn.conv.fp32_precision
+
+
 def numerics() -> dict:
     """The global settings that decide which kernels run. Cheap: sampled once per step."""
     cuda = torch.backends.cuda
@@ -50,9 +68,12 @@ def numerics() -> dict:
             "dtype": dtype_name(_setting(lambda: torch.get_autocast_dtype(device_type))),
         }
     return {
-        "allow_tf32_matmul": _setting(lambda: cuda.matmul.allow_tf32),
-        "allow_tf32_cudnn": _setting(lambda: torch.backends.cudnn.allow_tf32),
-        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "allow_tf32_matmul": _legacy(lambda: cuda.matmul.allow_tf32, _matmul_precision, _ALLOW_TF32),
+        "allow_tf32_cudnn": _legacy(lambda: torch.backends.cudnn.allow_tf32, _conv_precision, _ALLOW_TF32),
+        # torch >= 2.9: "tf32", "ieee", or "none" (the legacy flags decide); null before
+        "fp32_precision": {"matmul": _setting(_matmul_precision), "cudnn_conv": _setting(_conv_precision)},
+        "float32_matmul_precision": _legacy(torch.get_float32__matmul_precision, _matmul_precision,
+                                            {"tf32": "high", "ieee": "highest"}),
         "allow_bf16_reduced_precision_reduction":
             _setting(lambda: cuda.matmul.allow_bf16_reduced_precision_reduction),
         "allow_fp16_reduced_precision_reduction":

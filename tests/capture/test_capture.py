@@ -128,6 +128,24 @@ def test_recommend_analyses_the_trace(model, x, tmp_path):
     assert report["trace"]["labelled"] is True
 
 
+def test_tf32_read_through_the_new_precision_api():
+    from profiler_svc.capture.metadata import numerics
+    matmul = torch.backends.cuda.matmul
+    if not hasattr(matmul, "fp32_precision"):
+        pytest.skip("torch < 2.9 has no fp32_precision API")
+    try:
+        matmul.fp32_precision = "ieee"  # after this torch refuses to read matmul.allow_tf32
+        settings = numerics()
+        assert settings["allow_tf32_matmul"] is False
+        assert settings["fp32_precision"]["matmul"] == "ieee"
+        assert settings["float32_matmul_precision"] == "highest"
+        matmul.fp32_precision = "tf32"
+        assert numerics()["allow_tf32_matmul"] is True
+        assert numerics()["float32_matmul_precision"] == "high"
+    finally:
+        matmul.fp32_precision = "none"
+
+
 def test_hooks_removed_and_model_unchanged(model, x, tmp_path):
     before = hook_state(model)
     reference = TinyModel()
