@@ -72,7 +72,7 @@ def numerics() -> dict:
         "allow_tf32_cudnn": _legacy(lambda: torch.backends.cudnn.allow_tf32, _conv_precision, _ALLOW_TF32),
         # torch >= 2.9: "tf32", "ieee", or "none" (the legacy flags decide); null before
         "fp32_precision": {"matmul": _setting(_matmul_precision), "cudnn_conv": _setting(_conv_precision)},
-        "float32_matmul_precision": _legacy(torch.get_float32__matmul_precision, _matmul_precision,
+        "float32_matmul_precision": _legacy(torch.get_float32_matmul_precision, _matmul_precision,
                                             {"tf32": "high", "ieee": "highest"}),
         "allow_bf16_reduced_precision_reduction":
             _setting(lambda: cuda.matmul.allow_bf16_reduced_precision_reduction),
