@@ -9,8 +9,10 @@ import triton.language as tl
 # Widest row kept whole in registers; wider rows are processed in chunks of CHUNK_N columns.
 MAX_TILE_N = 16384
 CHUNK_N = 4096
-# Tile elements per warp in the row kernels (16 per thread): bounds registers per thread.
-WARP_ELEMENTS = 512
+# Tuning knobs, read at launch time (benchmarks/kernels.py --tune sweeps them on the GPU):
+WARP_ELEMENTS = 512  # tile elements per warp in the row kernels (16 per thread): bounds registers per thread
+ROW_BLOCK_ELEMENTS = 2048  # short rows are grouped until a program's tile has this many elements
+PROGRAMS_PER_SM = 2  # programs per SM of the grid-stride backward kernels
 
 
 def interpreted() -> bool:
@@ -39,7 +41,7 @@ def row_tiles(n: int, max_tile_n: int = MAX_TILE_N) -> tuple[int, int, int, bool
     if not one_tile:
         block_n = CHUNK_N
     # Several short rows per program, so each program still moves a few KiB.
-    block_m = max(1, min(16, 2048 // block_n)) if one_tile else 1
+    block_m = max(1, min(16, ROW_BLOCK_ELEMENTS // block_n)) if one_tile else 1
     num_warps = min(32, max(4, block_m * block_n // WARP_ELEMENTS))
     return block_m, block_n, num_warps, one_tile
 
@@ -49,10 +51,10 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def persistent_programs(device: torch.device, blocks: int, per_sm: int = 2) -> int:
+def persistent_programs(device: torch.device, blocks: int) -> int:
     """Programs for a grid-stride kernel: a few per SM on a GPU, few under the (slow) interpreter."""
     if device.type == "cuda":
-        return max(1, min(blocks, per_sm * _sm_count(device.index if device.index is not None else torch.cuda.current_device())))
+        return max(1, min(blocks, PROGRAMS_PER_SM * _sm_count(device.index if device.index is not None else torch.cuda.current_device())))
     return max(1, min(blocks, 4))
 
 

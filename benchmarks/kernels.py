@@ -1,0 +1,457 @@
+"""Kernel benchmarks on one GPU: ours vs eager PyTorch (HF-style and F.*), torch.compile and Liger-Kernel.
+
+    python benchmarks/kernels.py [--ops rms_norm,softmax] [--quick] [--tune] [--out results.md] [--budget-s 400]
+
+Every case is timed forward (under no_grad) and forward+backward (torch.autograd.grad, so no .grad
+accumulation), with triton.testing.do_bench (CUDA events, median), rotating among input sets when
+one set would fit in L2. Reported: time, the fraction of the device-to-device copy bandwidth measured
+in the same run (fewest bytes the op must move / time, over copy bandwidth), and the parity error vs
+an fp64 reference on fresh inputs with fewer rows (‖out − ref‖ / ‖ref‖; fwd+bwd: the worst of the
+output and the input gradients).
+
+Case format. benchmarks/kernel_cases_activations.py defines `CASES`: a list of dicts with the keys
+below (plain dicts, so that file need not import this one, whose name `kernels` is also Hugging
+Face's package). It may define `CASES` as a function of no arguments returning that list, so nothing
+touches CUDA on import.
+
+    Case(op, shape, make_inputs, reference, candidates, bytes_fwd, bytes_fwdbwd, dtype=torch.bfloat16)
+      op            str, the op's name, e.g. "swiglu"
+      shape         tuple for the table, e.g. (16384, 4096)
+      make_inputs   rows -> tuple of fresh random CUDA inputs with the case's shape but `rows` rows
+                    (the parity check uses fewer); floating tensors that get gradients require grad
+      reference     fn(*inputs in fp64) -> Tensor, the exact math
+      candidates    {name: fn(*inputs) -> Tensor}; names "ours", "eager_hf", "eager_F", "compile",
+                    "liger" (others are shown too); a missing library's candidate is simply left out
+      bytes_fwd     fewest bytes the forward must move (inputs read once, outputs written once)
+      bytes_fwdbwd  the same for forward + backward
+"""
+import argparse
+import itertools
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+ROWS = 16384
+WIDTHS = (1024, 4096, 8192)
+WIDE = (32768, 131072)  # softmax and cross-entropy only
+PARITY_ROWS = 512
+L2_BYTES = 50 * 2**20
+
+
+@dataclass
+class Case:
+    op: str
+    shape: tuple
+    make_inputs: Callable[[int], tuple]
+    reference: Callable[..., torch.Tensor]
+    candidates: dict
+    bytes_fwd: int
+    bytes_fwdbwd: int
+    dtype: torch.dtype = torch.bfloat16
+    results: list = field(default_factory=list)
+
+
+def liger():
+    """liger_kernel.transformers.functional, or None where it is not installed."""
+    try:
+        from liger_kernel.transformers import functional
+        return functional
+    except Exception:
+        return None
+
+
+def standard_candidates(ours, eager_hf=None, eager_f=None, liger_fn=None) -> dict:
+    """ours, the eager forms, torch.compile of the HF-style eager form (else of F.*), and Liger."""
+    cands = {"ours": ours}
+    if eager_hf is not None:
+        cands["eager_hf"] = eager_hf
+    if eager_f is not None:
+        cands["eager_F"] = eager_f
+    cands["compile"] = torch.compile(eager_hf or eager_f, dynamic=False)
+    if liger_fn is not None:
+        cands["liger"] = liger_fn
+    return cands
+
+
+# ---- my ops' cases ----------------------------------------------------------------------------------
+
+
+def _randn(rows, n, dtype, grad=True, scale=1.0, gen_seed=None):
+    return (scale * torch.randn(rows, n, device="cuda", dtype=torch.float32)).to(dtype).requires_grad_(grad)
+
+
+def norm_cases(widths, dtype=torch.bfloat16):
+    from profiler_svc.kernels import layer_norm, rms_norm
+
+    lk = liger()
+    eps = 1e-6
+
+    def hf_rms(x, w):  # transformers' LlamaRMSNorm.forward
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return w * h.to(x.dtype)
+
+    cases = []
+    for n in widths:
+        nbytes = ROWS * n * dtype.itemsize
+        cases.append(Case(
+            "rms_norm", (ROWS, n),
+            lambda rows, n=n: (_randn(rows, n, dtype), (1 + 0.1 * torch.randn(n, device="cuda")).to(dtype).requires_grad_()),
+            lambda x, w: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w,
+            standard_candidates(
+                lambda x, w: rms_norm(x, w, eps), hf_rms, lambda x, w: F.rms_norm(x, (x.shape[-1],), w, eps),
+                (lambda x, w: lk.liger_rms_norm(x, w, eps, in_place=False)) if lk else None,
+            ),
+            2 * nbytes, 5 * nbytes, dtype,
+        ))
+        cases.append(Case(
+            "layer_norm", (ROWS, n),
+            lambda rows, n=n: (
+                _randn(rows, n, dtype, scale=2.0),
+                torch.randn(n, device="cuda").to(dtype).requires_grad_(),
+                torch.randn(n, device="cuda").to(dtype).requires_grad_(),
+            ),
+            lambda x, w, b: F.layer_norm(x, x.shape[-1:], w, b, 1e-5),
+            standard_candidates(
+                lambda x, w, b: layer_norm(x, w, b, 1e-5), None, lambda x, w, b: F.layer_norm(x, x.shape[-1:], w, b, 1e-5),
+                (lambda x, w, b: lk.liger_layer_norm(x, w, b, 1e-5)) if lk else None,
+            ),
+            2 * nbytes, 5 * nbytes, dtype,
+        ))
+    return cases
+
+
+def softmax_cases(widths, dtype=torch.bfloat16):
+    from profiler_svc.kernels import softmax
+
+    lk = liger()
+    cases = []
+    for n in widths:
+        nbytes = ROWS * n * dtype.itemsize
+        cases.append(Case(
+            "softmax", (ROWS, n),
+            lambda rows, n=n: (_randn(rows, n, dtype, scale=3.0),),
+            lambda x: torch.softmax(x, -1),
+            standard_candidates(
+                softmax, lambda x: torch.softmax(x.float(), -1).to(x.dtype), lambda x: torch.softmax(x, -1),
+                getattr(lk, "liger_softmax", None) if lk else None,
+            ),
+            2 * nbytes, 5 * nbytes, dtype,
+        ))
+    return cases
+
+
+def cross_entropy_cases(widths, dtype=torch.bfloat16):
+    from profiler_svc.kernels import cross_entropy
+
+    lk = liger()
+    cases = []
+    for v in widths:
+        nbytes = ROWS * v * dtype.itemsize
+
+        def make(rows, v=v):
+            target = torch.randint(0, v, (rows,), device="cuda")
+            target[::7] = -100
+            return _randn(rows, v, dtype, scale=3.0), target
+
+        cases.append(Case(
+            "cross_entropy", (ROWS, v), make,
+            lambda x, t: F.cross_entropy(x, t),
+            standard_candidates(
+                lambda x, t: cross_entropy(x, t), lambda x, t: F.cross_entropy(x.float(), t), lambda x, t: F.cross_entropy(x, t),
+                # Liger writes the gradient over its input logits in the forward: the values change from
+                # call to call, the time does not.
+                (lambda x, t: lk.liger_cross_entropy(x, t)) if lk else None,
+            ),
+            nbytes, 3 * nbytes, dtype,
+        ))
+    return cases
+
+
+def fused_linear_ce_cases(vocabs, hidden=4096, dtype=torch.bfloat16):
+    from profiler_svc.kernels import fused_linear_cross_entropy
+
+    lk = liger()
+    cases = []
+    for v in vocabs:
+        def make(rows, v=v):
+            target = torch.randint(0, v, (rows,), device="cuda")
+            target[::7] = -100
+            return _randn(rows, hidden, dtype), _randn(v, hidden, dtype, scale=hidden**-0.5), target
+
+        cases.append(Case(
+            "fused_linear_cross_entropy", (ROWS, hidden, v), make,
+            lambda h, w, t: F.cross_entropy(h @ w.t(), t),
+            standard_candidates(
+                lambda h, w, t: fused_linear_cross_entropy(h, w, t),
+                lambda h, w, t: F.cross_entropy((h @ w.t()).float(), t),
+                lambda h, w, t: F.cross_entropy(F.linear(h, w), t),
+                (lambda h, w, t: lk.liger_fused_linear_cross_entropy(h, w, t)) if lk else None,
+            ),
+            0, 0, dtype,  # matmul-bound: the bandwidth fraction does not apply
+        ))
+    return cases
+
+
+def all_cases(quick=False):
+    widths = (4096,) if quick else WIDTHS
+    cases = norm_cases(widths) + softmax_cases(widths + (() if quick else WIDE))
+    cases += cross_entropy_cases(widths + (() if quick else WIDE))
+    cases += fused_linear_ce_cases((32768,) if quick else (32768, 131072))
+    try:
+        sys.path.insert(0, os.path.dirname(__file__))
+        from kernel_cases_activations import CASES  # kernel engineer 2's ops, in this format
+
+        extra = [c if isinstance(c, Case) else Case(**c) for c in (CASES() if callable(CASES) else CASES)]
+        cases += [c for c in extra if not quick or 4096 in c.shape]
+    except ImportError as err:
+        print(f"(activation cases not loaded: {err})")
+    return cases
+
+
+# ---- measuring --------------------------------------------------------------------------------------
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second, on a 1 GiB buffer."""
+    import triton.testing
+
+    src = torch.randn(2**28, device="cuda")
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
+    del src, dst
+    return 2 * 2**30 / (ms * 1e-3)
+
+
+def _float_leaves(inputs):
+    return [t for t in inputs if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
+
+
+def time_case(case: Case, name: str, fn, mode: str) -> float:
+    """Median µs of fn on the case's full-size inputs (rotated when one set fits in L2)."""
+    import triton.testing
+
+    first = case.make_inputs(case.shape[0])
+    set_bytes = sum(t.numel() * t.element_size() for t in first if isinstance(t, torch.Tensor))
+    sets = [first] + [case.make_inputs(case.shape[0]) for _ in range(min(3, (2 * L2_BYTES) // max(set_bytes, 1)))]
+    if mode == "fwd":
+        def step(it=itertools.cycle(sets)):
+            with torch.no_grad():
+                fn(*next(it))
+    else:
+        with torch.no_grad():
+            out_shape = fn(*first).shape
+        dys = [torch.randn(out_shape, device="cuda", dtype=case.dtype) for _ in sets]
+
+        def step(it=itertools.cycle(list(zip(sets, dys)))):
+            inputs, dy = next(it)
+            out = fn(*inputs)
+            torch.autograd.grad(out, _float_leaves(inputs), dy.to(out.dtype))
+
+    ms = triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median")
+    return ms * 1e3
+
+
+def rel_err(out, ref):
+    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
+def parity(case: Case, fn, mode: str, seed: int) -> float:
+    torch.manual_seed(seed)
+    inputs = case.make_inputs(min(PARITY_ROWS, case.shape[0]))
+    inputs64 = [t.detach().double().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                for t in inputs]
+    ref = case.reference(*inputs64)
+    fresh = [t.detach().clone().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t for t in inputs]
+    out = fn(*fresh)
+    if mode == "fwd":
+        return rel_err(out, ref)
+    dy = torch.randn(ref.shape, device="cuda", dtype=torch.float64)
+    ref_grads = torch.autograd.grad(ref, _float_leaves(inputs64), dy)
+    grads = torch.autograd.grad(out, _float_leaves(fresh), dy.to(out.dtype))
+    return max([rel_err(out, ref)] + [rel_err(g, r) for g, r in zip(grads, ref_grads)])
+
+
+def run_cases(cases, copy_bw, deadline, log):
+    for case in cases:
+        for mode in ("fwd", "fwd+bwd"):
+            for name, fn in case.candidates.items():
+                if time.time() > deadline:
+                    case.results.append((mode, name, None, None, None, "skipped: time budget"))
+                    continue
+                try:
+                    err = parity(case, fn, mode, seed=len(case.results))
+                    us = time_case(case, name, fn, mode)
+                    nbytes = case.bytes_fwd if mode == "fwd" else case.bytes_fwdbwd
+                    frac = nbytes / (us * 1e-6) / copy_bw if nbytes else None
+                    case.results.append((mode, name, us, frac, err, ""))
+                except Exception as exc:  # one candidate failing must not stop the run
+                    case.results.append((mode, name, None, None, None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"))
+                    traceback.print_exc(file=log)
+                torch.cuda.empty_cache()
+                r = case.results[-1]
+                print(f"{case.op:28s} {str(case.shape):22s} {mode:8s} {name:10s} "
+                      f"{'' if r[2] is None else f'{r[2]:10.1f} us'} {r[5]}", file=log, flush=True)
+
+
+def table(cases, copy_bw) -> str:
+    lines = [
+        "| op | shape | mode | candidate | time (µs) | % copy BW | parity err vs fp64 | note |",
+        "| --- | --- | --- | --- | ---: | ---: | ---: | --- |",
+    ]
+    verdicts = []
+    for case in cases:
+        for mode in ("fwd", "fwd+bwd"):
+            rows = [r for r in case.results if r[0] == mode]
+            timed = {r[1]: r[2] for r in rows if r[2] is not None}
+            for _, name, us, frac, err, note in rows:
+                lines.append(
+                    f"| {case.op} | {'×'.join(map(str, case.shape))} | {mode} | {name} | "
+                    f"{'' if us is None else f'{us:.1f}'} | {'' if frac is None else f'{100 * frac:.0f}%'} | "
+                    f"{'' if err is None else f'{err:.2e}'} | {note} |"
+                )
+            rivals = [timed[k] for k in ("compile", "liger") if k in timed]
+            if "ours" in timed and rivals:
+                best = min(rivals)
+                verdicts.append(
+                    f"| {case.op} | {'×'.join(map(str, case.shape))} | {mode} | {timed['ours']:.1f} | {best:.1f} | "
+                    f"{best / timed['ours']:.2f}× | {'yes' if timed['ours'] <= best * 1.02 else 'NO'} |"
+                )
+    summary = [
+        "| op | shape | mode | ours (µs) | best of compile, Liger (µs) | speed-up | at least as fast (2% noise) |",
+        "| --- | --- | --- | ---: | ---: | ---: | --- |",
+    ] + verdicts
+    return "\n".join(summary) + "\n\n" + "\n".join(lines) + "\n"
+
+
+def versions() -> str:
+    import triton
+
+    lk = liger()
+    try:
+        from importlib.metadata import version
+        lk_version = version("liger-kernel") if lk else "not installed"
+    except Exception:
+        lk_version = "unknown"
+    props = torch.cuda.get_device_properties(0)
+    return (f"GPU: {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}, "
+            f"triton {triton.__version__}, CUDA {torch.version.cuda}, liger-kernel {lk_version}")
+
+
+# ---- tuning -----------------------------------------------------------------------------------------
+
+
+def tune(log):
+    """Sweep the row kernels' launch knobs for ours (bf16, 16384 rows); print the best per op and width."""
+    from profiler_svc.kernels import _launch
+
+    cases = [c for c in norm_cases(WIDTHS) + softmax_cases(WIDTHS + (32768,))]
+    knobs = list(itertools.product((256, 512, 1024, 2048), (1024, 2048, 4096, 8192), (1, 2, 4, 8)))
+    for case in cases:
+        for mode in ("fwd", "fwd+bwd"):
+            seen, results = set(), []
+            for warp_elements, row_block, per_sm in knobs:
+                _launch.WARP_ELEMENTS, _launch.ROW_BLOCK_ELEMENTS, _launch.PROGRAMS_PER_SM = warp_elements, row_block, per_sm
+                n = case.shape[1]
+                key = (_launch.row_tiles(n), per_sm if mode != "fwd" and case.op != "softmax" else 0)
+                if key in seen:
+                    continue
+                seen.add(key)
+                try:
+                    us = time_case(case, "ours", case.candidates["ours"], mode)
+                except Exception as exc:
+                    us = float("inf")
+                    print(f"  {key}: {exc}", file=log)
+                results.append((us, warp_elements, row_block, per_sm, key))
+            results.sort()
+            print(f"TUNE {case.op} {case.shape} {mode}: " + "; ".join(
+                f"{us:.1f}us we={we} rb={rb} psm={p}" for us, we, rb, p, _ in results[:4]), flush=True)
+    _launch.WARP_ELEMENTS, _launch.ROW_BLOCK_ELEMENTS, _launch.PROGRAMS_PER_SM = 512, 2048, 2
+
+
+def compile_check(log) -> list[str]:
+    """torch.compile(fullgraph=True) over each of our ops, forward and backward, against eager ours."""
+    from profiler_svc import kernels as K
+
+    lines = []
+    x = torch.randn(64, 1000, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(1000, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    t = torch.randint(0, 1000, (64,), device="cuda")
+    checks = {
+        "rms_norm": (lambda x, w: K.rms_norm(x, w, 1e-6), (x, w)),
+        "rms_norm+residual": (lambda x, w: K.rms_norm(x, w, 1e-6, residual=x * 2)[0], (x, w)),
+        "layer_norm": (lambda x, w: K.layer_norm(x, w, w, 1e-5), (x, w)),
+        "softmax": (lambda x, w: K.softmax(x * w), (x, w)),
+        "cross_entropy": (lambda x, w: K.cross_entropy(x * w, t), (x, w)),
+        "fused_linear_cross_entropy": (lambda x, w: K.fused_linear_cross_entropy(x, w.view(1000, 1).expand(1000, 1000).contiguous() * 0.01, t), (x, w)),
+    }
+    for name in ("swiglu", "geglu", "gelu_tanh"):
+        try:
+            fn = getattr(K, name)
+            checks[name] = ((lambda f: (lambda x, w: f(x, x * w) if name != "gelu_tanh" else f(x * w)))(fn), (x, w))
+        except Exception:
+            pass
+    for name, (fn, args) in checks.items():
+        try:
+            torch._dynamo.reset()
+            compiled = torch.compile(fn, fullgraph=True)
+            out, ref = compiled(*args), fn(*args)
+            grads = torch.autograd.grad(out.float().sum(), list(args))
+            ref_grads = torch.autograd.grad(ref.float().sum(), list(args))
+            err = max([rel_err(out, ref.double())] + [rel_err(g, r.double()) for g, r in zip(grads, ref_grads)])
+            lines.append(f"| {name} | ok | {err:.1e} |")
+        except Exception as exc:
+            lines.append(f"| {name} | FAILED: {type(exc).__name__}: {str(exc).splitlines()[0][:150]} | |")
+            traceback.print_exc(file=log)
+    return ["| op | torch.compile(fullgraph=True), fwd+bwd | rel diff vs eager ours |", "| --- | --- | --- |"] + lines
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ops", help="comma-separated op names (default: all)")
+    parser.add_argument("--quick", action="store_true", help="only width 4096 (and vocab 32k)")
+    parser.add_argument("--tune", action="store_true", help="sweep our launch knobs instead")
+    parser.add_argument("--out", default=None, help="write the markdown results here")
+    parser.add_argument("--log", default=None, help="write the per-candidate log here")
+    parser.add_argument("--budget-s", type=float, default=1e9, help="stop timing new candidates after this")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks/kernels.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    log = open(args.log, "w") if args.log else sys.stderr
+    deadline = time.time() + args.budget_s
+    torch._inductor.config.compile_threads = os.cpu_count() or 8
+    # One compiled function per case and shape: never let dynamo give up and fall back to eager.
+    torch._dynamo.config.cache_size_limit = 256
+    torch._dynamo.config.accumulated_cache_size_limit = 4096
+    if args.tune:
+        tune(log)
+        return 0
+    header = versions()
+    print(header, flush=True)
+    copy_bw = copy_bandwidth()
+    print(f"device-to-device copy: {copy_bw / 1e12:.2f} TB/s (read + write)", flush=True)
+    checks = compile_check(log)
+    print("\n".join(checks), flush=True)
+    cases = all_cases(args.quick)
+    if args.ops:
+        wanted = set(args.ops.split(","))
+        cases = [c for c in cases if c.op in wanted]
+    run_cases(cases, copy_bw, deadline, log)
+    text = (f"{header}\n\nCopy bandwidth (same run): {copy_bw / 1e12:.2f} TB/s. Times: triton.testing.do_bench median, "
+            f"bf16, M={ROWS} rows.\n\n## torch.compile\n\n" + "\n".join(checks) + "\n\n## Results\n\n" + table(cases, copy_bw))
+    print(text, flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
