@@ -115,6 +115,9 @@ def _store(engine, blobs, received, report, *, filename, name, group_key, host, 
     ours = meta.get("profiler_svc") or {}
     rank = _rank(loaded, meta)
     workload = workload or ours.get("workload")
+    # The ranks of one captured job share the capture's run id: group them without being told.
+    if group_key is None and ours.get("run"):
+        group_key = f"capture:{ours['run']}"
     summary = data.get("trace", {})
     device = summary.get("device") or {}
     timeline = build_timeline(getattr(loaded, "kernels", None))
