@@ -30,7 +30,7 @@ def _split_at_largest_gaps(start, end, limit):
 def build_timeline(kernels: pd.DataFrame, max_segments: int = 1500, max_gaps: int = 50) -> dict:
     """Compact JSON for the timeline chart: busy segments per (device, stream) and the top idle gaps."""
     if kernels is None or len(kernels) == 0:
-        return {"streams": [], "gaps": [], "span_us": 0.0, "idle_us": 0.0}
+        return {"streams": [], "gaps": {"start": [], "end": []}, "span_us": 0.0, "idle_us": 0.0}
     frame = kernels[["ts", "dur", "stream"]].assign(
         device=kernels["device"] if "device" in kernels else 0).sort_values("ts", kind="stable")
     streams = []

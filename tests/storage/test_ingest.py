@@ -140,3 +140,18 @@ def test_decompressed_size_limit_stops_gzip_bombs(engine, blobs, tmp_path):
     with open(bomb, "rb") as f, pytest.raises(UserError, match="larger than the 1 MiB limit"):
         ingest.ingest_stream(engine, f, filename="bomb.json.gz", blobs=blobs, max_bytes=1 << 20)
     assert stored_files(blobs) == []
+
+
+def test_ranks_of_one_capture_join_one_run_by_its_run_id(engine, blobs, tmp_path):
+    results = []
+    for rank in (0, 1):
+        path = trace_variant(tmp_path, f"rank{rank}")
+        data = json.loads(gzip.decompress(path.read_bytes()))
+        data["profiler_svc"] = {"schema": "profiler_svc.capture/1", "run": "20261122-abc", "rank": rank,
+                                "world_size": 2, "workload": "pkg.mod:make"}
+        path.write_bytes(gzip.compress(json.dumps(data).encode()))
+        results += ingest.ingest_path(engine, path, blobs=blobs)
+    assert results[0].run_id == results[1].run_id
+    with storage_db.session_scope(engine) as s:
+        run = s.get(Run, results[0].run_id)
+        assert run.workload == "pkg.mod:make" and run.group_key == "capture:20261122-abc"
