@@ -155,26 +155,29 @@ def _loss(out, loss_fn) -> torch.Tensor:
 
 
 def _timed_rounds(model, call, train, loss_fn, named_params, toggle, device, rounds, warmup):
-    """Interleaved rounds, alternating which variant goes first so drift hits both alike."""
+    """Interleaved rounds, each A B B A (B A A B on odd rounds): a variant's time in a round is the
+    mean of its two runs, one in each position, because on a busy host the position within a
+    round alone can move a step's time by 10%."""
     times = {"A": [], "B": []}
     peaks = {"A": None, "B": None}
     gc_was_enabled = gc.isenabled()
     gc.disable()  # a collection inside one variant's step is noise, as in timeit
     try:
         for i in range(warmup + rounds):
-            for name in ("A", "B") if i % 2 == 0 else ("B", "A"):
+            runs = {"A": [], "B": []}
+            for name in "ABBA" if i % 2 == 0 else "BAAB":
                 with toggle.variant(name):
                     _set_modes(model, train, for_parity=False)
                     for _, p in named_params:  # the previous step's gradients are not this step's memory
                         p.grad = None
                     if device.type == "cuda":
                         torch.cuda.reset_peak_memory_stats(device)
-                    ms = stats.time_ms(lambda: _step(model, call, train, loss_fn), device)
-                    if i < warmup:
-                        continue
-                    times[name].append(ms)
-                    if device.type == "cuda":
+                    runs[name].append(stats.time_ms(lambda: _step(model, call, train, loss_fn), device))
+                    if device.type == "cuda" and i >= warmup:
                         peaks[name] = max(peaks[name] or 0, torch.cuda.max_memory_allocated(device))
+            if i >= warmup:
+                for name, ms in runs.items():
+                    times[name].append(sum(ms) / len(ms))
     finally:
         if gc_was_enabled:
             gc.enable()

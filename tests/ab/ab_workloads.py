@@ -1,24 +1,29 @@
-"""Tiny workloads for the A/B tests and the CLI (`--workload tests.ab.workloads:mlp`)."""
+"""Tiny workloads for the A/B tests and the CLI (`--workload ab_workloads:mlp`)."""
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 
 class MLP(nn.Module):
+    """Linear layers (what the test swaps replace), an RMSNorm (a real bundled swap), and a
+    BatchNorm and Dropout, whose buffers and randomness ab_test must leave as they were."""
+
     def __init__(self, width: int = 128, depth: int = 3):
         super().__init__()
         self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.bn = nn.BatchNorm1d(width)
+        self.drop = nn.Dropout(0.1)
         self.norm = nn.RMSNorm(width)
         self.head = nn.Linear(width, 10)
 
     def forward(self, x):
         for layer in self.layers:
             x = F.gelu(layer(x))
-        return self.head(self.norm(x))
+        return self.head(self.norm(self.drop(self.bn(x))))
 
 
-def mlp(batch: int = 64, width: int = 128, seed: int = 0):
-    torch.manual_seed(seed)
+def mlp(batch: int = 64, width: int = 128):
+    torch.manual_seed(0)
     model = MLP(width)
     return model, (torch.randn(batch, width),)
 
@@ -27,3 +32,7 @@ def mlp_train(batch: int = 64, width: int = 128):
     model, (x,) = mlp(batch, width)
     target = torch.randint(0, 10, (batch,))
     return model, (x,), lambda out: F.cross_entropy(out, target)
+
+
+def not_a_workload():
+    return 42

@@ -1,0 +1,192 @@
+"""ab_test on small CPU models with test-only swaps: parity verdicts, timing statistics, and the
+user's model left exactly as it was."""
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from ab_swaps import NO_GRAD, NOOP, WRONG
+from ab_workloads import mlp, mlp_train
+from profiler_svc.ab import ABResult, ab_test
+from profiler_svc.ab.stats import speedup_ci, verdict
+from profiler_svc.errors import UserError
+
+FAST = dict(rounds=30, warmup=3)
+
+
+def _run(swap, train, **kwargs) -> ABResult:
+    if train:
+        model, inputs, loss_fn = mlp_train()
+        return ab_test(model, inputs, [swap], train=True, loss_fn=loss_fn, **FAST, **kwargs)
+    model, inputs = mlp()
+    return ab_test(model, inputs, [swap], **FAST, **kwargs)
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_wrong_swap_fails_parity(train):
+    result = _run(WRONG, train)
+    assert result.verdict == "parity_failed" and not result.parity_passed
+    assert result.timing is None  # a wrong kernel is not timed
+    failed = {t.name for t in result.parity if not t.passed}
+    assert "output" in failed
+    if train:
+        assert "loss" in failed and "grad.layers.0.weight" in failed
+    output = next(t for t in result.parity if t.name == "output")
+    # 1% off in each of 4 layers, against eager's float32 rounding: orders of magnitude apart
+    assert output.b_max_rel > 0.01 and output.b_max_abs > 100 * output.a_max_abs
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_noop_swap_has_no_difference(train):
+    # A 95% interval leaves out the true ratio (1.0 here) in 5% of runs by construction; three tries
+    # make a false alarm a one-in-8000 event while a real bias (B always slower) still fails.
+    for _ in range(3):
+        result = _run(NOOP, train)
+        if result.verdict == "no_difference":
+            break
+    assert [row["module"] for row in result.swapped] == ["layers.0", "layers.1", "layers.2", "head"]
+    assert result.parity_passed
+    # the same arithmetic on the same parameters: B's error is A's, bit for bit
+    assert all(t.b_max_abs == t.a_max_abs and t.passed for t in result.parity)
+    names = {t.name for t in result.parity}
+    if train:
+        assert {"loss", "grad.bn.weight", "grad.norm.weight", "grad.head.bias"} <= names
+    timing = result.timing
+    assert len(timing.a_ms) == len(timing.b_ms) == FAST["rounds"]
+    assert timing.ci_low <= timing.speedup <= timing.ci_high
+    assert result.verdict == "no_difference" and timing.ci_low <= 1.0 <= timing.ci_high
+
+
+def test_lost_gradient_fails_parity_and_serializes():
+    result = _run(NO_GRAD, train=True)
+    lost = {t.name: t for t in result.parity if not t.passed}
+    assert set(lost) == {"grad.layers.0.weight", "grad.layers.1.weight", "grad.layers.2.weight",
+                         "grad.head.weight"}
+    assert math.isinf(lost["grad.head.weight"].b_max_abs)
+    as_dict = json.loads(json.dumps(result.to_dict(), allow_nan=False))
+    assert as_dict["verdict"] == "parity_failed" and as_dict["schema"] == "profiler_svc.ab/1"
+    row = next(t for t in as_dict["parity"] if t["name"] == "grad.head.weight")
+    assert row["b_max_abs"] is None and row["passed"] is False
+
+
+def test_to_dict_round_trips_through_json():
+    result = _run(NOOP, train=True)
+    as_dict = json.loads(json.dumps(result.to_dict(), allow_nan=False))
+    assert as_dict["timing"]["speedup"] == pytest.approx(result.timing.speedup)
+    assert as_dict["timing"]["a_ms"] == result.timing.a_ms
+    assert len(as_dict["parity"]) == len(result.parity)
+    assert as_dict["memory_method"] is None and as_dict["peak_memory_a_bytes"] is None  # CPU
+    assert "verdict: no_difference" in result.summary()
+
+
+def test_repeated_runs_agree():
+    first, second = _run(NOOP, train=False), _run(NOOP, train=False)
+    assert max(first.timing.ci_low, second.timing.ci_low) <= min(first.timing.ci_high, second.timing.ci_high)
+    assert [t.a_max_abs for t in first.parity] == [t.a_max_abs for t in second.parity]
+
+
+def _snapshot(model: nn.Module) -> dict:
+    return {
+        "modules": list(model.named_modules()),
+        "params": [(name, p, p.detach().clone(), p.grad) for name, p in model.named_parameters()],
+        "buffers": [(name, b, b.clone()) for name, b in model.named_buffers()],
+        "modes": [m.training for m in model.modules()],
+        "dict_keys": set(model.__dict__),
+        "rng": torch.get_rng_state(),
+    }
+
+
+def _assert_unchanged(model: nn.Module, before: dict) -> None:
+    after = list(model.named_modules())
+    assert [n for n, _ in after] == [n for n, _ in before["modules"]]
+    assert all(m is m0 for (_, m), (_, m0) in zip(after, before["modules"]))  # the very same instances
+    for (name, p), (name0, p0, value, grad) in zip(model.named_parameters(), before["params"]):
+        assert name == name0 and p is p0 and p.grad is grad and torch.equal(p, value), name
+    for (name, b), (name0, b0, value) in zip(model.named_buffers(), before["buffers"]):
+        assert name == name0 and b is b0 and torch.equal(b, value), name
+    assert [m.training for m in model.modules()] == before["modes"]
+    assert set(model.__dict__) == before["dict_keys"]  # no swap bookkeeping left behind
+    assert torch.equal(torch.get_rng_state(), before["rng"])
+
+
+def test_model_left_exactly_as_it_was():
+    model, inputs, loss_fn = mlp_train()
+    model.train()
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 0.5)  # the user's own gradients survive
+    before = _snapshot(model)
+    result = ab_test(model, inputs, [NOOP], train=True, loss_fn=loss_fn, **FAST)
+    assert result.timing is not None
+    _assert_unchanged(model, before)
+
+
+@pytest.mark.parametrize("fail_on_call", [1, 3, 10])  # the fp64 run, B's parity run, a timed round
+def test_model_left_exactly_as_it_was_when_the_step_raises(fail_on_call):
+    model, (x,) = mlp()
+    model.eval()
+    calls = []
+
+    def step(m):
+        out = m(x.to(next(m.parameters()).dtype))  # in train mode this updates BatchNorm's running stats
+        calls.append(1)
+        if len(calls) == fail_on_call:
+            raise RuntimeError("boom")
+        return out.sum()
+
+    before = _snapshot(model)
+    with pytest.raises(RuntimeError, match="boom") if fail_on_call > 1 else pytest.raises(UserError, match="boom"):
+        ab_test(model, step, [NOOP], train=True, **FAST)
+    assert len(calls) == fail_on_call
+    _assert_unchanged(model, before)
+
+
+def test_input_forms_are_equivalent():
+    model, (x,) = mlp()
+
+    class Keyword(nn.Module):  # the same model, called with a keyword argument
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+
+        def forward(self, *, x):
+            return self.inner(x)
+
+    errors = set()
+    for target, inputs in [(model, (x,)), (model, x), (model, lambda m: m(x.to(next(m.parameters()).dtype))), (Keyword(), {"x": x})]:
+        result = ab_test(target, inputs, [NOOP], rounds=2, warmup=0)
+        errors.add(next(t.a_max_abs for t in result.parity if t.name == "output"))
+    assert len(errors) == 1
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda m, x: ab_test(m, [x], [NOOP]), "inputs must be"),
+    (lambda m, x: ab_test(m, (x,), []), "no swap to test"),
+    (lambda m, x: ab_test(m, (x,), ["no_such_swap"]), "unknown swap no_such_swap"),
+    (lambda m, x: ab_test(m, (x,), [NOOP], rounds=1), "rounds >= 2"),
+    (lambda m, x: ab_test(nn.Sequential(nn.ReLU()), (x,), [NOOP]), "no module of Sequential was swapped"),
+    (lambda m, x: ab_test(m, (x,), [NOOP], train=True), "train=True needs a scalar loss"),
+])
+def test_bad_arguments_are_user_errors(call, message):
+    model, (x,) = mlp()
+    before = _snapshot(model)
+    with pytest.raises(UserError, match=message):
+        call(model, x)
+    _assert_unchanged(model, before)
+
+
+def test_bootstrap_ci_and_verdicts():
+    rng = np.random.default_rng(1)
+    slow = 2.0 + 0.05 * rng.standard_normal(30)
+    fast = 1.0 + 0.05 * rng.standard_normal(30)
+    speedup, low, high = speedup_ci(slow, fast, seed=0)
+    assert low < 2.0 < high and low > 1.5 and speedup == pytest.approx(np.median(slow) / np.median(fast))
+    assert speedup_ci(slow, fast, seed=0) == (speedup, low, high)  # seeded: reproducible
+    assert verdict(True, low, high) == "faster"
+    _, low_r, high_r = speedup_ci(fast, slow, seed=0)
+    assert high_r < 0.7 and verdict(True, low_r, high_r) == "slower"
+    _, low_s, high_s = speedup_ci(slow, slow[::-1], seed=0)
+    assert low_s <= 1.0 <= high_s and verdict(True, low_s, high_s) == "no_difference"
+    assert verdict(False, low, high) == "parity_failed"

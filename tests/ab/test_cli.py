@@ -1,0 +1,107 @@
+"""`profiler_svc ab`: a tiny workload with a real bundled swap, swaps from a real report, bad input."""
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from profiler_svc.ab.commands import swaps_from_report
+from profiler_svc.cli import main
+
+DATA = Path(__file__).parent.parent / "data"
+QUICK = ["--rounds", "3", "--warmup", "1"]
+
+needs_kernels = pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="the bundled Triton kernels need a GPU or TRITON_INTERPRET=1")
+
+
+def _ab(capsys, *args):
+    code = main(["ab", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@needs_kernels
+@pytest.mark.parametrize("train", [False, True])
+def test_ab_json_on_a_workload(capsys, train):
+    workload = "ab_workloads:mlp_train" if train else "ab_workloads:mlp"
+    code, out, err = _ab(capsys, "--workload", workload, "--swap", "rms_norm", "--json", *QUICK,
+                         *(["--train"] if train else []))
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["schema"] == "profiler_svc.ab/1" and result["train"] is train
+    assert result["swapped"] == [{"module": "norm", "class": "RMSNorm", "swap": "rms_norm"}]
+    assert result["parity_passed"] and result["verdict"] in {"faster", "slower", "no_difference"}
+    assert len(result["timing"]["a_ms"]) == 3
+    names = {row["name"] for row in result["parity"]}
+    assert ("loss" in names and "grad.norm.weight" in names) if train else names == {"output"}
+
+
+@needs_kernels
+def test_ab_text_summary(capsys):
+    code, out, _ = _ab(capsys, "--workload", "ab_workloads:mlp", "--swap", "rms_norm", *QUICK)
+    assert code == 0
+    assert "swapped: rms_norm x1" in out and "parity vs fp64: passed" in out and "verdict: " in out
+
+
+def test_swaps_from_a_real_report(tmp_path, capsys):
+    """`recommend --format json` on a real H100 trace of a Llama training step, then its swaps."""
+    assert main(["recommend", str(DATA / "llama_bf16_train.json.gz"), "--format", "json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(report))
+    expected = list(dict.fromkeys(f["recommendation"]["swap"] for f in report["findings"]
+                                  if f["recommendation"]["swap"]))
+    assert "rms_norm" in expected  # an eager Llama's RMSNorm chain is there to be found
+    assert swaps_from_report(path) == expected
+
+
+@needs_kernels
+def test_ab_from_report(tmp_path, capsys):
+    report = {"schema": "profiler_svc.report/1", "findings": [
+        {"recommendation": {"summary": "x", "swap": None}},
+        {"recommendation": {"summary": "y", "swap": "rms_norm"}},
+        {"recommendation": {"summary": "z", "swap": "rms_norm"}},
+    ]}
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(report))
+    code, out, err = _ab(capsys, "--workload", "ab_workloads:mlp", "--from-report", str(path), "--json", *QUICK)
+    assert code == 0, err
+    assert json.loads(out)["swaps"] == ["rms_norm"]
+
+
+def _write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--workload", "nocolon", "--swap", "rms_norm"], "must look like 'pkg.module:factory'"),
+    (["--workload", "ab_no_such_module:f", "--swap", "rms_norm"], "cannot import workload module"),
+    (["--workload", "ab_workloads:nothing", "--swap", "rms_norm"], "has no callable 'nothing'"),
+    (["--workload", "ab_workloads:not_a_workload", "--swap", "rms_norm"], "must return (model, inputs)"),
+    (["--workload", "ab_workloads:mlp"], "nothing to test"),
+    (["--workload", "ab_workloads:mlp", "--swap", "no_such_swap"], "unknown swap no_such_swap"),
+    (["--workload", "ab_workloads:mlp", "--swap", "rms_norm", "--rounds", "1"], "rounds >= 2"),
+    (["--workload", "ab_workloads:mlp", "--from-report", "/no/such/report.json"], "does not exist"),
+    (["--workload", "ab_workloads:mlp", "--from-report", "{tmp}/bad.json"], "cannot read report"),
+    (["--workload", "ab_workloads:mlp", "--from-report", "{tmp}/other.json"], "is not a `profiler_svc recommend"),
+    (["--workload", "ab_workloads:mlp", "--from-report", "{tmp}/empty.json"], "recommends no bundled swap"),
+])
+def test_bad_input_is_one_line_exit_2(tmp_path, capsys, args, message):
+    _write(tmp_path, "bad.json", "{not json")
+    _write(tmp_path, "other.json", json.dumps({"schema": "something/1"}))
+    _write(tmp_path, "empty.json", json.dumps({"schema": "profiler_svc.report/1", "findings": []}))
+    code, out, err = _ab(capsys, *[a.replace("{tmp}", str(tmp_path)) for a in args])
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("profiler_svc: error: ") and message in err
+
+
+@needs_kernels
+def test_model_failure_is_one_line_exit_2(capsys):
+    # mlp's output is not a scalar and has no .loss: training it without a loss_fn is a user error
+    code, out, err = _ab(capsys, "--workload", "ab_workloads:mlp", "--swap", "rms_norm", "--train", *QUICK)
+    assert code == 2 and err.count("\n") == 1 and "needs a scalar loss" in err
