@@ -124,6 +124,11 @@ class Capture:
             if profiler.current_action in RECORDING and not self._discard:
                 self._add_metadata(profiler)
             profiler.__exit__(exc_type, exc, tb)
+        except Exception as teardown_error:
+            if exc_type is None:
+                raise
+            # The user's exception is the one that matters: ours must not replace it.
+            warnings.warn(f"profiler_svc.capture: stopping the profiler failed: {teardown_error}", stacklevel=2)
         finally:
             self.hooks.detach()
         if exc_type is None or issubclass(exc_type, Exception):

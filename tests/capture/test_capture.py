@@ -431,3 +431,18 @@ def test_gpu_kernels_run_inside_module_labels(tmp_path):
     meta = trace[METADATA_KEY]
     assert meta["device"]["type"] == "cuda" and meta["device"]["sm_count"] > 0
     assert meta["versions"]["cuda"] == torch.version.cuda
+
+
+def test_teardown_failure_does_not_replace_user_exception(model, x, tmp_path, monkeypatch):
+    def broken_exit(self, *exc_info):
+        raise RuntimeError("kineto fell over")
+
+    monkeypatch.setattr(torch.profiler.profile, "__exit__", broken_exit)
+    before = hook_state(model)
+    with pytest.warns(UserWarning, match="kineto fell over"), pytest.raises(KeyError, match="user"):
+        with profiler_svc.capture(model, out=tmp_path):
+            model(x)
+            raise KeyError("user")
+    assert_same_state(before, hook_state(model))
+    monkeypatch.undo()
+    torch.autograd.profiler._disable_profiler()  # the real profiler our stand-in never stopped
