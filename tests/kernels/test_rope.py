@@ -1,0 +1,106 @@
+import pytest
+import torch
+from kernel_numerics import assert_no_worse
+
+from profiler_svc.kernels import rope
+
+transformers = pytest.importorskip("transformers")
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # noqa: E402
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def cos_sin(batch, seq, dim, gen):
+    """HF's rotary tables ([batch, seq, dim], halves repeated) at random positions, in fp64."""
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    positions = torch.randint(0, 4096, (batch, seq), generator=gen).double()
+    freqs = positions[..., None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def qk_cos_sin(batch, seq, heads, kv_heads, dim, seed, cos_batch=None):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, seq, dim, generator=gen, dtype=torch.float64).requires_grad_()
+    k = torch.randn(batch, kv_heads, seq, dim, generator=gen, dtype=torch.float64).requires_grad_()
+    return [q, k, *cos_sin(cos_batch or batch, seq, dim, gen)]
+
+
+def joined(apply, layout=lambda t: t):
+    """One output tensor (q_embed and k_embed flattened together) for the numerics helper."""
+    return lambda q, k, cos, sin: torch.cat([t.flatten() for t in apply(layout(q), layout(k), cos, sin)])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch, seq, heads, kv_heads, dim, cos_batch", [
+    (2, 7, 4, 2, 64, None),  # GQA
+    (1, 5, 3, 3, 96, None),  # head_dim/2 = 48: a masked tile
+    (2, 3, 2, 1, 2, 1),  # head_dim 2; cos/sin broadcast over the batch
+])
+def test_numerics_no_worse_than_hf(dtype, batch, seq, heads, kv_heads, dim, cos_batch):
+    inputs = qk_cos_sin(batch, seq, heads, kv_heads, dim, seed=1, cos_batch=cos_batch)
+    ours, hf = joined(rope), joined(apply_rotary_pos_emb)
+    assert_no_worse(ours, {"hf": hf}, inputs, hf, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_strided_views_as_hf_attention_passes_them(dtype):
+    # HF: q = q_proj(x).view(B, S, H, D).transpose(1, 2): [B, H, S, D] with the heads interleaved
+    q, k, cos, sin = qk_cos_sin(2, 6, 4, 2, 32, seed=2)
+    q, k = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k))  # stored [B, S, H, D]
+    as_hf = lambda t: t.transpose(1, 2)  # noqa: E731
+    ours, hf = joined(rope, as_hf), joined(apply_rotary_pos_emb, as_hf)
+    assert_no_worse(ours, {"hf": hf}, [q, k, cos, sin], hf, dtype)
+    # the outputs keep the inputs' memory layout, as eager's do
+    qs, ks = (t.detach().to(dtype).transpose(1, 2) for t in (q, k))
+    for mine, theirs in zip(rope(qs, ks, cos.to(dtype), sin.to(dtype)), apply_rotary_pos_emb(qs, ks, cos.to(dtype), sin.to(dtype))):
+        assert mine.stride() == theirs.stride()
+
+
+def test_bshd_layout_and_seq_dim_tables():
+    q, k, cos, sin = qk_cos_sin(2, 5, 3, 1, 16, seed=3, cos_batch=1)
+    q, k = (t.detach().transpose(1, 2) for t in (q, k))  # [B, S, H, D]
+    mine = rope(q, k, cos[0], sin[0], unsqueeze_dim=2)  # tables as [S, D]
+    theirs = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
+    for a, b in zip(mine, theirs):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-14)
+
+
+def test_gradients_of_learned_tables():
+    q, k, cos, sin = qk_cos_sin(2, 5, 3, 1, 8, seed=4, cos_batch=1)
+    ours_in = [t.detach().requires_grad_() for t in (q, k, cos, sin)]
+    hf_in = [t.detach().requires_grad_() for t in (q, k, cos, sin)]
+    gen = torch.Generator().manual_seed(5)
+    outs, refs = rope(*ours_in), apply_rotary_pos_emb(*hf_in)
+    dys = [torch.randn(t.shape, generator=gen, dtype=torch.float64) for t in refs]
+    grads = torch.autograd.grad(outs, ours_in, dys)
+    ref_grads = torch.autograd.grad(refs, hf_in, dys)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-13)
+
+
+def test_bad_input():
+    q, k = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
+    cos = sin = torch.randn(1, 4, 8)
+    with pytest.raises(ValueError, match="head_dim must be even"):
+        rope(torch.randn(1, 2, 4, 7), torch.randn(1, 2, 4, 7), torch.randn(1, 4, 7), torch.randn(1, 4, 7))
+    with pytest.raises(ValueError, match="does not fit"):
+        rope(q, k, torch.randn(1, 5, 8), torch.randn(1, 5, 8))
+    with pytest.raises(ValueError, match="differ in batch"):
+        rope(q, torch.randn(1, 2, 3, 8), cos, sin)
+    with pytest.raises(ValueError, match="unsqueeze_dim"):
+        rope(q, k, cos, sin, unsqueeze_dim=3)
+    with pytest.raises(ValueError, match="4-D"):
+        rope(q[0], k[0], cos, sin)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.compile of the Triton custom ops needs a GPU")
+def test_compile_fullgraph_forward_backward():
+    q, k, cos, sin = (t.detach().cuda().to(torch.bfloat16) for t in qk_cos_sin(2, 64, 8, 2, 128, seed=6))
+    q.requires_grad_(), k.requires_grad_()
+    compiled = torch.compile(lambda q, k, c, s: [t * 2 for t in rope(q, k, c, s)], fullgraph=True)
+    outs = compiled(q, k, cos, sin)
+    grads = torch.autograd.grad(sum(t.float().square().sum() for t in outs), [q, k])
+    outs2 = [t * 2 for t in rope(q, k, cos, sin)]
+    grads2 = torch.autograd.grad(sum(t.float().square().sum() for t in outs2), [q, k])
+    assert all(torch.equal(a, b) for a, b in zip(outs + list(grads), outs2 + list(grads2)))

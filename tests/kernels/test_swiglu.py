@@ -1,0 +1,118 @@
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_numerics import assert_no_worse
+from torch import nn
+
+from profiler_svc.kernels import swap, swapped, swiglu, unswap
+from profiler_svc.kernels.swiglu import SWAP, GatedMLP
+
+transformers = pytest.importorskip("transformers")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def reference(gate, up):  # also eager: HF's act_fn(gate_proj(x)) * up_proj(x)
+    return F.silu(gate) * up
+
+
+def inputs(shape, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return [(3 * torch.randn(shape, generator=gen, dtype=torch.float64)).requires_grad_() for _ in range(2)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(37, 1000), (64, 1), (1,), (2, 70001)])
+def test_numerics_no_worse_than_eager(dtype, shape):
+    assert_no_worse(swiglu, {"F.silu*up": reference}, inputs(shape, 1), reference, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_views_of_a_fused_gate_up_projection(dtype):
+    # gate and up as column halves of one [M, 2N] tensor: non-contiguous views, copied inside
+    halves = lambda f: lambda gu: f(*gu.chunk(2, dim=-1))  # noqa: E731
+    gen = torch.Generator().manual_seed(2)
+    gu = (3 * torch.randn(37, 2 * 333, generator=gen, dtype=torch.float64)).requires_grad_()
+    assert_no_worse(halves(swiglu), {"F.silu*up": halves(reference)}, [gu], halves(reference), dtype)
+
+
+def test_empty_and_bad_input():
+    assert swiglu(torch.empty(0, 8), torch.empty(0, 8)).shape == (0, 8)
+    with pytest.raises(ValueError, match="same shape"):
+        swiglu(torch.randn(4, 8), torch.randn(4, 1))
+    with pytest.raises(TypeError, match="differ in dtype"):
+        swiglu(torch.randn(4, 8), torch.randn(4, 8, dtype=torch.float64))
+    with pytest.raises(TypeError, match="floating-point"):
+        swiglu(torch.ones(4, 8, dtype=torch.int32), torch.ones(4, 8, dtype=torch.int32))
+
+
+def tiny(model_name, **extra):
+    torch.manual_seed(0)
+    cfg = getattr(transformers, f"{model_name}Config")(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=128, **extra,
+    )
+    return getattr(transformers, f"{model_name}ForCausalLM")(cfg).eval()
+
+
+@pytest.mark.parametrize("model_name", ["Llama", "Mistral", "Qwen2"])
+def test_gated_mlps_swapped_shared_and_restored(model_name):
+    model = tiny(model_name)
+    originals = {n: m for n, m in model.named_modules() if n.endswith(".mlp")}
+    ids = torch.randint(0, 128, (2, 7))
+    expected_loss = model(ids, labels=ids).loss
+    expected_loss.backward()
+    expected_grads = {n: p.grad.clone() for n, p in model.named_parameters() if "mlp" in n}
+    model.zero_grad()
+
+    with swapped(model, ["swiglu"]) as report:
+        assert sorted(row[0] for row in report.swapped) == sorted(originals) and len(originals) == 2
+        assert report.skipped == [] and all(row[2] == "swiglu" for row in report.swapped)
+        for name, orig in originals.items():
+            new = model.get_submodule(name)
+            assert isinstance(new, GatedMLP)
+            assert new.gate_proj is orig.gate_proj and new.up_proj is orig.up_proj and new.down_proj is orig.down_proj
+        loss = model(ids, labels=ids).loss
+        loss.backward()  # gradients land on the original (shared) projections
+        torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-6)
+        for n, p in model.named_parameters():
+            if "mlp" in n:
+                torch.testing.assert_close(p.grad, expected_grads[n], rtol=1e-4, atol=1e-6)
+
+    assert all(model.get_submodule(n) is m for n, m in originals.items())
+
+
+def test_bf16_model_passes_parity_check():
+    model = tiny("Llama").to(torch.bfloat16)
+    report = swap(model, ["swiglu"])
+    assert len(report.swapped) == 2 and report.skipped == []
+    unswap(model)
+
+
+class LlamaLikeButScaled(nn.Module):
+    """gate_proj / up_proj / down_proj / SiLU act_fn, but the forward does something else."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = nn.Linear(8, 16), nn.Linear(8, 16), nn.Linear(16, 8)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x)) * 0.5
+
+
+def test_matched_by_behaviour_not_only_structure():
+    assert not SWAP.matches(LlamaLikeButScaled())
+    gelu_mlp = tiny("Llama", hidden_act="gelu").model.layers[0].mlp  # a GELU-gated MLP is geglu's, not ours
+    assert not SWAP.matches(gelu_mlp)
+    assert SWAP.matches(tiny("Llama").model.layers[0].mlp)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.compile of the Triton custom ops needs a GPU")
+def test_compile_fullgraph_forward_backward():
+    gate, up = (torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    compiled = torch.compile(lambda g, u: swiglu(g, u) * 2, fullgraph=True)
+    y = compiled(gate, up)
+    grads = torch.autograd.grad(y.float().square().sum(), [gate, up])
+    y2 = swiglu(gate, up) * 2
+    grads2 = torch.autograd.grad(y2.float().square().sum(), [gate, up])
+    assert torch.equal(y, y2) and all(torch.equal(a, b) for a, b in zip(grads, grads2))
