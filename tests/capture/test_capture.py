@@ -446,3 +446,18 @@ def test_teardown_failure_does_not_replace_user_exception(model, x, tmp_path, mo
     assert_same_state(before, hook_state(model))
     monkeypatch.undo()
     torch.autograd.profiler._disable_profiler()  # the real profiler our stand-in never stopped
+
+
+def test_torchrun_ranks_share_a_run(tmp_path):
+    import subprocess
+    import sys
+    job = os.path.join(os.path.dirname(__file__), "torchrun_job.py")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID")}
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                    job, str(tmp_path)], check=True, env=env, capture_output=True, timeout=120)
+    paths = sorted(glob.glob(str(tmp_path / "*.json.gz")))
+    assert [p.rsplit("_", 1)[1] for p in paths] == ["rank0.json.gz", "rank1.json.gz"]
+    metas = [load(p)[METADATA_KEY] for p in paths]
+    assert [(m["rank"], m["world_size"]) for m in metas] == [(0, 2), (1, 2)]
+    assert metas[0]["run"] == metas[1]["run"] and os.path.basename(paths[0]).startswith("Sequential_")
+    assert module_label("1", "ReLU") in module_labels(load(paths[1]))  # DDP's `module.` is not in the names
