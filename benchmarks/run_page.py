@@ -10,6 +10,7 @@ and reports the median and max of --repeat requests each. Work files go to .benc
 import argparse
 import gzip
 import json
+import logging
 import os
 import statistics
 import sys
@@ -67,6 +68,7 @@ def main() -> int:
     ingest_s = time.perf_counter() - start
 
     app = create_app({"DATABASE_URL": url, "BLOB_DIR": str(work / "blobs")})
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # no line per request
     server = make_server("127.0.0.1", 0, app, threaded=True)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     base = f"http://127.0.0.1:{server.port}"

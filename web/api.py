@@ -28,19 +28,19 @@ def require_token_for_writes():
 
 @bp.get("/runs")
 def runs():
-    return jsonify(queries.list_runs(db(), request.args.get("q"), limit=_int_arg("limit", 100, 1, 1000),
-                                     offset=_int_arg("offset", 0, 0, 10**9)))
+    return jsonify(queries.list_runs(db(), request.args.get("q"), limit=int_arg("limit", 100, 1, 1000),
+                                     offset=int_arg("offset", 0, 0, 10**9)))
 
 
 @bp.get("/runs/<int:run_id>")
 def run(run_id):
-    return jsonify(queries.run_page(db(), run_id, rank=_rank_arg()))
+    return jsonify(queries.run_page(db(), run_id, rank=rank_arg()))
 
 
 @bp.get("/runs/<int:run_id>/timeline")
 def timeline(run_id):
     queries.run_summary(db(), run_id)  # 404 for an unknown run
-    return jsonify(queries.timeline(db(), run_id, rank=_rank_arg()))
+    return jsonify(queries.timeline(db(), run_id, rank=rank_arg()))
 
 
 @bp.get("/jobs")
@@ -55,7 +55,7 @@ def job(job_id):
 
 @bp.get("/compare")
 def compare():
-    return jsonify(queries.compare(db(), _int_arg("a", None, 1, 2**63), _int_arg("b", None, 1, 2**63)))
+    return jsonify(queries.compare(db(), int_arg("a", None, 1, 2**31 - 1), int_arg("b", None, 1, 2**31 - 1)))
 
 
 @bp.post("/traces")
@@ -85,9 +85,7 @@ def request_ab(run_id):
     if not isinstance(body, dict):
         raise UserError("send a JSON object: {\"finding_id\": N} or {\"swap\": \"name\"}")
     session = db()
-    run = session.get(Run, run_id)
-    if run is None:
-        raise queries.NotFound(f"no run with id {run_id}")
+    run = queries.get(session, Run, run_id)
     finding_id = body.get("finding_id")
     if finding_id is not None and not isinstance(finding_id, int):
         raise UserError("finding_id must be an integer")
@@ -121,7 +119,7 @@ def _text(form, key, limit=255):
     return value[:limit] or None
 
 
-def _int_arg(key, default, low, high):
+def int_arg(key, default, low, high):
     raw = request.args.get(key)
     if raw is None or raw == "":
         if default is None:
@@ -136,5 +134,5 @@ def _int_arg(key, default, low, high):
     return value
 
 
-def _rank_arg():
-    return _int_arg("rank", -1, -1, 1 << 20) if request.args.get("rank") else None
+def rank_arg():
+    return int_arg("rank", -1, -1, 1 << 20) if request.args.get("rank") else None

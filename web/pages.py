@@ -7,7 +7,7 @@ from ..errors import UserError
 from ..storage import jobs, queries
 from ..storage.models import Run
 from . import db
-from .api import _int_arg, _rank_arg
+from .api import int_arg, rank_arg
 
 bp = Blueprint("pages", __name__)
 
@@ -19,15 +19,13 @@ def runs():
 
 @bp.get("/runs/<int:run_id>")
 def run(run_id):
-    return render_template("run.html", run=queries.run_page(db(), run_id, rank=_rank_arg()))
+    return render_template("run.html", run=queries.run_page(db(), run_id, rank=rank_arg()))
 
 
 @bp.post("/runs/<int:run_id>/ab")
 def request_ab(run_id):
     session = db()
-    run = session.get(Run, run_id)
-    if run is None:
-        raise queries.NotFound(f"no run with id {run_id}")
+    run = queries.get(session, Run, run_id)
     finding_id = request.form.get("finding_id", "")
     if finding_id and not finding_id.isdigit():
         raise UserError("finding_id must be an integer")
@@ -46,7 +44,7 @@ def job(job_id):
 def compare():
     if not request.args.get("a") or not request.args.get("b"):
         return render_template("compare.html", cmp=None, runs=queries.list_runs(db(), limit=200)["runs"])
-    data = queries.compare(db(), _int_arg("a", None, 1, 2**63), _int_arg("b", None, 1, 2**63))
+    data = queries.compare(db(), int_arg("a", None, 1, 2**31 - 1), int_arg("b", None, 1, 2**31 - 1))
     return render_template("compare.html", cmp=data, runs=None)
 
 

@@ -21,7 +21,7 @@ def enqueue(session, run, *, swap: str | None = None, finding_id: int | None = N
     from ..errors import UserError
     finding = None
     if finding_id is not None:
-        finding = session.get(Finding, finding_id)
+        finding = session.get(Finding, finding_id) if 0 < finding_id < 2**31 else None
         if finding is None or finding.run_id != run.id:
             raise NotFound(f"run {run.id} has no finding with id {finding_id}")
         swap = swap or finding.swap

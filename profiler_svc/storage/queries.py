@@ -26,15 +26,16 @@ def list_runs(session, q: str | None = None, limit: int = 100, offset: int = 0) 
         "span_us": r.span_us or 0.0, "gpu_busy_pct": round(r.gpu_busy_pct or 0.0, 2)} for r in rows]}
 
 
-def _get(session, model, id_):
-    row = session.get(model, id_)
+def get(session, model, id_):
+    """The row, or NotFound (also for ids beyond the 32-bit key range, which PostgreSQL rejects)."""
+    row = session.get(model, id_) if 0 < id_ < 2**31 else None
     if row is None:
         raise NotFound(f"no {model.__tablename__[:-1].replace('_', ' ')} with id {id_}")
     return row
 
 
 def run_summary(session, run_id: int) -> dict:
-    run = _get(session, Run, run_id)
+    run = get(session, Run, run_id)
     traces = session.scalars(select(Trace).where(Trace.run_id == run_id).order_by(Trace.rank)).all()
     kernel_time = sum(t.kernel_time_us for t in traces)
     return {
@@ -119,7 +120,7 @@ def timeline(session, run_id: int, rank: int | None = None) -> dict:
 
 
 def job_page(session, job_id: int) -> dict:
-    job = _get(session, ABJob, job_id)
+    job = get(session, ABJob, job_id)
     out = job_dict(job)
     out["run_name"] = job.run.name
     out["finding"] = finding_dict(job.finding) if job.finding else None

@@ -195,3 +195,9 @@ def test_unknown_pages_are_404_pages(client):
     assert client.get("/runs/424242").status_code == 404
     assert client.get("/jobs/424242").status_code == 404
     assert client.get("/api/v1/jobs/424242").get_json()["error"] == "no ab job with id 424242"
+    # Ids beyond the database's key range are unknown too, not a server error.
+    huge = 2**40
+    assert client.get(f"/runs/{huge}").status_code == 404
+    assert client.get(f"/api/v1/runs/{huge}/timeline").status_code == 404
+    assert client.post(f"/api/v1/runs/{huge}/ab", json={"swap": "x"}, headers=AUTH).status_code == 404
+    assert client.get(f"/api/v1/compare?a={huge}&b=1").status_code == 400
