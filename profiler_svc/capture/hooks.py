@@ -125,7 +125,7 @@ class ModuleHooks:
         # Close labels left open by a forward interrupted with a BaseException (KeyboardInterrupt),
         # which skips always_call hooks.
         for _module, record in reversed(getattr(self.local, "stack", ())):
-            if self.domain:
+            if self.domain is not None:
                 self.domain.pop_range()
             torch._C._autograd._record_function_with_args_exit(record)
         self.local.stack = []
@@ -138,9 +138,9 @@ class ModuleHooks:
 
     def _hooks(self, module, label, is_root):
         domain = self.domain
-        attributes = domain.get_event_attributes(message=label) if domain else None
+        attributes = domain.get_event_attributes(message=label) if domain is not None else None
         backward_attributes = (domain.get_event_attributes(message="backward::" + label.partition("::")[2])
-                               if domain else None)
+                               if domain is not None else None)
         label_enter = torch._C._autograd._record_function_with_args_enter
         label_exit = torch._C._autograd._record_function_with_args_exit
         is_compiling = torch.compiler.is_compiling
@@ -153,7 +153,7 @@ class ModuleHooks:
             if is_root and self.on_root_call is not None:
                 self.on_root_call()
             record = label_enter(label)
-            if domain:
+            if domain is not None:
                 domain.push_range(attributes)
             stack_of().append((mod, record))
 
@@ -165,11 +165,11 @@ class ModuleHooks:
             if not stack or stack[-1][0] is not mod:
                 return
             _mod, record = stack.pop()
-            if domain:
+            if domain is not None:
                 domain.pop_range()
             label_exit(record)
             # Not during a backward pass (activation checkpointing re-runs forward there).
-            if (domain and output is not None and torch.is_grad_enabled()
+            if (domain is not None and output is not None and torch.is_grad_enabled()
                     and current_graph_task() == -1):
                 _backward_range(domain, backward_attributes, (args, kwargs), output)
 
