@@ -1,12 +1,13 @@
-"""Capture the agent fixture: a Llama training step recorded with ``profiler_svc.capture``.
+"""Capture the agent fixtures: real GPU workloads recorded with ``profiler_svc.capture``.
 
-Run on a CUDA machine with transformers installed, from this folder or with it on sys.path:
+Run on a CUDA machine with transformers installed:
 
     python tests/data/agent/capture_agent_fixture.py OUT_DIR
 
-The model is built from a config with random weights (nothing is downloaded). ``llama_bf16_train``
-is also the workload factory (``capture_agent_fixture:llama_bf16_train``) that the A/B service
-can re-run: it returns (model, inputs, loss_fn).
+Models are built from configs with random weights (nothing is downloaded). Each fixture's
+factory is also its workload (``capture_agent_fixture:<name>``, importable from this folder),
+which the A/B service can re-run: it returns (model, inputs) or (model, inputs, loss_fn).
+OUT_DIR gets one ``<name>.json.gz`` per fixture and ``manifest.json`` saying how each was made.
 """
 import json
 import os
@@ -15,56 +16,100 @@ import time
 
 import torch
 
-NAME = "llama_bf16_train_agent"
-WORKLOAD = "capture_agent_fixture:llama_bf16_train"
-CONFIG = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=2,
-              num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=4096)
-BATCH, SEQ = 4, 512
+LLAMA = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=2,
+             num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=4096)
+GPT2 = dict(n_layer=2, n_embd=768, n_head=12)
+LLAMA_BATCH, GPT2_BATCH = (4, 512), (8, 256)
+DEVICE = "cuda"
 
 
-def llama_bf16_train():
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _build(model_class, config_class, config, attn, dtype):
+    import transformers
     torch.manual_seed(0)
-    config = LlamaConfig(**CONFIG)
-    config._attn_implementation = "sdpa"
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
-    ids = torch.randint(0, CONFIG["vocab_size"], (BATCH, SEQ), device="cuda")
+    cfg = getattr(transformers, config_class)(**config)
+    cfg._attn_implementation = attn
+    with torch.device(DEVICE):
+        return getattr(transformers, model_class)(cfg).to(dtype)
+
+
+def llama_bf16_train_agent():
+    """Llama, bf16, SDPA, training: eager RMSNorm, SiLU*mul and rotary chains to attribute."""
+    model = _build("LlamaForCausalLM", "LlamaConfig", LLAMA, "sdpa", torch.bfloat16)
+    ids = torch.randint(0, LLAMA["vocab_size"], LLAMA_BATCH, device=DEVICE)
     return model, {"input_ids": ids, "labels": ids}, lambda out: out.loss
+
+
+def gpt2_fp32_notf32_infer_agent():
+    """GPT-2, fp32 with TF32 off, eager attention, inference: FFMA GEMMs and eager attention."""
+    model = _build("GPT2LMHeadModel", "GPT2Config", GPT2, "eager", torch.float32).eval()
+    ids = torch.randint(0, 50257, GPT2_BATCH, device=DEVICE)
+    return model, {"input_ids": ids}
+
+
+FIXTURES = {
+    "llama_bf16_train_agent": dict(
+        factory=llama_bf16_train_agent, model="LlamaForCausalLM", config=LLAMA, dtype="bf16", attn="sdpa",
+        batch="x".join(map(str, LLAMA_BATCH)), mode="train (fwd+bwd+AdamW foreach)", numerics="defaults (TF32 matmul off)"),
+    "gpt2_fp32_notf32_infer_agent": dict(
+        factory=gpt2_fp32_notf32_infer_agent, model="GPT2LMHeadModel", config=GPT2, dtype="fp32", attn="eager",
+        batch="x".join(map(str, GPT2_BATCH)), mode="inference (no_grad)", numerics="allow_tf32 off (matmul, cudnn), precision highest"),
+}
+
+
+def set_numerics(name):
+    """torch's defaults (TF32 off for matmul, on for cuDNN); the notf32 fixtures turn cuDNN's off too."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = "notf32" not in name
+    torch.set_float32_matmul_precision("highest")
+
+
+def sync():
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def capture(name, out_dir):
+    import profiler_svc
+    info = FIXTURES[name]
+    set_numerics(name)
+    made = info["factory"]()
+    model, inputs = made[:2]
+    if len(made) == 3:
+        loss_fn = made[2]
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+
+        def step():
+            loss_fn(model(**inputs)).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    else:
+        step = torch.no_grad()(lambda: model(**inputs))
+    step()  # outside the profiler: cuBLAS handles, autotuning
+    sync()
+    path = os.path.join(out_dir, name + ".json.gz")
+    with profiler_svc.capture(model, out=path, wait=1, warmup=1, active=2,
+                              workload=f"capture_agent_fixture:{name}") as cap:
+        for _ in range(4):
+            step()
+            sync()
+            cap.step()
+    return {k: v for k, v in info.items() if k != "factory"} | {
+        "capture": "profiler_svc.capture(model, wait=1, warmup=1, active=2); cap.step() after each step",
+        "workload": f"capture_agent_fixture:{name}", "gz_bytes": os.path.getsize(cap.trace_path)}
 
 
 def main(out_dir):
     import transformers
-
-    import profiler_svc
-    model, inputs, loss_fn = llama_bf16_train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-
-    def step():
-        loss_fn(model(**inputs)).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    step()  # outside the profiler: cuBLAS handles, autotuning
-    torch.cuda.synchronize()
     os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, NAME + ".json.gz")
-    with profiler_svc.capture(model, out=path, wait=1, warmup=1, active=2, workload=WORKLOAD) as cap:
-        for _ in range(4):
-            step()
-            torch.cuda.synchronize()
-            cap.step()
-    provenance = {
-        "name": NAME, "file": os.path.basename(cap.trace_path), "model": "LlamaForCausalLM", "config": CONFIG,
-        "dtype": "bf16", "attn": "sdpa", "batch": f"{BATCH}x{SEQ}", "mode": "train (fwd+bwd+AdamW foreach)",
-        "capture": "profiler_svc.capture(model, wait=1, warmup=1, active=2), cap.step() after each step",
-        "workload": WORKLOAD, "torch": torch.__version__, "transformers": transformers.__version__,
-        "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(), "captured": time.strftime("%Y-%m-%d"),
-        "gz_bytes": os.path.getsize(cap.trace_path),
-    }
-    with open(os.path.join(out_dir, NAME + ".provenance.json"), "w") as f:
-        json.dump(provenance, f, indent=1)
-    print(json.dumps(provenance))
+    manifest = {"environment": {"torch": torch.__version__, "transformers": transformers.__version__,
+                                "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
+                                "captured": time.strftime("%Y-%m-%d")},
+                "fixtures": {}}
+    for name in FIXTURES:
+        manifest["fixtures"][name] = capture(name, out_dir)
+        print("ok", name, manifest["fixtures"][name]["gz_bytes"], flush=True)
+    with open(os.path.join(out_dir, "manifest.json"), "w") as f:
+        json.dump(manifest, f, indent=1)
 
 
 if __name__ == "__main__":
