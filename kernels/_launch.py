@@ -5,6 +5,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+from torch._subclasses.fake_tensor import is_fake
+from torch.library import triton_op, wrap_triton
 
 # Widest row kept whole in registers; wider rows are processed in chunks of CHUNK_N columns.
 MAX_TILE_N = 16384
@@ -72,3 +74,27 @@ def round_to(x, dtype: tl.constexpr):
             bits += 0x7FFF + ((bits >> 16) & 1)
             x = (bits & 0xFFFF0000).to(tl.float32, bitcast=True)
     return x.to(dtype)
+
+
+def kernel_op(name: str, mutates_args=()):
+    """Register a host function that launches Triton kernels as a custom op, so torch.compile keeps it.
+
+    On a GPU: torch.library.triton_op, which torch.compile can see into. Under Triton's CPU
+    interpreter the kernels cannot be traced, so there it is a plain custom op whose fake (shapes
+    only) is the same function run on fake tensors, with the launches skipped (see `launch`).
+    """
+    def register(fn):
+        if not interpreted():
+            return triton_op(name, fn, mutates_args=mutates_args)
+        op = torch.library.custom_op(name, fn, mutates_args=mutates_args)
+        op.register_fake(fn)
+        return op
+
+    return register
+
+
+def launch(kernel, grid, *args, **kwargs):
+    """wrap_triton(kernel)[grid](*args, **kwargs); under the interpreter, skipped on fake tensors."""
+    if interpreted() and any(isinstance(a, torch.Tensor) and is_fake(a) for a in args):
+        return
+    wrap_triton(kernel)[grid](*args, **kwargs)

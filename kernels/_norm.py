@@ -10,9 +10,8 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
 
-from ._launch import as_rows, persistent_programs, require_triton, round_to, row_tiles
+from ._launch import as_rows, kernel_op, launch, persistent_programs, require_triton, round_to, row_tiles
 
 
 @triton.jit
@@ -178,7 +177,7 @@ def _acc_type(x: torch.Tensor):
     return tl.float64 if _stats_dtype(x) == torch.float64 else tl.float32
 
 
-@triton_op("profiler_svc::norm_fwd", mutates_args={})
+@kernel_op("profiler_svc::norm_fwd", mutates_args={})
 def norm_fwd(
     x: torch.Tensor, residual: Optional[torch.Tensor], weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
     eps: float, offset: float, center: bool,
@@ -190,7 +189,8 @@ def norm_fwd(
     mean = torch.empty((m,) if center else (0,), dtype=_stats_dtype(x), device=x.device)
     rstd = torch.empty((m,), dtype=_stats_dtype(x), device=x.device)
     block_m, block_n, num_warps, one_tile = row_tiles(n)
-    wrap_triton(_norm_fwd_kernel)[(triton.cdiv(m, block_m),)](
+    launch(
+        _norm_fwd_kernel, (triton.cdiv(m, block_m),),
         x, residual if residual is not None else x, weight if weight is not None else x,
         bias if bias is not None else x, y, s, mean, rstd,
         x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0), n, m, n, eps, offset,
@@ -200,7 +200,7 @@ def norm_fwd(
     return y, s, mean, rstd
 
 
-@triton_op("profiler_svc::norm_bwd", mutates_args={})
+@kernel_op("profiler_svc::norm_bwd", mutates_args={})
 def norm_bwd(
     dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor], has_bias: bool, mean: torch.Tensor,
     rstd: torch.Tensor, ds: Optional[torch.Tensor], offset: float, center: bool,
@@ -212,7 +212,8 @@ def norm_bwd(
     programs = persistent_programs(x.device, triton.cdiv(m, block_m))
     dw_partial = torch.zeros((programs, n) if weight is not None else (0,), dtype=_stats_dtype(x), device=x.device)
     db_partial = torch.zeros((programs, n) if has_bias else (0,), dtype=_stats_dtype(x), device=x.device)
-    wrap_triton(_norm_bwd_kernel)[(programs,)](
+    launch(
+        _norm_bwd_kernel, (programs,),
         dy, x, weight if weight is not None else x, mean, rstd, ds if ds is not None else dy, dx,
         dw_partial, db_partial,
         dy.stride(0), x.stride(0), ds.stride(0) if ds is not None else 0, dx.stride(0), m, n, offset,

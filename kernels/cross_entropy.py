@@ -15,9 +15,8 @@ import torch
 import triton
 import triton.language as tl
 from torch import nn
-from torch.library import triton_op, wrap_triton
 
-from ._launch import require_triton, round_to
+from ._launch import kernel_op, launch, require_triton, round_to
 from .swap import SwapEntry, place
 
 BLOCK_V = 4096  # columns per step of the online pass
@@ -68,8 +67,9 @@ def _acc_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype in (torch.float32, torch.float64) else torch.float32
 
 
-def _launch(x, target, lse, loss, dx, scale, ignore_index, smoothing, compute_lse, write_grad):
-    wrap_triton(_cross_entropy_kernel)[(x.shape[0],)](
+def _run(x, target, lse, loss, dx, scale, ignore_index, smoothing, compute_lse, write_grad):
+    launch(
+        _cross_entropy_kernel, (x.shape[0],),
         x, target, lse, loss, dx, scale, x.stride(0), dx.stride(0), scale.stride(0) if scale.dim() else 0,
         x.shape[1], ignore_index, smoothing, COMPUTE_LSE=compute_lse, WRITE_GRAD=write_grad,
         BLOCK_N=min(BLOCK_V, triton.next_power_of_2(x.shape[1])),
@@ -77,35 +77,35 @@ def _launch(x, target, lse, loss, dx, scale, ignore_index, smoothing, compute_ls
     )
 
 
-@triton_op("profiler_svc::cross_entropy_fwd", mutates_args={})
+@kernel_op("profiler_svc::cross_entropy_fwd", mutates_args={})
 def _cross_entropy_fwd(
     x: torch.Tensor, target: torch.Tensor, ignore_index: int, smoothing: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x (M, V) with unit column stride. Returns each row's loss (0 where ignored) and lse, in fp32 (fp64)."""
     lse = torch.empty((x.shape[0],), dtype=_acc_dtype(x), device=x.device)
     loss = torch.empty((x.shape[0],), dtype=_acc_dtype(x), device=x.device)
-    _launch(x, target, lse, loss, x, lse, ignore_index, smoothing, True, False)
+    _run(x, target, lse, loss, x, lse, ignore_index, smoothing, True, False)
     return loss, lse
 
 
-@triton_op("profiler_svc::cross_entropy_bwd", mutates_args={})
+@kernel_op("profiler_svc::cross_entropy_bwd", mutates_args={})
 def _cross_entropy_bwd(
     x: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor, ignore_index: int, smoothing: float
 ) -> torch.Tensor:
     """d(loss)/dx for per-row loss weights `scale` (M,) or a scalar (0-dim)."""
     dx = torch.empty_like(x)
-    _launch(x, target, lse, lse, dx, scale, ignore_index, smoothing, False, True)
+    _run(x, target, lse, lse, dx, scale, ignore_index, smoothing, False, True)
     return dx
 
 
-@triton_op("profiler_svc::cross_entropy_fwd_bwd", mutates_args={"x"})
+@kernel_op("profiler_svc::cross_entropy_fwd_bwd", mutates_args={"x"})
 def _cross_entropy_fwd_bwd_(
     x: torch.Tensor, target: torch.Tensor, scale: torch.Tensor, ignore_index: int, smoothing: float
 ) -> torch.Tensor:
     """Each row's loss; x is overwritten by d(loss · scale)/dx (the fused linear version's own buffer)."""
     lse = torch.empty((x.shape[0],), dtype=_acc_dtype(x), device=x.device)
     loss = torch.empty((x.shape[0],), dtype=_acc_dtype(x), device=x.device)
-    _launch(x, target, lse, loss, x, scale, ignore_index, smoothing, True, True)
+    _run(x, target, lse, loss, x, scale, ignore_index, smoothing, True, True)
     return loss
 
 

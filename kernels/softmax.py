@@ -10,9 +10,8 @@ import torch
 import triton
 import triton.language as tl
 from torch import nn
-from torch.library import triton_op, wrap_triton
 
-from ._launch import as_rows, require_triton, round_to, row_tiles
+from ._launch import as_rows, kernel_op, launch, require_triton, round_to, row_tiles
 from .swap import SwapEntry, behaves_like, place
 
 MAX_TILE_N = 32768
@@ -99,7 +98,7 @@ def _acc_type(x: torch.Tensor):
     return tl.float64 if _acc_dtype(x) == torch.float64 else tl.float32
 
 
-@triton_op("profiler_svc::softmax_fwd", mutates_args={})
+@kernel_op("profiler_svc::softmax_fwd", mutates_args={})
 def _softmax_fwd(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns y and each row's max and sum of exponentials (for the backward's recompute)."""
     m, n = x.shape
@@ -107,19 +106,21 @@ def _softmax_fwd(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     row_max = torch.empty((m,), dtype=_acc_dtype(x), device=x.device)
     row_sum = torch.empty((m,), dtype=_acc_dtype(x), device=x.device)
     block_m, block_n, num_warps, one_tile = row_tiles(n, MAX_TILE_N)
-    wrap_triton(_softmax_fwd_kernel)[(triton.cdiv(m, block_m),)](
+    launch(
+        _softmax_fwd_kernel, (triton.cdiv(m, block_m),),
         x, y, row_max, row_sum, x.stride(0), y.stride(0), m, n,
         BLOCK_M=block_m, BLOCK_N=block_n, ONE_TILE=one_tile, ACC=_acc_type(x), num_warps=num_warps,
     )
     return y, row_max, row_sum
 
 
-@triton_op("profiler_svc::softmax_bwd", mutates_args={})
+@kernel_op("profiler_svc::softmax_bwd", mutates_args={})
 def _softmax_bwd(dy: torch.Tensor, x: torch.Tensor, row_max: torch.Tensor, row_sum: torch.Tensor) -> torch.Tensor:
     m, n = x.shape
     dx = torch.empty((m, n), dtype=x.dtype, device=x.device)
     block_m, block_n, num_warps, one_tile = row_tiles(n, MAX_TILE_N)
-    wrap_triton(_softmax_bwd_kernel)[(triton.cdiv(m, block_m),)](
+    launch(
+        _softmax_bwd_kernel, (triton.cdiv(m, block_m),),
         dy, x, row_max, row_sum, dx, dy.stride(0), x.stride(0), dx.stride(0), m, n,
         BLOCK_M=block_m, BLOCK_N=block_n, ONE_TILE=one_tile, ACC=_acc_type(x), num_warps=num_warps,
     )
