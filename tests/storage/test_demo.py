@@ -1,0 +1,35 @@
+"""`profiler_svc demo --no-serve`: the README's main job prepares its own database from the bundled
+GPU traces plus a live capture on this machine."""
+import pytest
+
+from profiler_svc.cli import main
+from profiler_svc.storage import db as storage_db
+from profiler_svc.storage.demo import SAMPLES, WORKLOAD, demo_config
+
+
+def test_demo_ingests_samples_and_a_live_capture(capsys):
+    pytest.importorskip("torch")
+    assert main(["demo", "--no-serve"]) == 0
+    out = capsys.readouterr().out
+    samples = sorted(SAMPLES.glob("*.json.gz"))
+    assert len(samples) >= 5 and all(f"sample {p.name}: run" in out for p in samples)
+    assert "live capture" in out
+
+    config = demo_config()
+    from profiler_svc.web import create_app
+    client = create_app({"DATABASE_URL": config["DATABASE_URL"], "BLOB_DIR": config["BLOB_DIR"],
+                         "SECRET_KEY": "s"}).test_client()
+    runs = client.get("/api/v1/runs").get_json()["runs"]
+    ddp = [r for r in runs if r["name"] == "gpt2_ddp"]
+    assert len(ddp) == 1 and ddp[0]["traces"] == 2  # the two ranks are one run
+    assert len(runs) == len(samples) - 1 + 1  # samples (ranks grouped) + the live capture
+    live = [r for r in runs if r["workload"] == WORKLOAD]
+    assert len(live) == 1
+    llama = next(r for r in runs if r["name"] == "llama_bf16_train")
+    page = client.get(f"/api/v1/runs/{llama['id']}").get_json()
+    assert page["findings"] and page["summary"]["gpu_busy_pct"] > 0
+
+    # Running it again stores nothing twice.
+    assert main(["demo", "--no-serve"]) == 0
+    assert capsys.readouterr().out.count("(already stored)") == len(samples)
+    storage_db._engines.pop(config["DATABASE_URL"]).dispose()
