@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 from ..errors import TraceError, UserError
 from .blobs import BlobStore
 from .db import home, session_scope
-from .models import Finding, KernelSummary, Run, Trace
+from .models import Finding, KernelSummary, Run, Trace, utcnow
 from .timeline import build_timeline
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ class IngestResult:
 
 
 def analyse(path: Path):
-    """The analyser; a module-level name so tests can count calls."""
+    """The analyser (a module-level name, so tests can replace it)."""
     from ..recommendations import recommend
     return recommend(str(path))
 
@@ -160,16 +160,11 @@ def _get_or_create_run(session, *, group_key, name, host, workload, meta) -> Run
     dialect = postgresql if session.bind.dialect.name == "postgresql" else sqlite
     session.execute(dialect.insert(Run).values(
         name=name[:255], group_key=group_key[:255], host=host, workload=workload, meta=meta,
-        created_at=_now()).on_conflict_do_nothing(index_elements=["group_key"]))
+        created_at=utcnow()).on_conflict_do_nothing(index_elements=["group_key"]))
     run = session.scalars(select(Run).where(Run.group_key == group_key[:255])).one()
     if workload and not run.workload:
         run.workload = workload
     return run
-
-
-def _now():
-    from .models import utcnow
-    return utcnow()
 
 
 def _trace_metadata(loaded) -> dict:

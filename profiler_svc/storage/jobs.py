@@ -6,7 +6,9 @@ whose lease ran out (the worker crashed or lost its host) goes back to the queue
 """
 from datetime import timedelta
 
-from sqlalchemy import or_, select, update
+from sqlalchemy import select, update
+
+from ..errors import UserError
 
 from .models import ABJob, ABResultRow, Finding, utcnow
 from .queries import NotFound
@@ -18,7 +20,6 @@ DEFAULT_LEASE_S = 120.0
 def enqueue(session, run, *, swap: str | None = None, finding_id: int | None = None,
             params: dict | None = None) -> ABJob:
     """Queue an A/B test of `swap` (or of the finding's recommended swap) on the run's workload."""
-    from ..errors import UserError
     finding = None
     if finding_id is not None:
         finding = session.get(Finding, finding_id) if 0 < finding_id < 2**31 else None
@@ -92,9 +93,3 @@ def fail(session, job_id: int, worker: str, error: str) -> bool:
     return session.execute(
         update(ABJob).where(ABJob.id == job_id, ABJob.worker == worker, ABJob.status == "running")
         .values(status="failed", finished_at=utcnow(), lease_expires_at=None, error=error[:4000])).rowcount == 1
-
-
-def pending_count(session) -> int:
-    from sqlalchemy import func
-    return session.scalar(select(func.count(ABJob.id)).where(or_(ABJob.status == "queued",
-                                                                 ABJob.status == "running")))

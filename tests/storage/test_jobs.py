@@ -3,6 +3,7 @@ import time
 
 import pytest
 from sqlalchemy import select
+from sqlalchemy.orm import selectinload
 
 from dbfixtures import SMALL_TRACE
 from profiler_svc.errors import UserError
@@ -26,9 +27,7 @@ def queue(engine, run_id, n, swap="rms_norm"):
 
 def job(engine, job_id) -> ABJob:
     with session_scope(engine) as s:
-        j = s.get(ABJob, job_id)
-        j.result  # load while the session is open
-        return j
+        return s.get(ABJob, job_id, options=[selectinload(ABJob.result)])
 
 
 def test_enqueue_needs_a_workload_and_a_swap(engine, blobs, run_id):

@@ -35,7 +35,7 @@ def test_segments_are_bounded_and_account_for_every_kernel():
 def test_idle_gaps_have_no_kernel_on_any_stream():
     frame = kernels(seed=1)
     timeline = build_timeline(frame, max_gaps=20)
-    gaps = list(zip(timeline["gaps"]["start"], timeline["gaps"]["end"]))
+    gaps = list(zip(timeline["gaps"]["start"], timeline["gaps"]["end"], strict=True))
     assert len(gaps) == 20
     start, end = frame["ts"].to_numpy(), (frame["ts"] + frame["dur"]).to_numpy()
     for lo, hi in gaps:

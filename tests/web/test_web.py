@@ -1,12 +1,10 @@
-import gzip
 import io
-import json
 import re
 
 import pytest
 
 from dbfixtures import DATA, SMALL_TRACE, stored_files, trace_variant
-from profiler_svc.storage import ingest
+from profiler_svc.errors import UserError
 from profiler_svc.web import create_app
 
 TOKEN = "test-token-123"
@@ -180,7 +178,7 @@ def test_no_path_traversal(client, blobs):
     assert len(files) == 1 and blobs.root in files[0].parents
     assert client.get("/static/../../pyproject.toml").status_code == 404
     assert client.get("/static/%2e%2e/__init__.py").status_code == 404
-    with pytest.raises(Exception):
+    with pytest.raises(UserError, match="outside the store"):
         blobs.path("../../etc/passwd")
 
 
