@@ -1,11 +1,11 @@
 """JSON API, /api/v1: mirrors every page; writes need ``Authorization: Bearer <API_TOKEN>``."""
 import hmac
 
-from flask import Blueprint, abort, current_app, jsonify, request
+from flask import Blueprint, abort, current_app, jsonify, request, send_file
 
 from ..errors import UserError
 from ..storage import ingest, jobs, queries
-from ..storage.models import Run
+from ..storage.models import Run, Trace
 from . import db
 
 bp = Blueprint("api", __name__, url_prefix="/api/v1")
@@ -51,6 +51,17 @@ def job_list():
 @bp.get("/jobs/<int:job_id>")
 def job(job_id):
     return jsonify(queries.job_page(db(), job_id))
+
+
+@bp.get("/traces/<int:trace_id>/download")
+def download_trace(trace_id):
+    """The stored trace, gzip-compressed as kept (opens in Perfetto or chrome://tracing)."""
+    trace = queries.get(db(), Trace, trace_id)
+    path = current_app.extensions["profiler_svc.blobs"].path(trace.blob_path)
+    if not path.is_file():
+        abort(404, f"the file of trace {trace_id} is missing from the blob store")
+    name = trace.filename.removesuffix(".gz").removesuffix(".json") or f"trace-{trace_id}"
+    return send_file(path, mimetype="application/gzip", as_attachment=True, download_name=f"{name}.json.gz")
 
 
 @bp.get("/compare")

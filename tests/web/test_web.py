@@ -176,6 +176,9 @@ def test_no_path_traversal(client, blobs):
     assert run["traces"][0]["filename"] == "evil.json.gz"
     files = stored_files(blobs)
     assert len(files) == 1 and blobs.root in files[0].parents
+    download = client.get(f"/api/v1/traces/{run['traces'][0]['id']}/download")
+    assert download.status_code == 200 and download.data == SMALL_TRACE.read_bytes()  # kept as sent
+    assert 'filename=evil.json.gz' in download.headers["Content-Disposition"]
     assert client.get("/static/../../pyproject.toml").status_code == 404
     assert client.get("/static/%2e%2e/__init__.py").status_code == 404
     with pytest.raises(UserError, match="outside the store"):
