@@ -5,6 +5,7 @@ answer says ``duplicate``). Transactional: the rows are written in one transacti
 is moved into place inside it, so a failure at any step leaves no rows and no file.
 """
 import logging
+import math
 import os
 import socket
 from dataclasses import asdict, dataclass
@@ -133,7 +134,8 @@ def _store(engine, blobs, received, report, *, filename, name, group_key, host, 
             gpu_busy_pct=float(summary.get("gpu_busy_pct") or 0),
             kernel_count=int(summary.get("kernel_count") or 0),
             kernel_time_us=float(summary.get("kernel_time_us") or 0),
-            event_count=int(summary.get("event_count") or 0), summary=summary, timeline=timeline)
+            event_count=int(summary.get("event_count") or 0), summary=_jsonable(summary),
+            timeline=timeline)
         session.add(trace)
         session.flush()  # the unique content hash is checked here, before the blob moves
         session.add_all(_kernel_rows(data.get("top_kernels", []), trace.id, run.id))
@@ -190,8 +192,19 @@ def _run_meta(meta) -> dict:
 
 
 def _jsonable(value):
-    import json
-    return json.loads(json.dumps(value, default=str))
+    """Plain JSON for a JSON column: unknown types as strings, NaN and infinities as null
+    (PostgreSQL's json type refuses them)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(key): _jsonable(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(item) for item in value]
+    if value is None or isinstance(value, (str, int, bool)):
+        return value
+    if hasattr(value, "item"):  # numpy scalars
+        return _jsonable(value.item())
+    return str(value)
 
 
 def _default_name(filename: str) -> str:

@@ -155,3 +155,24 @@ def test_ranks_of_one_capture_join_one_run_by_its_run_id(engine, blobs, tmp_path
     with storage_db.session_scope(engine) as s:
         run = s.get(Run, results[0].run_id)
         assert run.workload == "pkg.mod:make" and run.group_key == "capture:20261122-abc"
+
+
+def test_non_finite_numbers_in_a_report_are_stored_as_null(engine, blobs, monkeypatch):
+    import math
+
+    real = ingest.analyse
+
+    def with_nan(path):
+        report = real(path)
+        data = report.to_dict()
+        data["trace"]["gpu_busy_ratio_debug"] = math.nan
+        data["findings"] = [{**(data["findings"] or [{}])[0], "id": "x", "category": "launch_gaps",
+                             "severity": "low", "title": "t", "evidence": {"ratio": math.inf, "ok": 1.5}}]
+        report.to_dict = lambda: data
+        return report
+    monkeypatch.setattr(ingest, "analyse", with_nan)
+    [result] = ingest.ingest_path(engine, SMALL_TRACE, blobs=blobs)
+    with storage_db.session_scope(engine) as s:
+        finding = s.scalars(select(Finding).where(Finding.trace_id == result.trace_id)).one()
+        assert finding.evidence == {"ratio": None, "ok": 1.5}
+        assert s.get(Trace, result.trace_id).summary["gpu_busy_ratio_debug"] is None
