@@ -1,0 +1,300 @@
+"""End-to-end bar: a Hugging Face LlamaForCausalLM training step (and inference), eager vs the swaps
+profiler_svc recommends for it vs Liger-Kernel's apply_liger_kernel_to_llama, on one GPU.
+
+    python benchmarks/ab_llama.py [--out DIR] [--steps 20] [--warmup 5] [--budget-s 460] [--small]
+
+Every stage runs in its own process (this file with --child), because Liger rebinds transformers'
+module globals, which would patch every model built after it in the same process:
+
+  recommend  capture 4 eager training steps with profiler_svc.capture, run `recommend` on the trace
+             and keep the swaps its findings name: the loop a user runs, on this very workload
+  measure    one VARIANT (eager | ours | liger) in one MODE (train | infer): median step time by CUDA
+             events over --steps steps after --warmup, and peak memory (torch.cuda.max_memory_allocated
+             over the timed steps, model + optimizer state + activations). train = forward + loss +
+             backward + fused AdamW step; infer = forward under no_grad, all logits, no KV cache
+  ab         profiler_svc.ab_test on the eager model with the recommended module swaps, batch 1:
+             parity against fp64 (loss and every gradient) and interleaved timing with its CI
+
+"ours" = the recommended module swaps (kernels.swap, parity-checked per instance) plus, where the
+report recommends `cross_entropy` for the loss chain, the loss computed by our
+fused_linear_cross_entropy from the final hidden states (what Liger's fused_linear_cross_entropy
+does by patching LlamaForCausalLM.forward; a module swap cannot reach HF's functional loss).
+The table goes to stdout and DIR/ab_llama.md, the raw numbers to DIR/ab_llama.json.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+FULL = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8, num_attention_heads=16,
+            num_key_value_heads=8, vocab_size=32000, max_position_embeddings=4096)
+SMALL = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=512, max_position_embeddings=256)
+FALLBACK_SWAPS = ["rms_norm", "swiglu", "rope", "cross_entropy"]  # if capture/recommend fails
+LIGER_OPTIONS = dict(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True)
+
+
+# ---- one model, one batch, one step ----------------------------------------------------------------
+
+
+def device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def build(small: bool, liger: bool = False):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if liger:  # before the model is built: it patches transformers' classes and module functions
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+        apply_liger_kernel_to_llama(**LIGER_OPTIONS)
+    torch.manual_seed(0)
+    config = LlamaConfig(**(SMALL if small else FULL), attn_implementation="sdpa", use_cache=False)
+    with device():
+        model = LlamaForCausalLM(config)
+    return model.to(torch.bfloat16)
+
+
+def batch(small: bool, size: int | None = None):
+    rows, seq = (2, 64) if small else (4, 2048)
+    gen = torch.Generator().manual_seed(1)
+    vocab = (SMALL if small else FULL)["vocab_size"]
+    ids = torch.randint(0, vocab, (size or rows, seq), generator=gen).to(device())
+    return ids, ids.clone()  # labels = inputs: HF shifts them inside the loss
+
+
+def loss_of(model, ids, labels, fused_loss: bool):
+    if not fused_loss:
+        return model(input_ids=ids, labels=labels).loss
+    from profiler_svc.kernels import fused_linear_cross_entropy
+    hidden = model.model(input_ids=ids).last_hidden_state
+    # HF's causal-LM loss: position t predicts label t+1; the last position predicts nothing
+    target = F.pad(labels[:, 1:], (0, 1), value=-100)
+    return fused_linear_cross_entropy(hidden, model.lm_head.weight, target)
+
+
+# ---- stages (children) ----------------------------------------------------------------------------
+
+
+def stage_recommend(args) -> dict:
+    import tempfile
+
+    import profiler_svc
+    from profiler_svc.kernels import available_swaps
+
+    model = build(args.small)
+    ids, labels = batch(args.small)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device().type == "cuda")
+    with tempfile.TemporaryDirectory() as tmp:
+        with profiler_svc.capture(model, out=tmp, wait=1, warmup=1, active=2, nvtx=False, upload=False) as cap:
+            for _ in range(4):
+                model(input_ids=ids, labels=labels).loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                cap.step()
+        report = cap.recommend().to_dict()
+    findings = report["findings"]
+    recommended = list(dict.fromkeys(f["recommendation"]["swap"] for f in findings if f["recommendation"]["swap"]))
+    return {"recommended": recommended, "available": available_swaps(),
+            "findings": [f"{f['category']}: {f['title']} (swap {f['recommendation']['swap']}, "
+                         f"~{f['estimated_savings_us']:.0f} us)" for f in findings[:8]]}
+
+
+def stage_measure(args) -> dict:
+    from profiler_svc.ab.stats import time_ms
+
+    model = build(args.small, liger=args.variant == "liger")
+    ids, labels = batch(args.small)
+    swapped = {}
+    fused_loss = args.variant == "ours" and args.fused_loss and args.mode == "train"
+    if args.variant == "ours":
+        from profiler_svc.kernels import swap
+        report = swap(model, args.swaps)
+        for _, _, name, *_ in report.swapped:
+            swapped[name] = swapped.get(name, 0) + 1
+    dev = device()
+    losses = []
+    if args.mode == "train":
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=dev.type == "cuda")
+
+        def step():
+            loss = loss_of(model, ids, labels, fused_loss)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.detach())
+    else:
+        model.eval()
+
+        def step():
+            with torch.no_grad():
+                model(input_ids=ids).logits
+
+    for _ in range(args.warmup):
+        step()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    times = [time_ms(step, dev) for _ in range(args.steps)]
+    peak = torch.cuda.max_memory_allocated() if dev.type == "cuda" else None
+    return {"variant": args.variant, "mode": args.mode, "median_ms": statistics.median(times),
+            "min_ms": min(times), "max_ms": max(times), "steps": args.steps, "warmup": args.warmup,
+            "peak_gb": peak / 1e9 if peak is not None else None, "swapped": swapped, "fused_loss": fused_loss,
+            "first_loss": float(losses[0]) if losses else None}
+
+
+def stage_ab(args) -> dict:
+    from profiler_svc import ab_test
+
+    model = build(args.small)
+    ids, labels = batch(args.small, size=1)  # the fp64 reference of a 4 x 2048 step would need ~50 GB
+    out = {}
+    for mode in ("train", "infer"):
+        if mode == "train":
+            result = ab_test(model, lambda m: m(input_ids=ids, labels=labels), args.swaps, train=True)
+        else:
+            result = ab_test(model, {"input_ids": ids}, args.swaps)
+        print(result.summary(), file=sys.stderr)
+        d = result.to_dict()
+        d["parity"] = sorted(d["parity"], key=lambda t: -(t["b_max_abs"] or 0) / max(t["allowed_abs"] or 1e-30, 1e-30))[:5]
+        out[mode] = d  # the 5 tensors closest to their allowance; all of them passed or failed as the verdict says
+    return out
+
+
+STAGES = {"recommend": stage_recommend, "measure": stage_measure, "ab": stage_ab}
+
+
+# ---- orchestration --------------------------------------------------------------------------------
+
+
+def run_child(stage: str, extra: list, args, timeout: float) -> dict:
+    cmd = [sys.executable, __file__, "--child", stage, "--steps", str(args.steps), "--warmup", str(args.warmup),
+           *(["--small"] if args.small else []), *extra]
+    t0 = time.time()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(timeout, 1))
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    took = time.time() - t0
+    sys.stderr.write(proc.stderr[-3000:] if proc.returncode else "")
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode or not lines:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"error": f"exit {proc.returncode}: {tail}", "seconds": took}
+    return {**json.loads(lines[-1]), "seconds": took}
+
+
+def versions() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    def v(name):
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+    import triton
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    return (f"{gpu}; torch {torch.__version__} (CUDA {torch.version.cuda}), triton {triton.__version__}, "
+            f"transformers {v('transformers')}, liger-kernel {v('liger-kernel')}")
+
+
+def table(runs: list, rec: dict, ab: dict, args) -> str:
+    cfg = SMALL if args.small else FULL
+    rows, seq = (2, 64) if args.small else (4, 2048)
+    lines = [f"# LlamaForCausalLM A/B: eager vs profiler_svc's recommended swaps vs Liger", "",
+             f"{versions()}", "",
+             f"Config: {cfg}, bf16, SDPA, batch {rows} x {seq} tokens; train = forward + loss + backward + "
+             f"fused AdamW; infer = forward, no grad, all logits. Median of {args.steps} steps after "
+             f"{args.warmup} warm-up (CUDA events); peak = torch.cuda.max_memory_allocated over the timed steps.",
+             "", f"Recommended by `recommend` on a captured eager step: {rec.get('recommended')}"
+             + (f" (none: {rec.get('error', 'no swap found')}; used {FALLBACK_SWAPS})" if "fallback" in rec else ""),
+             ""]
+    for mode in ("train", "infer"):
+        lines += [f"## {mode}", "", "| variant | median ms | min-max ms | peak GB | vs eager | first loss | swapped |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+        eager = next((r for r in runs if r.get("mode") == mode and r.get("variant") == "eager" and "error" not in r), None)
+        for r in (r for r in runs if r["want"][1] == mode):
+            if "error" in r:
+                lines.append(f"| {r['want'][0]} | failed: {r['error']} | | | | | |")
+                continue
+            speedup = f"{eager['median_ms'] / r['median_ms']:.2f}x" if eager else ""
+            swapped = ", ".join(f"{k} x{n}" for k, n in r["swapped"].items()) + (" + fused linear CE loss" if r["fused_loss"] else "")
+            peak = f"{r['peak_gb']:.2f}" if r["peak_gb"] is not None else "n/a"
+            loss = f"{r['first_loss']:.4f}" if r["first_loss"] is not None else ""
+            lines.append(f"| {r['variant']} | {r['median_ms']:.2f} | {r['min_ms']:.2f}-{r['max_ms']:.2f} | {peak} "
+                         f"| {speedup} | {loss} | {swapped} |")
+        lines.append("")
+    lines += ["## ab_test (eager vs recommended module swaps, batch 1, same process, interleaved)", ""]
+    if "error" in ab:
+        lines.append(f"failed: {ab['error']}")
+    for mode, d in ((m, ab[m]) for m in ("train", "infer") if m in ab):
+        t = d.get("timing") or {}
+        worst = d["parity"][0] if d["parity"] else {}
+        lines.append(f"- {mode}: verdict **{d['verdict']}**; speedup {t.get('speedup', float('nan')):.3f}x "
+                     f"(95% CI {t.get('ci_low', float('nan')):.3f}-{t.get('ci_high', float('nan')):.3f}), "
+                     f"median A {t.get('median_a_ms', float('nan')):.2f} ms, B {t.get('median_b_ms', float('nan')):.2f} ms; "
+                     f"peak A {_gb(d['peak_memory_a_bytes'])}, B {_gb(d['peak_memory_b_bytes'])}; "
+                     f"parity {'passed' if d['parity_passed'] else 'FAILED'}, closest to its allowance: "
+                     f"{worst.get('name')} B {worst.get('b_max_abs')} vs eager {worst.get('a_max_abs')} (allowed {worst.get('allowed_abs')})")
+    return "\n".join(lines) + "\n"
+
+
+def _gb(n) -> str:
+    return "n/a" if n is None else f"{n / 1e9:.2f} GB"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--budget-s", type=float, default=460, help="stop starting stages after this long")
+    p.add_argument("--small", action="store_true", help="a tiny config: a smoke test on any machine")
+    p.add_argument("--child", choices=STAGES)
+    p.add_argument("--variant", choices=("eager", "ours", "liger"))
+    p.add_argument("--mode", choices=("train", "infer"))
+    p.add_argument("--swaps", type=lambda s: [x for x in s.split(",") if x], default=[])
+    p.add_argument("--fused-loss", action="store_true")
+    args = p.parse_args(argv)
+    if args.child:
+        print(json.dumps(STAGES[args.child](args)))
+        return 0
+
+    deadline = time.time() + args.budget_s
+    left = lambda: deadline - time.time()  # noqa: E731
+    rec = run_child("recommend", [], args, min(150, left()))
+    print(f"recommend: {rec}", file=sys.stderr, flush=True)
+    if not rec.get("recommended"):  # capture or analysis failed, or (on a CPU) found no GPU kernels
+        rec["fallback"] = FALLBACK_SWAPS
+    recommended = rec.get("recommended") or FALLBACK_SWAPS
+    module_swaps = [s for s in recommended if s in rec.get("available", recommended) and s != "cross_entropy"]
+    ours = ["--swaps", ",".join(module_swaps)] + (["--fused-loss"] if "cross_entropy" in recommended else [])
+    runs = []
+    for mode in ("train", "infer"):
+        for variant in ("eager", "ours", "liger"):
+            if left() < 30:
+                runs.append({"want": (variant, mode), "error": "skipped: out of time budget"})
+                continue
+            r = run_child("measure", ["--variant", variant, "--mode", mode, *(ours if variant == "ours" else [])],
+                          args, min(120, left()))
+            runs.append({"want": (variant, mode), **r})
+            print(f"{variant} {mode}: {r}", file=sys.stderr, flush=True)
+    ab = run_child("ab", ["--swaps", ",".join(module_swaps)], args, min(180, left())) if left() > 40 \
+        else {"error": "skipped: out of time budget"}
+    text = table(runs, rec, ab, args)
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "ab_llama.md").write_text(text)
+    (args.out / "ab_llama.json").write_text(json.dumps({"recommend": rec, "runs": runs, "ab": ab}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
