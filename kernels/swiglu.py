@@ -27,7 +27,7 @@ def _act(x, ACT: tl.constexpr):
     """(act(x), act'(x))."""
     if ACT == 2:
         s, one_minus_s = _sigmoid_pair(x)
-        return _times_sigmoid(x, x), s + x * s * one_minus_s
+        return _times_sigmoid(x, x, s, one_minus_s), s + x * s * one_minus_s
     else:
         return _gelu(x, ACT)
 
