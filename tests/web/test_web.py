@@ -202,3 +202,19 @@ def test_unknown_pages_are_404_pages(client):
     assert client.get(f"/api/v1/runs/{huge}/timeline").status_code == 404
     assert client.post(f"/api/v1/runs/{huge}/ab", json={"swap": "x"}, headers=AUTH).status_code == 404
     assert client.get(f"/api/v1/compare?a={huge}&b=1").status_code == 400
+
+
+def test_every_state_changing_route_refuses_requests_without_csrf_or_token(client):
+    """Walks the URL map, so a route added later is covered too."""
+    run_id = upload(client, SMALL_TRACE, workload="examples.tiny:make").get_json()["run_id"]
+    app = client.application
+    checked = 0
+    for rule in app.url_map.iter_rules():
+        for method in rule.methods - {"GET", "HEAD", "OPTIONS"}:
+            url = re.sub(r"<int:\w+>", str(run_id), rule.rule)
+            for headers in ({}, {"Authorization": "Bearer wrong"}):
+                answer = client.open(url, method=method, headers=headers, data={"swap": "rms_norm"})
+                assert answer.status_code in (400, 401, 403), (method, url, answer.status_code)
+            checked += 1
+    assert checked >= 3  # the A/B form, the API A/B request, the upload
+    assert client.get("/api/v1/jobs").get_json()["jobs"] == []
