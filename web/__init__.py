@@ -32,6 +32,7 @@ def create_app(config: dict | None = None) -> Flask:
         SECRET_KEY=os.environ.get("PROFILER_SVC_SECRET_KEY"),
         MAX_CONTENT_LENGTH=int(os.environ.get("PROFILER_SVC_MAX_UPLOAD_MB", "1024")) << 20,
         WTF_CSRF_TIME_LIMIT=None,  # tokens live as long as the session
+        SESSION_COOKIE_SAMESITE="Lax",  # the session cookie only carries the CSRF secret
     )
     app.config.update(config or {})
     if not app.config["SECRET_KEY"]:
