@@ -82,19 +82,41 @@ def kernel_op(name: str, mutates_args=()):
     On a GPU: torch.library.triton_op, which torch.compile can see into. Under Triton's CPU
     interpreter the kernels cannot be traced, so there it is a plain custom op whose fake (shapes
     only) is the same function run on fake tensors, with the launches skipped (see `launch`).
+    Returns a callable that goes through the op while torch.compile traces, and calls the host
+    function directly in eager mode: the custom-op dispatcher costs more CPU time than these kernels.
     """
     def register(fn):
-        if not interpreted():
-            return triton_op(name, fn, mutates_args=mutates_args)
-        op = torch.library.custom_op(name, fn, mutates_args=mutates_args)
-        op.register_fake(fn)
-        return op
+        if interpreted():
+            op = torch.library.custom_op(name, fn, mutates_args=mutates_args)
+            op.register_fake(fn)
+        else:
+            op = triton_op(name, fn, mutates_args=mutates_args)
+
+        @functools.wraps(fn)
+        def call(*args):
+            return op(*args) if torch.compiler.is_compiling() else fn(*args)
+
+        call.op = op
+        return call
 
     return register
 
 
+def _plain(t) -> bool:
+    return type(t) in (torch.Tensor, torch.nn.Parameter)
+
+
 def launch(kernel, grid, *args, **kwargs):
-    """wrap_triton(kernel)[grid](*args, **kwargs); under the interpreter, skipped on fake tensors."""
-    if interpreted() and any(isinstance(a, torch.Tensor) and is_fake(a) for a in args):
-        return
-    wrap_triton(kernel)[grid](*args, **kwargs)
+    """Launch a Triton kernel from a kernel_op's host function.
+
+    Plain tensors (eager mode): straight to the kernel. Tensor subclasses (fake or functional tensors
+    while torch.compile traces the op): through wrap_triton, which records the launch, except under
+    the interpreter, which cannot trace and whose fake run only needs the outputs' shapes.
+    """
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if all(_plain(t) for t in tensors):
+        kernel[grid](*args, **kwargs)
+    elif not interpreted():
+        wrap_triton(kernel)[grid](*args, **kwargs)
+    elif not any(is_fake(t) for t in tensors):
+        kernel[grid](*args, **kwargs)

@@ -33,22 +33,22 @@ def _cross_entropy_kernel(
     ignored = target == ignore_index
     x_row = X + row * stride_x
     if COMPUTE_LSE:
-        m = tl.full([BLOCK_N], -float("inf"), dtype=ACC)
-        s = tl.zeros([BLOCK_N], dtype=ACC)
-        total = tl.zeros([BLOCK_N], dtype=ACC)
+        # Online logsumexp: a running max and the sum of exponentials rescaled to it, one exp per logit.
+        m = tl.full([], -float("inf"), dtype=ACC)
+        s = tl.zeros([], dtype=ACC)
+        total = tl.zeros([], dtype=ACC)
         for start in range(0, V, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             x = tl.load(x_row + cols, mask=cols < V, other=-float("inf")).to(ACC)
-            m_new = tl.maximum(m, x)
-            shift = tl.where(m_new == -float("inf"), 0.0, m_new)  # a lane that has seen only -inf stays 0
-            s = s * tl.exp(m - shift) + tl.exp(x - shift)
+            m_new = tl.maximum(m, tl.max(x, axis=0))
+            shift = tl.where(m_new == -float("inf"), 0.0, m_new)  # only -inf so far: keep s at 0
+            s = s * tl.exp(m - shift) + tl.sum(tl.exp(x - shift), axis=0)
             m = m_new
-            total += tl.where(cols < V, x, 0.0)
-        row_max = tl.max(m, axis=0)
-        lse = row_max + tl.log(tl.sum(s * tl.exp(m - row_max), axis=0))
+            total += tl.sum(tl.where(cols < V, x, 0.0), axis=0)
+        lse = m + tl.log(s)
         in_range = (target >= 0) & (target < V)  # never read outside the row, whatever the target
         x_t = tl.load(x_row + tl.where(in_range, target, 0)).to(ACC)
-        loss = (1.0 - smoothing) * (lse - x_t) + smoothing * (lse - tl.sum(total, axis=0) / V)
+        loss = (1.0 - smoothing) * (lse - x_t) + smoothing * (lse - total / V)
         tl.store(LSE + row, lse)
         tl.store(LOSS + row, tl.where(ignored, 0.0, loss))
     else:
@@ -78,7 +78,7 @@ def _run(x, target, lse, loss, dx, scale, ignore_index, smoothing, compute_lse, 
 
 
 @kernel_op("profiler_svc::cross_entropy_fwd", mutates_args={})
-def _cross_entropy_fwd(
+def cross_entropy_fwd(
     x: torch.Tensor, target: torch.Tensor, ignore_index: int, smoothing: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x (M, V) with unit column stride. Returns each row's loss (0 where ignored) and lse, in fp32 (fp64)."""
@@ -89,7 +89,7 @@ def _cross_entropy_fwd(
 
 
 @kernel_op("profiler_svc::cross_entropy_bwd", mutates_args={})
-def _cross_entropy_bwd(
+def cross_entropy_bwd(
     x: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor, ignore_index: int, smoothing: float
 ) -> torch.Tensor:
     """d(loss)/dx for per-row loss weights `scale` (M,) or a scalar (0-dim)."""
@@ -99,7 +99,7 @@ def _cross_entropy_bwd(
 
 
 @kernel_op("profiler_svc::cross_entropy_fwd_bwd", mutates_args={"x"})
-def _cross_entropy_fwd_bwd_(
+def cross_entropy_fwd_bwd(
     x: torch.Tensor, target: torch.Tensor, scale: torch.Tensor, ignore_index: int, smoothing: float
 ) -> torch.Tensor:
     """Each row's loss; x is overwritten by d(loss · scale)/dx (the fused linear version's own buffer)."""
@@ -109,12 +109,14 @@ def _cross_entropy_fwd_bwd_(
     return loss
 
 
-def _reduce(loss_rows, target, ignore_index, reduction, dtype):
+def _reduce(loss_rows, target, ignore_index, reduction):
+    # The loss stays fp32 (fp64 for fp32 logits), as HF's upcast path and Liger return it: rounding it to
+    # bf16 would cost more accuracy than the whole kernel.
     if reduction == "none":
-        return loss_rows.to(dtype)
+        return loss_rows.float()
     if reduction == "sum":
-        return loss_rows.sum().to(dtype)
-    return (loss_rows.sum() / (target != ignore_index).sum()).to(dtype)  # 0/0 = nan when all ignored, as in eager
+        return loss_rows.sum().float()
+    return (loss_rows.sum() / (target != ignore_index).sum()).float()  # 0/0 = nan when all ignored, as in eager
 
 
 def _row_scale(grad, target, ignore_index, reduction):
@@ -127,17 +129,17 @@ def _row_scale(grad, target, ignore_index, reduction):
 class CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, ignore_index, reduction, smoothing):
-        loss_rows, lse = torch.ops.profiler_svc.cross_entropy_fwd(logits, target, ignore_index, smoothing)
+        loss_rows, lse = cross_entropy_fwd(logits, target, ignore_index, smoothing)
         ctx.save_for_backward(logits, target, lse)
         ctx.args = ignore_index, reduction, smoothing
-        return _reduce(loss_rows, target, ignore_index, reduction, logits.dtype)
+        return _reduce(loss_rows, target, ignore_index, reduction)
 
     @staticmethod
     def backward(ctx, grad):
         logits, target, lse = ctx.saved_tensors
         ignore_index, reduction, smoothing = ctx.args
         scale = _row_scale(grad, target, ignore_index, reduction)
-        dx = torch.ops.profiler_svc.cross_entropy_bwd(logits, target, lse, scale, ignore_index, smoothing)
+        dx = cross_entropy_bwd(logits, target, lse, scale, ignore_index, smoothing)
         return dx, None, None, None, None
 
 
@@ -211,21 +213,20 @@ def _chunked_pass(hidden, weight, bias, target, scale, ignore_index, smoothing, 
         t = target[start:stop]
         if need_grads:
             s = scale[start:stop] if scale.dim() else scale
-            loss_rows[start:stop] = torch.ops.profiler_svc.cross_entropy_fwd_bwd(logits, t, s, ignore_index, smoothing)
+            loss_rows[start:stop] = cross_entropy_fwd_bwd(logits, t, s, ignore_index, smoothing)
             grad_logits = logits  # overwritten in place by the kernel
             grad_hidden[start:stop] = _mm_fp32(grad_logits, weight)
             grad_weight += _mm_fp32(grad_logits.t(), h)
             if grad_bias is not None:
                 grad_bias += grad_logits.float().sum(0)
         else:
-            loss_rows[start:stop] = torch.ops.profiler_svc.cross_entropy_fwd(logits, t, ignore_index, smoothing)[0]
+            loss_rows[start:stop] = cross_entropy_fwd(logits, t, ignore_index, smoothing)[0]
     return loss_rows, grad_hidden, grad_weight, grad_bias
 
 
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, ignore_index, reduction, smoothing, chunk_rows):
-        needs_grad = any(ctx.needs_input_grad[:3])
+    def forward(ctx, hidden, weight, bias, target, ignore_index, reduction, smoothing, chunk_rows, needs_grad):
         args = (ignore_index, smoothing, chunk_rows)
         if needs_grad and reduction != "none":
             # The gradient is known up to the incoming scalar: compute it now, while each chunk is at hand.
@@ -238,7 +239,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             ctx.save_for_backward(hidden, weight, bias if bias is not None else torch.empty(0), target)
         ctx.args, ctx.reduction, ctx.has_bias = args, reduction, bias is not None
         ctx.dtypes = hidden.dtype, weight.dtype, bias.dtype if bias is not None else None
-        return _reduce(loss_rows, target, ignore_index, reduction, hidden.dtype)
+        return _reduce(loss_rows, target, ignore_index, reduction)
 
     @staticmethod
     def backward(ctx, grad):
@@ -257,7 +258,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         grad_hidden = grad_hidden.to(ctx.dtypes[0])
         grad_weight = (grad_weight * g).to(ctx.dtypes[1])
         grad_bias = (grad_bias * g).to(ctx.dtypes[2]) if ctx.has_bias else None
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
 
 
 def fused_linear_cross_entropy(
@@ -276,8 +277,11 @@ def fused_linear_cross_entropy(
         raise ValueError(f"target shape {tuple(target.shape)} does not fit hidden {tuple(hidden.shape)}")
     rows = hidden.reshape(-1, hidden.shape[-1])
     chunk = chunk_rows or _chunk_rows(rows.shape[0], weight.shape[1], weight.shape[0])
+    # Known here, not inside forward (which always runs without grad): skip the gradient work in inference.
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     loss = FusedLinearCrossEntropyFunction.apply(
-        rows, weight, bias, target.reshape(-1), int(ignore_index), reduction, float(label_smoothing), int(chunk)
+        rows, weight, bias, target.reshape(-1), int(ignore_index), reduction, float(label_smoothing), int(chunk),
+        needs_grad,
     )
     return loss.view(target.shape) if reduction == "none" else loss
 

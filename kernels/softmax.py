@@ -1,7 +1,7 @@
 """Softmax over the last dim, forward and backward, any width.
 
 Rows up to 32k columns stay in registers: one read, one write. Wider rows take an online pass
-(running max and sum per lane, so no reduction inside the loop) and a write pass. Math in fp32
+(running max and rescaled sum of exponentials) and a write pass. Math in fp32
 (fp64 for fp32 inputs, so the result is never less accurate than eager's), one rounding.
 Backward: dx = y * (dy - sum(y * dy)), with y recomputed in fp32 from x and the saved row max and sum
 (same bytes as reading a saved y, but y unrounded: as accurate as softmax in fp32 then cast).
@@ -33,17 +33,16 @@ def _softmax_fwd_kernel(X, Y, MAX, SUM, stride_x, stride_y, M, N, BLOCK_M: tl.co
         y = e / total[:, None]
         tl.store(Y + rows * stride_y + cols, round_to(y, Y.dtype.element_ty), mask=mask)
     else:
-        m = tl.full([BLOCK_M, BLOCK_N], -float("inf"), dtype=ACC)
-        s = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
+        # Online pass: running max and the sum of exponentials rescaled to it, one exp per element.
+        row_max = tl.full([BLOCK_M], -float("inf"), dtype=ACC)
+        total = tl.zeros([BLOCK_M], dtype=ACC)
         for start in range(0, N, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)[None, :]
             x = tl.load(X + rows * stride_x + cols, mask=row_mask & (cols < N), other=-float("inf")).to(ACC)
-            m_new = tl.maximum(m, x)
-            shift = tl.where(m_new == -float("inf"), 0.0, m_new)  # a lane that has seen only -inf stays 0
-            s = s * tl.exp(m - shift) + tl.exp(x - shift)
-            m = m_new
-        row_max = tl.max(m, axis=1)
-        total = tl.sum(s * tl.exp(m - row_max[:, None]), axis=1)
+            m_new = tl.maximum(row_max, tl.max(x, axis=1))
+            shift = tl.where(m_new == -float("inf"), 0.0, m_new)  # only -inf so far: keep the sum at 0
+            total = total * tl.exp(row_max - shift) + tl.sum(tl.exp(x - shift[:, None]), axis=1)
+            row_max = m_new
         for start in range(0, N, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)[None, :]
             mask = row_mask & (cols < N)
@@ -99,7 +98,7 @@ def _acc_type(x: torch.Tensor):
 
 
 @kernel_op("profiler_svc::softmax_fwd", mutates_args={})
-def _softmax_fwd(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def softmax_fwd(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns y and each row's max and sum of exponentials (for the backward's recompute)."""
     m, n = x.shape
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -115,7 +114,7 @@ def _softmax_fwd(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 
 
 @kernel_op("profiler_svc::softmax_bwd", mutates_args={})
-def _softmax_bwd(dy: torch.Tensor, x: torch.Tensor, row_max: torch.Tensor, row_sum: torch.Tensor) -> torch.Tensor:
+def softmax_bwd(dy: torch.Tensor, x: torch.Tensor, row_max: torch.Tensor, row_sum: torch.Tensor) -> torch.Tensor:
     m, n = x.shape
     dx = torch.empty((m, n), dtype=x.dtype, device=x.device)
     block_m, block_n, num_warps, one_tile = row_tiles(n, MAX_TILE_N)
@@ -131,14 +130,14 @@ class SoftmaxFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
         x2 = as_rows(x)
-        y, row_max, row_sum = torch.ops.profiler_svc.softmax_fwd(x2)
+        y, row_max, row_sum = softmax_fwd(x2)
         ctx.save_for_backward(x2, row_max, row_sum)
         return y.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy):
         x2, row_max, row_sum = ctx.saved_tensors
-        return torch.ops.profiler_svc.softmax_bwd(as_rows(dy), x2, row_max, row_sum).view(dy.shape)
+        return softmax_bwd(as_rows(dy), x2, row_max, row_sum).view(dy.shape)
 
 
 def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:

@@ -20,7 +20,9 @@ def errors(fn, inputs64, reference, dtype, dy_seed=0) -> list[tuple[float, int]]
     gen = torch.Generator().manual_seed(dy_seed)
     ref_in = [t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t for t in inputs64]
     ref_out = reference(*ref_in)
-    dy = torch.randn(ref_out.shape, generator=gen, dtype=torch.float64)
+    # The incoming gradient is representable in `dtype`, so every candidate gets exactly the same one
+    # whatever its output dtype (a loss may come back in fp32 from bf16 logits).
+    dy = torch.randn(ref_out.shape, generator=gen, dtype=torch.float64).to(dtype).double()
     need = [t for t in ref_in if isinstance(t, torch.Tensor) and t.requires_grad]
     ref_grads = torch.autograd.grad(ref_out, need, dy) if need else []
     run_in = [
