@@ -37,73 +37,10 @@ class Finding:
     id: str = ""
 
 
-# -- kernel classes, by name (cuBLAS/cuDNN/CUTLASS/nvjet/Triton naming) ---------------------------
-
-_GEMM = re.compile(r"gemm|nvjet|cutlass|s16816|s1688|hmma|wgmma|sm\d+_xmma|ampere_|volta_|turing_|gemv|gemmk|"
-                   r"splitKreduce|cublas", re.I)
-_CONV = re.compile(r"conv|fprop|dgrad|wgrad|implicit_gemm|winograd|fft2d|nchwkcrs|nhwckrsc", re.I)
-_ATTN = re.compile(r"flash|fmha|attention|sdpa|_attn_|mha_", re.I)
-_COMM = re.compile(r"nccl|allreduce|all_reduce|allgather|reducescatter|sendrecv", re.I)
-_SIMT = re.compile(r"ffma|simt|implicit_convolve_sgemm|(?<![a-z])sgemm|gemmSN|dgemm", re.I)
-_LOW_ALIGN = re.compile(r"align[12](?!\d)", re.I)
-_OLD_ARCH = re.compile(r"(?:sm|cutlass_)(?:50|52|60|61|70|75)[_a-z]|volta_|turing_|maxwell_", re.I)
-_TF32 = re.compile(r"tf32|tensorop_s1688|xmma_gemm_tf32", re.I)
-
-
-def is_gemm(name: str) -> bool:
-    return bool(_GEMM.search(name)) and not is_attention(name) and not _CONV.search(name)
-
-
-def is_conv(name: str) -> bool:
-    return bool(_CONV.search(name)) and not is_attention(name)
-
-
-def is_attention(name: str) -> bool:
-    return bool(_ATTN.search(name))
-
-
-def is_communication(name: str) -> bool:
-    return bool(_COMM.search(name))
-
-
-def is_compute_bound_kernel(name: str) -> bool:
-    return is_gemm(name) or is_conv(name) or is_attention(name)
-
-
-def is_simt_matmul(name: str) -> bool:
-    """A GEMM/conv kernel on the CUDA-core (FFMA) path rather than tensor cores."""
-    return (is_gemm(name) or is_conv(name)) and bool(_SIMT.search(name)) and "gemv" not in name.lower()
-
-
-def is_low_alignment(name: str) -> bool:
-    return (is_gemm(name) or is_conv(name)) and bool(_LOW_ALIGN.search(name))
-
-
-def is_old_arch(name: str) -> bool:
-    return (is_gemm(name) or is_conv(name)) and bool(_OLD_ARCH.search(name))
-
-
-def is_memory_bound_kernel(name: str) -> bool:
-    return not (is_compute_bound_kernel(name) or is_communication(name))
-
-
-def name_mask(table: pd.DataFrame, predicate) -> np.ndarray:
-    """predicate(kernel name) for every row, evaluated once per distinct name (names repeat a lot)."""
-    names = table["name"]
-    if not len(names):
-        return np.zeros(0, dtype=bool)
-    codes, uniques = pd.factorize(names)
-    return np.array([bool(predicate(u)) for u in uniques], dtype=bool)[codes]
-
-
-def short_kernel_name(name: str, width: int = 90) -> str:
-    """`void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>, ...>(...)`
-    -> `vectorized_elementwise_kernel<4, CUDAFunctor_add<float>, ...>`, trimmed to width."""
-    s = re.sub(r"^void\s+", "", name)
-    s = s.replace("(anonymous namespace)::", "")
-    s = re.sub(r"\(.*$", "", s) if not s.startswith("(") else s
-    s = re.sub(r"\b(?:at::native::|at::|c10::|std::|cutlass::)", "", s)
-    return s if len(s) <= width else s[: width - 1] + "…"
+# kernel classes by name live with the trace vocabulary (the loader tags every kernel with one)
+from ..trace.kernel_names import (is_attention, is_communication, is_compute_bound_kernel, is_conv, is_gemm,  # noqa: E402,F401
+                                  is_low_alignment, is_memory_bound_kernel, is_old_arch, is_simt_matmul,
+                                  name_mask, short_kernel_name)
 
 
 # -- sizes of work ----------------------------------------------------------------------------

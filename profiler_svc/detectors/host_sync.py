@@ -89,5 +89,5 @@ def _bare_sync_cause(trace, call) -> str:
 
 def _is_main_thread(trace, thread) -> bool:
     """The thread that ran the profiler steps: a bare sync there is the user's torch.cuda.synchronize()."""
-    steps = trace.cpu[(trace.cpu["cat"] == "user_annotation") & trace.cpu["name"].str.startswith("ProfilerStep#")]
+    steps = trace.steps
     return bool(len(steps)) and steps["thread"].iloc[0] == thread

@@ -8,7 +8,7 @@
 import numpy as np
 
 from ..trace.model import Trace
-from .common import Finding, Recommendation, fmt_us, short_kernel_name, steps_note
+from .common import name_mask, Finding, Recommendation, fmt_us, short_kernel_name, steps_note
 from .gpu_idle import blocking_calls, idle_gaps, launch_times
 
 # Gaps shorter than this are the normal kernel-switch cost, not something to fix.
@@ -51,7 +51,7 @@ def detect(trace: Trace) -> list[Finding]:
     start, end = trace.window
     in_window = kernels[(kernels["ts"] >= start) & (kernels["ts"] <= end)]
     runtime = trace.runtime
-    launch_dur = runtime[runtime["name"].str.contains("Launch", na=False)]["dur"]
+    launch_dur = runtime[name_mask(runtime, lambda n: "Launch" in n)]["dur"]
     median_launch = float(launch_dur.median()) if len(launch_dur) else None
     short = in_window[in_window["dur"] < 10.0]
     for cause in ("host_wait", "kernel_to_kernel"):

@@ -10,7 +10,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 from ..trace.model import Trace
-from .common import (name_mask, plural, Finding, Recommendation, fmt_us, is_compute_bound_kernel, is_communication,
+from .common import (name_mask, plural, Finding, Recommendation, fmt_us,
                      module_class, numel, op_bytes, short_kernel_name, steps_note, tensor_bytes, window_kernels)
 
 # A fused kernel still costs a launch and a tail.
@@ -125,7 +125,7 @@ def detect(trace: Trace) -> list[Finding]:
 def _stream_chains(stream, info):
     chains, current, current_key = [], None, object()
     for row in stream.itertuples():
-        if is_compute_bound_kernel(row.name) or is_communication(row.name) or row.op < 0:
+        if row.kind != "memory" or row.op < 0:
             _close(chains, current)
             current, current_key = None, object()
             continue
@@ -163,7 +163,7 @@ def _gated_pairs(kernels, info):
         for nxt in rows[i + 1:i + 6]:
             if nxt.stream != row.stream or nxt.top_op_name in acts:
                 continue
-            if nxt.top_op_name == "aten::mul" and not is_compute_bound_kernel(nxt.name):
+            if nxt.top_op_name == "aten::mul" and nxt.kind == "memory":
                 moved2, big2, _ = info(nxt)
                 if big and big2 and big[0] == big2[0]:
                     chain = Chain(rows=[row, nxt], ops=Counter({row.top_op_name: 1, "aten::mul": 1}),

@@ -1,11 +1,14 @@
 """Load Kineto/Chrome traces into columnar tables linked kernel -> launch -> op -> parent -> module.
 
-One pass of msgspec over the bytes (typed structs, unknown fields skipped), then list
-comprehensions per category into numpy/pandas columns; the only Python loop over events is the
-per-thread stack sweep that finds each CPU event's parent.
+Kineto writes one event per block, each starting with a newline and a two-space indent. We stream the
+(gunzipped) bytes, cut them at those event starts into batches of tens of MB, and decode each batch with
+msgspec straight into typed structs (unknown fields skipped), which become numpy columns before the next
+batch arrives: memory stays at the size of the tables, not of the JSON. Any other layout (minified JSON,
+the Chrome array format) is decoded whole, the same way. The only Python loop over events afterwards is
+the per-thread stack sweep that finds each CPU event's parent.
 """
-import gzip
 import os
+import re
 import sys
 import zlib
 from pathlib import Path
@@ -17,16 +20,25 @@ import pandas as pd
 from ..errors import TraceError
 from . import labels
 from .device import device_from_properties
-from .model import Trace
+from .kernel_names import kernel_kinds, name_mask
+from .model import RawInputs, Trace
 from .schema import ANY_DECODER, ARRAY_DECODER, EVENTS_DECODER, TOP_LEVEL_DECODER
 
 # A decompressed trace above this is refused before it can exhaust memory (gzip bombs included).
 MAX_TRACE_BYTES = int(os.environ.get("PROFILER_SVC_MAX_TRACE_BYTES", 8 << 30))
 TRACE_SUFFIXES = (".json", ".json.gz", ".pt.trace.json", ".pt.trace.json.gz")
+_CHUNK = 16 << 20
 _PROGRESS_MIN_BYTES = 64 << 20
 _CPU_CATS = ("cpu_op", "user_annotation", "python_function")
 _RUNTIME_CATS = ("cuda_runtime", "cuda_driver", "runtime")
 _MEMORY_CATS = ("gpu_memcpy", "gpu_memset")
+_EVENTS_KEY = re.compile(rb'"traceEvents"\s*:\s*\[')
+_EVENT_START = b"\n  {"                      # Kineto's layout: each event opens at a two-space indent
+_EVENTS_END = re.compile(rb"\}\s*\n  \]")   # the last event's brace, then the array's bracket
+
+
+class _OtherLayout(Exception):
+    """The bytes are not in Kineto's layout: decode the document whole instead."""
 
 
 def trace_files(path) -> list[Path]:
@@ -51,56 +63,84 @@ def load_traces(path, progress=None) -> list[Trace]:
     return sorted(traces, key=lambda t: t.rank)
 
 
-def read_bytes(path, progress=None) -> bytes:
-    """The file's JSON bytes, gunzipped when the content (not the name) says gzip."""
+def load_trace(path, progress=None) -> Trace:
+    builder = TableBuilder(str(path))
+    try:
+        metadata = _stream_batches(path, progress, builder)
+    except _OtherLayout:
+        builder = TableBuilder(str(path))
+        events, metadata = decode(read_bytes(path, progress), path)
+        builder.add(events)
+    return builder.finish(metadata)
+
+
+# -- bytes ----------------------------------------------------------------------------------------
+
+def byte_chunks(path, progress=None):
+    """The file's JSON bytes in chunks, gunzipped when the content (not the name) says gzip."""
     p = Path(path)
     try:
         size = p.stat().st_size
         if size == 0:
             raise TraceError(f"{path}: file is empty")
-        with open(p, "rb") as f:
-            is_gzip = f.read(2) == b"\x1f\x8b"
-            f.seek(0)
-            if not is_gzip:
-                if size > MAX_TRACE_BYTES:
-                    raise TraceError(f"{path}: {size / 1e9:.1f} GB is over the {MAX_TRACE_BYTES / 1e9:.1f} GB limit "
-                                     "(PROFILER_SVC_MAX_TRACE_BYTES)")
-                return f.read()
-            return _gunzip(f, size, path, progress)
+        f = open(p, "rb")
+    except TraceError:
+        raise
     except IsADirectoryError:
         raise TraceError(f"{path}: is a folder, not a trace file") from None
     except PermissionError:
         raise TraceError(f"{path}: permission denied") from None
     except OSError as exc:
         raise TraceError(f"{path}: cannot read: {exc.strerror or exc}") from None
-
-
-def _gunzip(f, compressed_size, path, progress) -> bytes:
-    bar = _progress_bar(progress, compressed_size, f"reading {Path(path).name}")
-    decompressor = zlib.decompressobj(16 + zlib.MAX_WBITS)
-    chunks, total = [], 0
+    bar = _progress_bar(progress, size, f"reading {p.name}")
     try:
-        while chunk := f.read(8 << 20):
-            out = decompressor.decompress(chunk, MAX_TRACE_BYTES + 1 - total)
-            total += len(out)
-            if total > MAX_TRACE_BYTES or decompressor.unconsumed_tail:
-                raise TraceError(f"{path}: decompresses to over the {MAX_TRACE_BYTES / 1e9:.1f} GB limit "
+        with f:
+            is_gzip = f.read(2) == b"\x1f\x8b"
+            f.seek(0)
+            if is_gzip:
+                yield from _gunzip_chunks(f, path, bar)
+                return
+            if size > MAX_TRACE_BYTES:
+                raise TraceError(f"{path}: {size / 1e9:.1f} GB is over the {MAX_TRACE_BYTES / 1e9:.1f} GB limit "
                                  "(PROFILER_SVC_MAX_TRACE_BYTES)")
-            chunks.append(out)
-            if bar:
-                bar.update(len(chunk))
-        chunks.append(decompressor.flush())
-    except zlib.error as exc:
-        raise TraceError(f"{path}: broken gzip data ({exc})") from None
+            while chunk := f.read(_CHUNK):
+                if bar:
+                    bar.update(len(chunk))
+                yield chunk
     finally:
         if bar:
             bar.close()
+
+
+def _gunzip_chunks(f, path, bar):
+    decompressor = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    total = 0
+    try:
+        while chunk := f.read(_CHUNK // 4):
+            if bar:
+                bar.update(len(chunk))
+            while chunk:
+                out = decompressor.decompress(chunk, _CHUNK)
+                total += len(out)
+                if total > MAX_TRACE_BYTES:
+                    raise TraceError(f"{path}: decompresses to over the {MAX_TRACE_BYTES / 1e9:.1f} GB limit "
+                                     "(PROFILER_SVC_MAX_TRACE_BYTES)")
+                if out:
+                    yield out
+                chunk = decompressor.unconsumed_tail
+        tail = decompressor.flush()
+        if tail:
+            yield tail
+    except zlib.error as exc:
+        raise TraceError(f"{path}: broken gzip data ({exc})") from None
     if not decompressor.eof:
         raise TraceError(f"{path}: gzip stream is truncated")
-    data = b"".join(chunks)
-    if not data:
+    if total == 0:
         raise TraceError(f"{path}: gzip holds an empty file")
-    return data
+
+
+def read_bytes(path, progress=None) -> bytes:
+    return b"".join(byte_chunks(path, progress))
 
 
 def _progress_bar(progress, total, desc):
@@ -112,8 +152,53 @@ def _progress_bar(progress, total, desc):
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, leave=False, file=sys.stderr)
 
 
+# -- JSON -----------------------------------------------------------------------------------------
+
+def _stream_batches(path, progress, builder) -> dict:
+    """Feed Kineto-layout events to BUILDER batch by batch; return the top-level metadata."""
+    buf = bytearray()
+    prefix = None
+    for chunk in byte_chunks(path, progress):
+        buf += chunk
+        if prefix is None:
+            m = _EVENTS_KEY.search(buf)
+            if not m:
+                if len(buf) > 4 * _CHUNK or buf.lstrip()[:1] not in (b"", b"{"):
+                    raise _OtherLayout
+                continue
+            prefix = bytes(buf[:m.end() - 1])
+            del buf[:m.end()]
+        cut = buf.rfind(_EVENT_START)
+        if cut > 0:
+            builder.add(_decode_events(buf[:cut]))
+            del buf[:cut]
+    if prefix is None:
+        raise _OtherLayout
+    end = _EVENTS_END.search(buf)
+    if not end:
+        raise _OtherLayout  # truncated or unusual: the whole-document path says which
+    if buf[:end.start() + 1].strip():
+        builder.add(_decode_events(buf[:end.start() + 1]))
+    return _decode_metadata(prefix + b"[]" + bytes(buf[end.end():]))
+
+
+def _decode_events(body) -> list:
+    try:
+        return ARRAY_DECODER.decode(b"[" + bytes(body).strip().rstrip(b",") + b"]")
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        raise _OtherLayout from None  # the whole-document decode gives the error with its position
+
+
+def _decode_metadata(document: bytes) -> dict:
+    try:
+        top = TOP_LEVEL_DECODER.decode(document)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        raise _OtherLayout from None
+    return {key: ANY_DECODER.decode(raw) for key, raw in top.items() if key != "traceEvents"}
+
+
 def decode(data: bytes, path="trace"):
-    """(events, top-level metadata) from JSON bytes; one-line TraceError for anything malformed."""
+    """(events, top-level metadata) of a whole document; one-line TraceError for anything malformed."""
     start = data.lstrip()[:1]
     try:
         if start == b"[":
@@ -126,63 +211,141 @@ def decode(data: bytes, path="trace"):
         raise TraceError(f"{path}: not a Kineto/Chrome trace: {exc}") from None
     except msgspec.DecodeError as exc:
         raise TraceError(f"{path}: malformed or truncated JSON: {exc}") from None
-    metadata = {}
-    for key, raw in top.items():
-        if key != "traceEvents":
-            metadata[key] = ANY_DECODER.decode(raw)
+    metadata = {key: ANY_DECODER.decode(raw) for key, raw in top.items() if key != "traceEvents"}
     return events, metadata
 
 
-def load_trace(path, progress=None) -> Trace:
-    data = read_bytes(path, progress)
-    events, metadata = decode(data, path)
-    return build_trace(events, metadata, path=str(path))
+# -- tables ---------------------------------------------------------------------------------------
+
+class TableBuilder:
+    """Accumulates numpy columns per table from batches of events, then links them into a Trace."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.parts = {"kernels": [], "memory": [], "cpu": [], "runtime": []}
+        self.raw = RawInputs([], [], [], [])
+        self.raw_seen = {}       # identical input records share one bytes object
+        self.threads = {}        # code -> (pid, tid)
+        self.thread_index = {}   # (pid, tid) -> code
+        self.thread_names = {}
+        self.event_count = 0
+
+    def add(self, events) -> None:
+        self.event_count += len(events)
+        complete = [e for e in events if e.ph == "X"]
+        if any(e.dur < 0 for e in complete):
+            raise TraceError(f"{self.path}: negative event duration")
+        self.parts["kernels"].append(_gpu_columns([e for e in complete if e.cat == "kernel"]))
+        memory = [e for e in complete if e.cat in _MEMORY_CATS]
+        cols = _gpu_columns(memory)
+        cols["bytes"] = np.array([e.args.bytes if e.args and e.args.bytes is not None else np.nan for e in memory],
+                                 dtype=float)
+        self.parts["memory"].append(cols)
+        cpu = [e for e in complete if e.cat in _CPU_CATS]
+        self.parts["cpu"].append(self._cpu_columns(cpu))
+        self._keep_inputs(cpu)
+        runtime = [e for e in complete if e.cat in _RUNTIME_CATS]
+        self.parts["runtime"].append(self._runtime_columns(runtime))
+        for e in events:
+            if e.ph == "M" and e.name == "thread_name" and e.args is not None and e.args.name:
+                self.thread_names[(e.pid, e.tid)] = e.args.name
+
+    def _thread_codes(self, evs) -> np.ndarray:
+        index, threads = self.thread_index, self.threads
+        out = np.empty(len(evs), dtype=np.int64)
+        for i, e in enumerate(evs):
+            key = (e.pid, e.tid)
+            code = index.get(key)
+            if code is None:
+                code = index[key] = len(threads)
+                threads[code] = key
+            out[i] = code
+        return out
+
+    def _cpu_columns(self, evs) -> dict:
+        args = [e.args for e in evs]
+        return {
+            "cat": _names([e.cat for e in evs]),
+            "name": _names([e.name for e in evs]),
+            "ts": _num([e.ts for e in evs]),
+            "dur": _num([e.dur for e in evs]),
+            "thread": self._thread_codes(evs),
+            "external_id": _ids([a.external_id if a else None for a in args]),
+            "seq": _ids([a.sequence_number if a else None for a in args]),
+        }
+
+    def _runtime_columns(self, evs) -> dict:
+        args = [e.args for e in evs]
+        return {
+            "name": _names([e.name for e in evs]),
+            "ts": _num([e.ts for e in evs]),
+            "dur": _num([e.dur for e in evs]),
+            "thread": self._thread_codes(evs),
+            "correlation": _ids([a.correlation if a else None for a in args]),
+            "external_id": _ids([a.external_id if a else None for a in args]),
+        }
+
+    def _keep_inputs(self, evs) -> None:
+        """The ops' recorded inputs as raw JSON bytes, deduplicated (shapes repeat every step)."""
+        seen = self.raw_seen
+        for field, column in (("input_dims", self.raw.dims), ("input_types", self.raw.types),
+                              ("input_strides", self.raw.strides), ("concrete_inputs", self.raw.concrete)):
+            for e in evs:
+                raw = getattr(e.args, field) if e.args is not None else None
+                if raw is None or not len(raw):
+                    column.append(None)
+                    continue
+                key = bytes(raw)
+                column.append(seen.setdefault(key, key))
+
+    def finish(self, metadata: dict) -> Trace:
+        kernels, memory, cpu, runtime = (_frame(self.parts[name]) for name in ("kernels", "memory", "cpu", "runtime"))
+        self.parts = None
+        kernels["kind"] = pd.Series(kernel_kinds(kernels["name"].to_numpy()), dtype=object)
+        origin = _origin(kernels, memory, cpu, runtime)
+        for table in (kernels, memory, cpu, runtime):
+            table["ts"] -= origin
+            table["end"] = table["ts"] + table["dur"]
+        _link_cpu_tree(cpu)
+        _attribute_backward(cpu)
+        op_rows = _rows_by_external_id(cpu)
+        for table in (runtime, kernels, memory):  # runtime first: kernels without an External id go through it
+            table["op"] = _lookup(op_rows, table["external_id"].to_numpy())
+            missing = table["op"].to_numpy() < 0
+            if missing.any() and table is not runtime and len(runtime):
+                via_launch = pd.Series(runtime["op"].to_numpy(), index=runtime["correlation"].to_numpy())
+                via_launch = via_launch[~via_launch.index.duplicated()]
+                found = via_launch.reindex(table["correlation"].to_numpy()).fillna(-1).astype(np.int64).to_numpy()
+                table.loc[missing, "op"] = found[missing]
+        _add_op_context(kernels, cpu)
+        _add_op_context(memory, cpu)
+        names = {self.thread_index[key]: name for key, name in self.thread_names.items() if key in self.thread_index}
+        return Trace(path=self.path, rank=_rank(metadata), metadata=metadata,
+                     device=device_from_properties(metadata.get("deviceProperties")),
+                     kernels=kernels, memory=memory, cpu=cpu, runtime=runtime, raw_inputs=self.raw,
+                     event_count=self.event_count, threads=self.threads, thread_names=names)
 
 
-def _thread_names(events) -> dict:
-    names = {}
-    for e in events:
-        if e.ph == "M" and e.name == "thread_name" and e.args is not None and e.args.name:
-            names[(e.pid, e.tid)] = e.args.name
-    return names
+def _gpu_columns(evs) -> dict:
+    args = [e.args for e in evs]
+    return {
+        "name": _names([e.name for e in evs]),
+        "ts": _num([e.ts for e in evs]),
+        "dur": _num([e.dur for e in evs]),
+        "stream": _ids([a.stream if a else (e.tid if isinstance(e.tid, int) else None) for e, a in zip(evs, args)]),
+        "device": _ids([a.device if a else (e.pid if isinstance(e.pid, int) else None) for e, a in zip(evs, args)]),
+        "correlation": _ids([a.correlation if a else None for a in args]),
+        "external_id": _ids([a.external_id if a else None for a in args]),
+    }
 
 
-def build_trace(events, metadata, path="trace") -> Trace:
-    complete = [e for e in events if e.ph == "X"]
-    if any(e.dur is not None and e.dur < 0 for e in complete):
-        raise TraceError(f"{path}: negative event duration")
-    kernels = _gpu_table([e for e in complete if e.cat == "kernel"])
-    memory = _gpu_table([e for e in complete if e.cat in _MEMORY_CATS])
-    memory["bytes"] = np.array([(e.args.bytes if e.args and e.args.bytes is not None else np.nan)
-                                for e in complete if e.cat in _MEMORY_CATS], dtype=float)
-    cpu = _cpu_table([e for e in complete if e.cat in _CPU_CATS])
-    runtime = _runtime_table([e for e in complete if e.cat in _RUNTIME_CATS])
-
-    origin = _origin(kernels, memory, cpu, runtime)
-    for table in (kernels, memory, cpu, runtime):
-        table["ts"] -= origin
-        table["end"] = table["ts"] + table["dur"]
-
-    _link_cpu_tree(cpu)
-    _attribute_backward(cpu)
-    op_rows = _rows_by_external_id(cpu)
-    for table in (runtime, kernels, memory):  # runtime first: kernels without an External id go through it
-        table["op"] = _lookup(op_rows, table["external_id"].to_numpy())
-        missing = table["op"].to_numpy() < 0
-        if missing.any() and table is not runtime and len(runtime):
-            # kernel's own External id absent: go through its launch (correlation id)
-            via_launch = pd.Series(runtime["op"].to_numpy(), index=runtime["correlation"].to_numpy())
-            via_launch = via_launch[~via_launch.index.duplicated()]
-            found = via_launch.reindex(table["correlation"].to_numpy()).fillna(-1).astype(np.int64).to_numpy()
-            table.loc[missing, "op"] = found[missing]
-    _add_op_context(kernels, cpu)
-    _add_op_context(memory, cpu)
-
-    rank = _rank(metadata)
-    return Trace(path=path, rank=rank, metadata=metadata,
-                 device=device_from_properties(metadata.get("deviceProperties")),
-                 kernels=kernels, memory=memory, cpu=cpu, runtime=runtime,
-                 event_count=len(events), thread_names=_thread_names(events))
+def _frame(parts: list) -> pd.DataFrame:
+    columns = {}
+    for key in parts[0]:
+        arrays = [p[key] for p in parts]
+        joined = np.concatenate(arrays) if arrays else np.zeros(0)
+        columns[key] = pd.Series(joined, dtype=object) if joined.dtype == object else joined
+    return pd.DataFrame(columns)
 
 
 def _num(values) -> np.ndarray:
@@ -193,49 +356,18 @@ def _ids(values) -> np.ndarray:
     return np.array([-1 if v is None else v for v in values], dtype=np.int64)
 
 
-def _gpu_table(evs) -> pd.DataFrame:
-    args = [e.args for e in evs]
-    return pd.DataFrame({
-        "name": pd.array([e.name for e in evs], dtype=object),
-        "ts": _num([e.ts for e in evs]),
-        "dur": _num([e.dur for e in evs]),
-        "stream": _ids([a.stream if a else (e.tid if isinstance(e.tid, int) else None) for e, a in zip(evs, args)]),
-        "device": _ids([a.device if a else (e.pid if isinstance(e.pid, int) else None) for e, a in zip(evs, args)]),
-        "correlation": _ids([a.correlation if a else None for a in args]),
-        "external_id": _ids([a.external_id if a else None for a in args]),
-        "grid": pd.array([a.grid if a else None for a in args], dtype=object),
-        "block": pd.array([a.block if a else None for a in args], dtype=object),
-    })
+def _names(values) -> np.ndarray:
+    """Names as one shared str object each (a million kernels have a few hundred names)."""
+    out = np.empty(len(values), dtype=object)
+    out[:] = [sys.intern(v) for v in values]
+    return out
 
 
-def _runtime_table(evs) -> pd.DataFrame:
-    args = [e.args for e in evs]
-    return pd.DataFrame({
-        "name": pd.array([e.name for e in evs], dtype=object),
-        "ts": _num([e.ts for e in evs]),
-        "dur": _num([e.dur for e in evs]),
-        "thread": pd.array([(e.pid, e.tid) for e in evs], dtype=object),
-        "correlation": _ids([a.correlation if a else None for a in args]),
-        "external_id": _ids([a.external_id if a else None for a in args]),
-    })
-
-
-def _cpu_table(evs) -> pd.DataFrame:
-    args = [e.args for e in evs]
-    return pd.DataFrame({
-        "cat": pd.array([e.cat for e in evs], dtype=object),
-        "name": pd.array([e.name for e in evs], dtype=object),
-        "ts": _num([e.ts for e in evs]),
-        "dur": _num([e.dur for e in evs]),
-        "thread": pd.array([(e.pid, e.tid) for e in evs], dtype=object),
-        "external_id": _ids([a.external_id if a else None for a in args]),
-        "seq": _ids([a.sequence_number if a else None for a in args]),
-        # raw JSON of the op's inputs: decoded on demand by Trace.op_inputs
-        "input_dims": pd.array([a.input_dims if a else None for a in args], dtype=object),
-        "input_types": pd.array([a.input_types if a else None for a in args], dtype=object),
-        "input_strides": pd.array([a.input_strides if a else None for a in args], dtype=object),
-        "concrete_inputs": pd.array([a.concrete_inputs if a else None for a in args], dtype=object),
-    })
+def _objects(values) -> pd.Series:
+    """An object column: pandas 3 would otherwise infer Arrow strings, slow to iterate row by row."""
+    out = np.empty(len(values), dtype=object)
+    out[:] = values
+    return pd.Series(out, dtype=object)
 
 
 def _origin(*tables) -> float:
@@ -250,7 +382,7 @@ def _link_cpu_tree(cpu: pd.DataFrame) -> None:
     module = [None] * n
     top = [-1] * n
     if n:
-        thread_codes, _ = pd.factorize(cpu["thread"])
+        thread_codes = cpu["thread"].to_numpy()
         ts = cpu["ts"].to_numpy()
         # parents first: by thread, then start, then longest first
         order = np.lexsort((-cpu["dur"].to_numpy(), ts, thread_codes)).tolist()
@@ -275,7 +407,7 @@ def _link_cpu_tree(cpu: pd.DataFrame) -> None:
     else:
         cpu["order"] = np.zeros(0, dtype=np.int64)
     cpu["parent"] = np.array(parent, dtype=np.int64)
-    cpu["module"] = pd.array(module, dtype=object)
+    cpu["module"] = _objects(module)
     cpu["top"] = np.array(top, dtype=np.int64)
     cpu["backward"] = False
 
@@ -288,7 +420,7 @@ def _module_of(name):
 def _attribute_backward(cpu: pd.DataFrame) -> None:
     """Backward ops inherit the module of the forward op that made their autograd node (sequence number)."""
     names = cpu["name"]
-    bwd = names.str.startswith("autograd::engine::evaluate_function").to_numpy(dtype=bool)
+    bwd = name_mask(cpu, lambda n: n.startswith("autograd::engine::evaluate_function"))
     if not bwd.any():
         return
     seq = cpu["seq"].to_numpy()
@@ -311,7 +443,7 @@ def _attribute_backward(cpu: pd.DataFrame) -> None:
             backward[i] = True
             if module[i] is None:
                 module[i] = module[p]
-    cpu["module"] = pd.array(module, dtype=object)
+    cpu["module"] = pd.Series(module, dtype=object, index=cpu.index)
     cpu["backward"] = backward
 
 
@@ -331,17 +463,20 @@ def _add_op_context(table: pd.DataFrame, cpu: pd.DataFrame) -> None:
     """Name of the launching op, its top-level op and module, copied onto each GPU row."""
     op = table["op"].to_numpy()
     has = op >= 0
+    if not len(cpu):
+        for col in ("op_name", "top_op_name", "module"):
+            table[col] = _objects([None] * len(op))
+        table["top_op"] = np.full(len(op), -1, dtype=np.int64)
+        table["backward"] = np.zeros(len(op), dtype=bool)
+        return
     safe = np.where(has, op, 0)
-    def take(col):
-        values = cpu[col].to_numpy()[safe] if len(cpu) else np.full(len(op), None, dtype=object)
-        return pd.array(np.where(has, values, None), dtype=object)
-    table["op_name"] = take("name")
-    top = cpu["top"].to_numpy()[safe] if len(cpu) else np.full(len(op), -1)
-    table["top_op"] = np.where(has, top, -1)
-    table["top_op_name"] = pd.array([cpu["name"].iat[t] if t >= 0 else None for t in table["top_op"].tolist()],
-                                    dtype=object)
-    table["module"] = take("module")
-    table["backward"] = np.where(has, cpu["backward"].to_numpy()[safe] if len(cpu) else False, False)
+    names = cpu["name"].to_numpy()
+    top = np.where(has, cpu["top"].to_numpy()[safe], -1)
+    table["op_name"] = pd.Series(np.where(has, names[safe], None), dtype=object, index=table.index)
+    table["top_op"] = top
+    table["top_op_name"] = pd.Series(np.where(top >= 0, names[np.maximum(top, 0)], None), dtype=object, index=table.index)
+    table["module"] = pd.Series(np.where(has, cpu["module"].to_numpy()[safe], None), dtype=object, index=table.index)
+    table["backward"] = np.where(has, cpu["backward"].to_numpy()[safe], False)
 
 
 def _rank(metadata):

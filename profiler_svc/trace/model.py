@@ -16,6 +16,7 @@ import pandas as pd
 
 from . import labels
 from .device import DeviceInfo
+from .kernel_names import name_mask
 
 _DTYPE_NAMES = {
     "float": "fp32", "double": "fp64", "c10::Half": "fp16", "c10::BFloat16": "bf16",
@@ -43,8 +44,15 @@ class OpInputs:
     strides: list
     concrete: list
 
+    @cached_property
+    def tensor_list(self):
+        return self._tensors()
+
     def tensors(self):
         """(shape, dtype, strides) for each tensor input."""
+        return self.tensor_list
+
+    def _tensors(self):
         out = []
         for i, d in enumerate(self.dims):
             dtype = self.dtypes[i] if i < len(self.dtypes) else ""
@@ -52,6 +60,15 @@ class OpInputs:
                 stride = self.strides[i] if i < len(self.strides) else None
                 out.append((d, dtype, stride))
         return out
+
+
+@dataclass
+class RawInputs:
+    """Per CPU row: the op's recorded inputs as raw JSON (msgspec.Raw) or None."""
+    dims: list
+    types: list
+    strides: list
+    concrete: list
 
 
 @dataclass
@@ -65,27 +82,40 @@ class Trace:
     cpu: pd.DataFrame
     runtime: pd.DataFrame
     event_count: int
-    thread_names: dict = field(default_factory=dict)
+    raw_inputs: RawInputs = None
+    threads: dict = field(default_factory=dict)        # thread code -> (pid, tid)
+    thread_names: dict = field(default_factory=dict)   # thread code -> name
+    _inputs_cache: dict = field(default_factory=dict, repr=False)
 
     # -- op inputs ---------------------------------------------------------------------------
     def op_inputs(self, row: int) -> OpInputs:
-        if row is None or row < 0:
+        """The recorded inputs of CPU row ROW (decoded on first use, then cached)."""
+        if row is None or row < 0 or self.raw_inputs is None:
             return OpInputs([], [], [], [])
-        r = self.cpu
-        return OpInputs(
-            dims=_decode(r["input_dims"].iat[row]),
-            dtypes=[short_dtype(t) if isinstance(t, str) else "" for t in _decode(r["input_types"].iat[row])],
-            strides=_decode(r["input_strides"].iat[row]),
-            concrete=_decode(r["concrete_inputs"].iat[row]),
-        )
+        cached = self._inputs_cache.get(row)
+        if cached is None:
+            raw = self.raw_inputs
+            # ops repeat with identical inputs every step: decode each distinct input record once
+            key = tuple(bytes(r) if r is not None else b"" for r in
+                        (raw.dims[row], raw.types[row], raw.strides[row], raw.concrete[row]))
+            cached = self._inputs_cache.get(key)
+            if cached is None:
+                cached = self._inputs_cache[key] = OpInputs(
+                    dims=_decode(key[0]),
+                    dtypes=[short_dtype(t) if isinstance(t, str) else "" for t in _decode(key[1])],
+                    strides=_decode(key[2]),
+                    concrete=_decode(key[3]),
+                )
+            self._inputs_cache[row] = cached
+        return cached
 
     # -- windows -----------------------------------------------------------------------------
     @cached_property
     def steps(self) -> pd.DataFrame:
         """ProfilerStep#N annotations (the profiler's active steps), in time order."""
         cpu = self.cpu
-        steps = cpu[(cpu["cat"] == "user_annotation") & cpu["name"].str.startswith("ProfilerStep#")]
-        return steps[["name", "ts", "dur", "end"]].sort_values("ts").reset_index(drop=True)
+        steps = cpu[name_mask(cpu, lambda n: n.startswith("ProfilerStep#")) & (cpu["cat"] == "user_annotation").to_numpy()]
+        return steps[["name", "ts", "dur", "end", "thread"]].sort_values("ts").reset_index(drop=True)
 
     @cached_property
     def window(self) -> tuple[float, float]:

@@ -1,0 +1,96 @@
+"""What a kernel is, from its name alone (cuBLAS, cuDNN, CUTLASS, nvjet, FlashAttention, Triton, ATen).
+
+The loader tags every kernel with `kind` (gemm, conv, attention, communication, memory) once per
+distinct name; detectors ask the finer questions (FFMA path? low alignment?) of candidate rows only.
+"""
+import re
+
+import numpy as np
+import pandas as pd
+
+
+_GEMM = re.compile(r"gemm|nvjet|cutlass|s16816|s1688|hmma|wgmma|sm\d+_xmma|ampere_|volta_|turing_|gemv|gemmk|"
+                   r"splitKreduce|cublas", re.I)
+_CONV = re.compile(r"conv|fprop|dgrad|wgrad|implicit_gemm|winograd|fft2d|nchwkcrs|nhwckrsc", re.I)
+_ATTN = re.compile(r"flash|fmha|attention|sdpa|_attn_|mha_", re.I)
+_COMM = re.compile(r"nccl|allreduce|all_reduce|allgather|reducescatter|sendrecv", re.I)
+_SIMT = re.compile(r"ffma|simt|implicit_convolve_sgemm|(?<![a-z])sgemm|gemmSN|dgemm", re.I)
+_LOW_ALIGN = re.compile(r"align[12](?!\d)", re.I)
+_OLD_ARCH = re.compile(r"(?:sm|cutlass_)(?:50|52|60|61|70|75)[_a-z]|volta_|turing_|maxwell_", re.I)
+
+
+def is_gemm(name: str) -> bool:
+    return bool(_GEMM.search(name)) and not is_attention(name) and not _CONV.search(name)
+
+
+def is_conv(name: str) -> bool:
+    return bool(_CONV.search(name)) and not is_attention(name)
+
+
+def is_attention(name: str) -> bool:
+    return bool(_ATTN.search(name))
+
+
+def is_communication(name: str) -> bool:
+    return bool(_COMM.search(name))
+
+
+def is_compute_bound_kernel(name: str) -> bool:
+    return is_gemm(name) or is_conv(name) or is_attention(name)
+
+
+def is_simt_matmul(name: str) -> bool:
+    """A GEMM/conv kernel on the CUDA-core (FFMA) path rather than tensor cores."""
+    return (is_gemm(name) or is_conv(name)) and bool(_SIMT.search(name)) and "gemv" not in name.lower()
+
+
+def is_low_alignment(name: str) -> bool:
+    return (is_gemm(name) or is_conv(name)) and bool(_LOW_ALIGN.search(name))
+
+
+def is_old_arch(name: str) -> bool:
+    return (is_gemm(name) or is_conv(name)) and bool(_OLD_ARCH.search(name))
+
+
+def is_memory_bound_kernel(name: str) -> bool:
+    return not (is_compute_bound_kernel(name) or is_communication(name))
+
+
+def name_mask(table: pd.DataFrame, predicate) -> np.ndarray:
+    """predicate(kernel name) for every row, evaluated once per distinct name (names repeat a lot)."""
+    names = table["name"]
+    if not len(names):
+        return np.zeros(0, dtype=bool)
+    codes, uniques = pd.factorize(names)
+    return np.array([bool(predicate(u)) for u in uniques], dtype=bool)[codes]
+
+
+def short_kernel_name(name: str, width: int = 90) -> str:
+    """`void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>, ...>(...)`
+    -> `vectorized_elementwise_kernel<4, CUDAFunctor_add<float>, ...>`, trimmed to width."""
+    s = re.sub(r"^void\s+", "", name)
+    s = s.replace("(anonymous namespace)::", "")
+    s = re.sub(r"\(.*$", "", s) if not s.startswith("(") else s
+    s = re.sub(r"\b(?:at::native::|at::|c10::|std::|cutlass::)", "", s)
+    return s if len(s) <= width else s[: width - 1] + "…"
+
+
+
+
+def kernel_kind(name: str) -> str:
+    if is_attention(name):
+        return "attention"
+    if _CONV.search(name):
+        return "conv"
+    if _GEMM.search(name):
+        return "gemm"
+    if _COMM.search(name):
+        return "communication"
+    return "memory"
+
+
+def kernel_kinds(names) -> np.ndarray:
+    """kernel_kind for every name, computed once per distinct name."""
+    codes, uniques = pd.factorize(pd.Series(names, dtype=object))
+    kinds = np.array([kernel_kind(u) for u in uniques], dtype=object)
+    return kinds[codes] if len(codes) else np.zeros(0, dtype=object)
