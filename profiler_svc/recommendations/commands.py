@@ -1,7 +1,7 @@
 """`profiler_svc recommend TRACE`: analyse a trace from the command line."""
 import sys
 
-from .report import SEVERITIES, recommend, render_markdown, render_text
+from .severity import SEVERITIES
 
 
 def add_commands(subparsers) -> None:
@@ -31,6 +31,8 @@ def _positive(text):
 
 
 def run(args) -> int:
+    from .report import recommend, render_markdown, render_text  # pandas & co. only when analysing
+
     report = recommend(args.trace, top=max(args.top, 20), progress=args.progress)
     if args.format == "json":
         d = report.to_dict()

@@ -9,18 +9,9 @@ import numpy as np
 from ..detectors import CATEGORIES, Finding, run_detectors, top_kernels
 from ..trace import Trace, load_traces
 
+from .severity import SEVERITIES, severity_for
+
 SCHEMA = "profiler_svc.report/1"
-SEVERITIES = ("info", "low", "medium", "high")
-# share of the analysed window a finding's saving must reach for each severity
-_SEVERITY_SHARE = (("high", 0.10), ("medium", 0.03), ("low", 0.005))
-
-
-def severity_for(savings_us: float, span_us: float) -> str:
-    share = savings_us / span_us if span_us > 0 else 0.0
-    for name, threshold in _SEVERITY_SHARE:
-        if share >= threshold:
-            return name
-    return "info"
 
 
 @dataclass

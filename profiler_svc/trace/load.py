@@ -419,7 +419,6 @@ def _module_of(name):
 
 def _attribute_backward(cpu: pd.DataFrame) -> None:
     """Backward ops inherit the module of the forward op that made their autograd node (sequence number)."""
-    names = cpu["name"]
     bwd = name_mask(cpu, lambda n: n.startswith("autograd::engine::evaluate_function"))
     if not bwd.any():
         return
