@@ -5,7 +5,8 @@
             train_step(batch)
             cap.step()
     print(cap.trace_path)
-    print(cap.recommend().to_text())
+    for finding in cap.recommend().findings:
+        print(finding.title)
 
 See docs/capture.md for what is recorded and how files are named.
 """
