@@ -188,11 +188,24 @@ def _chunk_rows(m: int, hidden: int, vocab: int) -> int:
     return max(1, triton.next_power_of_2(triton.cdiv(m, triton.cdiv(vocab, hidden))))
 
 
-def _mm_fp32(a, b):
-    """a @ b with an fp32 result (fp32 accumulation, not rounded to bf16/fp16 in between)."""
-    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return a.float() @ b.float()
+def _half_on_gpu(t) -> bool:
+    return t.is_cuda and t.dtype in (torch.bfloat16, torch.float16)
+
+
+def _mm_fp32_into(out, a, b):
+    """out (fp32) = a @ b, accumulated and kept in fp32 (not rounded to bf16/fp16 on the way)."""
+    if _half_on_gpu(a):
+        torch.mm(a, b, out_dtype=torch.float32, out=out)
+    else:
+        torch.mm(a.float(), b.float(), out=out)
+
+
+def _addmm_fp32_(acc, a, b):
+    """acc (fp32) += a @ b inside the matmul (no extra pass over acc)."""
+    if _half_on_gpu(a):
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc.addmm_(a.float(), b.float())
 
 
 def _chunked_pass(hidden, weight, bias, target, scale, ignore_index, smoothing, chunk_rows, need_grads):
@@ -215,8 +228,8 @@ def _chunked_pass(hidden, weight, bias, target, scale, ignore_index, smoothing, 
             s = scale[start:stop] if scale.dim() else scale
             loss_rows[start:stop] = cross_entropy_fwd_bwd(logits, t, s, ignore_index, smoothing)
             grad_logits = logits  # overwritten in place by the kernel
-            grad_hidden[start:stop] = _mm_fp32(grad_logits, weight)
-            grad_weight += _mm_fp32(grad_logits.t(), h)
+            _mm_fp32_into(grad_hidden[start:stop], grad_logits, weight)
+            _addmm_fp32_(grad_weight, grad_logits.t(), h)
             if grad_bias is not None:
                 grad_bias += grad_logits.float().sum(0)
         else:
