@@ -115,9 +115,9 @@ def test_failed_database_commit_removes_the_blob(engine, blobs, monkeypatch):
 
 @pytest.mark.parametrize("content, message", [
     (b"", "empty"),
-    (gzip.compress(b"{}")[:10] + b"\xff" * 64, "not valid gzip"),
-    (gzip.compress(b'{"traceEvents": [')[:-8], "truncated"),
-])
+    (gzip.compress(b"{}", mtime=0)[:10] + b"\xff" * 64, "not valid gzip"),
+    (gzip.compress(b'{"traceEvents": [', mtime=0)[:-8], "truncated"),
+], ids=["empty", "corrupt-gzip", "truncated-gzip"])
 def test_unreadable_uploads_are_refused_cleanly(engine, blobs, tmp_path, content, message):
     bad = tmp_path / "bad.json.gz"
     bad.write_bytes(content)
