@@ -99,11 +99,12 @@ def _tensors(out) -> list[torch.Tensor]:
     return []
 
 
-def _to_double(x):
+def _cast_floats(x, dtype: torch.dtype):
+    """x with every floating tensor in it (also inside tuples and lists) cast to dtype."""
     if isinstance(x, torch.Tensor) and x.is_floating_point():
-        return x.double()
+        return x.to(dtype)
     if isinstance(x, (tuple, list)):
-        return type(x)(_to_double(item) for item in x)
+        return type(x)(_cast_floats(item, dtype) for item in x)
     return x
 
 
@@ -125,9 +126,9 @@ def _errors(outs, refs) -> tuple[float, float, float]:
 
 def _reference(original: nn.Module, inputs: tuple) -> list[torch.Tensor]:
     """The original module run in float64 on the same inputs (its parameters upcast, not modified)."""
-    state = {k: _to_double(v) for k, v in list(original.named_parameters()) + list(original.named_buffers())}
+    state = {k: _cast_floats(v, torch.float64) for k, v in list(original.named_parameters()) + list(original.named_buffers())}
     with torch.no_grad():
-        return [t.double() for t in _tensors(torch.func.functional_call(original, state, _to_double(inputs)))]
+        return [t.double() for t in _tensors(torch.func.functional_call(original, state, _cast_floats(inputs, torch.float64)))]
 
 
 def parity(original: nn.Module, replacement: nn.Module, inputs: tuple) -> tuple[float, float, str | None]:
@@ -236,7 +237,7 @@ def behaves_like(module: nn.Module, expected: Callable, inputs: tuple, rtol: flo
     try:
         with torch.no_grad():
             out = module(*inputs)
-            ref = expected(*_to_float32(inputs))
+            ref = expected(*_cast_floats(inputs, torch.float32))
     except Exception:
         return False
     if not isinstance(out, torch.Tensor) or out.shape != ref.shape:
@@ -245,11 +246,3 @@ def behaves_like(module: nn.Module, expected: Callable, inputs: tuple, rtol: flo
         rtol = 8 * torch.finfo(out.dtype).eps if out.dtype != torch.float32 else 1e-4
     scale = ref.abs().max().clamp_min(1e-6)
     return bool(((out.float() - ref.float()).abs().max() <= rtol * scale).item())
-
-
-def _to_float32(x):
-    if isinstance(x, torch.Tensor) and x.is_floating_point():
-        return x.float()
-    if isinstance(x, (tuple, list)):
-        return type(x)(_to_float32(item) for item in x)
-    return x
