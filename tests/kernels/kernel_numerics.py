@@ -22,7 +22,7 @@ def errors(fn, inputs64, reference, dtype, dy_seed=0) -> list[tuple[float, int]]
     ref_out = reference(*ref_in)
     # The incoming gradient is representable in `dtype`, so every candidate gets exactly the same one
     # whatever its output dtype (a loss may come back in fp32 from bf16 logits).
-    dy = torch.randn(ref_out.shape, generator=gen, dtype=torch.float64).to(dtype).double()
+    dy = torch.randn(ref_out.shape, generator=gen, dtype=torch.float64).to(dtype).double().to(ref_out.device)
     need = [t for t in ref_in if isinstance(t, torch.Tensor) and t.requires_grad]
     ref_grads = torch.autograd.grad(ref_out, need, dy) if need else []
     run_in = [

@@ -1,0 +1,62 @@
+"""On a GPU: each op at a realistic size, error vs fp64 no worse than eager's and torch.compile's, and
+torch.compile(fullgraph=True) with Inductor through our ops. Skipped without CUDA (CI has none)."""
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_numerics import errors
+
+from profiler_svc import kernels as K
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.xdist_group("kernels_gpu"),
+]
+
+
+def hf_rms_norm(x, w):
+    h = x.float()
+    return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+
+CASES = {
+    "rms_norm": (lambda x, w: K.rms_norm(x, w, 1e-6), hf_rms_norm,
+                 lambda x, w: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w),
+    "layer_norm": (lambda x, w: K.layer_norm(x, w, None, 1e-5), lambda x, w: F.layer_norm(x, x.shape[-1:], w, None, 1e-5),
+                   lambda x, w: F.layer_norm(x, x.shape[-1:], w, None, 1e-5)),
+    "softmax": (lambda x, w: K.softmax(x * w), lambda x, w: torch.softmax((x * w).float(), -1).to(x.dtype),
+                lambda x, w: torch.softmax(x * w, -1)),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("n", [5000, 70000])
+def test_no_worse_than_eager_and_compile(name, dtype, n):
+    ours, eager, reference = CASES[name]
+    gen = torch.Generator(device="cuda").manual_seed(n)
+    x = (2 * torch.randn(512, n, device="cuda", dtype=torch.float64, generator=gen)).requires_grad_()
+    w = (1 + 0.1 * torch.randn(n, device="cuda", dtype=torch.float64, generator=gen)).requires_grad_()
+    mine = errors(ours, [x, w], reference, dtype)
+    for fn in (eager, torch.compile(eager, dynamic=False)):
+        theirs = errors(fn, [x, w], reference, dtype)
+        for (e, _), (t, _) in zip(mine, theirs):
+            assert e <= 1.1 * t + 1e-7
+
+
+def test_fullgraph_inductor_matches_eager():
+    x = torch.randn(256, 1000, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(1000, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    t = torch.randint(0, 1000, (256,), device="cuda")
+
+    def step(x, w):
+        h, s = K.rms_norm(x, w, 1e-6, residual=x * 2)
+        h = K.layer_norm(h + s, w, w * 0.5, 1e-5)
+        return K.cross_entropy(K.softmax(h) * 10, t, label_smoothing=0.1) + K.fused_linear_cross_entropy(
+            h, (w[:, None] * w[None, :]).contiguous(), t)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True)
+    out, ref = compiled(x, w), step(x, w)
+    torch.testing.assert_close(out, ref, rtol=1e-3, atol=1e-3)
+    for g, r in zip(torch.autograd.grad(out, [x, w]), torch.autograd.grad(ref, [x, w])):
+        torch.testing.assert_close(g, r, rtol=2e-2, atol=2e-2)
