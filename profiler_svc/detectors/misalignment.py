@@ -1,6 +1,8 @@
 """Shape/dtype misalignment: GEMM dimensions that are not multiples of the tensor-core granule,
 vocabularies not a multiple of 64, attention head_dim that flash kernels refuse, conv channel counts
 that block tensor cores. Each finding gives the exact padded size."""
+import math
+import re
 from collections import defaultdict
 
 from ..trace.model import Trace
@@ -23,6 +25,7 @@ def detect(trace: Trace) -> list[Finding]:
     findings += _gemm_dims(trace, gemms, rate)
     findings += _head_dim(trace, kernels)
     findings += _conv_channels(trace, kernels)
+    findings += _wave_quantization(trace, gemms)
     return findings
 
 
@@ -165,5 +168,65 @@ def _conv_channels(trace, kernels):
             estimated_savings_us=0.5 * time,
             recommendation=Recommendation(f"Pad the channels: {pads}.", None, None),
             key=f"misalignment:conv:{off}",
+        ))
+    return findings
+
+
+_TILE = re.compile(r"nvjet_sm\d+_[a-z]+_(\d+)x(\d+)_|tilesize(\d+)x(\d+)x\d+|_(\d+)x(\d+)_\d+x\d+_")
+# The last wave must leave at least this share of the GPU idle before we call it quantization.
+_MIN_WAVE_LOSS = 0.25
+_MAX_WAVES = 4  # beyond a few waves the tail is a small share of the kernel
+
+
+def gemm_tile(name: str):
+    m = _TILE.search(name)
+    if not m:
+        return None
+    values = [int(v) for v in m.groups() if v is not None]
+    return values[0], values[1]
+
+
+def _wave_quantization(trace, gemms):
+    """Output tiles / SMs just above a whole number: the last wave runs a few tiles on an idle GPU."""
+    sms = trace.device.sm_count
+    if not sms or not len(gemms):
+        return []
+    groups = defaultdict(list)
+    for row, g in _rows_with_shapes(trace, gemms):
+        tile = gemm_tile(row.name)
+        if not tile:
+            continue
+        tiles = math.ceil(g.m / tile[0]) * math.ceil(g.n / tile[1]) * g.batch
+        waves = tiles / sms
+        full = math.ceil(waves)
+        loss = 1 - waves / full
+        if 1 < waves and full <= _MAX_WAVES and loss >= _MIN_WAVE_LOSS:
+            groups[(g.m, g.n, g.k, g.batch, tile, tiles)].append((row, loss))
+    findings = []
+    window = trace.span_us
+    for (m, n, k, batch, tile, tiles), items in groups.items():
+        time = sum(r.dur for r, _ in items)
+        loss = items[0][1]
+        savings = time * loss
+        if savings < 0.005 * window:
+            continue
+        waves = tiles / sms
+        fits = sms * math.floor(waves)
+        findings.append(Finding(
+            category="misalignment",
+            title=f"wave quantization: GEMM {m}x{n}x{k} makes {tiles} tiles of {tile[0]}x{tile[1]} on {sms} SMs "
+                  f"({waves:.2f} waves)",
+            detail=(f"{len(items)} calls ({fmt_us(time)} {steps_note(trace)}) run {math.ceil(waves)} waves of "
+                    f"{sms} tiles; the last holds {tiles - fits} tiles, leaving {100 * loss:.0f}% of the GPU idle "
+                    f"for a wave. {fits} tiles or fewer (e.g. fewer rows per GEMM, M ≈ {fits // max(math.ceil(n / tile[1]) * batch, 1) * tile[0]}) "
+                    f"would finish in {math.floor(waves)} wave{'s' if math.floor(waves) > 1 else ''}."),
+            evidence={"gemm": {"M": m, "N": n, "K": k, "batch": batch}, "tile": list(tile), "tiles": tiles,
+                      "sm_count": sms, "waves": round(waves, 3), "calls": len(items), "time_us": round(time, 2),
+                      "kernels": sorted({r.name[:100] for r, _ in items})[:3], "op": items[0][0].op_name},
+            estimated_savings_us=savings,
+            recommendation=Recommendation(
+                "Size the GEMM to whole waves: adjust tokens per batch (M) or the layer width so tiles / SMs lands "
+                "just under a whole number.", None, None),
+            key=f"misalignment:waves:{m}x{n}x{k}x{batch}",
         ))
     return findings

@@ -29,9 +29,13 @@ MAX_TRACE_BYTES = int(os.environ.get("PROFILER_SVC_MAX_TRACE_BYTES", 8 << 30))
 TRACE_SUFFIXES = (".json", ".json.gz", ".pt.trace.json", ".pt.trace.json.gz")
 _CHUNK = 16 << 20
 _PROGRESS_MIN_BYTES = 64 << 20
-_CPU_CATS = ("cpu_op", "user_annotation", "python_function")
-_RUNTIME_CATS = ("cuda_runtime", "cuda_driver", "runtime")
-_MEMORY_CATS = ("gpu_memcpy", "gpu_memset")
+# Category names across Kineto versions (PyTorch 1.8 wrote "Kernel", "Runtime", "Operator", ...),
+# mapped to the names the tables use.
+_KERNEL_CATS = {"kernel": "kernel", "Kernel": "kernel"}
+_CPU_CATS = {"cpu_op": "cpu_op", "Operator": "cpu_op", "user_annotation": "user_annotation",
+             "python_function": "python_function"}
+_RUNTIME_CATS = {"cuda_runtime", "cuda_driver", "runtime", "Runtime"}
+_MEMORY_CATS = {"gpu_memcpy", "gpu_memset", "Memcpy", "Memset"}
 _EVENTS_KEY = re.compile(rb'"traceEvents"\s*:\s*\[')
 _EVENT_START = b"\n  {"                      # Kineto's layout: each event opens at a two-space indent
 _EVENTS_END = re.compile(rb"\}\s*\n  \]")   # the last event's brace, then the array's bracket
@@ -235,7 +239,7 @@ class TableBuilder:
         complete = [e for e in events if e.ph == "X"]
         if any(e.dur < 0 for e in complete):
             raise TraceError(f"{self.path}: negative event duration")
-        self.parts["kernels"].append(_gpu_columns([e for e in complete if e.cat == "kernel"]))
+        self.parts["kernels"].append(_gpu_columns([e for e in complete if e.cat in _KERNEL_CATS]))
         memory = [e for e in complete if e.cat in _MEMORY_CATS]
         cols = _gpu_columns(memory)
         cols["bytes"] = np.array([e.args.bytes if e.args and e.args.bytes is not None else np.nan for e in memory],
@@ -265,7 +269,7 @@ class TableBuilder:
     def _cpu_columns(self, evs) -> dict:
         args = [e.args for e in evs]
         return {
-            "cat": _names([e.cat for e in evs]),
+            "cat": _names([_CPU_CATS[e.cat] for e in evs]),
             "name": _names([e.name for e in evs]),
             "ts": _num([e.ts for e in evs]),
             "dur": _num([e.dur for e in evs]),
@@ -413,8 +417,16 @@ def _link_cpu_tree(cpu: pd.DataFrame) -> None:
 
 
 def _module_of(name):
-    parsed = labels.parse_module_label(name) if name.startswith(labels.MODULE_PREFIX) else None
-    return f"{parsed[0]} ({parsed[1]})" if parsed else None
+    """Module of a CPU event: our capture label, or torch's own `nn.Module: Class_N` python frame
+    (with_stack/with_modules), which names the class but not the path."""
+    if name.startswith(labels.MODULE_PREFIX):
+        parsed = labels.parse_module_label(name)
+        return f"{parsed[0]} ({parsed[1]})" if parsed else None
+    if name.startswith("nn.Module: "):
+        instance = name[len("nn.Module: "):]
+        cls = instance.rsplit("_", 1)[0] if instance.rsplit("_", 1)[-1].isdigit() else instance
+        return f"{instance} ({cls})"
+    return None
 
 
 def _attribute_backward(cpu: pd.DataFrame) -> None:
