@@ -374,6 +374,7 @@ def tune(log, deadline):
     from profiler_svc.kernels import _launch
 
     cases = [c for c in norm_cases(WIDTHS) + softmax_cases(WIDTHS + (32768,))]
+    defaults = _launch.WARP_ELEMENTS, _launch.ROW_BLOCK_ELEMENTS, _launch.PROGRAMS_PER_SM
     knobs = list(itertools.product((256, 512, 1024, 2048), (1024, 2048, 4096, 8192), (1, 2, 4)))
     for case in cases:
         for mode in ("fwd", "fwd+bwd"):
@@ -397,7 +398,7 @@ def tune(log, deadline):
             results.sort()
             print(f"TUNE {case.op} {case.shape} {mode}: " + "; ".join(
                 f"{us:.1f}us we={we} rb={rb} psm={p}" for us, we, rb, p, _ in results[:4]), flush=True)
-    _launch.WARP_ELEMENTS, _launch.ROW_BLOCK_ELEMENTS, _launch.PROGRAMS_PER_SM = 512, 2048, 2
+    _launch.WARP_ELEMENTS, _launch.ROW_BLOCK_ELEMENTS, _launch.PROGRAMS_PER_SM = defaults
 
 
 def compile_check(log) -> list[str]:

@@ -14,7 +14,7 @@ CHUNK_N = 4096
 # Tuning knobs, read at launch time (benchmarks/kernels.py --tune sweeps them on the GPU):
 WARP_ELEMENTS = 512  # tile elements per warp in the row kernels (16 per thread): bounds registers per thread
 ROW_BLOCK_ELEMENTS = 2048  # short rows are grouped until a program's tile has this many elements
-PROGRAMS_PER_SM = 2  # programs per SM of the grid-stride backward kernels
+PROGRAMS_PER_SM = 4  # programs per SM of the grid-stride backward kernels (extra ones wait for a free slot)
 
 
 def interpreted() -> bool:
