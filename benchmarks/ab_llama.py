@@ -208,7 +208,7 @@ def versions() -> str:
 def table(runs: list, rec: dict, ab: dict, args) -> str:
     cfg = SMALL if args.small else FULL
     rows, seq = (2, 64) if args.small else (4, 2048)
-    lines = [f"# LlamaForCausalLM A/B: eager vs profiler_svc's recommended swaps vs Liger", "",
+    lines = ["# LlamaForCausalLM A/B: eager vs profiler_svc's recommended swaps vs Liger", "",
              f"{versions()}", "",
              f"Config: {cfg}, bf16, SDPA, batch {rows} x {seq} tokens; train = forward + loss + backward + "
              f"fused AdamW; infer = forward, no grad, all logits. Median of {args.steps} steps after "

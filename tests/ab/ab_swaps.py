@@ -1,4 +1,7 @@
 """Test-only swaps on nn.Linear: one computes exactly what it replaces, one is off by 1%."""
+import os
+
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -46,3 +49,9 @@ def _entry(name: str, summary: str, replace) -> SwapEntry:
 NOOP = _entry("test_noop_linear", "nn.Linear by an nn.Linear on the same parameters (no-op)", _same_linear)
 WRONG = _entry("test_wrong_linear", "nn.Linear scaled by 1.01 (deliberately wrong)", ScaledLinear)
 NO_GRAD = _entry("test_detached_linear", "nn.Linear whose weight gets no gradient", DetachedLinear)
+
+
+# The registry's real (Triton) kernels run on a GPU, or on a CPU through Triton's interpreter.
+needs_kernels = pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="the bundled Triton kernels need a GPU or TRITON_INTERPRET=1")

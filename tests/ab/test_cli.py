@@ -1,20 +1,15 @@
 """`profiler_svc ab`: a tiny workload with a real bundled swap, swaps from a real report, bad input."""
 import json
-import os
 from pathlib import Path
 
 import pytest
-import torch
 
+from ab_swaps import needs_kernels
 from profiler_svc.ab.commands import swaps_from_report
 from profiler_svc.cli import main
 
 DATA = Path(__file__).parent.parent / "data"
 QUICK = ["--rounds", "3", "--warmup", "1"]
-
-needs_kernels = pytest.mark.skipif(
-    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-    reason="the bundled Triton kernels need a GPU or TRITON_INTERPRET=1")
 
 
 def _ab(capsys, *args):
@@ -105,3 +100,4 @@ def test_model_failure_is_one_line_exit_2(capsys):
     # mlp's output is not a scalar and has no .loss: training it without a loss_fn is a user error
     code, out, err = _ab(capsys, "--workload", "ab_workloads:mlp", "--swap", "rms_norm", "--train", *QUICK)
     assert code == 2 and err.count("\n") == 1 and "needs a scalar loss" in err
+
