@@ -163,9 +163,18 @@ def stage_ab(args) -> dict:
             result = ab_test(model, {"input_ids": ids}, args.swaps)
         print(result.summary(), file=sys.stderr)
         d = result.to_dict()
-        d["parity"] = sorted(d["parity"], key=lambda t: -(t["b_max_abs"] or 0) / max(t["allowed_abs"] or 1e-30, 1e-30))[:5]
-        out[mode] = d  # the 5 tensors closest to their allowance; all of them passed or failed as the verdict says
+        # keep the 5 tensors closest to (or furthest over) their allowance; None is an infinite error
+        d["parity"] = sorted(d["parity"], key=_margin, reverse=True)[:5]
+        out[mode] = d
     return out
+
+
+def _margin(t: dict) -> float:
+    if t["b_max_abs"] is None:
+        return float("inf")
+    if not t["allowed_abs"]:
+        return float("inf") if t["b_max_abs"] > 0 else 0.0
+    return t["b_max_abs"] / t["allowed_abs"]
 
 
 STAGES = {"recommend": stage_recommend, "measure": stage_measure, "ab": stage_ab}
