@@ -9,7 +9,6 @@ import torch
 
 from profiler_svc import kernels as K
 
-pytestmark = pytest.mark.xdist_group("kernels_compile")
 TARGET = torch.randint(0, 100, (8,), generator=torch.Generator().manual_seed(0))
 
 OPS = {

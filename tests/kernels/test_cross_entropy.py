@@ -7,7 +7,6 @@ from torch import nn
 from profiler_svc.kernels import cross_entropy, fused_linear_cross_entropy, swap, unswap
 from profiler_svc.kernels.cross_entropy import CrossEntropyLoss
 
-pytestmark = pytest.mark.xdist_group("kernels_ce")
 
 
 def problem(m, v, seed, ignore_every=5):

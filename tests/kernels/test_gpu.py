@@ -7,10 +7,7 @@ from kernel_numerics import errors
 
 from profiler_svc import kernels as K
 
-pytestmark = [
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.xdist_group("kernels_gpu"),
-]
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def hf_rms_norm(x, w):

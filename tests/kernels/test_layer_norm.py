@@ -6,7 +6,6 @@ from kernel_numerics import assert_no_worse, rel_err
 from profiler_svc.kernels import layer_norm
 from profiler_svc.kernels.layer_norm import LayerNorm
 
-pytestmark = pytest.mark.xdist_group("kernels_norm")
 
 
 def reference(x, w, b, eps=1e-5):

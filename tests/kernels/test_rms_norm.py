@@ -6,7 +6,6 @@ from kernel_numerics import assert_no_worse, rel_err
 from profiler_svc.kernels import rms_norm
 from profiler_svc.kernels.rms_norm import RMSNorm
 
-pytestmark = pytest.mark.xdist_group("kernels_norm")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 

@@ -6,7 +6,6 @@ from torch import nn
 from profiler_svc.kernels import softmax, swap, unswap
 from profiler_svc.kernels.softmax import Softmax
 
-pytestmark = pytest.mark.xdist_group("kernels_softmax")
 
 
 def scores(shape, seed, scale=4.0):

@@ -6,7 +6,6 @@ from profiler_svc.kernels import SwapEntry, available_swaps, swap, swapped, unsw
 from profiler_svc.kernels.layer_norm import LayerNorm
 from profiler_svc.kernels.rms_norm import RMSNorm
 
-pytestmark = pytest.mark.xdist_group("kernels_swap")
 transformers = pytest.importorskip("transformers")
 
 
