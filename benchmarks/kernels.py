@@ -470,7 +470,8 @@ def main(argv=None):
         wanted = set(args.ops.split(","))
         cases = [c for c in cases if c.op in wanted]
     run_cases(cases, copy_bw, deadline, log)
-    text = (f"{header}\n\nCopy bandwidth (same run): {copy_bw / 1e12:.2f} TB/s. Times: triton.testing.do_bench median, "
+    command = "python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:])
+    text = (f"{header}\n\nCommand: `{command}`\n\nCopy bandwidth (same run): {copy_bw / 1e12:.2f} TB/s. Times: triton.testing.do_bench median, "
             f"bf16, M={ROWS} rows. Kernel time: the profiler's sum of GPU kernel durations per call (mean of 10 "
             f"calls); % copy BW: fewest bytes / kernel time / copy bandwidth; note: do_bench median wall time.\n\n## torch.compile\n\n" + "\n".join(checks) + "\n\n## Results\n\n" + table(cases, copy_bw))
     print(text, flush=True)
