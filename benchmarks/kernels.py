@@ -305,7 +305,6 @@ def run_cases(cases, copy_bw, deadline, log):
                 if time.time() > deadline:
                     case.results.append((mode, name, None, None, None, "skipped: time budget"))
                     continue
-                try:
                 started = time.time()
                 try:
                     err = parity(case, fn, mode, seed=len(case.results))
@@ -471,9 +470,15 @@ def main(argv=None):
         cases = [c for c in cases if c.op in wanted]
     run_cases(cases, copy_bw, deadline, log)
     command = "python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:])
-    text = (f"{header}\n\nCommand: `{command}`\n\nCopy bandwidth (same run): {copy_bw / 1e12:.2f} TB/s. Times: triton.testing.do_bench median, "
-            f"bf16, M={ROWS} rows. Kernel time: the profiler's sum of GPU kernel durations per call (mean of 10 "
-            f"calls); % copy BW: fewest bytes / kernel time / copy bandwidth; note: do_bench median wall time.\n\n## torch.compile\n\n" + "\n".join(checks) + "\n\n## Results\n\n" + table(cases, copy_bw))
+    text = (
+        f"{header}\n\nCommand: `{command}`\n\nbf16, M={ROWS} rows. Device-to-device copy bandwidth, same run: "
+        f"{copy_bw / 1e12:.2f} TB/s (bytes read + written). Kernel time: the profiler's sum of GPU kernel "
+        f"durations per call (mean of 10 calls, after warm-up). % copy BW: fewest bytes the op must move / "
+        f"kernel time / copy bandwidth. Parity: ‖out − ref‖/‖ref‖ vs fp64 on fresh inputs of {PARITY_ROWS} rows "
+        f"(fwd+bwd: the worst of output and input gradients). Note: triton.testing.do_bench median wall time "
+        f"per call (CUDA events; includes launch gaps where the CPU cannot keep ahead).\n\n"
+        f"## torch.compile\n\n" + "\n".join(checks) + "\n\n## Results\n\n" + table(cases, copy_bw)
+    )
     print(text, flush=True)
     if args.out:
         with open(args.out, "w") as f:
