@@ -35,6 +35,12 @@ def request_ab(run_id):
     return redirect(url_for("pages.job", job_id=job.id), code=303)
 
 
+@bp.get("/jobs")
+def jobs_list():
+    status = request.args.get("status") or None
+    return render_template("jobs.html", jobs=queries.list_jobs(db(), status=status), status=status)
+
+
 @bp.get("/jobs/<int:job_id>")
 def job(job_id):
     return render_template("job.html", job=queries.job_page(db(), job_id))

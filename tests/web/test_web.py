@@ -106,6 +106,8 @@ def test_ab_request_from_the_page_needs_csrf(client):
     job = client.get(f"/api/v1/jobs/{job_id}").get_json()
     assert job["status"] == "queued" and job["swap"] == "rms_norm" and job["workload"] == "examples.tiny:make"
     assert b"queued" in client.get(f"/jobs/{job_id}").data
+    assert f"/jobs/{job_id}".encode() in client.get("/jobs?status=queued").data
+    assert f"/jobs/{job_id}".encode() not in client.get("/jobs?status=done").data
 
 
 def test_api_writes_need_the_token(engine, blobs, client):
