@@ -12,9 +12,16 @@ from .api import int_arg, rank_arg
 bp = Blueprint("pages", __name__)
 
 
+RUNS_PER_PAGE = 100
+
+
 @bp.get("/")
 def runs():
-    return render_template("runs.html", **queries.list_runs(db(), request.args.get("q")))
+    page = int_arg("page", 0, 0, 10**6)
+    listing = queries.list_runs(db(), request.args.get("q"), limit=RUNS_PER_PAGE + 1, offset=page * RUNS_PER_PAGE)
+    more = len(listing["runs"]) > RUNS_PER_PAGE
+    listing["runs"] = listing["runs"][:RUNS_PER_PAGE]
+    return render_template("runs.html", page=page, more=more, **listing)
 
 
 @bp.get("/runs/<int:run_id>")

@@ -220,3 +220,15 @@ def test_every_state_changing_route_refuses_requests_without_csrf_or_token(clien
             checked += 1
     assert checked >= 3  # the A/B form, the API A/B request, the upload
     assert client.get("/api/v1/jobs").get_json()["jobs"] == []
+
+
+def test_runs_list_pages(engine, client):
+    from profiler_svc.storage.db import session_scope
+    from profiler_svc.storage.models import Run
+    with session_scope(engine) as s:
+        s.add_all([Run(name=f"run {i}", meta={}) for i in range(105)])
+    first, second = (client.get(f"/?page={p}").get_data(as_text=True) for p in (0, 1))
+    assert first.count('class="run-link"') == 100 and "older →" in first and "← newer" not in first
+    assert second.count('class="run-link"') == 5 and "older →" not in second and "← newer" in second
+    assert ">run 104<" in first and ">run 0<" in second  # newest first
+    assert client.get("/?page=-1").status_code == 400
