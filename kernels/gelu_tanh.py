@@ -9,9 +9,8 @@ import torch
 import triton
 import triton.language as tl
 from torch import nn
-from torch.library import triton_op, wrap_triton
 
-from ._launch import require_triton, round_to
+from ._launch import kernel_op, launch, require_triton, round_to
 from .swap import SwapEntry, behaves_like, place
 
 SQRT_2_OVER_PI = 0.7978845608028654
@@ -70,9 +69,8 @@ ELEMENTWISE_BLOCK, ELEMENTWISE_WARPS = 2048, 8
 def launch_elementwise(kernel, *args, n: int, **constexprs) -> None:
     """kernel[grid](*args, n, BLOCK=..., **constexprs) over n contiguous elements, one block per program."""
     if n:
-        wrap_triton(kernel)[(triton.cdiv(n, ELEMENTWISE_BLOCK),)](
-            *args, n, BLOCK=ELEMENTWISE_BLOCK, num_warps=ELEMENTWISE_WARPS, **constexprs
-        )
+        grid = ((n + ELEMENTWISE_BLOCK - 1) // ELEMENTWISE_BLOCK,)  # not triton.cdiv: µs of host time in Triton 3.9
+        launch(kernel, grid, *args, n, BLOCK=ELEMENTWISE_BLOCK, num_warps=ELEMENTWISE_WARPS, **constexprs)
 
 
 @triton.jit
@@ -96,16 +94,16 @@ def _gelu_bwd_kernel(DY, X, DX, n, FLAVOUR: tl.constexpr, BLOCK: tl.constexpr):
     tl.store(DX + start + offs, round_to(dy * dgelu, DX.dtype.element_ty), mask=mask)
 
 
-@triton_op("profiler_svc::gelu_fwd", mutates_args={})
-def _gelu_fwd(x: torch.Tensor, flavour: int) -> torch.Tensor:
+@kernel_op("profiler_svc::gelu_fwd", mutates_args={})
+def gelu_fwd(x: torch.Tensor, flavour: int) -> torch.Tensor:
     """x contiguous. Returns gelu(x)."""
     y = torch.empty_like(x)
     launch_elementwise(_gelu_fwd_kernel, x, y, n=x.numel(), FLAVOUR=flavour)
     return y
 
 
-@triton_op("profiler_svc::gelu_bwd", mutates_args={})
-def _gelu_bwd(dy: torch.Tensor, x: torch.Tensor, flavour: int) -> torch.Tensor:
+@kernel_op("profiler_svc::gelu_bwd", mutates_args={})
+def gelu_bwd(dy: torch.Tensor, x: torch.Tensor, flavour: int) -> torch.Tensor:
     """dy, x contiguous, same shape. Returns dx."""
     dx = torch.empty_like(x)
     launch_elementwise(_gelu_bwd_kernel, dy, x, dx, n=x.numel(), FLAVOUR=flavour)
@@ -118,12 +116,16 @@ class GeluFunction(torch.autograd.Function):
         x = x.contiguous()
         ctx.save_for_backward(x)
         ctx.flavour = flavour
-        return torch.ops.profiler_svc.gelu_fwd(x, flavour)
+        return gelu_fwd(x, flavour)
 
     @staticmethod
     def backward(ctx, dy):
         (x,) = ctx.saved_tensors
-        return torch.ops.profiler_svc.gelu_bwd(dy.contiguous(), x, ctx.flavour), None
+        return gelu_bwd(dy.contiguous(), x, ctx.flavour), None
+
+
+def needs_grad(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def check_float(*tensors: torch.Tensor) -> None:
@@ -140,6 +142,8 @@ def check_float(*tensors: torch.Tensor) -> None:
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     """F.gelu(x, approximate='tanh'), fused forward and backward."""
     check_float(x)
+    if not needs_grad(x):  # inference: skip the autograd.Function's host time
+        return gelu_fwd(x.contiguous(), GELU_TANH)
     return GeluFunction.apply(x, GELU_TANH)
 
 

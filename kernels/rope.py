@@ -17,10 +17,9 @@ import torch
 import triton
 import triton.language as tl
 from torch import nn
-from torch.library import triton_op, wrap_triton
 
-from ._launch import round_to
-from .gelu_tanh import _upcast, check_float
+from ._launch import kernel_op, launch, round_to
+from .gelu_tanh import _upcast, check_float, needs_grad
 
 
 @triton.jit
@@ -70,8 +69,13 @@ def _rope_kernel(
                   c1, c2, s1, s2, HALF, BLOCK_HK, BLOCK_D, BACKWARD)
 
 
-@triton_op("profiler_svc::rope", mutates_args={})
-def _rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _pow2(n: int) -> int:
+    """The next power of two (not triton.next_power_of_2: µs of host time in Triton 3.9)."""
+    return 1 << (n - 1).bit_length()
+
+
+@kernel_op("profiler_svc::rope", mutates_args={})
+def rope_rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """q, k: [B, S, H, D] views (any strides, unit stride on D); cos, sin: [B, S, D] (batch stride may be 0).
 
     Returns the rotated q and k in the same layout as the inputs (empty_like keeps a dense view's strides).
@@ -81,11 +85,10 @@ def _rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     qo, ko = torch.empty_like(q), torch.empty_like(k)
     if q.numel() and k.numel():
         half = dim // 2
-        block_d = triton.next_power_of_2(half)
-        block_hq, block_hk = triton.next_power_of_2(n_q_heads), triton.next_power_of_2(n_k_heads)
+        block_d, block_hq, block_hk = _pow2(half), _pow2(n_q_heads), _pow2(n_k_heads)
         num_warps = 4 if block_hq * block_d <= 2048 else 8
-        wrap_triton(_rope_kernel)[(batch * seq,)](
-            q, k, qo, ko, cos, sin, seq, n_q_heads, n_k_heads,
+        launch(
+            _rope_kernel, (batch * seq,), q, k, qo, ko, cos, sin, seq, n_q_heads, n_k_heads,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             qo.stride(0), qo.stride(1), qo.stride(2), ko.stride(0), ko.stride(1), ko.stride(2),
             cos.stride(0), cos.stride(1),
@@ -108,12 +111,12 @@ class RopeFunction(torch.autograd.Function):
         cos_grad = ctx.needs_input_grad[2] or ctx.needs_input_grad[3]
         # Learned cos/sin are rare: their gradient is computed in plain PyTorch from the saved inputs.
         ctx.save_for_backward(cos, sin, *((q, k) if cos_grad else ()))
-        return torch.ops.profiler_svc.rope(q, k, cos, sin, False)
+        return rope_rotate(q, k, cos, sin, False)
 
     @staticmethod
     def backward(ctx, dq, dk):
         cos, sin, *qk = ctx.saved_tensors
-        dq_in, dk_in = torch.ops.profiler_svc.rope(_unit_last(dq), _unit_last(dk), cos, sin, True)
+        dq_in, dk_in = rope_rotate(_unit_last(dq), _unit_last(dk), cos, sin, True)
         dcos = dsin = None
         if qk:  # [B, S, D]: summed over heads here, over a broadcast batch by autograd's expand
             acc = torch.promote_types(dq.dtype, torch.float32)
@@ -153,7 +156,11 @@ def rope(q, k, cos, sin, position_ids=None, unsqueeze_dim: int = 1):
     if not cos.is_floating_point() or cos.device != q.device:
         raise TypeError(f"cos and sin must be floating-point tensors on {q.device}")
     cos, sin = (_unit_last(t).expand(batch, seq, dim) for t in (cos, sin))
-    qo, ko = RopeFunction.apply(_unit_last(qv), _unit_last(kv), cos, sin)
+    qv, kv = _unit_last(qv), _unit_last(kv)
+    if needs_grad(qv, kv, cos, sin):
+        qo, ko = RopeFunction.apply(qv, kv, cos, sin)
+    else:  # inference: skip the autograd.Function's host time
+        qo, ko = rope_rotate(qv, kv, cos, sin, False)
     return (qo, ko) if unsqueeze_dim == 2 else (qo.transpose(1, 2), ko.transpose(1, 2))
 
 

@@ -9,11 +9,10 @@ import torch
 import triton
 import triton.language as tl
 from torch import nn
-from torch.library import triton_op
 
-from ._launch import round_to
+from ._launch import kernel_op, round_to
 from .gelu_tanh import (
-    GELU_ERF, GELU_TANH, _gelu, _sigmoid_pair, _times_sigmoid, _upcast, check_float, gelu_flavour, launch_elementwise,
+    GELU_ERF, GELU_TANH, _gelu, _sigmoid_pair, _times_sigmoid, _upcast, check_float, gelu_flavour, launch_elementwise, needs_grad,
 )
 from .swap import SwapEntry, behaves_like, place
 
@@ -56,16 +55,16 @@ def _gated_bwd_kernel(DOUT, GATE, UP, DGATE, DUP, n, ACT: tl.constexpr, BLOCK: t
     tl.store(DUP + start + offs, round_to(dout * act, DUP.dtype.element_ty), mask=mask)
 
 
-@triton_op("profiler_svc::gated_act_fwd", mutates_args={})
-def _gated_fwd(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tensor:
+@kernel_op("profiler_svc::gated_act_fwd", mutates_args={})
+def gated_act_fwd(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tensor:
     """gate, up contiguous, same shape. Returns act(gate) * up."""
     out = torch.empty_like(gate)
     launch_elementwise(_gated_fwd_kernel, gate, up, out, n=gate.numel(), ACT=act)
     return out
 
 
-@triton_op("profiler_svc::gated_act_bwd", mutates_args={})
-def _gated_bwd(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: int) -> tuple[torch.Tensor, torch.Tensor]:
+@kernel_op("profiler_svc::gated_act_bwd", mutates_args={})
+def gated_act_bwd(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: int) -> tuple[torch.Tensor, torch.Tensor]:
     """All contiguous, same shape. Returns (d gate, d up)."""
     dgate, dup = torch.empty_like(gate), torch.empty_like(up)
     launch_elementwise(_gated_bwd_kernel, dout, gate, up, dgate, dup, n=gate.numel(), ACT=act)
@@ -78,12 +77,12 @@ class GatedActFunction(torch.autograd.Function):
         gate, up = gate.contiguous(), up.contiguous()
         ctx.save_for_backward(gate, up)
         ctx.act = act
-        return torch.ops.profiler_svc.gated_act_fwd(gate, up, act)
+        return gated_act_fwd(gate, up, act)
 
     @staticmethod
     def backward(ctx, dout):
         gate, up = ctx.saved_tensors
-        dgate, dup = torch.ops.profiler_svc.gated_act_bwd(dout.contiguous(), gate, up, ctx.act)
+        dgate, dup = gated_act_bwd(dout.contiguous(), gate, up, ctx.act)
         return dgate, dup, None
 
 
@@ -91,6 +90,8 @@ def gated_act(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tensor:
     check_float(gate, up)
     if gate.shape != up.shape:
         raise ValueError(f"gate and up must have the same shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
+    if not needs_grad(gate, up):  # inference: skip the autograd.Function's host time
+        return gated_act_fwd(gate.contiguous(), up.contiguous(), act)
     return GatedActFunction.apply(gate, up, act)
 
 

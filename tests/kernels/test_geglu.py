@@ -22,7 +22,7 @@ def inputs(shape, seed):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("approximate", ["tanh", "none"])
-@pytest.mark.parametrize("shape", [(37, 1000), (64, 1)])  # wide rows: test_swiglu (same kernels)
+@pytest.mark.parametrize("shape", [(37, 1000), (64, 1)])  # many blocks: test_swiglu (same kernels)
 def test_numerics_no_worse_than_eager(dtype, approximate, shape):
     ours = lambda g, u: geglu(g, u, approximate)  # noqa: E731
     ref = reference(approximate)

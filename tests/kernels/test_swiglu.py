@@ -4,7 +4,7 @@ import torch.nn.functional as F
 from kernel_numerics import assert_no_worse
 from torch import nn
 
-from profiler_svc.kernels import swap, swapped, swiglu, unswap
+from profiler_svc.kernels import geglu, swap, swapped, swiglu, unswap
 from profiler_svc.kernels.swiglu import SWAP, GatedMLP
 
 transformers = pytest.importorskip("transformers")
@@ -21,7 +21,7 @@ def inputs(shape, seed):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(37, 1000), (64, 1), (1,), (2, 70001)])
+@pytest.mark.parametrize("shape", [(37, 1000), (64, 1), (1,), (2, 17001)])
 def test_numerics_no_worse_than_eager(dtype, shape):
     assert_no_worse(swiglu, {"F.silu*up": reference}, inputs(shape, 1), reference, dtype)
 
@@ -107,12 +107,17 @@ def test_matched_by_behaviour_not_only_structure():
     assert SWAP.matches(tiny("Llama").model.layers[0].mlp)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.compile of the Triton custom ops needs a GPU")
-def test_compile_fullgraph_forward_backward():
-    gate, up = (torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
-    compiled = torch.compile(lambda g, u: swiglu(g, u) * 2, fullgraph=True)
-    y = compiled(gate, up)
-    grads = torch.autograd.grad(y.float().square().sum(), [gate, up])
-    y2 = swiglu(gate, up) * 2
-    grads2 = torch.autograd.grad(y2.float().square().sum(), [gate, up])
-    assert torch.equal(y, y2) and all(torch.equal(a, b) for a, b in zip(grads, grads2))
+# torch.compile(fullgraph=True) must not graph-break on the op, forward or backward. On a GPU: Inductor,
+# which sees into the Triton kernels; on the CPU (Triton's interpreter) the op is opaque: aot_eager.
+DEVICE, BACKEND = ("cuda", "inductor") if torch.cuda.is_available() else ("cpu", "aot_eager")
+
+
+@pytest.mark.parametrize("op", ["swiglu", "geglu"])
+def test_compile_fullgraph_forward_backward(op):
+    gate, up = (torch.randn(64, 1000, device=DEVICE, requires_grad=True) for _ in range(2))
+    fn = (lambda g, u: swiglu(g, u * 2)) if op == "swiglu" else (lambda g, u: geglu(g, u * 2, "none"))
+    torch._dynamo.reset()
+    out, ref = torch.compile(fn, fullgraph=True, backend=BACKEND)(gate, up), fn(gate, up)
+    torch.testing.assert_close(out, ref)
+    for g, r in zip(torch.autograd.grad(out.sum(), [gate, up]), torch.autograd.grad(ref.sum(), [gate, up])):
+        torch.testing.assert_close(g, r)
