@@ -41,6 +41,7 @@ ROWS = 16384
 WIDTHS = (1024, 4096, 8192)
 WIDE = (32768, 131072)  # softmax and cross-entropy only
 PARITY_ROWS = 512
+DEVICE = "cuda"  # "cpu" only to smoke-test this harness under TRITON_INTERPRET=1
 L2_BYTES = 50 * 2**20
 
 
@@ -83,7 +84,7 @@ def standard_candidates(ours, eager_hf=None, eager_f=None, liger_fn=None) -> dic
 
 
 def _randn(rows, n, dtype, grad=True, scale=1.0, gen_seed=None):
-    return (scale * torch.randn(rows, n, device="cuda", dtype=torch.float32)).to(dtype).requires_grad_(grad)
+    return (scale * torch.randn(rows, n, device=DEVICE, dtype=torch.float32)).to(dtype).requires_grad_(grad)
 
 
 def norm_cases(widths, dtype=torch.bfloat16):
@@ -102,7 +103,7 @@ def norm_cases(widths, dtype=torch.bfloat16):
         nbytes = ROWS * n * dtype.itemsize
         cases.append(Case(
             "rms_norm", (ROWS, n),
-            lambda rows, n=n: (_randn(rows, n, dtype), (1 + 0.1 * torch.randn(n, device="cuda")).to(dtype).requires_grad_()),
+            lambda rows, n=n: (_randn(rows, n, dtype), (1 + 0.1 * torch.randn(n, device=DEVICE)).to(dtype).requires_grad_()),
             lambda x, w: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w,
             standard_candidates(
                 lambda x, w: rms_norm(x, w, eps), hf_rms, lambda x, w: F.rms_norm(x, (x.shape[-1],), w, eps),
@@ -114,8 +115,8 @@ def norm_cases(widths, dtype=torch.bfloat16):
             "layer_norm", (ROWS, n),
             lambda rows, n=n: (
                 _randn(rows, n, dtype, scale=2.0),
-                torch.randn(n, device="cuda").to(dtype).requires_grad_(),
-                torch.randn(n, device="cuda").to(dtype).requires_grad_(),
+                torch.randn(n, device=DEVICE).to(dtype).requires_grad_(),
+                torch.randn(n, device=DEVICE).to(dtype).requires_grad_(),
             ),
             lambda x, w, b: F.layer_norm(x, x.shape[-1:], w, b, 1e-5),
             standard_candidates(
@@ -156,7 +157,7 @@ def cross_entropy_cases(widths, dtype=torch.bfloat16):
         nbytes = ROWS * v * dtype.itemsize
 
         def make(rows, v=v):
-            target = torch.randint(0, v, (rows,), device="cuda")
+            target = torch.randint(0, v, (rows,), device=DEVICE)
             target[::7] = -100
             return _randn(rows, v, dtype, scale=3.0), target
 
@@ -181,7 +182,7 @@ def fused_linear_ce_cases(vocabs, hidden=4096, dtype=torch.bfloat16):
     cases = []
     for v in vocabs:
         def make(rows, v=v):
-            target = torch.randint(0, v, (rows,), device="cuda")
+            target = torch.randint(0, v, (rows,), device=DEVICE)
             target[::7] = -100
             return _randn(rows, hidden, dtype), _randn(v, hidden, dtype, scale=hidden**-0.5), target
 
@@ -224,7 +225,7 @@ def copy_bandwidth() -> float:
     """Device-to-device copy, bytes read + written per second, on a 1 GiB buffer."""
     import triton.testing
 
-    src = torch.randn(2**28, device="cuda")
+    src = torch.randn(2**28, device=DEVICE)
     dst = torch.empty_like(src)
     ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
     del src, dst
@@ -247,7 +248,7 @@ def kernel_time_us(step, calls: int = 10) -> float:
             step()
         torch.cuda.synchronize()
     total = sum(getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0) for e in prof.key_averages())
-    return total / calls
+    return total / calls if total > 0 else None
 
 
 def time_case(case: Case, name: str, fn, mode: str) -> tuple[float, float]:
@@ -267,15 +268,16 @@ def time_case(case: Case, name: str, fn, mode: str) -> tuple[float, float]:
     else:
         with torch.no_grad():
             out_shape = fn(*first).shape
-        dys = [torch.randn(out_shape, device="cuda", dtype=case.dtype) for _ in sets]
+        dys = [torch.randn(out_shape, device=DEVICE, dtype=case.dtype) for _ in sets]
 
         def step(it=itertools.cycle(list(zip(sets, dys)))):
             inputs, dy = next(it)
             out = fn(*inputs)
             torch.autograd.grad(out, _float_leaves(inputs), dy.to(out.dtype))
 
-    wall_ms = triton.testing.do_bench(step, warmup=20, rep=60, return_mode="median")
-    return kernel_time_us(step), wall_ms * 1e3
+    wall_us = 1e3 * triton.testing.do_bench(step, warmup=20, rep=60, return_mode="median")
+    kernel_us = kernel_time_us(step)
+    return (kernel_us, wall_us) if kernel_us else (wall_us, wall_us)  # no profiler events: wall time only
 
 
 def rel_err(out, ref):
@@ -292,7 +294,7 @@ def parity(case: Case, fn, mode: str, seed: int) -> float:
     out = fn(*fresh)
     if mode == "fwd":
         return rel_err(out, ref)
-    dy = torch.randn(ref.shape, device="cuda", dtype=torch.float64)
+    dy = torch.randn(ref.shape, device=DEVICE, dtype=torch.float64)
     ref_grads = torch.autograd.grad(ref, _float_leaves(inputs64), dy)
     grads = torch.autograd.grad(out, _float_leaves(fresh), dy.to(out.dtype))
     return max([rel_err(out, ref)] + [rel_err(g, r) for g, r in zip(grads, ref_grads)])
@@ -405,9 +407,9 @@ def compile_check(log) -> list[str]:
     from profiler_svc import kernels as K
 
     lines = []
-    x = torch.randn(64, 1000, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    w = torch.randn(1000, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    t = torch.randint(0, 1000, (64,), device="cuda")
+    x = torch.randn(64, 1000, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(1000, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    t = torch.randint(0, 1000, (64,), device=DEVICE)
     checks = {
         "rms_norm": (lambda x, w: K.rms_norm(x, w, 1e-6), (x, w)),
         "rms_norm+residual": (lambda x, w: K.rms_norm(x, w, 1e-6, residual=x * 2)[0], (x, w)),
