@@ -4,7 +4,7 @@ Adding a detector is one file and one line in DETECTORS.
 """
 from . import fallback, host_sync, launch_gaps, misalignment, unfused
 from .common import CATEGORIES, Finding, Recommendation
-from .top_kernels import top_kernels
+from .top_kernels import top_kernels, top_ops
 
 DETECTORS = (
     fallback.detect,
@@ -24,4 +24,4 @@ def run_detectors(trace) -> list[Finding]:
     return findings
 
 
-__all__ = ["CATEGORIES", "DETECTORS", "Finding", "Recommendation", "run_detectors", "top_kernels"]
+__all__ = ["CATEGORIES", "DETECTORS", "Finding", "Recommendation", "run_detectors", "top_kernels", "top_ops"]

@@ -60,3 +60,20 @@ def top_kernels(trace: Trace, n: int = 20) -> list[dict]:
 def _most_common(series: pd.Series):
     values = series.dropna()
     return values.value_counts().index[0] if len(values) else None
+
+
+def top_ops(trace: Trace, n: int = 20) -> list[dict]:
+    """Outermost CPU ops by total host time inside the window: what the host spends its time on
+    (all there is to see in a CPU-only trace)."""
+    cpu = trace.cpu
+    if not len(cpu):
+        return []
+    start, end = trace.window
+    ops = cpu[(cpu["cat"] == "cpu_op") & (cpu["top"] == cpu.index) & (cpu["ts"] >= start) & (cpu["ts"] <= end)]
+    if not len(ops):
+        return []
+    total = float(ops["dur"].sum()) or 1.0
+    grouped = ops.groupby("name", sort=False)["dur"].agg(["sum", "count", "mean"]).sort_values("sum", ascending=False)
+    return [{"name": name, "count": int(s["count"]), "total_us": round(float(s["sum"]), 3),
+             "mean_us": round(float(s["mean"]), 3), "share_pct": round(100.0 * float(s["sum"]) / total, 2)}
+            for name, s in grouped.head(n).iterrows()]

@@ -6,7 +6,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..detectors import CATEGORIES, Finding, run_detectors, top_kernels
+from ..detectors import CATEGORIES, Finding, run_detectors, top_kernels, top_ops
 from ..trace import Trace, load_traces
 
 from .severity import SEVERITIES, severity_for
@@ -20,6 +20,7 @@ class Report:
     trace: dict
     top_kernels: list
     findings: list
+    top_ops: list = field(default_factory=list)
     traces: list = field(default_factory=list, repr=False)
 
     def to_dict(self) -> dict:
@@ -31,6 +32,7 @@ class Report:
             "source": self.source,
             "trace": self.trace,
             "top_kernels": self.top_kernels,
+            "top_ops": self.top_ops,
             "findings": [_finding_dict(f) for f in self.findings],
             "summary": {"total_estimated_savings_us": round(sum(f.estimated_savings_us for f in self.findings), 2),
                         "findings_by_category": by_category},
@@ -96,6 +98,7 @@ def build_report(traces: list[Trace], path: str, top: int = 20) -> Report:
         trace=trace_summary(main),
         top_kernels=top_kernels(main, top),
         findings=findings,
+        top_ops=top_ops(main, top),
         traces=traces,
     )
 
@@ -198,6 +201,11 @@ def render_text(report: Report, top: int = 10) -> str:
             where = " · ".join(clean(x) for x in (k["top_op"] or k["op"], k["module"]) if x)
             lines.append(f"{k['share_pct']:5.1f}%  {_us(k['total_us']):>9}  {k['count']:>6}  {rate:>14}  "
                          f"{clean(k['short_name'])[:70]}  ({where})")
+    elif report.top_ops:
+        lines.append("No GPU kernels in this trace. Top CPU ops (outermost, host time)")
+        lines.append(f"{'share':>6}  {'total':>9}  {'calls':>6}  op")
+        for o in report.top_ops[:top]:
+            lines.append(f"{o['share_pct']:5.1f}%  {_us(o['total_us']):>9}  {o['count']:>6}  {clean(o['name'])}")
     return "\n".join(lines) + "\n"
 
 

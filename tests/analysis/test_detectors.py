@@ -119,6 +119,8 @@ def test_ranks_merge_into_one_finding():
 def test_cpu_only_trace_has_no_findings():
     r = report("cpu_transformer_encoder_infer")
     assert r.findings == [] and r.top_kernels == [] and r.trace["kernel_count"] == 0
+    # what a CPU trace does have: its ops (nn.TransformerEncoder's fused inference path, one per layer call)
+    assert r.top_ops[0]["name"] == "aten::_transformer_encoder_layer_fwd" and r.top_ops[0]["count"] == 4
 
 
 def test_every_finding_has_evidence_and_rank_order():
