@@ -300,7 +300,7 @@ def parity(case: Case, fn, mode: str, seed: int) -> float:
     return max([rel_err(out, ref)] + [rel_err(g, r) for g, r in zip(grads, ref_grads)])
 
 
-def run_cases(cases, copy_bw, deadline, log):
+def run_cases(cases, copy_bw, deadline, log, after_case=lambda: None):
     for case in cases:
         for mode in ("fwd", "fwd+bwd"):
             for name, fn in case.candidates.items():
@@ -321,6 +321,7 @@ def run_cases(cases, copy_bw, deadline, log):
                 r = case.results[-1]
                 print(f"{case.op:28s} {str(case.shape):22s} {mode:8s} {name:10s} "
                       f"{'' if r[2] is None else f'{r[2]:10.1f} us'} {r[5]} ({time.time() - started:.1f} s)", file=log, flush=True)
+        after_case()
 
 
 def table(cases, copy_bw) -> str:
@@ -470,21 +471,25 @@ def main(argv=None):
     if args.ops:
         wanted = set(args.ops.split(","))
         cases = [c for c in cases if c.op in wanted]
-    run_cases(cases, copy_bw, deadline, log)
     command = "python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:])
-    text = (
-        f"{header}\n\nCommand: `{command}`\n\nbf16, M={ROWS} rows. Device-to-device copy bandwidth, same run: "
-        f"{copy_bw / 1e12:.2f} TB/s (bytes read + written). Kernel time: the profiler's sum of GPU kernel "
-        f"durations per call (mean of 10 calls, after warm-up). % copy BW: fewest bytes the op must move / "
-        f"kernel time / copy bandwidth. Parity: ‖out − ref‖/‖ref‖ vs fp64 on fresh inputs of {PARITY_ROWS} rows "
-        f"(fwd+bwd: the worst of output and input gradients). Note: triton.testing.do_bench median wall time "
-        f"per call (CUDA events; includes launch gaps where the CPU cannot keep ahead).\n\n"
-        f"## torch.compile\n\n" + "\n".join(checks) + "\n\n## Results\n\n" + table(cases, copy_bw)
-    )
-    print(text, flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+
+    def report():
+        text = (
+            f"{header}\n\nCommand: `{command}`\n\nbf16, M={ROWS} rows. Device-to-device copy bandwidth, same run: "
+            f"{copy_bw / 1e12:.2f} TB/s (bytes read + written). Kernel time: the profiler's sum of GPU kernel "
+            f"durations per call (mean of 10 calls, after warm-up). % copy BW: fewest bytes the op must move / "
+            f"kernel time / copy bandwidth. Parity: ‖out − ref‖/‖ref‖ vs fp64 on fresh inputs of {PARITY_ROWS} rows "
+            f"(fwd+bwd: the worst of output and input gradients). Note: triton.testing.do_bench median wall time "
+            f"per call (CUDA events; includes launch gaps where the CPU cannot keep ahead).\n\n"
+            f"## torch.compile\n\n" + "\n".join(checks) + "\n\n## Results\n\n" + table(cases, copy_bw)
+        )
+        if args.out:  # rewritten after every case, so a run cut short still leaves its results
+            with open(args.out, "w") as f:
+                f.write(text)
+        return text
+
+    run_cases(cases, copy_bw, deadline, log, after_case=report)
+    print(report(), flush=True)
     return 0
 
 
