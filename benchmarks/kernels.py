@@ -268,7 +268,9 @@ def time_case(case: Case, name: str, fn, mode: str) -> tuple[float, float]:
     else:
         with torch.no_grad():
             out_shape = fn(*first).shape
-        dys = [torch.randn(out_shape, device=DEVICE, dtype=case.dtype) for _ in sets]
+        # A loss gets the gradient 1 that training gives it (Liger skips its scaling pass on exactly that).
+        dys = [torch.randn(out_shape, device=DEVICE, dtype=case.dtype) if out_shape else torch.ones((), device=DEVICE)
+               for _ in sets]
 
         def step(it=itertools.cycle(list(zip(sets, dys)))):
             inputs, dy = next(it)
