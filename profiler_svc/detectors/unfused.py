@@ -92,10 +92,16 @@ class Chain:
     largest: int = 0                               # bytes of the largest tensor touched
     shape: list = None
     dtype: str = ""
+    kind: str = ""                                 # a PATTERNS key, once classified
+    module: str = None                             # the module instance the chain runs in
 
     @property
     def time(self):
         return sum(r.dur for r in self.rows)
+
+    @property
+    def backward(self):
+        return self.rows[0].backward
 
 
 def detect(trace: Trace) -> list[Finding]:
@@ -134,7 +140,7 @@ def _stream_chains(stream, info):
         key = (rows_key, context)
         if current is None or (key != current_key and not (rows_key is None and context == current_key[1])):
             _close(chains, current)
-            current, current_key = Chain(), key
+            current, current_key = Chain(module=row.module), key
         current.rows.append(row)
         for kind in {op_kind(row.top_op_name), op_kind(row.op_name)}:  # composite op and the op inside it
             current.ops[kind] += 1
@@ -166,10 +172,10 @@ def _gated_pairs(kernels, info):
             if nxt.top_op_name == "aten::mul" and nxt.kind == "memory":
                 moved2, big2, _ = info(nxt)
                 if big and big2 and big[0] == big2[0]:
-                    chain = Chain(rows=[row, nxt], ops=Counter({row.top_op_name: 1, "aten::mul": 1}),
-                                  bytes=moved + moved2, largest=tensor_bytes(big[0], big[1]), shape=big[0], dtype=big[1])
-                    chain.kind = kind
-                    pairs.append(chain)
+                    # the product runs in the gated MLP itself (the activation may be its own submodule)
+                    pairs.append(Chain(rows=[row, nxt], ops=Counter({row.top_op_name: 1, "aten::mul": 1}),
+                                       bytes=moved + moved2, largest=tensor_bytes(big[0], big[1]), shape=big[0],
+                                       dtype=big[1], kind=kind, module=nxt.module))
                 break
     return pairs
 
@@ -179,15 +185,12 @@ def _findings(trace, chains):
     groups = defaultdict(list)
     forward_kind_by_class = {}
     for chain in chains:
-        kind = getattr(chain, "kind", None) or classify(chain.ops)
-        module = chain.rows[0].module
-        if not chain.rows[0].backward and kind != "generic" and module_class(module):
-            forward_kind_by_class[module_class(module)] = kind
-        chain.kind = kind
+        chain.kind = chain.kind or classify(chain.ops)
+        if not chain.backward and chain.kind != "generic" and module_class(chain.module):
+            forward_kind_by_class[module_class(chain.module)] = chain.kind
     for chain in chains:
-        module = chain.rows[0].module
-        cls = module_class(module)
-        if chain.rows[0].backward and chain.kind == "generic" and cls and cls in forward_kind_by_class:
+        cls = module_class(chain.module)
+        if chain.backward and chain.kind == "generic" and cls and cls in forward_kind_by_class:
             chain.kind = forward_kind_by_class[cls]  # the swap fuses this module's backward too
         groups[(chain.kind, cls if chain.kind != "generic" or cls else _signature(chain))].append(chain)
 
@@ -202,9 +205,9 @@ def _findings(trace, chains):
         # the optimizer's chain is one foreach op per step pass: its fused minimum counts the whole step once
         if kind == "optimizer":
             fused = sum(max(pattern.passes * c.largest / bandwidth, _FUSED_FLOOR_US) for c in group[:1]) * len(group)
-        forward = [c for c in group if not c.rows[0].backward]
+        forward = [c for c in group if not c.backward]
         backward = len(group) - len(forward)
-        instances = sorted({c.rows[0].module for c in group if c.rows[0].module})
+        instances = sorted({c.module for c in group if c.module})
         first = (forward or group)[0]
         names = [op_kind(r.top_op_name).replace("aten::", "") for r in first.rows]
         ops = " → ".join(names[:10]) + (" → …" if len(names) > 10 else "")
