@@ -200,12 +200,11 @@ def _mm_fp32_into(out, a, b):
         torch.mm(a.float(), b.float(), out=out)
 
 
-def _addmm_fp32_(acc, a, b):
-    """acc (fp32) += a @ b inside the matmul (no extra pass over acc)."""
+def _addmm_fp32(acc, a, b):
+    """acc (fp32) + a @ b, the sum done inside the matmul (no extra pass over acc)."""
     if _half_on_gpu(a):
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-    else:
-        acc.addmm_(a.float(), b.float())
+        return torch.addmm(acc, a, b, out_dtype=torch.float32)
+    return torch.addmm(acc, a.float(), b.float())
 
 
 def _chunked_pass(hidden, weight, bias, target, scale, ignore_index, smoothing, chunk_rows, need_grads):
@@ -229,7 +228,7 @@ def _chunked_pass(hidden, weight, bias, target, scale, ignore_index, smoothing, 
             loss_rows[start:stop] = cross_entropy_fwd_bwd(logits, t, s, ignore_index, smoothing)
             grad_logits = logits  # overwritten in place by the kernel
             _mm_fp32_into(grad_hidden[start:stop], grad_logits, weight)
-            _addmm_fp32_(grad_weight, grad_logits.t(), h)
+            grad_weight = _addmm_fp32(grad_weight, grad_logits.t(), h)
             if grad_bias is not None:
                 grad_bias += grad_logits.float().sum(0)
         else:
