@@ -183,9 +183,14 @@ class CrossEntropyLoss(nn.Module):
 # ---- fused linear + cross-entropy -----------------------------------------------------------------
 
 
+MIN_CHUNK_ROWS = 2048
+
+
 def _chunk_rows(m: int, hidden: int, vocab: int) -> int:
-    # A chunk's logits about as large as the hidden states themselves (Liger's rule), at least 1 row.
-    return max(1, triton.next_power_of_2(triton.cdiv(m, triton.cdiv(vocab, hidden))))
+    # A chunk's logits about as large as the hidden states themselves (Liger's rule), but at least
+    # MIN_CHUNK_ROWS: each chunk's weight-gradient matmul also reads and writes the fp32 (V, H)
+    # accumulator, and needs that many rows of work to stay compute-bound on it.
+    return max(MIN_CHUNK_ROWS, triton.next_power_of_2(triton.cdiv(m, triton.cdiv(vocab, hidden))))
 
 
 def _half_on_gpu(t) -> bool:
