@@ -95,12 +95,35 @@ def ingest_path(engine: Engine, path, *, name: str | None = None, group_key: str
     else:
         raise UserError(f"{path}: no such file or folder")
     host = host or socket.gethostname()
+    blobs = blobs or default_blob_store()
     results = []
-    for file in files:
-        with open(file, "rb") as stream:
-            results.append(ingest_stream(engine, stream, filename=file.name, blobs=blobs, name=name,
-                                         group_key=group_key, host=host, workload=workload))
+    try:
+        for file in files:
+            with open(file, "rb") as stream:
+                results.append(ingest_stream(engine, stream, filename=file.name, blobs=blobs, name=name,
+                                             group_key=group_key, host=host, workload=workload))
+    except BaseException:
+        # A folder is one job: all of its ranks or none of them.
+        _remove(engine, blobs, [r for r in results if not r.duplicate])
+        raise
     return results
+
+
+def _remove(engine, blobs, results) -> None:
+    """Delete traces stored by this call (and runs left empty), then their blobs."""
+    if not results:
+        return
+    with session_scope(engine) as session:
+        traces = session.scalars(select(Trace).where(Trace.id.in_([r.trace_id for r in results]))).all()
+        paths = [t.blob_path for t in traces]
+        for trace in traces:
+            session.delete(trace)
+        session.flush()
+        for run_id in {r.run_id for r in results}:
+            if session.scalar(select(Trace.id).where(Trace.run_id == run_id).limit(1)) is None:
+                session.delete(session.get(Run, run_id))
+    for path in paths:
+        blobs.delete(path)
 
 
 def _find_trace(engine, sha256) -> IngestResult | None:

@@ -176,3 +176,20 @@ def test_non_finite_numbers_in_a_report_are_stored_as_null(engine, blobs, monkey
         finding = s.scalars(select(Finding).where(Finding.trace_id == result.trace_id)).one()
         assert finding.evidence == {"ratio": None, "ok": 1.5}
         assert s.get(Trace, result.trace_id).summary["gpu_busy_ratio_debug"] is None
+
+
+def test_a_folder_is_all_or_nothing(engine, blobs, tmp_path):
+    import shutil
+    folder = tmp_path / "job"
+    folder.mkdir()
+    shutil.copy(DATA / "ddp" / "gpt2_ddp_rank0.json.gz", folder / "rank0.json.gz")
+    (folder / "rank1.json.gz").write_bytes(gzip.compress(b'{"traceEvents": "not a list"}'))
+    with pytest.raises(UserError):
+        ingest.ingest_path(engine, folder, blobs=blobs)
+    assert count(engine, Run) == count(engine, Trace) == count(engine, KernelSummary) == count(engine, Finding) == 0
+    assert stored_files(blobs) == []
+    # A rank stored before by itself stays stored.
+    ingest.ingest_path(engine, folder / "rank0.json.gz", blobs=blobs)
+    with pytest.raises(UserError):
+        ingest.ingest_path(engine, folder, blobs=blobs)
+    assert count(engine, Trace) == 1 and len(stored_files(blobs)) == 1
