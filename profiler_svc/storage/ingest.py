@@ -18,6 +18,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from ..errors import TraceError, UserError
+from ..trace.load import MAX_TRACE_BYTES
 from .blobs import BlobStore
 from .db import home, session_scope
 from .models import Finding, KernelSummary, Run, Trace, utcnow
@@ -26,7 +27,8 @@ from .timeline import build_timeline
 log = logging.getLogger(__name__)
 
 BLOB_DIR_ENV = "PROFILER_SVC_BLOB_DIR"
-DEFAULT_MAX_TRACE_BYTES = 4 << 30  # uncompressed; guards against gzip bombs
+# Uncompressed, checked while receiving (a gzip bomb stops early); the analyser's own limit.
+DEFAULT_MAX_TRACE_BYTES = MAX_TRACE_BYTES
 
 
 def default_blob_store() -> BlobStore:
