@@ -15,7 +15,7 @@ from profiler_svc.storage.models import Base
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 SMALL_TRACE = DATA / "llama_bf16_compiled_infer.json.gz"  # 533 events, real H200 capture
-POSTGRES_ADMIN_URL = os.environ.get("PROFILER_SVC_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432/postgres")
+POSTGRES_ADMIN_URL = os.environ.get("PROFILER_SVC_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432/test")
 
 
 @pytest.fixture(autouse=True)
