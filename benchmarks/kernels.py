@@ -421,12 +421,11 @@ def compile_check(log) -> list[str]:
         "cross_entropy": (lambda x, w: K.cross_entropy(x * w, t), (x, w)),
         "fused_linear_cross_entropy": (lambda x, w: K.fused_linear_cross_entropy(x, w.view(1000, 1).expand(1000, 1000).contiguous() * 0.01, t), (x, w)),
     }
-    for name in ("swiglu", "geglu", "gelu_tanh"):
-        try:
-            fn = getattr(K, name)
-            checks[name] = ((lambda f: (lambda x, w: f(x, x * w) if name != "gelu_tanh" else f(x * w)))(fn), (x, w))
-        except Exception:
-            pass
+    for name in ("swiglu", "geglu"):
+        if hasattr(K, name):
+            checks[name] = (lambda x, w, f=getattr(K, name): f(x, x * w), (x, w))
+    if hasattr(K, "gelu_tanh"):
+        checks["gelu_tanh"] = (lambda x, w: K.gelu_tanh(x * w), (x, w))
     for name, (fn, args) in checks.items():
         try:
             torch._dynamo.reset()
@@ -440,6 +439,38 @@ def compile_check(log) -> list[str]:
             lines.append(f"| {name} | FAILED: {type(exc).__name__}: {str(exc).splitlines()[0][:150]} | |")
             traceback.print_exc(file=log)
     return ["| op | torch.compile(fullgraph=True), fwd+bwd | rel diff vs eager ours |", "| --- | --- | --- |"] + lines
+
+
+def fp32_check(log) -> list[str]:
+    """Our ops on fp32 inputs (fp64 math inside), forward and backward, against fp64 torch."""
+    from profiler_svc import kernels as K
+
+    torch.manual_seed(0)
+    x64 = 2 * torch.randn(256, 5000, device=DEVICE, dtype=torch.float64)
+    w64 = 1 + 0.1 * torch.randn(5000, device=DEVICE, dtype=torch.float64)
+    t = torch.randint(0, 5000, (256,), device=DEVICE)
+    ops = {
+        "rms_norm": (lambda x, w: K.rms_norm(x, w, 1e-6), lambda x, w: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w),
+        "layer_norm": (lambda x, w: K.layer_norm(x, w, w, 1e-5), lambda x, w: F.layer_norm(x, x.shape[-1:], w, w, 1e-5)),
+        "softmax": (lambda x, w: K.softmax(x * w), lambda x, w: torch.softmax(x * w, -1)),
+        "cross_entropy": (lambda x, w: K.cross_entropy(x * w, t), lambda x, w: F.cross_entropy(x * w, t)),
+    }
+    lines = []
+    for name, (ours, reference) in ops.items():
+        try:
+            errs = []
+            for fn, dtype in ((ours, torch.float32), (reference, torch.float32), (reference, torch.float64)):
+                x, w = (v.to(dtype).requires_grad_() for v in (x64, w64))
+                out = fn(x, w)
+                dy = torch.randn(out.shape, device=DEVICE, dtype=torch.float64, generator=torch.Generator(DEVICE).manual_seed(1))
+                errs.append([out.double()] + [g.double() for g in torch.autograd.grad(out, [x, w], dy.to(out.dtype))])
+            (mine, eager, ref) = errs
+            err = lambda got: max(rel_err(a, b) for a, b in zip(got, ref))  # noqa: E731
+            lines.append(f"| {name} | {err(mine):.1e} | {err(eager):.1e} |")
+        except Exception as exc:
+            lines.append(f"| {name} | FAILED: {type(exc).__name__}: {str(exc).splitlines()[0][:150]} | |")
+            traceback.print_exc(file=log)
+    return ["| op (fp32 inputs, 256×5000) | ours: worst rel err, output and grads, vs fp64 | eager fp32 |", "| --- | --- | --- |"] + lines
 
 
 def main(argv=None):
@@ -467,7 +498,7 @@ def main(argv=None):
     print(header, flush=True)
     copy_bw = copy_bandwidth()
     print(f"device-to-device copy: {copy_bw / 1e12:.2f} TB/s (read + write)", flush=True)
-    checks = compile_check(log)
+    checks = compile_check(log) + [""] + fp32_check(log)
     print("\n".join(checks), flush=True)
     cases = all_cases(args.quick)
     if args.ops:
