@@ -9,15 +9,15 @@ Configuration (``create_app(config)`` keys, or the environment):
 import os
 import secrets
 
-from flask import Flask, g, jsonify, render_template, request
+from flask import Flask, current_app, g, jsonify, render_template, request
 from flask_wtf.csrf import CSRFError, CSRFProtect
 from sqlalchemy.orm import Session
 from werkzeug.exceptions import HTTPException
 
 from ..errors import UserError
 from ..storage.db import database_url, get_engine, home
-from ..storage.ingest import default_blob_store
 from ..storage.blobs import BlobStore
+from ..storage.ingest import default_blob_store
 from ..storage.queries import NotFound
 
 csrf = CSRFProtect()
@@ -61,7 +61,6 @@ def create_app(config: dict | None = None) -> Flask:
 def db() -> Session:
     """The request's database session, closed when the request ends."""
     if "db" not in g:
-        from flask import current_app
         g.db = Session(current_app.extensions["profiler_svc.engine"], expire_on_commit=False)
     return g.db
 
