@@ -157,3 +157,16 @@ def test_parity_failure_skips_and_keeps_the_original():
     assert len(swap(parent, [broken], check=False).swapped) == 1
     unswap(parent)
     assert parent[0] is ln
+
+
+def test_without_gpu_or_interpreter_the_error_is_clear_and_swap_skips(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    from profiler_svc.kernels import rms_norm
+
+    with pytest.raises(RuntimeError, match="need CUDA tensors"):
+        rms_norm(torch.randn(2, 8), torch.ones(8))
+    norm = nn.RMSNorm(8)
+    parent = nn.Sequential(norm)
+    report = swap(parent, ["rms_norm"])
+    assert report.swapped == [] and parent[0] is norm
+    assert "need CUDA tensors" in report.skipped[0][2]
