@@ -2,8 +2,8 @@
 
 0.5·x·(1 + tanh(u/2)) is exactly x·sigmoid(u) with u = 2·√(2/π)·(x + 0.044715·x³), so the kernel
 needs one exp and no tanh, and stays accurate where 1 + tanh cancels (large negative x). Math in
-fp32 (fp64 for fp64 inputs), rounded once to the input dtype. The jit helpers here (`_sigmoid_pair`,
-`_gelu`, the flat elementwise launch) are shared with swiglu.py and geglu.py.
+fp32 (fp64 for fp64 inputs), rounded once to the input dtype. The activation math here (`_act`,
+`_act_value`: SiLU, tanh-GELU, erf-GELU) and the flat elementwise launch are shared with swiglu.py.
 """
 import torch
 import triton
@@ -13,12 +13,11 @@ from torch import nn
 from ._launch import kernel_op, launch, require_triton, round_to
 from .swap import SwapEntry, behaves_like, place
 
-SQRT_2_OVER_PI = 0.7978845608028654
-GELU_TANH_COEF = 0.044715
-
-# GELU flavours, passed to the kernels as a constexpr (and to the custom ops as an int)
+# Activations, passed to the kernels as the ACT constexpr (and to the custom ops as an int); swiglu.py's
+# gated kernels take all three.
 GELU_ERF = 0
 GELU_TANH = 1
+SILU = 2
 APPROXIMATE = {"none": GELU_ERF, "tanh": GELU_TANH}
 
 
@@ -48,18 +47,37 @@ def _times_sigmoid(x, u, s, one_minus_s):
 
 
 @triton.jit
-def _gelu(x, FLAVOUR: tl.constexpr):
-    """(gelu(x), d gelu / dx) for FLAVOUR GELU_TANH (1) or GELU_ERF (0)."""
-    if FLAVOUR == 1:
+def _act(x, ACT: tl.constexpr):
+    """(act(x), act'(x)), accurate to a few fp32 ulps: the backward kernels and fp32/fp64 forwards."""
+    if ACT == 2:  # SiLU: x·sigmoid(x)
+        s, one_minus_s = _sigmoid_pair(x)
+        return _times_sigmoid(x, x, s, one_minus_s), s + x * s * one_minus_s
+    elif ACT == 1:  # tanh-GELU: x·sigmoid(u), u = 2·√(2/π)·(x + 0.044715·x³)
         x2 = x * x
         u = x * (2 * 0.7978845608028654 + (2 * 0.7978845608028654 * 0.044715) * x2)
         s, one_minus_s = _sigmoid_pair(u)
         du = 2 * 0.7978845608028654 + (6 * 0.7978845608028654 * 0.044715) * x2
         return _times_sigmoid(x, u, s, one_minus_s), s + x * s * one_minus_s * du
-    else:
+    else:  # erf-GELU
         cdf = 0.5 * (1.0 + tl.erf(x * 0.7071067811865476))
         pdf = tl.exp(-0.5 * x * x) * 0.3989422804014327
         return x * cdf, cdf + x * pdf
+
+
+@triton.jit
+def _act_value(x, ACT: tl.constexpr, SHORT: tl.constexpr):
+    """act(x) for the forward kernels. SHORT (16-bit outputs): x / (1 + 2^v) with log2(e) folded into v,
+    about half the instructions of the accurate form (the 1-input forward is otherwise issue-bound), its
+    few-ulp fp32 error far below a 16-bit output's rounding. Else the accurate form of `_act`."""
+    if SHORT and ACT == 2:
+        return x / (1.0 + tl.exp2(tl.minimum(x * -1.4426950408889634, 100.0)))
+    elif SHORT and ACT == 1:
+        v = x * (-2 * 1.4426950408889634 * 0.7978845608028654
+                 + (-2 * 1.4426950408889634 * 0.7978845608028654 * 0.044715) * (x * x))
+        return x / (1.0 + tl.exp2(tl.minimum(v, 100.0)))
+    else:
+        value, _ = _act(x, ACT)
+        return value
 
 
 # Elements per program and warps of the flat elementwise kernels (here and in swiglu.py).
@@ -74,23 +92,23 @@ def launch_elementwise(kernel, *args, n: int, **constexprs) -> None:
 
 
 @triton.jit
-def _gelu_fwd_kernel(X, Y, n, FLAVOUR: tl.constexpr, BLOCK: tl.constexpr):
+def _gelu_fwd_kernel(X, Y, n, ACT: tl.constexpr, SHORT: tl.constexpr, BLOCK: tl.constexpr):
     start = tl.program_id(0).to(tl.int64) * BLOCK  # 64-bit: tensors may exceed 2**31 elements
     offs = tl.arange(0, BLOCK)
     mask = offs < n - start
     x = _upcast(tl.load(X + start + offs, mask=mask))
-    y, _ = _gelu(x, FLAVOUR)
+    y = _act_value(x, ACT, SHORT)
     tl.store(Y + start + offs, round_to(y, Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _gelu_bwd_kernel(DY, X, DX, n, FLAVOUR: tl.constexpr, BLOCK: tl.constexpr):
+def _gelu_bwd_kernel(DY, X, DX, n, ACT: tl.constexpr, BLOCK: tl.constexpr):
     start = tl.program_id(0).to(tl.int64) * BLOCK
     offs = tl.arange(0, BLOCK)
     mask = offs < n - start
     x = _upcast(tl.load(X + start + offs, mask=mask))
     dy = _upcast(tl.load(DY + start + offs, mask=mask))
-    _, dgelu = _gelu(x, FLAVOUR)
+    _, dgelu = _act(x, ACT)
     tl.store(DX + start + offs, round_to(dy * dgelu, DX.dtype.element_ty), mask=mask)
 
 
@@ -98,7 +116,7 @@ def _gelu_bwd_kernel(DY, X, DX, n, FLAVOUR: tl.constexpr, BLOCK: tl.constexpr):
 def gelu_fwd(x: torch.Tensor, flavour: int) -> torch.Tensor:
     """x contiguous. Returns gelu(x)."""
     y = torch.empty_like(x)
-    launch_elementwise(_gelu_fwd_kernel, x, y, n=x.numel(), FLAVOUR=flavour)
+    launch_elementwise(_gelu_fwd_kernel, x, y, n=x.numel(), ACT=flavour, SHORT=x.element_size() == 2)
     return y
 
 
@@ -106,7 +124,7 @@ def gelu_fwd(x: torch.Tensor, flavour: int) -> torch.Tensor:
 def gelu_bwd(dy: torch.Tensor, x: torch.Tensor, flavour: int) -> torch.Tensor:
     """dy, x contiguous, same shape. Returns dx."""
     dx = torch.empty_like(x)
-    launch_elementwise(_gelu_bwd_kernel, dy, x, dx, n=x.numel(), FLAVOUR=flavour)
+    launch_elementwise(_gelu_bwd_kernel, dy, x, dx, n=x.numel(), ACT=flavour)
     return dx
 
 

@@ -12,33 +12,21 @@ from torch import nn
 
 from ._launch import kernel_op, round_to
 from .gelu_tanh import (
-    GELU_ERF, GELU_TANH, _gelu, _sigmoid_pair, _times_sigmoid, _upcast, check_float, gelu_flavour, launch_elementwise, needs_grad,
+    GELU_ERF, GELU_TANH, SILU, _act, _act_value, _upcast, check_float, gelu_flavour, launch_elementwise, needs_grad,
 )
 from .swap import SwapEntry, behaves_like, place
 
-# Gate activations, as the kernels' ACT constexpr: 0 and 1 are gelu_tanh.py's GELU_ERF and GELU_TANH.
-SILU = 2
 ACT_NAMES = {GELU_ERF: "gelu", GELU_TANH: "gelu_tanh", SILU: "silu"}
 
 
 @triton.jit
-def _act(x, ACT: tl.constexpr):
-    """(act(x), act'(x))."""
-    if ACT == 2:
-        s, one_minus_s = _sigmoid_pair(x)
-        return _times_sigmoid(x, x, s, one_minus_s), s + x * s * one_minus_s
-    else:
-        return _gelu(x, ACT)
-
-
-@triton.jit
-def _gated_fwd_kernel(GATE, UP, OUT, n, ACT: tl.constexpr, BLOCK: tl.constexpr):
+def _gated_fwd_kernel(GATE, UP, OUT, n, ACT: tl.constexpr, SHORT: tl.constexpr, BLOCK: tl.constexpr):
     start = tl.program_id(0).to(tl.int64) * BLOCK  # 64-bit: tensors may exceed 2**31 elements
     offs = tl.arange(0, BLOCK)
     mask = offs < n - start
     gate = _upcast(tl.load(GATE + start + offs, mask=mask))
     up = _upcast(tl.load(UP + start + offs, mask=mask))
-    act, _ = _act(gate, ACT)
+    act = _act_value(gate, ACT, SHORT)
     tl.store(OUT + start + offs, round_to(act * up, OUT.dtype.element_ty), mask=mask)
 
 
@@ -59,7 +47,7 @@ def _gated_bwd_kernel(DOUT, GATE, UP, DGATE, DUP, n, ACT: tl.constexpr, BLOCK: t
 def gated_act_fwd(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tensor:
     """gate, up contiguous, same shape. Returns act(gate) * up."""
     out = torch.empty_like(gate)
-    launch_elementwise(_gated_fwd_kernel, gate, up, out, n=gate.numel(), ACT=act)
+    launch_elementwise(_gated_fwd_kernel, gate, up, out, n=gate.numel(), ACT=act, SHORT=gate.element_size() == 2)
     return out
 
 
