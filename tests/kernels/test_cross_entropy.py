@@ -18,7 +18,7 @@ def problem(m, v, seed, ignore_every=5):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("reduction,smoothing", [("mean", 0.0), ("sum", 0.1), ("none", 0.0)])
+@pytest.mark.parametrize("reduction,smoothing", [("mean", 0.1), ("sum", 0.0), ("none", 0.2)])
 @pytest.mark.parametrize("m,v", [(37, 1000), (16, 9000)])  # 9000: several chunks of the online pass
 def test_numerics_no_worse_than_eager(dtype, reduction, smoothing, m, v):
     logits, target = problem(m, v, seed=v)
