@@ -14,7 +14,8 @@ _GEMM = re.compile(r"gemm|nvjet|cutlass|s16816|s1688|hmma|wgmma|sm\d+_xmma|amper
 _CONV = re.compile(r"conv|fprop|dgrad|wgrad|implicit_gemm|winograd|fft2d|nchwkcrs|nhwckrsc", re.I)
 _ATTN = re.compile(r"flash|fmha|attention|sdpa|_attn_|mha_", re.I)
 _COMM = re.compile(r"nccl|allreduce|all_reduce|allgather|reducescatter|sendrecv", re.I)
-_SIMT = re.compile(r"ffma|simt|implicit_convolve_sgemm|(?<![a-z])sgemm|gemmSN|dgemm", re.I)
+# CUDA-core paths: FFMA xmma kernels, CUTLASS simt, cuDNN's non-tensor-op convolve_*gemm and scudnn kernels
+_SIMT = re.compile(r"ffma|simt|convolve_\w*gemm|scudnn|(?<![a-z])sgemm|gemmSN|dgemm", re.I)
 _LOW_ALIGN = re.compile(r"align[12](?!\d)", re.I)
 _OLD_ARCH = re.compile(r"(?:sm|cutlass_)(?:50|52|60|61|70|75)[_a-z]|volta_|turing_|maxwell_", re.I)
 
