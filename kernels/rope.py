@@ -87,15 +87,24 @@ def rope_rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
         half = dim // 2
         block_d, block_hq, block_hk = _pow2(half), _pow2(n_q_heads), _pow2(n_k_heads)
         num_warps = 4 if block_hq * block_d <= 2048 else 8
+        # stride() once per tensor: stride(i) costs as much host time per call
+        sq, sk, sqo, sko, sc = q.stride(), k.stride(), qo.stride(), ko.stride(), cos.stride()
         launch(
             _rope_kernel, (batch * seq,), q, k, qo, ko, cos, sin, seq, n_q_heads, n_k_heads,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            qo.stride(0), qo.stride(1), qo.stride(2), ko.stride(0), ko.stride(1), ko.stride(2),
-            cos.stride(0), cos.stride(1),
+            *sq[:3], *sk[:3], *sqo[:3], *sko[:3], *sc[:2],
             HALF=half, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_D=block_d, BACKWARD=backward,
             num_warps=num_warps,
         )
     return qo, ko
+
+
+def _rotate(q, k, cos, sin, unsqueeze_dim: int, backward: bool):
+    """rope_rotate on tensors in the caller's layout, through [B, S, H, D] views (never a copy)."""
+    if unsqueeze_dim == 1:
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+    batch, seq, _, dim = q.shape
+    qo, ko = rope_rotate(_unit_last(q), _unit_last(k), cos.expand(batch, seq, dim), sin.expand(batch, seq, dim), backward)
+    return (qo, ko) if unsqueeze_dim == 2 else (qo.transpose(1, 2), ko.transpose(1, 2))
 
 
 def _rotate_half(x):
@@ -104,26 +113,31 @@ def _rotate_half(x):
 
 
 class RopeFunction(torch.autograd.Function):
-    """On [B, S, H, D] views of q and k and [B, S, D] cos/sin (see `rope` for the HF layouts)."""
+    """q, k in HF's layout for `unsqueeze_dim`; cos, sin: [batch or 1, seq, head_dim], unit last stride."""
 
     @staticmethod
-    def forward(ctx, q, k, cos, sin):
+    def forward(ctx, q, k, cos, sin, unsqueeze_dim):
         cos_grad = ctx.needs_input_grad[2] or ctx.needs_input_grad[3]
         # Learned cos/sin are rare: their gradient is computed in plain PyTorch from the saved inputs.
         ctx.save_for_backward(cos, sin, *((q, k) if cos_grad else ()))
-        return rope_rotate(q, k, cos, sin, False)
+        ctx.unsqueeze_dim = unsqueeze_dim
+        return _rotate(q, k, cos, sin, unsqueeze_dim, False)
 
     @staticmethod
     def backward(ctx, dq, dk):
         cos, sin, *qk = ctx.saved_tensors
-        dq_in, dk_in = rope_rotate(_unit_last(dq), _unit_last(dk), cos, sin, True)
+        dq_in, dk_in = _rotate(dq, dk, cos, sin, ctx.unsqueeze_dim, True)
         dcos = dsin = None
-        if qk:  # [B, S, D]: summed over heads here, over a broadcast batch by autograd's expand
+        if qk:  # summed over the heads (dim unsqueeze_dim), and over the batch where cos/sin broadcast
+            heads = ctx.unsqueeze_dim
             acc = torch.promote_types(dq.dtype, torch.float32)
             q, k, dqf, dkf = (t.to(acc) for t in (*qk, dq, dk))
-            dcos = ((dqf * q).sum(2) + (dkf * k).sum(2)).to(cos.dtype)
-            dsin = ((dqf * _rotate_half(q)).sum(2) + (dkf * _rotate_half(k)).sum(2)).to(sin.dtype)
-        return dq_in, dk_in, dcos, dsin
+            dcos = (dqf * q).sum(heads) + (dkf * k).sum(heads)
+            dsin = (dqf * _rotate_half(q)).sum(heads) + (dkf * _rotate_half(k)).sum(heads)
+            if cos.shape[0] == 1:
+                dcos, dsin = dcos.sum(0, keepdim=True), dsin.sum(0, keepdim=True)
+            dcos, dsin = dcos.to(cos.dtype), dsin.to(sin.dtype)
+        return dq_in, dk_in, dcos, dsin, None
 
 
 def _unit_last(x: torch.Tensor) -> torch.Tensor:
@@ -133,7 +147,7 @@ def _unit_last(x: torch.Tensor) -> torch.Tensor:
 def rope(q, k, cos, sin, position_ids=None, unsqueeze_dim: int = 1):
     """Drop-in for HF `apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1)`.
 
-    Returns (q_embed, k_embed) in q's and k's dtype. `position_ids` is ignored, as in HF.
+    Returns (q_embed, k_embed) in q's and k's dtype and layout. `position_ids` is ignored, as in HF.
     """
     check_float(q, k)
     if unsqueeze_dim not in (1, 2):
@@ -142,26 +156,22 @@ def rope(q, k, cos, sin, position_ids=None, unsqueeze_dim: int = 1):
         raise ValueError(f"q and k must be 4-D, got shapes {tuple(q.shape)} and {tuple(k.shape)}")
     if cos.shape != sin.shape or cos.dim() not in (2, 3):
         raise ValueError(f"cos and sin must share a [batch, seq, head_dim] or [seq, head_dim] shape, got {tuple(cos.shape)} and {tuple(sin.shape)}")
-    # Work on [B, S, H, D] views: a permutation of strides, never a copy.
-    qv, kv = (q, k) if unsqueeze_dim == 2 else (q.transpose(1, 2), k.transpose(1, 2))
-    batch, seq, _, dim = qv.shape
-    if kv.shape[0] != batch or kv.shape[1] != seq or kv.shape[3] != dim:
+    seq_dim = 3 - unsqueeze_dim
+    batch, seq, dim = q.shape[0], q.shape[seq_dim], q.shape[3]
+    if k.shape[0] != batch or k.shape[seq_dim] != seq or k.shape[3] != dim:
         raise ValueError(f"q and k differ in batch, sequence or head_dim: {tuple(q.shape)} vs {tuple(k.shape)}")
     if dim % 2:
         raise ValueError(f"head_dim must be even, got {dim}")
     if cos.dim() == 2:
         cos, sin = cos[None], sin[None]
-    if cos.shape[1:] != (seq, dim) or cos.shape[0] not in (1, batch):
+    if cos.shape[1] != seq or cos.shape[2] != dim or cos.shape[0] not in (1, batch):
         raise ValueError(f"cos/sin shape {tuple(cos.shape)} does not fit q {tuple(q.shape)} with unsqueeze_dim={unsqueeze_dim}")
     if not cos.is_floating_point() or cos.device != q.device:
         raise TypeError(f"cos and sin must be floating-point tensors on {q.device}")
-    cos, sin = (_unit_last(t).expand(batch, seq, dim) for t in (cos, sin))
-    qv, kv = _unit_last(qv), _unit_last(kv)
-    if needs_grad(qv, kv, cos, sin):
-        qo, ko = RopeFunction.apply(qv, kv, cos, sin)
-    else:  # inference: skip the autograd.Function's host time
-        qo, ko = rope_rotate(qv, kv, cos, sin, False)
-    return (qo, ko) if unsqueeze_dim == 2 else (qo.transpose(1, 2), ko.transpose(1, 2))
+    cos, sin = _unit_last(cos), _unit_last(sin)
+    if needs_grad(q, k, cos, sin):
+        return RopeFunction.apply(q, k, cos, sin, unsqueeze_dim)
+    return _rotate(q, k, cos, sin, unsqueeze_dim, False)  # inference: no autograd.Function host time
 
 
 class RoPE(nn.Module):
