@@ -225,21 +225,33 @@ def norm_bwd(
     return dx, dw, db
 
 
+def normalize(x, weight, bias, eps: float, offset: float, center: bool, residual):
+    """The norms' entry point: through autograd only where a gradient is wanted (it costs CPU time)."""
+    tensors = (x, weight, bias, residual)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        return NormFunction.apply(x, weight, bias, eps, offset, center, residual)
+    y, s, _ = _forward(x, weight, bias, eps, offset, center, residual)
+    return y if residual is None else (y, s.view(x.shape))
+
+
+def _forward(x, weight, bias, eps, offset, center, residual):
+    """y (x's shape); the rows the backward reads (x + residual, or x); and the row statistics."""
+    x2 = as_rows(x)
+    r2 = as_rows(residual) if residual is not None else None
+    y, s, mean, rstd = norm_fwd(x2, r2, weight, bias, eps, offset, center)
+    return y.view(x.shape), (s if residual is not None else x2), (mean, rstd)
+
+
 class NormFunction(torch.autograd.Function):
     """Autograd for both norms: forward(x, weight, bias, eps, offset, center, residual)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, eps, offset, center, residual):
-        shape = x.shape
-        x2 = as_rows(x)
-        r2 = as_rows(residual) if residual is not None else None
-        y, s, mean, rstd = norm_fwd(x2, r2, weight, bias, eps, offset, center)
-        ctx.save_for_backward(s if residual is not None else x2, weight, mean, rstd)
+        y, rows, (mean, rstd) = _forward(x, weight, bias, eps, offset, center, residual)
+        ctx.save_for_backward(rows, weight, mean, rstd)
         ctx.offset, ctx.center, ctx.has_bias, ctx.has_residual = offset, center, bias is not None, residual is not None
         ctx.bias_dtype = bias.dtype if bias is not None else None
-        if residual is None:
-            return y.view(shape)
-        return y.view(shape), s.view(shape)
+        return y if residual is None else (y, rows.view(x.shape))
 
     @staticmethod
     def backward(ctx, dy, ds=None):

@@ -9,14 +9,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._norm import NormFunction, check_norm_args
+from ._norm import check_norm_args, normalize
 from .swap import SwapEntry, behaves_like, place
 
 
 def layer_norm(x, weight=None, bias=None, eps: float = 1e-5, *, residual=None):
     """LayerNorm over the last dim; returns y, or (y, x + residual) when `residual` is given."""
     check_norm_args(x, weight, bias, residual)
-    return NormFunction.apply(x, weight, bias, float(eps), 0.0, True, residual)
+    return normalize(x, weight, bias, float(eps), 0.0, True, residual)
 
 
 class LayerNorm(nn.Module):

@@ -9,14 +9,14 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ._norm import NormFunction, check_norm_args
+from ._norm import check_norm_args, normalize
 from .swap import SwapEntry, behaves_like, place
 
 
 def rms_norm(x, weight=None, eps: float = 1e-6, *, offset: float = 0.0, residual=None):
     """RMSNorm over the last dim; returns y, or (y, x + residual) when `residual` is given."""
     check_norm_args(x, weight, None, residual)
-    return NormFunction.apply(x, weight, None, float(eps), float(offset), False, residual)
+    return normalize(x, weight, None, float(eps), float(offset), False, residual)
 
 
 class RMSNorm(nn.Module):

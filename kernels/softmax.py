@@ -149,8 +149,10 @@ def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         return torch.ones_like(x)
     dim = dim % x.dim()
     if dim != x.dim() - 1:
-        return SoftmaxFunction.apply(x.movedim(dim, -1)).movedim(-1, dim)
-    return SoftmaxFunction.apply(x)
+        return softmax(x.movedim(dim, -1)).movedim(-1, dim)
+    if torch.is_grad_enabled() and x.requires_grad:
+        return SoftmaxFunction.apply(x)
+    return softmax_fwd(as_rows(x))[0].view(x.shape)  # no gradient wanted: skip autograd's CPU cost
 
 
 class Softmax(nn.Module):
