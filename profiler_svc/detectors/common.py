@@ -1,10 +1,8 @@
 """Shared vocabulary of the detectors: what a kernel is, how big an op's work is, what a finding holds."""
 import math
-import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
-import numpy as np
 import pandas as pd
 
 from ..trace.model import OpInputs, Trace, element_bytes
@@ -183,21 +181,37 @@ def peak_tflops(trace: Trace, dtype: str) -> float:
     return peaks.get("tf32" if dtype == "fp32" else dtype) or peaks.get("bf16") or 300.0
 
 
-def aligned_gemm_rates(trace: Trace, kernels: pd.DataFrame) -> dict:
-    """TFLOP/s per dtype that this trace's own aligned tensor-core GEMMs achieve (time-weighted):
-    the attainable rate a fixed GEMM is priced at. Falls back to a share of the datasheet peak."""
-    flops, time = {}, {}
-    candidates = kernels[name_mask(kernels, lambda n: is_gemm(n) and not (is_low_alignment(n) or is_old_arch(n)
-                                                                          or is_simt_matmul(n)))]
-    shapes = {}
-    for row in candidates.itertuples():
-        if row.op not in shapes:
-            shapes[row.op] = gemm_shape(row.op_name, trace.op_inputs(row.op))
-        g = shapes[row.op]
-        granule = GRANULE.get(g.dtype) if g else None
-        if granule and row.dur > 0 and not (g.m % granule or g.n % granule or g.k % granule):
-            flops[g.dtype] = flops.get(g.dtype, 0.0) + g.flops
-            time[g.dtype] = time.get(g.dtype, 0.0) + row.dur
-    rates = {d: peak_tflops(trace, d) * TENSOR_CORE_EFFICIENCY for d in GRANULE}
-    rates.update({d: flops[d] / time[d] / 1e6 for d in flops if flops[d] > 0})
-    return rates
+class GemmReference:
+    """What a GEMM should cost on this device, from evidence in the same trace.
+
+    The reference is this trace's own aligned tensor-core GEMMs of the same dtype and similar size
+    (FLOPs within 4x): their achieved TFLOP/s prices a misaligned or fallback GEMM. With none to compare,
+    a roofline: the larger of FLOPs at half the dense peak and the operands' bytes at copy bandwidth.
+    """
+
+    def __init__(self, trace: Trace, kernels: pd.DataFrame):
+        self.trace = trace
+        self.samples = {}  # dtype -> list of (flops, µs)
+        aligned = kernels[name_mask(kernels, lambda n: is_gemm(n) and not (is_low_alignment(n) or is_old_arch(n)
+                                                                             or is_simt_matmul(n)))]
+        shapes = {}
+        for op, op_name, dur in zip(aligned["op"].tolist(), aligned["op_name"].tolist(), aligned["dur"].tolist()):
+            if op not in shapes:
+                shapes[op] = gemm_shape(op_name, trace.op_inputs(op))
+            g = shapes[op]
+            granule = GRANULE.get(g.dtype) if g else None
+            if granule and dur > 0 and not (g.m % granule or g.n % granule or g.k % granule):
+                self.samples.setdefault(g.dtype, []).append((g.flops, dur))
+
+    def expected_us(self, g: "GemmShape") -> tuple:
+        """(µs one call of G should take, how that was judged)."""
+        similar = [(f, t) for f, t in self.samples.get(g.dtype, ()) if g.flops / 4 <= f <= g.flops * 4]
+        if similar:
+            rate = sum(f for f, _ in similar) / sum(t for _, t in similar) / 1e6
+            return g.flops / (rate * 1e6), f"this trace's aligned {g.dtype} GEMMs of similar size run at {rate:.0f} TFLOP/s"
+        peak = peak_tflops(self.trace, g.dtype) * TENSOR_CORE_EFFICIENCY
+        size = element_bytes(g.dtype) or 2
+        moved = g.batch * (g.m * g.k + g.k * g.n + g.m * g.n) * size
+        floor = max(g.flops / (peak * 1e6), moved / (self.trace.device.memory_bandwidth_gbps * 1e3))
+        return floor, (f"roofline: {peak:.0f} TFLOP/s (half the {g.dtype} dense peak) or "
+                       f"{self.trace.device.memory_bandwidth_gbps:.0f} GB/s, whichever binds")

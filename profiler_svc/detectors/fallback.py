@@ -11,7 +11,7 @@ from collections import defaultdict
 import numpy as np
 
 from ..trace.model import Trace
-from .common import (TENSOR_CORE_EFFICIENCY, VOCAB_MIN, aligned_gemm_rates, name_mask, peak_tflops, Finding, Recommendation, conv_shape, fmt_shape, fmt_us, gemm_shape, is_attention,
+from .common import (TENSOR_CORE_EFFICIENCY, VOCAB_MIN, GemmReference, name_mask, peak_tflops, Finding, Recommendation, conv_shape, fmt_shape, fmt_us, gemm_shape, is_attention,
                      is_contiguous, is_gemm, is_low_alignment, is_old_arch, is_simt_matmul, module_class,
                      op_bytes, short_kernel_name, steps_note, window_kernels)
 
@@ -147,7 +147,7 @@ def _low_alignment_gemms(trace, kernels):
     candidates = kernels[name_mask(kernels, lambda n: (is_low_alignment(n) or (is_old_arch(n) and trace.device.major >= 8))
                           and not is_simt_matmul(n))]
     findings = []
-    rates = aligned_gemm_rates(trace, kernels) if len(candidates) else {}
+    reference = GemmReference(trace, kernels) if len(candidates) else None
     for (op, top_op, shapes, dtypes), rows in _group_by_op(trace, candidates).items():
         inp = rows[0][1]
         g = gemm_shape(op, inp)
@@ -155,7 +155,6 @@ def _low_alignment_gemms(trace, kernels):
             continue  # only a vocabulary-sized dimension is off: the misalignment detector says how to pad it
         time = sum(r.dur for r, _ in rows)
         dtype = g.dtype if g else (dtypes[0] if dtypes else "")
-        rates.setdefault(dtype, peak_tflops(trace, dtype) * TENSOR_CORE_EFFICIENCY)
         multiple = 16 if dtype == "fp8" else 8
         misaligned = {}
         if g:
@@ -163,7 +162,11 @@ def _low_alignment_gemms(trace, kernels):
                 pad_to = 64 if value >= VOCAB_MIN else multiple  # vocabularies: whole 64-wide tiles
                 if value % pad_to:
                     misaligned[dim] = (value, -(-value // pad_to) * pad_to)
-        expected = g.flops / (rates[dtype] * 1e6) * len(rows) if g else 0.5 * time
+        if g:
+            per_call, basis = reference.expected_us(g)
+            expected = per_call * len(rows)
+        else:
+            expected, basis = 0.5 * time, "no shapes recorded: assumed half the time"
         savings = max(0.0, time - expected)
         kernel = short_kernel_name(rows[0][0].name, 70)
         why = ("an operand's leading dimension is not a multiple of "
@@ -174,11 +177,10 @@ def _low_alignment_gemms(trace, kernels):
             title=f"GEMM on a low-alignment kernel: {top_op or op} {shapes}",
             detail=(f"{len(rows)} calls took {fmt_us(time)} {steps_note(trace)}; {why}. "
                     + (f"Misaligned: {dims}. " if dims else "")
-                    + f"This trace's aligned {dtype} GEMMs run at {rates[dtype]:.0f} TFLOP/s, which would take "
-                      f"{fmt_us(expected)}."),
+                    + f"Aligned, the same work should take about {fmt_us(expected)} ({basis})."),
             evidence=_evidence(rows, trace, {"gemm": g.__dict__ if g else None,
                                              "misaligned": {d: {"size": v, "padded": p} for d, (v, p) in misaligned.items()},
-                                             "aligned_tflops_in_trace": round(rates[dtype], 1)}),
+                                             "expected_us": round(expected, 2), "expected_basis": basis}),
             estimated_savings_us=savings,
             recommendation=Recommendation(
                 f"Pad {dims or 'the GEMM dimensions'} to multiples of {multiple} (hidden/intermediate/vocab sizes, "

@@ -6,7 +6,7 @@ import re
 from collections import defaultdict
 
 from ..trace.model import Trace
-from .common import (GEMM_OPS, GRANULE, aligned_gemm_rates, name_mask, VOCAB_MIN, Finding, Recommendation, conv_shape, fmt_us, gemm_shape, is_gemm,
+from .common import (GEMM_OPS, GRANULE, GemmReference, name_mask, VOCAB_MIN, Finding, Recommendation, conv_shape, fmt_us, gemm_shape, is_gemm,
                      is_low_alignment, is_old_arch, is_simt_matmul, steps_note, window_kernels)
 
 
@@ -20,9 +20,8 @@ def detect(trace: Trace) -> list[Finding]:
         return []
     kernels = window_kernels(trace)
     gemms = kernels[name_mask(kernels, is_gemm) & kernels["op_name"].isin(GEMM_OPS).to_numpy()]
-    rate = aligned_gemm_rates(trace, gemms)
     findings = []
-    findings += _gemm_dims(trace, gemms, rate)
+    findings += _gemm_dims(trace, gemms, GemmReference(trace, gemms))
     findings += _head_dim(trace, kernels)
     findings += _conv_channels(trace, kernels)
     findings += _wave_quantization(trace, gemms)
@@ -38,7 +37,7 @@ def _rows_with_shapes(trace, rows):
             yield row, cache[row.op]
 
 
-def _gemm_dims(trace, gemms, rate):
+def _gemm_dims(trace, gemms, reference):
     groups = defaultdict(list)
     for row, g in _rows_with_shapes(trace, gemms):
         granule = GRANULE.get(g.dtype)
@@ -61,7 +60,8 @@ def _gemm_dims(trace, gemms, rate):
     for (sizes, dtype), items in groups.items():
         time = sum(r.dur for r, _, _ in items)
         flops = sum(g.flops for _, g, _ in items)
-        expected = flops / (rate[dtype] * 1e6)
+        expected = sum(reference.expected_us(g)[0] for _, g, _ in items)
+        basis = reference.expected_us(items[0][1])[1]
         savings = max(0.0, time - expected)
         vocab = any(v >= VOCAB_MIN for v, _ in sizes)
         pads = ", ".join(f"{v} → {p}" for v, p in sizes)
@@ -74,14 +74,15 @@ def _gemm_dims(trace, gemms, rate):
             title=f"{dtype} {what} not a multiple of {64 if vocab else GRANULE[dtype]}: pad {pads}",
             detail=(f"{len(items)} GEMM calls ({', '.join(ops)}) have sizes {pads}: "
                     f"tensor-core tiles and vectorized loads want multiples of {64 if vocab else GRANULE[dtype]}. They took "
-                    f"{fmt_us(time)} {steps_note(trace)} at {flops / time / 1e6 if time else 0:.0f} TFLOP/s; this trace's aligned "
-                    f"{dtype} GEMMs reach {rate[dtype]:.0f} TFLOP/s ({fmt_us(expected)} for the same work)."),
+                    f"{fmt_us(time)} {steps_note(trace)} at {flops / time / 1e6 if time else 0:.0f} TFLOP/s; aligned, about "
+                    f"{fmt_us(expected)} ({basis})."),
             evidence={"op": row0.op_name, "top_op": row0.top_op_name, "gemm": {"M": g0.m, "N": g0.n, "K": g0.k, "batch": g0.batch},
                       "misaligned": [{"dim": d, "size": v, "padded": p} for d, v, p in off0],
                       "dtypes": [dtype], "calls": len(items), "time_us": round(time, 2),
                       "kernels": sorted({r.name[:100] for r, _, _ in items})[:4],
                       "achieved_tflops": round(flops / time / 1e6, 1) if time else None,
-                      "aligned_tflops_in_trace": round(rate[dtype], 1), **({"modules": modules[:10]} if modules else {})},
+                      "expected_us": round(expected, 2), "expected_basis": basis,
+                      **({"modules": modules[:10]} if modules else {})},
             estimated_savings_us=savings,
             recommendation=Recommendation(
                 (f"Pad the vocabulary {pads} (resize the embedding/lm_head; the extra rows are never predicted)."

@@ -10,7 +10,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 from ..trace.model import Trace
-from .common import (name_mask, plural, Finding, Recommendation, fmt_us,
+from .common import (plural, Finding, Recommendation, fmt_us,
                      module_class, numel, op_bytes, short_kernel_name, steps_note, tensor_bytes, window_kernels)
 
 # A fused kernel still costs a launch and a tail.

@@ -180,7 +180,6 @@ def _union_length(starts: np.ndarray, ends: np.ndarray) -> float:
     new_run = np.empty(len(s), dtype=bool)
     new_run[0] = True
     new_run[1:] = s[1:] > run_end[:-1]
-    run_ids = np.cumsum(new_run) - 1
     run_starts = s[new_run]
     run_ends = np.maximum.reduceat(e, np.flatnonzero(new_run))
     return float((run_ends - run_starts).sum())
