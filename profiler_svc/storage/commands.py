@@ -77,7 +77,8 @@ def cmd_ingest(args) -> int:
 
 
 def cmd_worker(args) -> int:
-    from .worker import default_worker_id, run_worker
+    from .worker import default_worker_id, run_worker, use_triton_interpreter_without_gpu
+    use_triton_interpreter_without_gpu()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     engine = ready_engine()
     worker = default_worker_id()
@@ -96,6 +97,8 @@ def cmd_serve(args) -> int:
 
 def cmd_demo(args) -> int:
     from .demo import prepare_demo, start_background_worker
+    from .worker import use_triton_interpreter_without_gpu
+    use_triton_interpreter_without_gpu()
     app = prepare_demo(print_fn=print)
     if args.no_serve:
         return 0

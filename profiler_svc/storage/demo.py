@@ -115,9 +115,6 @@ def prepare_demo(print_fn=print, live: bool = True):
 
 def start_background_worker(database_url: str) -> threading.Thread:
     """Run the demo's A/B jobs in this process, so the dashboard's A/B button works without a second shell."""
-    import torch
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # the bundled Triton kernels on CPU
     from .db import get_engine
     from .worker import run_worker
     thread = threading.Thread(target=run_worker, args=(get_engine(database_url),), kwargs={"poll_s": 1.0},

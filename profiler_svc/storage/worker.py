@@ -30,6 +30,14 @@ def run_ab_job(job: dict) -> dict:
     return ab.ab_test(workload.model, workload.inputs, [job["swap"]], train=train, loss_fn=workload.loss_fn, **params).to_dict()
 
 
+def use_triton_interpreter_without_gpu() -> None:
+    """On a host without a GPU the bundled Triton kernels run through Triton's interpreter. Triton
+    reads the switch when a kernel is defined, so this must run before anything imports them."""
+    import torch
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 class _Heartbeat(threading.Thread):
     """Extends the job's lease every third of it while the runner works."""
 
