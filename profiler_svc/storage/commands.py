@@ -90,6 +90,7 @@ def cmd_worker(args) -> int:
 
 def cmd_serve(args) -> int:
     ready_engine()
+    _check_can_listen(args.host, args.port)
     from ..web import create_app
     serve(create_app(), args.host, args.port, workers=args.workers)
     return 0
@@ -104,10 +105,23 @@ def cmd_demo(args) -> int:
         return 0
     start_background_worker(app.config["DATABASE_URL"])
     from werkzeug.serving import make_server
+    _check_can_listen(args.host, args.port)
     server = make_server(args.host, args.port, app, threaded=True)
     print(f"dashboard: http://{args.host}:{server.port}/  (Ctrl-C to stop)", flush=True)
     server.serve_forever()
     return 0
+
+
+def _check_can_listen(host: str, port: int) -> None:
+    """One clear line for a busy port or a bad address, before a server starts retrying and logging."""
+    import socket
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        with socket.socket(infos[0][0], socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(infos[0][4])
+    except OSError as exc:
+        raise UserError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
 def serve(app, host: str, port: int, workers: int = 2) -> None:

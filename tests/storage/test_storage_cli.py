@@ -6,15 +6,21 @@ from dbfixtures import DATA, SMALL_TRACE
 from profiler_svc.cli import main
 
 
+@pytest.fixture(autouse=True)
+def _restore_logging():
+    """`worker` configures logging onto the stderr of the test that ran it (capsys's)."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:], root.level = handlers, level
+
+
 @pytest.fixture
 def sqlite_env(monkeypatch, tmp_path):
     url = f"sqlite:///{tmp_path / 'cli.sqlite3'}"
     monkeypatch.setenv("PROFILER_SVC_DATABASE_URL", url)
     monkeypatch.setenv("PROFILER_SVC_BLOB_DIR", str(tmp_path / "blobs"))
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
     yield url
-    root.handlers[:], root.level = handlers, level  # `worker` configures logging onto capsys's stderr
     from profiler_svc.storage import db
     engine = db._engines.pop(url, None)
     if engine is not None:
@@ -57,3 +63,13 @@ def test_unusable_database_urls_are_one_line(monkeypatch, capsys, tmp_path):
     monkeypatch.setenv("PROFILER_SVC_DATABASE_URL", "postgresql://postgres@127.0.0.1:1/none")
     assert main(["worker", "--once"]) == 2
     one_line_error(capsys)
+
+
+def test_serve_on_a_busy_port_is_one_line(sqlite_env, capsys):
+    import socket
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in one_line_error(capsys)
