@@ -6,8 +6,9 @@ q: [batch, heads, seq, head_dim] (HF's `unsqueeze_dim=1`; [batch, seq, heads, he
 `unsqueeze_dim=2`), k likewise with its own head count (GQA), cos/sin: [batch or 1, seq, head_dim]
 or [seq, head_dim], as HF's rotary module returns them. q and k may be strided views (HF passes
 `proj(x).view(...).transpose(1, 2)`): the kernel reads them in place, no copy. One program per
-(batch, position) rotates every head of q and k, reading cos/sin once. Math in fp32, rounded once
-to q's dtype; the backward is the same rotation with the sine negated.
+(batch, position) rotates every head of q and k, reading cos/sin once. Math in fp32 (fp64 for fp32
+inputs: one rounding instead of an fma's two), rounded once to q's dtype; the backward is the same
+rotation with the sine negated.
 
 No swap entry: HF attention modules call the module-global `apply_rotary_pos_emb`, which an
 instance swap cannot reach without rebinding globals or replacing their `forward`; call `rope`
@@ -19,13 +20,22 @@ import triton.language as tl
 from torch import nn
 
 from ._launch import kernel_op, launch, round_to
-from .gelu_tanh import _upcast, check_float, needs_grad
+from .gelu_tanh import check_float, needs_grad
+
+
+@triton.jit
+def _load(ptr, mask, FP64: tl.constexpr):
+    x = tl.load(ptr, mask=mask)
+    if FP64:
+        return x.to(tl.float64)
+    else:
+        return x.to(tl.float32)
 
 
 @triton.jit
 def _rotate_heads(
     X, O, stride_xh, stride_oh, n_heads, c1, c2, s1, s2,
-    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BACKWARD: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BACKWARD: tl.constexpr, FP64: tl.constexpr,
 ):
     """Rotate every head of one (batch, position): X and O point at head 0, dimension 0."""
     heads = tl.arange(0, BLOCK_H)[:, None]
@@ -33,8 +43,8 @@ def _rotate_heads(
     mask = (heads < n_heads) & (dims < HALF)
     x_first = X + heads * stride_xh + dims
     o_first = O + heads * stride_oh + dims
-    x1 = _upcast(tl.load(x_first, mask=mask))
-    x2 = _upcast(tl.load(x_first + HALF, mask=mask))
+    x1 = _load(x_first, mask, FP64)
+    x2 = _load(x_first + HALF, mask, FP64)
     if BACKWARD:  # the transpose of the rotation: dx1 = dy1·c1 + dy2·s2, dx2 = dy2·c2 − dy1·s1
         o1 = x1 * c1 + x2 * s2
         o2 = x2 * c2 - x1 * s1
@@ -50,7 +60,7 @@ def _rope_kernel(
     Q, K, QO, KO, COS, SIN, seq_len, n_q_heads, n_k_heads,
     sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sqo_b, sqo_s, sqo_h, sko_b, sko_s, sko_h, sc_b, sc_s,
     HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr,
-    BACKWARD: tl.constexpr,
+    BACKWARD: tl.constexpr, FP64: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = (pid // seq_len).to(tl.int64)
@@ -59,14 +69,14 @@ def _rope_kernel(
     dmask = dims < HALF
     cs = COS + b * sc_b + s * sc_s + dims
     sn = SIN + b * sc_b + s * sc_s + dims
-    c1 = _upcast(tl.load(cs, mask=dmask))[None, :]
-    c2 = _upcast(tl.load(cs + HALF, mask=dmask))[None, :]
-    s1 = _upcast(tl.load(sn, mask=dmask))[None, :]
-    s2 = _upcast(tl.load(sn + HALF, mask=dmask))[None, :]
+    c1 = _load(cs, dmask, FP64)[None, :]
+    c2 = _load(cs + HALF, dmask, FP64)[None, :]
+    s1 = _load(sn, dmask, FP64)[None, :]
+    s2 = _load(sn + HALF, dmask, FP64)[None, :]
     _rotate_heads(Q + b * sq_b + s * sq_s, QO + b * sqo_b + s * sqo_s, sq_h, sqo_h, n_q_heads,
-                  c1, c2, s1, s2, HALF, BLOCK_HQ, BLOCK_D, BACKWARD)
+                  c1, c2, s1, s2, HALF, BLOCK_HQ, BLOCK_D, BACKWARD, FP64)
     _rotate_heads(K + b * sk_b + s * sk_s, KO + b * sko_b + s * sko_s, sk_h, sko_h, n_k_heads,
-                  c1, c2, s1, s2, HALF, BLOCK_HK, BLOCK_D, BACKWARD)
+                  c1, c2, s1, s2, HALF, BLOCK_HK, BLOCK_D, BACKWARD, FP64)
 
 
 def _pow2(n: int) -> int:
@@ -93,7 +103,7 @@ def rope_rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
             _rope_kernel, (batch * seq,), q, k, qo, ko, cos, sin, seq, n_q_heads, n_k_heads,
             *sq[:3], *sk[:3], *sqo[:3], *sko[:3], *sc[:2],
             HALF=half, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_D=block_d, BACKWARD=backward,
-            num_warps=num_warps,
+            FP64=q.element_size() >= 4, num_warps=num_warps,
         )
     return qo, ko
 
