@@ -5,6 +5,26 @@ import sys
 from ..errors import UserError
 
 
+def _port(text: str) -> int:
+    import argparse
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise argparse.ArgumentTypeError(f"not a TCP port: {text!r}")
+    return int(text)
+
+
+def _positive(kind):
+    def parse(text: str):
+        import argparse
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not 0 < value < float("inf"):  # also refuses nan
+            raise argparse.ArgumentTypeError(f"must be a positive {kind.__name__}: {text!r}")
+        return value
+    return parse
+
+
 def add_commands(subparsers) -> None:
     p = subparsers.add_parser("ingest", help="store a trace (or a folder of per-rank traces) and its analysis")
     p.add_argument("trace", help=".json or .json.gz trace, or a folder of per-rank traces (one run)")
@@ -16,14 +36,14 @@ def add_commands(subparsers) -> None:
 
     p = subparsers.add_parser("serve", help="serve the dashboard and the API on this machine")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--workers", type=int, default=2, help="gunicorn worker processes")
+    p.add_argument("--port", type=_port, default=8000)
+    p.add_argument("--workers", type=_positive(int), default=2, help="gunicorn worker processes")
     p.set_defaults(func=cmd_serve)
 
     p = subparsers.add_parser("worker", help="run queued A/B jobs on this machine's GPU (or CPU)")
     p.add_argument("--once", action="store_true", help="stop when the queue is empty")
-    p.add_argument("--poll", type=float, default=2.0, metavar="SECONDS", help="queue poll interval")
-    p.add_argument("--lease", type=float, default=120.0, metavar="SECONDS",
+    p.add_argument("--poll", type=_positive(float), default=2.0, metavar="SECONDS", help="queue poll interval")
+    p.add_argument("--lease", type=_positive(float), default=120.0, metavar="SECONDS",
                    help="a job whose worker stops heartbeating for this long is requeued")
     p.set_defaults(func=cmd_worker)
 
@@ -34,7 +54,7 @@ def add_commands(subparsers) -> None:
 
     p = subparsers.add_parser("demo", help="ingest bundled GPU traces and a live CPU capture, then serve the dashboard")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--no-serve", action="store_true", help="prepare the demo database and exit")
     p.set_defaults(func=cmd_demo)
 
@@ -120,8 +140,8 @@ def _check_can_listen(host: str, port: int) -> None:
         with socket.socket(infos[0][0], socket.SOCK_STREAM) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             probe.bind(infos[0][4])
-    except OSError as exc:
-        raise UserError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    except (OSError, OverflowError) as exc:  # OverflowError: a port beyond 65535
+        raise UserError(f"cannot listen on {host}:{port}: {getattr(exc, 'strerror', None) or exc}") from None
 
 
 def serve(app, host: str, port: int, workers: int = 2) -> None:
