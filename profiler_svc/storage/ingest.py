@@ -7,6 +7,7 @@ is moved into place inside it, so a failure at any step leaves no rows and no fi
 import logging
 import math
 import os
+import re
 import socket
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 BLOB_DIR_ENV = "PROFILER_SVC_BLOB_DIR"
 # Uncompressed, checked while receiving (a gzip bomb stops early); the analyser's own limit.
 DEFAULT_MAX_TRACE_BYTES = MAX_TRACE_BYTES
+WORKLOAD_PATTERN = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")  # "pkg.module:factory", as capture writes it
 
 
 def default_blob_store() -> BlobStore:
@@ -45,6 +47,11 @@ class IngestResult:
         return asdict(self)
 
 
+def check_workload(workload: str | None) -> None:
+    if workload is not None and not WORKLOAD_PATTERN.match(workload):
+        raise UserError(f"workload must look like 'pkg.module:factory', got {workload!r}")
+
+
 def analyse(path: Path):
     """The analyser (a module-level name, so tests can replace it)."""
     from ..recommendations import recommend
@@ -55,6 +62,7 @@ def ingest_stream(engine: Engine, stream, *, filename: str, blobs: BlobStore | N
                   name: str | None = None, group_key: str | None = None, host: str | None = None,
                   workload: str | None = None, max_bytes: int | None = DEFAULT_MAX_TRACE_BYTES) -> IngestResult:
     """Store one trace read from a binary stream (plain or gzip JSON)."""
+    check_workload(workload)
     blobs = blobs or default_blob_store()
     received = blobs.receive(stream, max_bytes=max_bytes)
     try:

@@ -48,6 +48,7 @@ def test_db_upgrade_ingest_and_worker(sqlite_env, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["ingest", "/no/such/trace.json"], "no such file or folder"),
     (["ingest", str(DATA / "manifest.json")], ""),
+    (["ingest", str(SMALL_TRACE), "--workload", "not a workload"], "pkg.module:factory"),
 ])
 def test_ingest_bad_input_is_one_line(sqlite_env, capsys, argv, message):
     assert main(argv) == 2
