@@ -93,7 +93,7 @@ def rope_rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
     batch, seq, n_q_heads, dim = q.shape
     n_k_heads = k.shape[2]
     qo, ko = torch.empty_like(q), torch.empty_like(k)
-    if q.numel() and k.numel():
+    if batch * seq and (n_q_heads or n_k_heads) and dim:  # either may be empty, not both
         half = dim // 2
         block_d, block_hq, block_hk = _pow2(half), _pow2(n_q_heads), _pow2(n_k_heads)
         num_warps = 4 if block_hq * block_d <= 2048 else 8

@@ -79,6 +79,14 @@ def test_gradients_of_learned_tables():
         torch.testing.assert_close(a, b, rtol=0, atol=1e-13)
 
 
+def test_empty_inputs():
+    q, k, cos, sin = (t.detach() for t in qk_cos_sin(2, 5, 3, 1, 8, seed=7))
+    mine, theirs = rope(q, k[:, :0], cos, sin), apply_rotary_pos_emb(q, k[:, :0], cos, sin)  # no k heads
+    torch.testing.assert_close(mine[0], theirs[0], rtol=0, atol=1e-14)
+    assert mine[1].shape == (2, 0, 5, 8)
+    assert [t.shape for t in rope(q[:, :, :0], k[:, :, :0], cos[:, :0], sin[:, :0])] == [(2, 3, 0, 8), (2, 1, 0, 8)]
+
+
 def test_bad_input():
     q, k = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
     cos = sin = torch.randn(1, 4, 8)
