@@ -41,6 +41,7 @@ def test_llama_training_chains_name_their_swaps():
     assert rms.evidence["input_shapes"] == [[4, 512, 1024]] and rms.evidence["dtypes"] == ["fp32"]
     assert rms.evidence["bytes_moved"] > rms.evidence["fused_min_bytes"] > 0
     assert swaps["optimizer"].recommendation.snippet.count("fused=True") == 1
+    assert swaps["rope"].recommendation.swap is None and "rope(q, k, cos, sin)" in swaps["rope"].recommendation.snippet
     # no GEMM in this model is misaligned and none falls back
     assert findings("llama_bf16_train", "misalignment") == []
     assert findings("llama_bf16_train", "fallback_kernel", min_severity="low") == []
