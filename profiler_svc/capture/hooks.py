@@ -114,9 +114,11 @@ class ModuleHooks:
         if self.handles:
             return
         for index, (module, label) in enumerate(self.targets):
-            pre, post = self._hooks(module, label, is_root=index == 0)
+            pre, post = self._hooks(label, is_root=index == 0)
             self.handles.append(module.register_forward_pre_hook(pre))
-            self.handles.append(module.register_forward_hook(post, with_kwargs=True, always_call=True))
+            # kwargs only matter to the backward ranges: without NVTX the cheaper call is taken
+            self.handles.append(module.register_forward_hook(
+                post, with_kwargs=self.domain is not None, always_call=True))
 
     def detach(self):
         for handle in self.handles:
@@ -130,22 +132,14 @@ class ModuleHooks:
             torch._C._autograd._record_function_with_args_exit(record)
         self.local.stack = []
 
-    def _stack(self):
-        stack = getattr(self.local, "stack", None)
-        if stack is None:
-            stack = self.local.stack = []
-        return stack
-
-    def _hooks(self, module, label, is_root):
+    def _hooks(self, label, is_root):
+        # Runs on every module call while recording: a few microseconds, so no needless work.
         domain = self.domain
         attributes = domain.get_event_attributes(message=label) if domain is not None else None
-        backward_attributes = (domain.get_event_attributes(message="backward::" + label.partition("::")[2])
-                               if domain is not None else None)
         label_enter = torch._C._autograd._record_function_with_args_enter
         label_exit = torch._C._autograd._record_function_with_args_exit
         is_compiling = torch.compiler.is_compiling
-        current_graph_task = torch._C._current_graph_task_id
-        stack_of = self._stack
+        local = self.local
 
         def pre_hook(mod, args):
             if is_compiling():  # inside a graph dynamo traces: leave it unbroken
@@ -155,25 +149,39 @@ class ModuleHooks:
             record = label_enter(label)
             if domain is not None:
                 domain.push_range(attributes)
-            stack_of().append((mod, record))
+            try:
+                local.stack.append((mod, record))
+            except AttributeError:  # this thread's first call
+                local.stack = [(mod, record)]
 
-        def post_hook(mod, args, kwargs, output):
-            if is_compiling():
-                return
-            stack = stack_of()
+        def close(mod) -> bool:
+            stack = getattr(local, "stack", None)
             # A user pre-hook that raised before ours ran leaves nothing of ours to close.
             if not stack or stack[-1][0] is not mod:
-                return
-            _mod, record = stack.pop()
+                return False
+            record = stack.pop()[1]
             if domain is not None:
                 domain.pop_range()
             label_exit(record)
+            return True
+
+        if domain is None:
+            def post_hook(mod, args, output):
+                if not is_compiling():
+                    close(mod)
+            return pre_hook, post_hook
+
+        backward_attributes = domain.get_event_attributes(message="backward::" + label.partition("::")[2])
+        current_graph_task = torch._C._current_graph_task_id
+
+        def post_hook_with_backward_range(mod, args, kwargs, output):
+            if is_compiling() or not close(mod):
+                return
             # Not during a backward pass (activation checkpointing re-runs forward there).
-            if (domain is not None and output is not None and torch.is_grad_enabled()
-                    and current_graph_task() == -1):
+            if output is not None and torch.is_grad_enabled() and current_graph_task() == -1:
                 _backward_range(domain, backward_attributes, (args, kwargs), output)
 
-        return pre_hook, post_hook
+        return pre_hook, post_hook_with_backward_range
 
 
 def _grad_tensors(tree):

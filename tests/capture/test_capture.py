@@ -184,7 +184,7 @@ def test_exception_inside_forward_closes_labels(model, x, tmp_path):
             model(x)
         handle.remove()
         model(x)  # the next call is labelled from the root again
-        assert cap.hooks._stack() == []
+        assert cap.hooks.local.stack == []  # nothing left open
     assert_same_state(before, hook_state(model))
     labels = module_labels(load(cap.trace_path))
     assert labels.count(module_label("", "TinyModel")) == 2
