@@ -405,7 +405,9 @@ def test_compiled_model_labels_its_root_only(model, x, tmp_path):
 
 
 def test_parallel_wrapper_adds_no_name_step(model, x, tmp_path):
-    wrapped = nn.DataParallel(model)  # on CPU it just calls the module: same names as DDP gives
+    if torch.cuda.is_available():  # DataParallel wants the module on cuda:0 where there is a GPU
+        model, x = model.cuda(), x.cuda()
+    wrapped = nn.DataParallel(model)  # names as DDP gives them: the wrapper's `module.` is dropped
     with profiler_svc.capture(wrapped, out=tmp_path) as cap:
         wrapped(x)
     trace = load(cap.trace_path)
