@@ -8,8 +8,8 @@ so it also runs when forward raises) closes both. About 4 us per module call in 
 2 us is PyTorch's hook dispatch (benchmarks/results/capture_overhead.md).
 
 Backward (only while an NVTX tool such as Nsight Systems listens: the ranges are invisible
-otherwise, and the hooks cost about 60 us per module call on the H100 host): when a module's output gradient
-arrives an NVTX range ``backward::<name> (<Class>)`` starts, and it ends once the gradients of all
+otherwise, and the hooks cost about 60 us per module call on the H100 host): when a module's
+output gradient arrives an NVTX range ``backward::<name> (<Class>)`` starts, and it ends once the gradients of all
 its inputs are computed. Start/end ranges, not push/pop, because autograd runs them on its own
 thread and does not nest them strictly. Modules whose inputs need no gradient (a token
 embedding) get no backward range. The Kineto trace needs no backward hooks: the analyser links
