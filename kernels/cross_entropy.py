@@ -6,8 +6,8 @@ Per row r with target t (rows whose target is ignore_index contribute nothing):
 One online pass over a row gives lse, x_t and mean(x) (fp32 math; fp64 for fp32 logits); the
 backward recomputes softmax from the saved lse, so forward + backward reads the logits twice and
 writes the gradient once. The fused linear version runs the same kernel on row chunks of
-hidden @ weight.T, writing the logits' gradient over the chunk's logits in place and folding it into
-the hidden and weight gradients at once, so memory holds one chunk of logits, never all of them.
+hidden @ weight.T, computing the logits' gradient with the loss and folding it into the hidden and
+weight gradients at once, so memory holds a chunk of logits and its gradient, never all of them.
 """
 from typing import Optional
 
@@ -68,9 +68,17 @@ def _acc_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def _run(x, target, lse, loss, dx, scale, ignore_index, smoothing, compute_lse, write_grad):
+    """Launch the kernel; buffers a mode does not use are None. Each pointer gets its own tensor (a
+    fresh empty one where unused): torch.compile's functionalization of Triton kernels mishandles one
+    tensor passed as two arguments of which one is written."""
+    unused = lambda: x.new_empty((0,))  # noqa: E731
+    loss = loss if loss is not None else unused()
+    dx = dx if dx is not None else unused()
+    scale = scale if scale is not None else unused()
     launch(
         _cross_entropy_kernel, (x.shape[0],),
-        x, target, lse, loss, dx, scale, x.stride(0), dx.stride(0), scale.stride(0) if scale.dim() else 0,
+        x, target, lse, loss, dx, scale, x.stride(0), dx.stride(0) if dx.numel() else 0,
+        scale.stride(0) if scale.dim() else 0,
         x.shape[1], ignore_index, smoothing, COMPUTE_LSE=compute_lse, WRITE_GRAD=write_grad,
         BLOCK_N=min(BLOCK_V, triton.next_power_of_2(x.shape[1])),
         ACC=tl.float64 if _acc_dtype(x) == torch.float64 else tl.float32, num_warps=8 if x.shape[1] >= 2048 else 4,
@@ -84,7 +92,7 @@ def cross_entropy_fwd(
     """x (M, V) with unit column stride. Returns each row's loss (0 where ignored) and lse, in fp32 (fp64)."""
     lse = torch.empty((x.shape[0],), dtype=_acc_dtype(x), device=x.device)
     loss = torch.empty((x.shape[0],), dtype=_acc_dtype(x), device=x.device)
-    _run(x, target, lse, loss, x, lse, ignore_index, smoothing, True, False)
+    _run(x, target, lse, loss, None, None, ignore_index, smoothing, True, False)
     return loss, lse
 
 
@@ -94,19 +102,20 @@ def cross_entropy_bwd(
 ) -> torch.Tensor:
     """d(loss)/dx for per-row loss weights `scale` (M,) or a scalar (0-dim)."""
     dx = torch.empty_like(x)
-    _run(x, target, lse, lse, dx, scale, ignore_index, smoothing, False, True)
+    _run(x, target, lse, None, dx, scale, ignore_index, smoothing, False, True)
     return dx
 
 
-@kernel_op("profiler_svc::cross_entropy_fwd_bwd", mutates_args={"x"})
+@kernel_op("profiler_svc::cross_entropy_fwd_bwd", mutates_args={})
 def cross_entropy_fwd_bwd(
     x: torch.Tensor, target: torch.Tensor, scale: torch.Tensor, ignore_index: int, smoothing: float
-) -> torch.Tensor:
-    """Each row's loss; x is overwritten by d(loss · scale)/dx (the fused linear version's own buffer)."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's loss and d(loss · scale)/dx, in one kernel (the row is still in L2 for the second read)."""
     lse = torch.empty((x.shape[0],), dtype=_acc_dtype(x), device=x.device)
     loss = torch.empty((x.shape[0],), dtype=_acc_dtype(x), device=x.device)
-    _run(x, target, lse, loss, x, scale, ignore_index, smoothing, True, True)
-    return loss
+    dx = torch.empty_like(x)
+    _run(x, target, lse, loss, dx, scale, ignore_index, smoothing, True, True)
+    return loss, dx
 
 
 def _reduce(loss_rows, target, ignore_index, reduction):
@@ -199,17 +208,22 @@ def _half_on_gpu(t) -> bool:
 
 def _mm_fp32_into(out, a, b):
     """out (fp32) = a @ b, accumulated and kept in fp32 (not rounded to bf16/fp16 on the way)."""
-    if _half_on_gpu(a):
-        torch.mm(a, b, out_dtype=torch.float32, out=out)
-    else:
+    if not _half_on_gpu(a):
         torch.mm(a.float(), b.float(), out=out)
+    elif torch.compiler.is_compiling():  # out= forms kept out of traced graphs
+        out.copy_(torch.mm(a, b, out_dtype=torch.float32))
+    else:
+        torch.mm(a, b, out_dtype=torch.float32, out=out)
 
 
 def _addmm_fp32(acc, a, b):
     """acc (fp32) + a @ b, the sum done inside the matmul (no extra pass over acc)."""
-    if _half_on_gpu(a):
-        return torch.addmm(acc, a, b, out_dtype=torch.float32)
-    return torch.addmm(acc, a.float(), b.float())
+    if not _half_on_gpu(a):
+        return torch.addmm(acc, a.float(), b.float())
+    if torch.compiler.is_compiling():
+        # torch 2.11's fake addmm(out_dtype=) fails under torch.compile (seen on the H100); mm's works.
+        return acc + torch.mm(a, b, out_dtype=torch.float32)
+    return torch.addmm(acc, a, b, out_dtype=torch.float32)
 
 
 def _chunked_pass(hidden, weight, bias, target, scale, ignore_index, smoothing, chunk_rows, need_grads):
@@ -230,8 +244,7 @@ def _chunked_pass(hidden, weight, bias, target, scale, ignore_index, smoothing, 
         t = target[start:stop]
         if need_grads:
             s = scale[start:stop] if scale.dim() else scale
-            loss_rows[start:stop] = cross_entropy_fwd_bwd(logits, t, s, ignore_index, smoothing)
-            grad_logits = logits  # overwritten in place by the kernel
+            loss_rows[start:stop], grad_logits = cross_entropy_fwd_bwd(logits, t, s, ignore_index, smoothing)
             _mm_fp32_into(grad_hidden[start:stop], grad_logits, weight)
             grad_weight = _addmm_fp32(grad_weight, grad_logits.t(), h)
             if grad_bias is not None:
