@@ -121,6 +121,7 @@ def _simt_matmuls(trace, kernels):
                     f"{fmt_us(worst['time'])}). Why: {why}. On tensor cores the same work needs about {fmt_us(expected)}."),
             evidence=_evidence(worst["rows"], trace, {
                 "reason": why, "calls": len(rows), "time_us": round(time, 2), "numerics": trace.numerics or None,
+                "modules": sorted({r.module for r, _ in rows if r.module})[:32],
                 "shapes": [{"op": g["op"], "input_shapes": g["shapes"], "calls": len(g["rows"]),
                             "time_us": round(g["time"], 2)} for g in groups[:12]]}),
             estimated_savings_us=max(0.0, time - expected),
