@@ -33,6 +33,9 @@ def _cross_entropy_kernel(
     ignored = target == ignore_index
     x_row = X + row * stride_x
     if COMPUTE_LSE:
+        # The target's logit first: its load is in flight during the pass instead of after it.
+        in_range = (target >= 0) & (target < V)  # never read outside the row, whatever the target
+        x_t = tl.load(x_row + tl.where(in_range, target, 0)).to(ACC)
         # Online logsumexp: a running max and the sum of exponentials rescaled to it, one exp per logit.
         m = tl.full([], -float("inf"), dtype=ACC)
         s = tl.zeros([], dtype=ACC)
@@ -46,8 +49,6 @@ def _cross_entropy_kernel(
             m = m_new
             total += tl.sum(tl.where(cols < V, x, 0.0), axis=0)
         lse = m + tl.log(s)
-        in_range = (target >= 0) & (target < V)  # never read outside the row, whatever the target
-        x_t = tl.load(x_row + tl.where(in_range, target, 0)).to(ACC)
         loss = (1.0 - smoothing) * (lse - x_t) + smoothing * (lse - total / V)
         tl.store(LSE + row, lse)
         tl.store(LOSS + row, tl.where(ignored, 0.0, loss))
