@@ -114,12 +114,15 @@ def op_bytes(inputs: OpInputs) -> int:
     return read + tensor_bytes(largest[0], largest[1])
 
 
-def is_contiguous(shape, strides) -> bool:
+def is_dense(shape, strides) -> bool:
+    """Non-overlapping and dense in some dimension order (row-major, channels_last, a transpose of a
+    contiguous tensor): the layouts elementwise kernels can still vectorize over."""
     if not isinstance(strides, list) or len(strides) != len(shape):
         return True
+    dims = sorted((stride, size) for size, stride in zip(shape, strides) if size != 1)
     expected = 1
-    for size, stride in zip(reversed(shape), reversed(strides)):
-        if size != 1 and stride != expected:
+    for stride, size in dims:
+        if stride != expected:
             return False
         expected *= size
     return True

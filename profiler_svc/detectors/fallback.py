@@ -12,7 +12,7 @@ import numpy as np
 
 from ..trace.model import Trace
 from .common import (TENSOR_CORE_EFFICIENCY, VOCAB_MIN, GemmReference, name_mask, peak_tflops, Finding, Recommendation, conv_shape, fmt_shape, fmt_us, gemm_shape, is_attention,
-                     is_contiguous, is_gemm, is_low_alignment, is_old_arch, is_simt_matmul, module_class,
+                     is_dense, is_gemm, is_low_alignment, is_old_arch, is_simt_matmul, module_class,
                      op_bytes, short_kernel_name, steps_note, window_kernels)
 
 
@@ -261,6 +261,9 @@ def _sdpa_reasons(trace, inp):
             reasons.append(f"head_dim {q_shape[-1]} not a multiple of 8")
         if len(tensors) > 3:
             reasons.append(f"an explicit attn_mask {fmt_shape(tensors[3][0])} (flash accepts only is_causal)")
+        if len(tensors) > 1 and len(q_shape) == 4 and len(tensors[1][0]) == 4 and q_shape[1] != tensors[1][0][1]:
+            reasons.append(f"grouped-query attention ({q_shape[1]} query heads, {tensors[1][0][1]} key/value heads): "
+                           "enable_gqa runs only on the flash and math backends")
     backends = trace.numerics.get("sdpa_backends")
     if isinstance(backends, dict):
         off = [k for k, v in backends.items() if v is False and k != "math"]
@@ -350,9 +353,9 @@ def _unvectorized_elementwise(trace, kernels):
             continue  # small tensors: launch cost dominates and vectorizing would not show
         reasons = []
         full = max(t[0] for t in tensors)
-        noncontig = [fmt_shape(s) for s, _, st in tensors if s == full and not is_contiguous(s, st)]
+        noncontig = [fmt_shape(s) for s, _, st in tensors if s == full and not is_dense(s, st)]
         if noncontig:
-            reasons.append(f"non-contiguous operand {', '.join(noncontig)} (strides {[st for s, _, st in tensors if s == full]})")
+            reasons.append(f"strided (non-dense) operand {', '.join(noncontig)} (strides {[st for s, _, st in tensors if s == full]})")
         if len(set(dtypes)) > 1 and op != "aten::copy_":  # copy_ across dtypes is the cast itself
             reasons.append(f"mixed dtypes {'/'.join(dict.fromkeys(dtypes))} (a cast inside the kernel)")
         if not reasons:

@@ -195,8 +195,8 @@ def _wave_quantization(trace, gemms):
     groups = defaultdict(list)
     for row, g in _rows_with_shapes(trace, gemms):
         tile = gemm_tile(row.name)
-        if not tile:
-            continue
+        if not tile or is_simt_matmul(row.name) or is_low_alignment(row.name):
+            continue  # a fallback kernel: the fallback detector prices the whole kernel
         tiles = math.ceil(g.m / tile[0]) * math.ceil(g.n / tile[1]) * g.batch
         waves = tiles / sms
         full = math.ceil(waves)

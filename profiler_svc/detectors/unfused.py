@@ -115,31 +115,65 @@ def detect(trace: Trace) -> list[Finding]:
 
     def info(row):
         if row.op not in inputs:
-            inp = trace.op_inputs(row.op)
-            tensors = inp.tensors()
-            big = max(tensors, key=lambda t: numel(t[0])) if tensors else _tensor_list(inp)
-            rows_key = numel(big[0][:-1]) if big and len(big[0]) > 1 else None
-            inputs[row.op] = (op_bytes(inp), big, rows_key)
+            inputs[row.op] = _chain_info(row.op_name or "", trace.op_inputs(row.op))
         return inputs[row.op]
 
+    # without recorded shapes every row is unknown: then only the module and direction delimit a chain
+    wildcard = not any(d is not None for d in trace.raw_inputs.dims) if trace.raw_inputs else True
     chains = []
     for _, stream in kernels.groupby("stream", sort=False):
-        chains += _stream_chains(stream, info)
+        chains += _stream_chains(stream, info, wildcard)
     chains += _gated_pairs(kernels, info)
     return _findings(trace, chains)
 
 
-def _stream_chains(stream, info):
+def _chain_info(op_name, inputs):
+    """(bytes the op moves, its largest tensor as (shape, dtype, strides), the rows it works on).
+
+    Rows are the largest tensor's dims but the last, so a [4, 512, 1024] input and its [4, 512, 1]
+    statistics share them. Ops over tensor lists: a foreach optimizer's list is one pseudo-tensor of all
+    its parameters (states are fp32); a cat's list is keyed by its largest member's rows.
+    """
+    tensors = inputs.tensors()
+    if tensors:
+        big = max(tensors, key=lambda t: numel(t[0]))
+        shape = big[0]
+        rows = numel(shape[:-1]) if len(shape) > 1 else ("vector", numel(shape))
+        return op_bytes(inputs), big, rows
+    shapes = _tensor_list_shapes(inputs)
+    if not shapes:
+        return 0, None, None
+    if op_name.startswith(("aten::_foreach_", "aten::_fused_")):
+        return 0, ([sum(numel(s) for s in shapes)], "fp32", None), "tensor list"
+    shape = max(shapes, key=numel)
+    return 0, None, numel(shape[:-1]) if len(shape) > 1 else ("vector", numel(shape))
+
+
+def _tensor_list_shapes(inputs):
+    for dims in inputs.dims:
+        if isinstance(dims, list) and dims and all(isinstance(d, list) and d and all(isinstance(x, int) for x in d)
+                                                   for d in dims):
+            return dims
+    return []
+
+
+def _stream_chains(stream, info, wildcard):
     chains, current, current_key = [], None, object()
     for row in stream.itertuples():
-        if row.kind != "memory" or row.op < 0:
+        # already-fused ops (fused optimizers) and compute kernels end a chain
+        if row.kind != "memory" or row.op < 0 or (row.op_name or "").startswith("aten::_fused_"):
             _close(chains, current)
             current, current_key = None, object()
             continue
         moved, big, rows_key = info(row)
         context = (row.module, row.backward)
         key = (rows_key, context)
-        if current is None or (key != current_key and not (rows_key is None and context == current_key[1])):
+        # a kernel whose op recorded no tensors (or a trace without shapes) joins the chain around it, and so
+        # does a per-feature vector op (a norm's weight or its gradient) of the chain's last dimension
+        weight = (isinstance(rows_key, tuple) and current is not None and current.shape is not None
+                  and current.shape[-1] == rows_key[1])
+        unknown = wildcard or rows_key is None or weight
+        if current is None or (key != current_key and not (unknown and context == current_key[1])):
             _close(chains, current)
             current, current_key = Chain(module=row.module), key
         current.rows.append(row)
@@ -251,12 +285,3 @@ def _findings(trace, chains):
 
 def _signature(chain):
     return "/".join(op_kind(r.top_op_name).replace("aten::", "") for r in chain.rows[:6])
-
-
-def _tensor_list(inp):
-    """A foreach op's first TensorList as one (flat shape, dtype) pseudo-tensor: the parameters it updates."""
-    for dims in inp.dims:
-        if isinstance(dims, list) and dims and all(isinstance(d, list) for d in dims):
-            total = sum(numel(d) for d in dims if all(isinstance(x, int) for x in d))
-            return ([total], "fp32", None)  # optimizer states are fp32; params may be narrower (upper bound)
-    return None

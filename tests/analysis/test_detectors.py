@@ -131,3 +131,52 @@ def test_every_finding_has_evidence_and_rank_order():
         assert savings == sorted(savings, reverse=True)
         for f in r.findings:
             assert f.evidence and f.detail and f.recommendation.summary and f.id.startswith(f.category)
+
+
+# -- the second set: captured (on an H100) after the detectors were written ---------------------
+
+def unseen(name):
+    key = f"unseen/{name}"
+    if key not in _cache:
+        _cache[key] = recommend(DATA / "unseen" / f"{name}.json.gz")
+    return _cache[key]
+
+
+def keys(r):
+    return [f.key for f in r.findings]
+
+
+def test_unseen_gemma_norm_geglu_and_loss():
+    r = unseen("gemma_bf16_train")
+    patterns = {f.evidence.get("pattern") for f in r.findings if f.category == "unfused_chain"}
+    assert {"rms_norm", "geglu", "cross_entropy", "rope", "optimizer"} <= patterns
+    assert not [f for f in r.findings if f.category in ("misalignment", "fallback_kernel")]
+
+
+def test_unseen_opt_vocab_and_hidden_sync():
+    r = unseen("opt_fp16_infer")
+    assert "misalignment:gemm:fp16:((50272, 50304),)" in keys(r)
+    assert "host_sync:aten::is_nonzero:aten::_local_scalar_dense" in keys(r)
+
+
+def test_unseen_tf32_is_not_ffma_and_syncs_are_found():
+    r = unseen("llama_fp32_tf32_syncs_train")
+    assert not [k for k in keys(r) if "simt" in k]  # TF32 on: tensor cores, nothing to report
+    assert {"host_sync:aten::item:aten::_local_scalar_dense", "host_sync:aten::nonzero:aten::nonzero"} <= set(keys(r))
+    sdpa = [f for f in r.findings if "sdpa_math" in f.key][0]
+    assert any("grouped-query" in reason for reason in sdpa.evidence["reason"])
+    # the fused AdamW is already one kernel per group: no optimizer chain
+    assert not [f for f in r.findings if f.evidence.get("pattern") in ("optimizer", "generic")
+                and any("fused_adamw" in op for op in f.evidence.get("ops", []))]
+
+
+def test_unseen_convnext_channels_last_is_not_flagged():
+    r = unseen("convnext_bf16_channels_last_infer")
+    assert not [f for f in r.findings if f.category in ("fallback_kernel", "misalignment")]
+
+
+def test_unseen_distilbert_ffma_and_eager_attention():
+    r = unseen("distilbert_fp32_notf32_train")
+    assert "fallback_kernel:simt:matmul:fp32" in keys(r)
+    assert [k for k in keys(r) if "eager_attention" in k]
+    assert not [k for k in keys(r) if "waves" in k]  # the FFMA kernels are priced whole, once

@@ -239,6 +239,78 @@ def cpu_transformer_encoder_infer():
     return torch.no_grad()(lambda: model(x))
 
 
+# ---- second set: captured after the detectors were written, to check them on unseen models ----
+
+@fixture("gemma_bf16_train", model="GemmaForCausalLM", dtype="bf16", mode="train (fwd+bwd+AdamW)", batch="4x512",
+         attn="sdpa", plants="Gemma RMSNorm (1+w) and tanh-GELU-gated MLP as eager chains; vocab 256000", unseen=True)
+def gemma_bf16_train():
+    model = hf("GemmaForCausalLM", "GemmaConfig", dtype=torch.bfloat16, vocab_size=256000, hidden_size=1024,
+               intermediate_size=4096, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=1, head_dim=128)
+    ids = torch.randint(0, 256000, (4, 512), device=DEVICE)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    return lambda: train_step(model, {"input_ids": ids, "labels": ids}, opt)
+
+
+@fixture("opt_fp16_infer", model="OPTForCausalLM", dtype="fp16", mode="inference", batch="8x512", attn="sdpa",
+         plants="vocab 50272 (a multiple of 8, not of 64)", unseen=True)
+def opt_fp16_infer():
+    model = hf("OPTForCausalLM", "OPTConfig", dtype=torch.float16, vocab_size=50272, hidden_size=768,
+               ffn_dim=3072, num_hidden_layers=2, num_attention_heads=12, word_embed_proj_dim=768).eval()
+    ids = torch.randint(0, 50272, (8, 512), device=DEVICE)
+    return torch.no_grad()(lambda: model(input_ids=ids).logits)
+
+
+@fixture("llama_fp32_tf32_syncs_train", model="LlamaForCausalLM", dtype="fp32, TF32 on", mode="train, with "
+         "loss.item() and a nonzero() inside every step", batch="4x256", attn="sdpa",
+         plants="host syncs (.item(), nonzero); fp32 GEMMs on TF32 tensor cores must NOT be flagged FFMA", unseen=True)
+def llama_fp32_tf32_syncs_train():
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.set_float32_matmul_precision("high")
+    model = hf("LlamaForCausalLM", "LlamaConfig", **llama_cfg(num_hidden_layers=2))
+    ids = torch.randint(0, 32000, (4, 256), device=DEVICE)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+    def step():
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        keep = torch.nonzero(ids[0] > 100)          # data-dependent shape: a sync
+        return out.loss.item() + keep.shape[0]      # logging the loss: a sync
+    return step
+
+
+@fixture("qwen2_bf16_hidden900_infer", model="Qwen2ForCausalLM", dtype="bf16", mode="inference", batch="4x512",
+         attn="sdpa", plants="hidden 900 / 12 heads: head_dim 75 and GEMM dims 900, 2400 not multiples of 8",
+         unseen=True)
+def qwen2_bf16_hidden900_infer():
+    model = hf("Qwen2ForCausalLM", "Qwen2Config", dtype=torch.bfloat16, vocab_size=151936, hidden_size=900,
+               intermediate_size=2400, num_hidden_layers=2, num_attention_heads=12, num_key_value_heads=4).eval()
+    ids = torch.randint(0, 151936, (4, 512), device=DEVICE)
+    return torch.no_grad()(lambda: model(input_ids=ids).logits)
+
+
+@fixture("convnext_bf16_channels_last_infer", model="timm convnext_tiny", dtype="bf16, channels_last",
+         mode="inference", batch="64x3x224x224", attn="-", plants="nothing planted: LayerNorm2d permutes", unseen=True)
+def convnext_bf16_channels_last_infer():
+    import timm
+    model = timm.create_model("convnext_tiny", pretrained=False).to(DEVICE, torch.bfloat16).eval()
+    model = model.to(memory_format=torch.channels_last)
+    x = torch.randn(64, 3, 224, 224, device=DEVICE, dtype=torch.bfloat16).to(memory_format=torch.channels_last)
+    return torch.no_grad()(lambda: model(x))
+
+
+@fixture("distilbert_fp32_notf32_train", model="DistilBertForSequenceClassification", dtype="fp32, TF32 off",
+         mode="train (fwd+bwd+SGD)", batch="16x256", attn="eager",
+         plants="FFMA GEMMs (TF32 off), eager attention", unseen=True)
+def distilbert_fp32_notf32_train():
+    model = hf("DistilBertForSequenceClassification", "DistilBertConfig", attn="eager", n_layers=2)
+    ids = torch.randint(0, 30522, (16, 256), device=DEVICE)
+    labels = torch.randint(0, 2, (16,), device=DEVICE)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    return lambda: train_step(model, {"input_ids": ids, "labels": labels}, opt)
+
+
 # ---- driver -------------------------------------------------------------------------------
 
 def sync():
@@ -314,7 +386,8 @@ def main():
     if "RANK" in os.environ:
         return capture_ddp(out_dir)
     on_gpu = torch.cuda.is_available()
-    names = sys.argv[2:] or [n for n, (_, info) in FIXTURES.items() if info.get("cpu", False) != on_gpu]
+    names = sys.argv[2:] or [n for n, (_, info) in FIXTURES.items()
+                             if info.get("cpu", False) != on_gpu and not info.get("unseen")]
     os.makedirs(out_dir, exist_ok=True)
     env = {"torch": torch.__version__, "cuda": torch.version.cuda,
            "gpu": torch.cuda.get_device_name() if on_gpu else None, "captured": time.strftime("%Y-%m-%d")}
@@ -340,7 +413,7 @@ def main():
         if on_gpu:
             torch.cuda.empty_cache()
         torch._dynamo.reset()
-    manifest_path = os.path.join(out_dir, "manifest.json" if on_gpu else "manifest_cpu.json")
+    manifest_path = os.path.join(out_dir, os.environ.get("MANIFEST", "manifest.json" if on_gpu else "manifest_cpu.json"))
     with open(manifest_path, "w") as f:
         json.dump(manifest, f, indent=1)
 
