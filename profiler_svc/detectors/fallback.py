@@ -3,7 +3,7 @@
 - GEMM/conv on the CUDA-core FFMA/SIMT path (fp32 without TF32; fp16/bf16 shapes tensor cores refuse)
 - GEMMs on low-alignment (CUTLASS align1/align2) or older-architecture kernels
 - scaled_dot_product_attention on the math path; eager attention (matmul -> softmax -> matmul)
-- elementwise kernels off the vectorized path because of non-contiguous or mixed-dtype operands
+- elementwise kernels off the vectorized path because of strided (non-dense) or mixed-dtype operands
 - autocast cast storms: weights re-cast to the autocast dtype on every call
 """
 from collections import defaultdict
@@ -11,10 +11,10 @@ from collections import defaultdict
 import numpy as np
 
 from ..trace.model import Trace
-from .common import (TENSOR_CORE_EFFICIENCY, VOCAB_MIN, GemmReference, name_mask, peak_tflops, Finding, Recommendation, conv_shape, fmt_shape, fmt_us, gemm_shape, is_attention,
-                     is_dense, is_gemm, is_low_alignment, is_old_arch, is_simt_matmul, module_class,
-                     op_bytes, short_kernel_name, steps_note, window_kernels)
-
+from .common import (TENSOR_CORE_EFFICIENCY, VOCAB_MIN, Finding, GemmReference, Recommendation, conv_shape,
+                     fmt_shape, fmt_us, gemm_shape, is_attention, is_dense, is_gemm, is_low_alignment, is_old_arch,
+                     is_simt_matmul, module_class, name_mask, op_bytes, peak_tflops, short_kernel_name, steps_note,
+                     window_kernels)
 
 
 def detect(trace: Trace) -> list[Finding]:

@@ -8,7 +8,7 @@
 import numpy as np
 
 from ..trace.model import Trace
-from .common import name_mask, Finding, Recommendation, fmt_us, short_kernel_name, steps_note
+from .common import Finding, Recommendation, fmt_us, name_mask, short_kernel_name, steps_note
 from .gpu_idle import blocking_calls, idle_gaps, launch_times
 
 # Gaps shorter than this are the normal kernel-switch cost, not something to fix.

@@ -6,8 +6,9 @@ import re
 from collections import defaultdict
 
 from ..trace.model import Trace
-from .common import (GEMM_OPS, GRANULE, GemmReference, name_mask, VOCAB_MIN, Finding, Recommendation, conv_shape, fmt_us, gemm_shape, is_gemm,
-                     is_low_alignment, is_old_arch, is_simt_matmul, steps_note, window_kernels)
+from .common import (GEMM_OPS, GRANULE, VOCAB_MIN, Finding, GemmReference, Recommendation, conv_shape, fmt_us,
+                     gemm_shape, is_gemm, is_low_alignment, is_old_arch, is_simt_matmul, name_mask, steps_note,
+                     window_kernels)
 
 
 

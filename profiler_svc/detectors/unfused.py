@@ -10,8 +10,8 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 from ..trace.model import Trace
-from .common import (plural, Finding, Recommendation, fmt_us,
-                     module_class, numel, op_bytes, short_kernel_name, steps_note, tensor_bytes, window_kernels)
+from .common import (Finding, Recommendation, fmt_us, module_class, numel, op_bytes, plural, short_kernel_name,
+                     steps_note, tensor_bytes, window_kernels)
 
 # A fused kernel still costs a launch and a tail.
 _FUSED_FLOOR_US = 2.0
