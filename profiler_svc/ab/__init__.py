@@ -1,9 +1,16 @@
 """A/B testing of swaps: parity against fp64, then interleaved timing with a bootstrap CI.
 
-`ab_test(model, inputs, swaps)` is the API; `profiler_svc ab` (commands.py) the CLI.
+`ab_test(model, inputs, swaps)` is the API; `profiler_svc ab` (commands.py) the CLI. Names load lazily:
+the CLI imports `profiler_svc.ab.commands` for every command, and only `ab` itself needs torch.
 """
-from .result import ABResult
-from .runner import ab_test
-from .workload import load_workload
+import importlib
 
-__all__ = ["ABResult", "ab_test", "load_workload"]
+_EXPORTS = {"ABResult": ".result", "ab_test": ".runner", "load_workload": ".workload"}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
