@@ -112,8 +112,9 @@ def _parity(model, call, inputs, train, loss_fn, named_params, toggle, state, se
             del got
         state.restore()  # B starts from exactly the state A started from
     missing = (float("inf"), float("inf"))  # a tensor A produced and B did not (say, a lost gradient)
-    return [parity.judge(key, ref[key], dtypes[key], errors["A"][key], errors["B"].get(key, missing), factor)
-            for key in errors["A"]]
+    model_eps = max((torch.finfo(p.dtype).eps for _, p in named_params if p.is_floating_point()), default=0.0)
+    return [parity.judge(key, ref[key], dtypes[key], errors["A"][key], errors["B"].get(key, missing), factor,
+                         model_eps) for key in errors["A"]]
 
 
 def _run_once(model, call, train, loss_fn, named_params, seed) -> dict[str, torch.Tensor]:
