@@ -190,3 +190,16 @@ def test_bootstrap_ci_and_verdicts():
     _, low_s, high_s = speedup_ci(slow, slow[::-1], seed=0)
     assert low_s <= 1.0 <= high_s and verdict(True, low_s, high_s) == "no_difference"
     assert verdict(False, low, high) == "parity_failed"
+
+
+def test_parity_floor_is_the_models_precision():
+    """A float32 loss from a bf16 model is judged at bf16 rounding, not at float32's."""
+    from profiler_svc.ab.parity import judge
+
+    ref = torch.tensor(10.8, dtype=torch.float64)
+    a_err, b_err = (4.5e-5, 4e-6), (4.2e-4, 4e-5)  # the H100 run's loss errors
+    assert not judge("loss", ref, torch.float32, a_err, b_err, 4.0).passed
+    bf16 = torch.finfo(torch.bfloat16).eps
+    floored = judge("loss", ref, torch.float32, a_err, b_err, 4.0, model_eps=bf16)
+    assert floored.passed and floored.allowed_abs == pytest.approx(4 * bf16 * 10.8)
+    assert not judge("loss", ref, torch.float32, a_err, (0.5, 0.05), 4.0, model_eps=bf16).passed
