@@ -137,10 +137,6 @@ def window_kernels(trace: Trace) -> pd.DataFrame:
     return k[(k["ts"] >= start) & (k["ts"] <= end)]
 
 
-def total_kernel_time(trace: Trace) -> float:
-    return float(window_kernels(trace)["dur"].sum())
-
-
 def module_class(module: Optional[str]) -> Optional[str]:
     """'model.layers.0.mlp (LlamaMLP)' -> 'LlamaMLP'."""
     if not module or not module.endswith(")"):
@@ -162,12 +158,6 @@ def plural(n: int, noun: str, nouns: str = None) -> str:
 
 def fmt_shape(shape) -> str:
     return "[" + ", ".join(str(x) for x in shape) + "]"
-
-
-def top(values, n=5):
-    """Most common values, for evidence lists."""
-    counts = pd.Series(list(values)).value_counts()
-    return [v for v in counts.index[:n]]
 
 
 def steps_note(trace: Trace) -> str:

@@ -9,8 +9,6 @@ import pandas as pd
 
 from ..trace.model import Trace
 
-SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
-              "cuStreamSynchronize", "cuCtxSynchronize", "cuEventSynchronize", "cudaStreamWaitEvent")
 # Blocking calls: the host waits for the GPU inside these.
 BLOCKING_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
                   "cuStreamSynchronize", "cuCtxSynchronize", "cuEventSynchronize")

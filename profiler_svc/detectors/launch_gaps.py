@@ -8,7 +8,7 @@
 import numpy as np
 
 from ..trace.model import Trace
-from .common import Finding, Recommendation, fmt_us, name_mask, short_kernel_name, steps_note
+from .common import Finding, Recommendation, fmt_us, name_mask, short_kernel_name, steps_note, window_kernels
 from .gpu_idle import blocking_calls, idle_gaps, launch_times
 
 # Gaps shorter than this are the normal kernel-switch cost, not something to fix.
@@ -47,9 +47,7 @@ def detect(trace: Trace) -> list[Finding]:
         return []
     dur = gaps.dur
     findings = []
-    kernels = trace.kernels
-    start, end = trace.window
-    in_window = kernels[(kernels["ts"] >= start) & (kernels["ts"] <= end)]
+    in_window = window_kernels(trace)
     runtime = trace.runtime
     launch_dur = runtime[name_mask(runtime, lambda n: "Launch" in n)]["dur"]
     median_launch = float(launch_dur.median()) if len(launch_dur) else None

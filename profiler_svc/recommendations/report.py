@@ -6,6 +6,7 @@ from typing import Optional
 
 import numpy as np
 
+from ..detectors.common import window_kernels
 from ..detectors import CATEGORIES, Finding, run_detectors, top_kernels, top_ops
 from ..trace import Trace, load_traces
 
@@ -105,8 +106,7 @@ def build_report(traces: list[Trace], path: str, top: int = 20) -> Report:
 
 def trace_summary(trace: Trace) -> dict:
     kernels = trace.kernels
-    start, end = trace.window
-    in_window = kernels[(kernels["ts"] >= start) & (kernels["ts"] <= end)]
+    in_window = window_kernels(trace)
     return {
         "device": trace.device.to_dict(),
         "span_us": round(trace.span_us, 2),
