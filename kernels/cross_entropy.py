@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from ._launch import kernel_op, launch, require_triton, round_to
+from ._launch import kernel_op, launch, persistent_programs, require_triton, round_to
 from .swap import SwapEntry, place
 
 BLOCK_V = 4096  # columns per step of the online pass
@@ -56,16 +56,77 @@ def _cross_entropy_kernel(
         lse = tl.load(LSE + row)
     if WRITE_GRAD:
         scale = tl.where(ignored, 0.0, tl.load(SCALE + row * stride_scale).to(ACC))
-        for start in range(0, V, BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)
-            mask = cols < V
-            x = tl.load(x_row + cols, mask=mask, other=0.0).to(ACC)
-            grad = tl.exp(x - lse) - smoothing / V - tl.where(cols == target, 1.0 - smoothing, 0.0)
-            tl.store(DX + row * stride_dx + cols, round_to(scale * grad, DX.dtype.element_ty), mask=mask)
+        _write_grad(x_row, DX + row * stride_dx, target, lse, scale, V, smoothing, BLOCK_N, ACC)
+
+
+@triton.jit
+def _write_grad(x_row, dx_row, target, lse, scale, V, smoothing, BLOCK_N: tl.constexpr, ACC: tl.constexpr):
+    """dx_row = scale · (softmax(x) - (1 - ε)·onehot(target) - ε/V), fp32 (fp64) math, one rounding."""
+    for start in range(0, V, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        mask = cols < V
+        x = tl.load(x_row + cols, mask=mask, other=0.0).to(ACC)
+        grad = tl.exp(x - lse) - smoothing / V - tl.where(cols == target, 1.0 - smoothing, 0.0)
+        tl.store(dx_row + cols, round_to(scale * grad, dx_row.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _regrad_kernel(
+    X, T, LSE, DX, G, SCALE, stride_x, stride_dx, M, V, ignore_index, smoothing,
+    BLOCK_N: tl.constexpr, ACC: tl.constexpr,
+):
+    """The backward of a gradient the forward already wrote for an incoming gradient of 1: nothing to
+    do when the incoming gradient G is 1 (the usual loss.backward()); otherwise rewrite DX in place,
+    recomputed from the logits with the scale folded in (one rounding, not a rescale of rounded values).
+    Grid-stride over rows, so the common case costs a few hundred programs that read G and exit."""
+    g = tl.load(G).to(ACC)
+    if g != 1.0:
+        scale = g * tl.load(SCALE).to(ACC)
+        for row32 in range(tl.program_id(0), M, tl.num_programs(0)):
+            row = tl.cast(row32, tl.int64)
+            target = tl.load(T + row).to(tl.int64)
+            row_scale = tl.where(target == ignore_index, 0.0, scale)
+            _write_grad(X + row * stride_x, DX + row * stride_dx, target, tl.load(LSE + row), row_scale, V,
+                        smoothing, BLOCK_N, ACC)
+
+
+@triton.jit
+def _count_kernel(T, SCALE, M, ignore_index, BLOCK: tl.constexpr):
+    """One program: SCALE = 1 / (rows whose target is not ignore_index), each row's weight in the mean."""
+    count = tl.zeros([BLOCK], dtype=tl.int32)
+    for start in range(0, M, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        count += (tl.load(T + offs, mask=offs < M, other=ignore_index) != ignore_index).to(tl.int32)
+    tl.store(SCALE, 1.0 / tl.sum(count, axis=0).to(SCALE.dtype.element_ty))
+
+
+@triton.jit
+def _reduce_kernel(LOSS, T, OUT, M, ignore_index, MEAN: tl.constexpr, BLOCK: tl.constexpr):
+    """One program: OUT = sum of the rows' losses, divided by the non-ignored rows' count for MEAN
+    (0/0 = nan when all are ignored, as in eager). One launch instead of torch's three or four."""
+    total = tl.zeros([BLOCK], dtype=LOSS.dtype.element_ty)
+    count = tl.zeros([BLOCK], dtype=tl.int32)
+    for start in range(0, M, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        total += tl.load(LOSS + offs, mask=offs < M, other=0.0)
+        if MEAN:
+            count += (tl.load(T + offs, mask=offs < M, other=ignore_index) != ignore_index).to(tl.int32)
+    result = tl.sum(total, axis=0)
+    if MEAN:
+        result = result / tl.sum(count, axis=0).to(result.dtype)
+    tl.store(OUT, result.to(OUT.dtype.element_ty))
 
 
 def _acc_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def _acc_type(x: torch.Tensor):
+    return tl.float64 if _acc_dtype(x) == torch.float64 else tl.float32
+
+
+def _row_launch(v: int) -> dict:
+    return dict(BLOCK_N=min(BLOCK_V, triton.next_power_of_2(v)), num_warps=8 if v >= 2048 else 4)
 
 
 def _run(x, target, lse, loss, dx, scale, ignore_index, smoothing, compute_lse, write_grad):
@@ -81,8 +142,7 @@ def _run(x, target, lse, loss, dx, scale, ignore_index, smoothing, compute_lse, 
         x, target, lse, loss, dx, scale, x.stride(0), dx.stride(0) if dx.numel() else 0,
         scale.stride(0) if scale.dim() else 0,
         x.shape[1], ignore_index, smoothing, COMPUTE_LSE=compute_lse, WRITE_GRAD=write_grad,
-        BLOCK_N=min(BLOCK_V, triton.next_power_of_2(x.shape[1])),
-        ACC=tl.float64 if _acc_dtype(x) == torch.float64 else tl.float32, num_warps=8 if x.shape[1] >= 2048 else 4,
+        ACC=_acc_type(x), **_row_launch(x.shape[1]),
     )
 
 
@@ -110,13 +170,36 @@ def cross_entropy_bwd(
 @kernel_op("profiler_svc::cross_entropy_fwd_bwd", mutates_args={})
 def cross_entropy_fwd_bwd(
     x: torch.Tensor, target: torch.Tensor, scale: torch.Tensor, ignore_index: int, smoothing: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's loss and d(loss · scale)/dx, in one kernel (the row is still in L2 for the second read)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's loss, lse and d(loss · scale)/dx, in one kernel (the row is still in L2 for the second read)."""
     lse = torch.empty((x.shape[0],), dtype=_acc_dtype(x), device=x.device)
     loss = torch.empty((x.shape[0],), dtype=_acc_dtype(x), device=x.device)
     dx = torch.empty_like(x)
     _run(x, target, lse, loss, dx, scale, ignore_index, smoothing, True, True)
-    return loss, dx
+    return loss, lse, dx
+
+
+def _one_program_block(m: int) -> dict:
+    # The whole target vector in one tile up to 16k rows: a single trip through the loop.
+    block = min(16384, triton.next_power_of_2(max(m, 1)))
+    return dict(BLOCK=block, num_warps=16 if block >= 8192 else 4)
+
+
+def _mean_scale(target, ignore_index, like):
+    """1 / (count of non-ignored targets), 0-dim, in the math dtype of `like` (eager only)."""
+    scale = torch.empty((), dtype=_acc_dtype(like), device=target.device)
+    launch(_count_kernel, (1,), target, scale, target.shape[0], ignore_index, **_one_program_block(target.shape[0]))
+    return scale
+
+
+def _regrad_(x, target, lse, dx, grad, scale, ignore_index, smoothing):
+    """Backward of a gradient written in the forward (eager only): dx in place, see _regrad_kernel."""
+    m, v = x.shape
+    launch(
+        _regrad_kernel, (persistent_programs(x.device, m),),
+        x, target, lse, dx, grad, scale, x.stride(0), dx.stride(0), m, v, ignore_index, smoothing,
+        ACC=_acc_type(x), **_row_launch(v),
+    )
 
 
 def _reduce(loss_rows, target, ignore_index, reduction):
@@ -124,9 +207,14 @@ def _reduce(loss_rows, target, ignore_index, reduction):
     # bf16 would cost more accuracy than the whole kernel.
     if reduction == "none":
         return loss_rows.float()
-    if reduction == "sum":
-        return loss_rows.sum().float()
-    return (loss_rows.sum() / (target != ignore_index).sum()).float()  # 0/0 = nan when all ignored, as in eager
+    if torch.compiler.is_compiling():  # Inductor fuses these itself
+        if reduction == "sum":
+            return loss_rows.sum().float()
+        return (loss_rows.sum() / (target != ignore_index).sum()).float()  # 0/0 = nan when all ignored, as in eager
+    out = torch.empty((), dtype=torch.float32, device=loss_rows.device)
+    launch(_reduce_kernel, (1,), loss_rows, target, out, target.shape[0], ignore_index, MEAN=reduction == "mean",
+           **_one_program_block(target.shape[0]))
+    return out
 
 
 def _row_scale(grad, target, ignore_index, reduction):
@@ -138,19 +226,35 @@ def _row_scale(grad, target, ignore_index, reduction):
 
 class CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, ignore_index, reduction, smoothing):
-        loss_rows, lse = cross_entropy_fwd(logits, target, ignore_index, smoothing)
-        ctx.save_for_backward(logits, target, lse)
+    def forward(ctx, logits, target, ignore_index, reduction, smoothing, grad_in_forward):
         ctx.args = ignore_index, reduction, smoothing
+        ctx.dx = None
+        if grad_in_forward:
+            # The gradient for an incoming gradient of 1 is known now: write it while the row is still in
+            # L2 (one read of the logits in all, as Liger does, but into a new buffer, not over the logits).
+            if reduction == "mean":
+                scale = _mean_scale(target, ignore_index, logits)
+            else:
+                scale = torch.ones((), dtype=_acc_dtype(logits), device=logits.device)
+            loss_rows, lse, ctx.dx = cross_entropy_fwd_bwd(logits, target, scale, ignore_index, smoothing)
+            ctx.save_for_backward(logits, target, lse, scale)
+        else:
+            loss_rows, lse = cross_entropy_fwd(logits, target, ignore_index, smoothing)
+            ctx.save_for_backward(logits, target, lse)
         return _reduce(loss_rows, target, ignore_index, reduction)
 
     @staticmethod
     def backward(ctx, grad):
-        logits, target, lse = ctx.saved_tensors
+        logits, target, lse, *scale = ctx.saved_tensors
         ignore_index, reduction, smoothing = ctx.args
-        scale = _row_scale(grad, target, ignore_index, reduction)
-        dx = cross_entropy_bwd(logits, target, lse, scale, ignore_index, smoothing)
-        return dx, None, None, None, None
+        if ctx.dx is not None:
+            # Used once: a second backward (retain_graph) must not overwrite the gradient handed out here.
+            dx, ctx.dx = ctx.dx, None
+            _regrad_(logits, target, lse, dx, grad, scale[0], ignore_index, smoothing)
+        else:
+            dx = cross_entropy_bwd(logits, target, lse, _row_scale(grad, target, ignore_index, reduction),
+                                   ignore_index, smoothing)
+        return dx, None, None, None, None, None
 
 
 def _check(logits_or_hidden, target, reduction, label_smoothing, what="logits"):
@@ -175,7 +279,13 @@ def cross_entropy(logits, target, ignore_index: int = -100, reduction: str = "me
     rows = logits.reshape(-1, logits.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    loss = CrossEntropyFunction.apply(rows, target.reshape(-1), int(ignore_index), reduction, float(label_smoothing))
+    target_rows, ignore_index, smoothing = target.reshape(-1), int(ignore_index), float(label_smoothing)
+    if torch.is_grad_enabled() and rows.requires_grad:
+        # The gradient in the forward needs in-place work in the backward: eager only.
+        grad_in_forward = reduction != "none" and not torch.compiler.is_compiling()
+        loss = CrossEntropyFunction.apply(rows, target_rows, ignore_index, reduction, smoothing, grad_in_forward)
+    else:  # no gradient wanted: skip autograd's CPU cost
+        loss = _reduce(cross_entropy_fwd(rows, target_rows, ignore_index, smoothing)[0], target_rows, ignore_index, reduction)
     return loss.view(target.shape) if reduction == "none" else loss
 
 
@@ -245,7 +355,7 @@ def _chunked_pass(hidden, weight, bias, target, scale, ignore_index, smoothing, 
         t = target[start:stop]
         if need_grads:
             s = scale[start:stop] if scale.dim() else scale
-            loss_rows[start:stop], grad_logits = cross_entropy_fwd_bwd(logits, t, s, ignore_index, smoothing)
+            loss_rows[start:stop], _, grad_logits = cross_entropy_fwd_bwd(logits, t, s, ignore_index, smoothing)
             _mm_fp32_into(grad_hidden[start:stop], grad_logits, weight)
             grad_weight = _addmm_fp32(grad_weight, grad_logits.t(), h)
             if grad_bias is not None:

@@ -101,3 +101,22 @@ def test_swap_cross_entropy_loss():
     assert isinstance(new, CrossEntropyLoss) and (new.ignore_index, new.label_smoothing) == (0, 0.1)
     unswap(holder)
     assert holder["loss"] is loss_fn
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_gradient_written_in_forward(reduction):
+    """With mean/sum the forward writes the gradient for an incoming 1; the backward keeps it for 1 and
+    recomputes for anything else, also on a second backward through the same graph."""
+    logits, target = problem(20, 300, seed=5)
+    x = logits.detach().float().requires_grad_()
+    ref = x.detach().double().requires_grad_()
+    loss = cross_entropy(x, target, reduction=reduction, label_smoothing=0.1)
+    ref_loss = F.cross_entropy(ref, target, reduction=reduction, label_smoothing=0.1)
+    (g1,) = torch.autograd.grad(loss, x, retain_graph=True)  # incoming gradient 1: the forward's
+    (r1,) = torch.autograd.grad(ref_loss, ref, retain_graph=True)
+    kept = g1.clone()
+    (g2,) = torch.autograd.grad(loss, x, torch.tensor(-2.5))  # second backward, another incoming gradient
+    (r2,) = torch.autograd.grad(ref_loss, ref, torch.tensor(-2.5, dtype=torch.float64))
+    assert rel_err(g1, r1) < 1e-6 and rel_err(g2, r2) < 1e-6
+    assert torch.equal(g1, kept)  # the first gradient was not overwritten by the second backward
+    assert g1[::5].abs().max() == 0  # ignored rows
