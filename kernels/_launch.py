@@ -15,6 +15,8 @@ CHUNK_N = 4096
 WARP_ELEMENTS = 512  # tile elements per warp in the row kernels (16 per thread): bounds registers per thread
 ROW_BLOCK_ELEMENTS = 2048  # short rows are grouped until a program's tile has this many elements
 PROGRAMS_PER_SM = 4  # programs per SM of the grid-stride backward kernels (extra ones wait for a free slot)
+BWD_WARP_ELEMENTS = 512  # the same two knobs for the norms' grid-stride backward
+BWD_ROW_BLOCK_ELEMENTS = 2048
 
 
 def interpreted() -> bool:
@@ -36,15 +38,23 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
-def row_tiles(n: int, max_tile_n: int = MAX_TILE_N) -> tuple[int, int, int, bool]:
-    """(BLOCK_M, BLOCK_N, num_warps, one_tile) for a kernel that reduces rows of n columns."""
+def row_tiles(n: int, max_tile_n: int = MAX_TILE_N, backward: bool = False) -> tuple[int, int, int, bool]:
+    """(BLOCK_M, BLOCK_N, num_warps, one_tile) for a kernel that reduces rows of n columns (the
+    backward's grid-stride kernels have their own knobs: they also carry per-program partial sums)."""
+    if backward:
+        return _row_tiles(n, max_tile_n, BWD_WARP_ELEMENTS, BWD_ROW_BLOCK_ELEMENTS)
+    return _row_tiles(n, max_tile_n, WARP_ELEMENTS, ROW_BLOCK_ELEMENTS)
+
+
+@functools.lru_cache(maxsize=None)  # called on every launch: keep the host's per-call work down
+def _row_tiles(n: int, max_tile_n: int, warp_elements: int, row_block_elements: int) -> tuple[int, int, int, bool]:
     block_n = triton.next_power_of_2(max(n, 1))
     one_tile = block_n <= max_tile_n
     if not one_tile:
         block_n = CHUNK_N
     # Several short rows per program, so each program still moves a few KiB.
-    block_m = max(1, min(16, ROW_BLOCK_ELEMENTS // block_n)) if one_tile else 1
-    num_warps = min(32, max(4, block_m * block_n // WARP_ELEMENTS))
+    block_m = max(1, min(16, row_block_elements // block_n)) if one_tile else 1
+    num_warps = min(32, max(4, block_m * block_n // warp_elements))
     return block_m, block_n, num_warps, one_tile
 
 

@@ -200,18 +200,46 @@ def norm_fwd(
     return y, s, mean, rstd
 
 
+@triton.jit
+def _column_sum_kernel(P, OUT, rows, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """OUT[j] = sum_i P[i, j], rounded once to OUT's dtype: the backward's per-program partials of dw/db."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=P.dtype.element_ty)
+    for start in range(0, rows, BLOCK_P):
+        r = start + tl.arange(0, BLOCK_P)
+        acc += tl.load(P + r[:, None] * N + cols[None, :], mask=(r[:, None] < rows) & (cols[None, :] < N), other=0.0)
+    total = tl.sum(acc, axis=0)
+    if OUT.dtype.element_ty != tl.float64:  # fp64 partials (fp32 inputs) into a narrower weight
+        total = total.to(tl.float32)
+    tl.store(OUT + cols, round_to(total, OUT.dtype.element_ty), mask=cols < N)
+
+
+def _column_sum(partial, dtype):
+    """partial (programs, N) summed over programs, in `dtype`: one launch for the sum and the cast."""
+    programs, n = partial.shape
+    out = torch.empty((n,), dtype=dtype, device=partial.device)
+    block_n = min(64, triton.next_power_of_2(n))
+    launch(_column_sum_kernel, (triton.cdiv(n, block_n),), partial, out, programs, n, BLOCK_P=64, BLOCK_N=block_n,
+           num_warps=4)
+    return out
+
+
 @kernel_op("profiler_svc::norm_bwd", mutates_args={})
 def norm_bwd(
     dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor], has_bias: bool, mean: torch.Tensor,
     rstd: torch.Tensor, ds: Optional[torch.Tensor], offset: float, center: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns dx (also the residual's gradient), dw and db (fp32; empty where there is none)."""
+    """Returns dx (also the residual's gradient), dw and db (in the weight's dtype, else x's; empty where
+    there is none)."""
     m, n = x.shape
     dx = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    block_m, block_n, num_warps, one_tile = row_tiles(n)
+    block_m, block_n, num_warps, one_tile = row_tiles(n, backward=True)
     programs = persistent_programs(x.device, triton.cdiv(m, block_m))
-    dw_partial = torch.zeros((programs, n) if weight is not None else (0,), dtype=_stats_dtype(x), device=x.device)
-    db_partial = torch.zeros((programs, n) if has_bias else (0,), dtype=_stats_dtype(x), device=x.device)
+    # Whole rows in one tile: every program writes its own partial row once (no zeroing needed). Wide
+    # rows add into theirs chunk by chunk, so those start at zero.
+    new_partial = torch.empty if one_tile else torch.zeros
+    dw_partial = new_partial((programs, n) if weight is not None else (0,), dtype=_stats_dtype(x), device=x.device)
+    db_partial = new_partial((programs, n) if has_bias else (0,), dtype=_stats_dtype(x), device=x.device)
     launch(
         _norm_bwd_kernel, (programs,),
         dy, x, weight if weight is not None else x, mean, rstd, ds if ds is not None else dy, dx,
@@ -220,8 +248,9 @@ def norm_bwd(
         CENTER=center, HAS_WEIGHT=weight is not None, HAS_BIAS=has_bias, HAS_DS=ds is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, ONE_TILE=one_tile, ACC=_acc_type(x), num_warps=num_warps,
     )
-    dw = dw_partial.sum(0) if weight is not None else dx.new_empty((0,), dtype=_stats_dtype(x))
-    db = db_partial.sum(0) if has_bias else dx.new_empty((0,), dtype=_stats_dtype(x))
+    param_dtype = weight.dtype if weight is not None else x.dtype
+    dw = _column_sum(dw_partial, param_dtype) if weight is not None else dx.new_empty((0,))
+    db = _column_sum(db_partial, param_dtype) if has_bias else dx.new_empty((0,))
     return dx, dw, db
 
 

@@ -304,6 +304,7 @@ class CrossEntropyLoss(nn.Module):
 
 
 MIN_CHUNK_ROWS = 2048
+ACCUMULATE_IN_PLACE = True  # the weight gradient's fp32 accumulator updated in place by the matmul (knob for the sweep)
 
 
 def _chunk_rows(m: int, hidden: int, vocab: int) -> int:
@@ -328,13 +329,34 @@ def _mm_fp32_into(out, a, b):
 
 
 def _addmm_fp32(acc, a, b):
-    """acc (fp32) + a @ b, the sum done inside the matmul (no extra pass over acc)."""
-    if not _half_on_gpu(a):
-        return torch.addmm(acc, a.float(), b.float())
+    """acc (fp32) + a @ b, the sum done inside the matmul (no extra pass over acc); in place in eager,
+    so the (V, H) accumulator is never held twice."""
     if torch.compiler.is_compiling():
         # torch 2.11's fake addmm(out_dtype=) fails under torch.compile (seen on the H100); mm's works.
-        return acc + torch.mm(a, b, out_dtype=torch.float32)
-    return torch.addmm(acc, a, b, out_dtype=torch.float32)
+        return acc + (torch.mm(a, b, out_dtype=torch.float32) if _half_on_gpu(a) else torch.mm(a.float(), b.float()))
+    out = acc if ACCUMULATE_IN_PLACE else None
+    if not _half_on_gpu(a):
+        return torch.addmm(acc, a.float(), b.float(), out=out)
+    return torch.addmm(acc, a, b, out_dtype=torch.float32, out=out)
+
+
+def _scaled_cast(t, g, dtype):
+    """(t · g) in `dtype`: one pass over the fp32 t in eager, where torch.mul rounds into the output."""
+    if torch.compiler.is_compiling():
+        return (t * g).to(dtype)
+    return torch.mul(t, g, out=torch.empty(t.shape, dtype=dtype, device=t.device))
+
+
+def _loss_and_grad(logits, target, scale, ignore_index, smoothing):
+    """A chunk's loss rows and gradient. In eager the gradient overwrites the chunk's own logits (ours,
+    temporary), so a chunk costs one (rows, V) buffer, not two; torch.compile gets the out-of-place op."""
+    if torch.compiler.is_compiling():
+        loss, _, grad = cross_entropy_fwd_bwd(logits, target, scale, ignore_index, smoothing)
+        return loss, grad
+    lse = torch.empty((logits.shape[0],), dtype=_acc_dtype(logits), device=logits.device)
+    loss = torch.empty_like(lse)
+    _run(logits, target, lse, loss, logits, scale, ignore_index, smoothing, True, True)
+    return loss, logits
 
 
 def _chunked_pass(hidden, weight, bias, target, scale, ignore_index, smoothing, chunk_rows, need_grads):
@@ -355,7 +377,7 @@ def _chunked_pass(hidden, weight, bias, target, scale, ignore_index, smoothing, 
         t = target[start:stop]
         if need_grads:
             s = scale[start:stop] if scale.dim() else scale
-            loss_rows[start:stop], _, grad_logits = cross_entropy_fwd_bwd(logits, t, s, ignore_index, smoothing)
+            loss_rows[start:stop], grad_logits = _loss_and_grad(logits, t, s, ignore_index, smoothing)
             _mm_fp32_into(grad_hidden[start:stop], grad_logits, weight)
             grad_weight = _addmm_fp32(grad_weight, grad_logits.t(), h)
             if grad_bias is not None:
@@ -371,8 +393,11 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         args = (ignore_index, smoothing, chunk_rows)
         if needs_grad and reduction != "none":
             # The gradient is known up to the incoming scalar: compute it now, while each chunk is at hand.
-            one = torch.ones((), device=hidden.device, dtype=torch.float32)
-            scale = _row_scale(one, target, ignore_index, reduction)
+            if reduction == "mean" and not torch.compiler.is_compiling():
+                scale = _mean_scale(target, ignore_index, hidden)
+            else:
+                one = torch.ones((), device=hidden.device, dtype=torch.float32)
+                scale = _row_scale(one, target, ignore_index, reduction)
             loss_rows, *grads = _chunked_pass(hidden, weight, bias, target, scale, ignore_index, smoothing, chunk_rows, True)
             ctx.save_for_backward(*(g if g is not None else torch.empty(0) for g in grads))
         else:
@@ -388,7 +413,6 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         if ctx.reduction != "none":
             grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
             g = grad.float()
-            grad_hidden = grad_hidden * g
         else:  # per-row incoming gradients: the weight gradient does not factor, so run the chunks again
             hidden, weight, bias, target = ctx.saved_tensors
             bias = bias if ctx.has_bias else None
@@ -396,9 +420,9 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
                 hidden, weight, bias, target, grad.float(), ignore_index, smoothing, chunk_rows, True
             )
             g = torch.ones((), device=grad.device)
-        grad_hidden = grad_hidden.to(ctx.dtypes[0])
-        grad_weight = (grad_weight * g).to(ctx.dtypes[1])
-        grad_bias = (grad_bias * g).to(ctx.dtypes[2]) if ctx.has_bias else None
+        grad_hidden = _scaled_cast(grad_hidden, g, ctx.dtypes[0])
+        grad_weight = _scaled_cast(grad_weight, g, ctx.dtypes[1])
+        grad_bias = _scaled_cast(grad_bias, g, ctx.dtypes[2]) if ctx.has_bias else None
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
 
 
