@@ -10,10 +10,15 @@ or [seq, head_dim], as HF's rotary module returns them. q and k may be strided v
 inputs: one rounding instead of an fma's two), rounded once to q's dtype; the backward is the same
 rotation with the sine negated.
 
-No swap entry: HF attention modules call the module-global `apply_rotary_pos_emb`, which an
-instance swap cannot reach without rebinding globals or replacing their `forward`; call `rope`
-(a drop-in for `apply_rotary_pos_emb`) from your own attention code instead.
+Swap `rope`: HF attention modules call the module-global `apply_rotary_pos_emb`, which we never
+rebind. Instead each attention *instance* whose forward we recognize (transformers 5.x Llama,
+Mistral, Qwen2, Qwen3, Gemma, Granite... attention) is replaced by a `RopeAttention` that shares its
+projections, norms and config and runs the same forward with `rope` in place of that call,
+dispatching to transformers' own attention functions (see `attention_plan`).
 """
+import functools
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -21,6 +26,7 @@ from torch import nn
 
 from ._launch import kernel_op, launch, round_to
 from .gelu_tanh import check_float, needs_grad
+from .swap import SwapEntry, place
 
 
 @triton.jit
@@ -189,3 +195,208 @@ class RoPE(nn.Module):
 
     def forward(self, q, k, cos, sin, position_ids=None, unsqueeze_dim: int = 1):
         return rope(q, k, cos, sin, position_ids, unsqueeze_dim)
+
+
+# ---- swap: HF attention instances, matched by their forward's structure and by behaviour ----------
+
+# Everything the recognized forward (transformers 5.x LlamaAttention and its copies) may refer to:
+# attributes of self, globals and methods. A forward that uses anything else does something we do
+# not reproduce (softcapping, clipping, partial rotary, a fused qkv_proj, sinks...) and is skipped.
+_FORWARD_NAMES = frozenset({
+    "q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "layer_idx", "config", "_attn_implementation",
+    "training", "attention_dropout", "scaling", "apply_rotary_pos_emb", "ALL_ATTENTION_FUNCTIONS",
+    "get_interface", "eager_attention_forward", "update", "shape", "view", "transpose", "reshape", "contiguous",
+})
+_OPTIONAL_NAMES = frozenset({"q_norm", "k_norm", "sliding_window", "getattr"})
+_FORWARD_ARGS = ("self", "hidden_states", "position_embeddings", "attention_mask", "past_key_values")
+# keyword names of the attention_interface call: Llama's, or Mistral's/Qwen2's with the sliding window
+_INTERFACE_KWARGS = (("dropout", "scaling"), ("dropout", "scaling", "sliding_window"))
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """How a recognized attention forward differs from Llama's, and what it dispatches to."""
+    head_norms: bool  # Qwen3/Gemma3: q_norm/k_norm over head_dim on the [B, S, H, D] views, before the rotation
+    sliding_window: str | None  # None: not passed; "config": getattr(config, "sliding_window", None) (Mistral); "attr": self.sliding_window (Qwen2)
+    attention_functions: object  # the model file's ALL_ATTENTION_FUNCTIONS (looked up, never modified)
+    eager_attention: object  # the model file's eager_attention_forward, the fallback of get_interface
+
+
+def _hf_rope_reference(q, k, cos, sin):
+    """HF's rotate-half rotary embedding, written out (the probe's expected values)."""
+    def rotate(x):
+        half = x.shape[-1] // 2
+        return x * cos[:, None] + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin[:, None]
+    return rotate(q), rotate(k)
+
+
+@functools.lru_cache(maxsize=64)
+def _is_hf_rotary(fn) -> bool:
+    """Does the model file's `apply_rotary_pos_emb` compute rotate-half RoPE over the whole head_dim?
+
+    Run on a small fp64 probe (CPU, whatever the model's device): an interleaved (GLM-style), partial
+    or otherwise different rotation under the same name fails it.
+    """
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 3, 5, 8, generator=gen, dtype=torch.float64), torch.randn(2, 1, 5, 8, generator=gen, dtype=torch.float64)
+    angles = torch.rand(2, 5, 4, generator=gen, dtype=torch.float64) * 6.0
+    angles = torch.cat((angles, angles), dim=-1)
+    cos, sin = angles.cos(), angles.sin()
+    try:
+        with torch.no_grad():
+            got = fn(q, k, cos, sin)
+    except Exception:
+        return False
+    expected = _hf_rope_reference(q, k, cos, sin)
+    return (isinstance(got, tuple) and len(got) == 2
+            and all(isinstance(a, torch.Tensor) and a.shape == b.shape and bool((a - b).abs().max() <= 1e-12)
+                    for a, b in zip(got, expected)))
+
+
+def attention_plan(module: nn.Module) -> AttentionPlan | None:
+    """The plan for an HF attention instance whose forward we reproduce with `rope`.
+
+    None for modules that are not q/k/v/o-projection attention at all; ValueError (the swap reports
+    it as the reason for skipping) for attention modules whose forward we do not recognize. The forward
+    is recognized by its code (argument names, the names and constants it uses), not by class name.
+    """
+    if not all(isinstance(getattr(module, name, None), nn.Module) for name in ("q_proj", "k_proj", "v_proj", "o_proj")):
+        return None
+    forward = type(module).forward
+    code = getattr(forward, "__code__", None)
+    if code is None or hasattr(forward, "__wrapped__"):
+        raise ValueError(f"{type(module).__name__}.forward is wrapped or not plain Python: not recognized")
+    args = code.co_varnames[:code.co_argcount]
+    if args != _FORWARD_ARGS or not code.co_flags & 0x08 or code.co_kwonlyargcount:  # 0x08: **kwargs
+        raise ValueError(f"forward{args} is not transformers 5.x's (hidden_states, position_embeddings, "
+                         "attention_mask, past_key_values, **kwargs): not recognized")
+    names = set(code.co_names)
+    missing, extra = _FORWARD_NAMES - names, names - _FORWARD_NAMES - _OPTIONAL_NAMES
+    if missing or extra:
+        raise ValueError("forward not recognized: " + "; ".join(
+            part for part in (f"uses {sorted(extra)}" if extra else "", f"lacks {sorted(missing)}" if missing else "") if part))
+    consts = [c for c in code.co_consts if not isinstance(c, type(code))]
+    kwnames = [c for c in consts if isinstance(c, tuple)]
+    if len(kwnames) != 1 or kwnames[0] not in _INTERFACE_KWARGS:
+        raise ValueError(f"forward passes {kwnames} to the attention function: not recognized")
+    if module._parameters or module._buffers:
+        raise ValueError("the attention module holds its own parameters or buffers: not recognized")
+
+    sliding = None
+    if "sliding_window" in kwnames[0]:
+        if "getattr" in names and "sliding_window" not in names and "sliding_window" in consts:
+            sliding = "config"
+        elif "sliding_window" in names and "getattr" not in names and hasattr(module, "sliding_window"):
+            sliding = "attr"
+        else:
+            raise ValueError("forward passes a sliding window from a source not recognized")
+    elif {"getattr", "sliding_window"} & names:
+        raise ValueError("forward uses getattr or sliding_window without passing a sliding window: not recognized")
+
+    head_norms = "q_norm" in names or "k_norm" in names
+    if head_norms:  # only norms over head_dim (Qwen3, Gemma3), not over the whole projection (OLMo2)
+        for name in ("q_norm", "k_norm"):
+            norm = getattr(module, name, None)
+            weight = getattr(norm, "weight", None)
+            if not isinstance(norm, nn.Module) or not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (module.head_dim,):
+                raise ValueError(f"{name} is not a norm over head_dim={getattr(module, 'head_dim', '?')}: not recognized")
+
+    scope = forward.__globals__
+    if not _is_hf_rotary(scope.get("apply_rotary_pos_emb")):
+        raise ValueError("the model's apply_rotary_pos_emb is not rotate-half RoPE over the whole head_dim")
+    if scope.get("ALL_ATTENTION_FUNCTIONS") is None or scope.get("eager_attention_forward") is None:
+        raise ValueError("the model file has no ALL_ATTENTION_FUNCTIONS / eager_attention_forward")
+    return AttentionPlan(head_norms, sliding, scope["ALL_ATTENTION_FUNCTIONS"], scope["eager_attention_forward"])
+
+
+class RopeAttention(nn.Module):
+    """An HF attention instance's forward with the fused `rope` in place of `apply_rotary_pos_emb`.
+
+    Shares the original's child modules (q/k/v/o projections, q/k norms: the same objects) and its
+    plain attributes (config, layer_idx, head_dim, scaling, is_causal, sliding_window...), which
+    transformers' attention functions read from the module they get. Attention itself goes through
+    the model file's ALL_ATTENTION_FUNCTIONS with the config's implementation (SDPA, flash, flex,
+    eager), with the same arguments as the original forward, so masks, KV caches, dropout, scaling,
+    sliding windows and every other kwarg behave as they do there.
+    """
+
+    def __init__(self, original: nn.Module, plan: AttentionPlan):
+        super().__init__()
+        for name, value in vars(original).items():
+            if not name.startswith("_") and name != "training":
+                setattr(self, name, value)
+        for name, child in original.named_children():
+            self.add_module(name, child)
+        self.train(original.training)
+        self._plan = plan
+        self._original_class = type(original).__name__
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
+        plan = self._plan
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        # [B, S, H, D] views of the projections: rope rotates them in this layout (HF transposes first;
+        # the memory layout of the results is the same)
+        query = self.q_proj(hidden_states).view(hidden_shape)
+        key = self.k_proj(hidden_states).view(hidden_shape)
+        if plan.head_norms:
+            query, key = self.q_norm(query), self.k_norm(key)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+
+        cos, sin = position_embeddings
+        query, key = rope(query, key, cos, sin, unsqueeze_dim=2)
+        query_states, key_states = query.transpose(1, 2), key.transpose(1, 2)
+
+        if past_key_values is not None:
+            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+
+        attention_interface = plan.attention_functions.get_interface(self.config._attn_implementation, plan.eager_attention)
+        if plan.sliding_window == "config":
+            kwargs = dict(kwargs, sliding_window=getattr(self.config, "sliding_window", None))
+        elif plan.sliding_window == "attr":
+            kwargs = dict(kwargs, sliding_window=self.sliding_window)
+        attn_output, attn_weights = attention_interface(
+            self, query_states, key_states, value_states, attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **kwargs,
+        )
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        return self.o_proj(attn_output), attn_weights
+
+    def extra_repr(self):
+        return f"{self._original_class} with fused rope"
+
+
+def _rotary_tables(module: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor):
+    """(cos, sin) from the model file's own rotary module built on the attention's config, else HF's default tables."""
+    for name, cls in list(type(module).forward.__globals__.items()):
+        if name.endswith("RotaryEmbedding") and isinstance(cls, type) and issubclass(cls, nn.Module):
+            try:
+                rotary = cls(config=module.config).to(hidden.device)
+                cos, sin = rotary(hidden, position_ids)
+            except Exception:
+                continue
+            if cos.shape == (*position_ids.shape, module.head_dim):
+                return cos, sin
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, module.head_dim, 2, device=hidden.device, dtype=torch.float32) / module.head_dim))
+    angles = position_ids[..., None].float() * inv_freq
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos().to(hidden.dtype), angles.sin().to(hidden.dtype)
+
+
+def attention_example_inputs(module: nn.Module) -> tuple:
+    """(hidden_states, (cos, sin), attention_mask=None): two rows at different positions."""
+    device, dtype = place(module)
+    gen = torch.Generator(device=device).manual_seed(2)
+    hidden = torch.randn(2, 5, module.q_proj.in_features, generator=gen, device=device).to(dtype)
+    position_ids = torch.arange(5, device=device)[None] + torch.tensor([[0], [37]], device=device)
+    return hidden, _rotary_tables(module, hidden, position_ids), None
+
+
+SWAP = SwapEntry(
+    name="rope",
+    summary="HF attention (Llama, Mistral, Qwen2, Qwen3, Gemma...) with the fused rotary embedding: q and k in one pass",
+    matches=lambda m: attention_plan(m) is not None,
+    replace=lambda m: RopeAttention(m, attention_plan(m)),
+    example_inputs=attention_example_inputs,
+    shares_children=True,
+)

@@ -34,6 +34,9 @@ class SwapEntry:
     matches: Callable[[nn.Module], bool]  # does this module INSTANCE compute what we replace?
     replace: Callable[[nn.Module], nn.Module]  # new module sharing (not copying) the original's parameters
     example_inputs: Callable[[nn.Module], tuple]  # small random inputs on the module's device/dtype
+    # The replacement holds the original's children under the same names (rope's attention keeps
+    # Qwen3's q_norm/k_norm): they stay visible to the other swaps, which act on them in place.
+    shares_children: bool = False
 
 
 @dataclass
@@ -200,7 +203,8 @@ def swap(model: nn.Module, names: Iterable | str | SwapEntry | None = None, *, c
                 continue
             _set_child(model, qualified_name, replacement)
             originals[qualified_name] = module
-            done_prefixes.append(qualified_name)
+            if not entry.shares_children:
+                done_prefixes.append(qualified_name)
             report.swapped.append((qualified_name, type(module).__name__, entry.name, abs_err, rel_err))
             break
     return report
@@ -209,7 +213,8 @@ def swap(model: nn.Module, names: Iterable | str | SwapEntry | None = None, *, c
 def unswap(model: nn.Module) -> None:
     """Put back every original module instance that `swap` replaced in `model`."""
     originals = model.__dict__.pop(_ORIGINALS_ATTR, {})
-    # Deepest first is not needed (swapped subtrees never nest), but restore in reverse for symmetry.
+    # Reverse order: a child swapped inside a replacement that shares children (recorded after its
+    # parent) goes back first, then the parent's original, whose own child attribute never changed.
     for qualified_name, module in reversed(list(originals.items())):
         _set_child(model, qualified_name, module)
 

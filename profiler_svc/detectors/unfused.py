@@ -37,9 +37,10 @@ PATTERNS = {
                       "from profiler_svc.kernels import swap\nswap(model, [\"swiglu\"])"),
     "geglu": Pattern("geglu", "GELU(gate)·up in separate kernels", 3,
                      "from profiler_svc.kernels import swap\nswap(model, [\"geglu\"])"),
-    # no instance swap: HF attention calls a module-level apply_rotary_pos_emb, which we never rebind
-    "rope": Pattern(None, "rotary embedding as mul/neg/cat/add kernels", 2,
-                    "from profiler_svc.kernels import rope\nq, k = rope(q, k, cos, sin)  # in place of apply_rotary_pos_emb"),
+    # the swap replaces the attention instances whose forward calls apply_rotary_pos_emb
+    "rope": Pattern("rope", "rotary embedding as mul/neg/cat/add kernels", 2,
+                    "from profiler_svc.kernels import swap\nswap(model, [\"rope\"])  # HF attention with the fused rotary\n"
+                    "# own attention code: q, k = profiler_svc.kernels.rope(q, k, cos, sin)"),
     "softmax": Pattern("softmax", "softmax with fp32 upcast and downcast", 2,
                        "from profiler_svc.kernels import softmax\nprobs = softmax(scores)  # fp32 math inside, one pass"),
     "cross_entropy": Pattern("cross_entropy", "cross-entropy over upcast fp32 logits", 1,
@@ -257,9 +258,6 @@ def _findings(trace, chains):
         if kind == "optimizer":
             summary = ("Use the fused optimizer implementation (one kernel per parameter group reads params, grads and "
                        "states once).")
-        elif kind == "rope":
-            summary = ("Apply the rotary embedding with the bundled fused `rope` kernel (q and k in one pass, forward and "
-                       "backward) where the attention calls apply_rotary_pos_emb.")
         elif pattern.swap:
             summary = (f"Swap in the bundled fused `{pattern.swap}` kernel"
                        + (f" for {len(instances)} module instance{'s' if len(instances) != 1 else ''}" if instances

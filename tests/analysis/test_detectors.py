@@ -41,7 +41,8 @@ def test_llama_training_chains_name_their_swaps():
     assert rms.evidence["input_shapes"] == [[4, 512, 1024]] and rms.evidence["dtypes"] == ["fp32"]
     assert rms.evidence["bytes_moved"] > rms.evidence["fused_min_bytes"] > 0
     assert swaps["optimizer"].recommendation.snippet.count("fused=True") == 1
-    assert swaps["rope"].recommendation.swap is None and "rope(q, k, cos, sin)" in swaps["rope"].recommendation.snippet
+    assert swaps["rope"].recommendation.swap == "rope" and 'swap(model, ["rope"])' in swaps["rope"].recommendation.snippet
+    assert "Swap in the bundled fused `rope` kernel" in swaps["rope"].recommendation.summary
     # no GEMM in this model is misaligned and none falls back
     assert findings("llama_bf16_train", "misalignment") == []
     assert findings("llama_bf16_train", "fallback_kernel", min_severity="low") == []

@@ -1,0 +1,169 @@
+"""The `rope` swap: HF attention instances replaced by RopeAttention (fused rotary), on tiny models."""
+import types
+
+import pytest
+import torch
+from torch import nn
+
+from profiler_svc.kernels import swap, unswap
+from profiler_svc.kernels.rope import RopeAttention, attention_example_inputs, attention_plan
+
+transformers = pytest.importorskip("transformers")
+from transformers.cache_utils import DynamicCache  # noqa: E402
+from transformers.models.llama import modeling_llama  # noqa: E402
+
+TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def tiny(family="Llama", attn="sdpa", **overrides):
+    torch.manual_seed(0)
+    config = getattr(transformers, f"{family}Config")(**{**TINY, **overrides}, attn_implementation=attn)
+    return getattr(transformers, f"{family}ForCausalLM")(config)
+
+
+def attention_modules(model):
+    return {name: m for name, m in model.named_modules() if type(m).__name__.endswith("Attention")}
+
+
+def run(model, ids, mask=None):
+    """Logits, loss and every parameter's gradient of one training step (no optimizer step)."""
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, attention_mask=mask, labels=ids)
+    out.loss.backward()
+    return out.logits.detach(), out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_llama_every_attention_swapped_sharing_modules_same_outputs_and_grads_then_restored():
+    model = tiny()  # GQA: 4 query heads, 2 KV heads
+    model.train()  # attention_dropout is 0: training mode must not change the numbers
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(1))
+    logits, loss, grads = run(model, ids)
+    originals = attention_modules(model)
+    children = {name: dict(m.named_children()) for name, m in originals.items()}
+
+    report = swap(model, ["rope"])
+
+    assert sorted(row[0] for row in report.swapped) == sorted(originals) and len(originals) == 2
+    assert report.skipped == []
+    assert all(row[1] == "LlamaAttention" and row[3] < 1e-6 for row in report.swapped)  # parity vs fp64
+    for name, orig in originals.items():
+        new = model.get_submodule(name)
+        assert isinstance(new, RopeAttention) and new.training
+        assert dict(new.named_children()) == children[name]  # q/k/v/o_proj: the very same objects
+        assert new.config is orig.config and new.layer_idx == orig.layer_idx and new.scaling == orig.scaling
+        assert new.num_key_value_groups == 2
+    new_logits, new_loss, new_grads = run(model, ids)
+    torch.testing.assert_close(new_logits, logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(new_loss, loss, rtol=1e-6, atol=1e-6)
+    assert new_grads.keys() == grads.keys()
+    for name in grads:  # gradients reach the original parameters, equal to the unswapped model's
+        torch.testing.assert_close(new_grads[name], grads[name], rtol=1e-4, atol=1e-6)
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # a training step through the swapped model
+    before = originals["model.layers.0.self_attn"].q_proj.weight.detach().clone()
+    opt.step()
+    assert not torch.equal(originals["model.layers.0.self_attn"].q_proj.weight, before)
+
+    unswap(model)
+    for name, orig in originals.items():
+        assert model.get_submodule(name) is orig
+    assert swap(model, ["rope"]).swapped  # swappable again
+    unswap(model)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_padding_mask_and_kv_cache_decode_match(attn):
+    model = tiny(attn=attn).eval()
+    ids = torch.randint(3, 128, (2, 8), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding on the second row
+
+    def decode(m):
+        with torch.no_grad():
+            cache = DynamicCache(config=m.config)
+            first = m(input_ids=ids[:, :6], attention_mask=mask[:, :6], past_key_values=cache, use_cache=True)
+            second = m(input_ids=ids[:, 6:], attention_mask=mask, past_key_values=first.past_key_values, use_cache=True)
+        return first.logits, second.logits, cache.layers[0].keys.clone()
+
+    expected = decode(model)
+    assert len(swap(model, ["rope"]).swapped) == 2
+    for got, want in zip(decode(model), expected):  # the cache holds the same rotated keys
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    unswap(model)
+
+
+def test_example_inputs_use_the_models_rotary_tables():
+    model = tiny()
+    attn = model.model.layers[0].self_attn
+    hidden, (cos, sin), mask = attention_example_inputs(attn)
+    positions = torch.arange(5)[None] + torch.tensor([[0], [37]])  # two rows at different positions
+    want_cos, want_sin = model.model.rotary_emb(hidden, positions)
+    torch.testing.assert_close(cos, want_cos, rtol=0, atol=0)
+    torch.testing.assert_close(sin, want_sin, rtol=0, atol=0)
+    assert mask is None and hidden.shape == (2, 5, 64)
+
+
+def test_sliding_windows_and_qwen3_head_norms():
+    # Mistral passes the config's sliding window, Qwen2/Qwen3 their own attribute: both with a
+    # window shorter than the sequence, in eager attention where the window is in the mask
+    for family, kind in (("Mistral", "config"), ("Qwen2", "attr"), ("Qwen3", "attr")):
+        extra = {"use_sliding_window": True, "max_window_layers": 0} if family != "Mistral" else {}
+        model = tiny(family, attn="eager", sliding_window=3, **extra).eval()
+        ids = torch.randint(3, 128, (2, 8), generator=torch.Generator().manual_seed(3))
+        with torch.no_grad():
+            expected = model(input_ids=ids).logits
+        attn = model.model.layers[0].self_attn
+        assert attention_plan(attn).sliding_window == kind
+        report = swap(model, ["rope", "rms_norm"])
+        assert [r for r in report.swapped if r[2] == "rope"] and not report.skipped
+        with torch.no_grad():
+            torch.testing.assert_close(model(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
+        if family == "Qwen3":  # q_norm/k_norm stay swappable inside the replacement, and come back
+            new = model.model.layers[0].self_attn
+            assert attention_plan(attn).head_norms and type(new.q_norm).__name__ == "RMSNorm"
+            assert type(attn.q_norm).__name__ == "Qwen3RMSNorm"  # the original's own child never changed
+        unswap(model)
+        assert model.model.layers[0].self_attn is attn
+        if family == "Qwen3":
+            assert type(model.model.layers[0].self_attn.q_norm).__name__ == "Qwen3RMSNorm"
+
+
+class ScaledAttention(nn.Module):
+    """q/k/v/o projections like Llama's, but a forward that does something else (a temperature)."""
+
+    def __init__(self, llama_attention):
+        super().__init__()
+        self.q_proj, self.k_proj = llama_attention.q_proj, llama_attention.k_proj
+        self.v_proj, self.o_proj = llama_attention.v_proj, llama_attention.o_proj
+        self.temperature = 2.0
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
+        return self.o_proj(self.v_proj(hidden_states).repeat(1, 1, 2) / self.temperature), None
+
+
+def interleaved_rope(q, k, cos, sin, unsqueeze_dim=1):
+    """GLM-style rotary (pairs of adjacent dims), not HF's rotate-half."""
+    def rot(x):
+        pairs = torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+        return x * cos.unsqueeze(unsqueeze_dim) + pairs * sin.unsqueeze(unsqueeze_dim)
+    return rot(q), rot(k)
+
+
+def test_attention_that_does_not_match_is_skipped_with_a_reason():
+    model = tiny().eval()
+    layer = model.model.layers[0]
+    layer.self_attn = ScaledAttention(layer.self_attn)
+    # Llama's forward code verbatim, but its apply_rotary_pos_emb is interleaved: rejected by behaviour
+    glm_like = types.FunctionType(modeling_llama.LlamaAttention.forward.__code__,
+                                  {**modeling_llama.__dict__, "apply_rotary_pos_emb": interleaved_rope})
+    other = type("GlmLikeAttention", (modeling_llama.LlamaAttention,), {"forward": glm_like})
+    model.model.layers[1].self_attn.__class__ = other
+
+    report = swap(model, ["rope"])
+
+    assert report.swapped == []
+    reasons = dict((name, reason) for name, _, reason in report.skipped)
+    assert "forward not recognized: uses ['repeat', 'temperature']" in reasons["model.layers.0.self_attn"]
+    assert "not rotate-half RoPE" in reasons["model.layers.1.self_attn"]
+    assert attention_plan(nn.Linear(4, 4)) is None  # not attention at all: no reason, no entry
