@@ -3,11 +3,13 @@
 Per row r with target t (rows whose target is ignore_index contribute nothing):
     lse = logsumexp(x),  loss = (1 - ε)·(lse - x_t) + ε·(lse - mean(x))          (ε = label smoothing)
     dloss/dx_j = g_r · (softmax(x)_j - (1 - ε)·[j = t] - ε/V)
-One online pass over a row gives lse, x_t and mean(x) (fp32 math; fp64 for fp32 logits); the
-backward recomputes softmax from the saved lse, so forward + backward reads the logits twice and
-writes the gradient once. The fused linear version runs the same kernel on row chunks of
-hidden @ weight.T, computing the logits' gradient with the loss and folding it into the hidden and
-weight gradients at once, so memory holds a chunk of logits and its gradient, never all of them.
+One online pass over a row gives lse, x_t and mean(x) (fp32 math; fp64 for fp32 logits). With
+mean/sum and a gradient wanted (eager), the same kernel then writes the gradient for an incoming 1
+while the row is in L2: logits read once, gradient written once; the backward has nothing to do
+unless the incoming gradient is not 1. Otherwise (reduction none, torch.compile) the backward
+recomputes softmax from the saved lse, reading the logits again. The fused linear version runs the
+kernel on row chunks of hidden @ weight.T, writing each chunk's logits' gradient over the chunk and
+folding it into the hidden and weight gradients at once, so memory holds one chunk, never all logits.
 """
 from typing import Optional
 
