@@ -4,9 +4,11 @@ from __future__ import annotations
 import json
 import os
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
 
 from ..errors import UserError
+from .workload import one_line
 
 REPORT_SCHEMA = "profiler_svc.report/1"
 
@@ -34,12 +36,12 @@ def add_commands(subparsers) -> None:
 
 def run_ab(args) -> int:
     from . import ab_test, load_workload
-    from .workload import one_line
 
     swaps = list(dict.fromkeys(args.swap + (swaps_from_report(args.from_report) if args.from_report else [])))
     if not swaps:
         raise UserError("nothing to test: give --swap NAME or --from-report REPORT.json")
     workload = load_workload(args.workload)
+    started_at = datetime.now(timezone.utc)
     try:
         result = ab_test(workload.model, workload.inputs, swaps, train=args.train, loss_fn=workload.loss_fn,
                          rounds=args.rounds, warmup=args.warmup, seed=args.seed)
@@ -47,12 +49,14 @@ def run_ab(args) -> int:
         raise
     except Exception as err:  # the user's model failed: one line here, the traceback via ab_test in Python
         raise UserError(f"workload {args.workload} failed during the A/B test: {one_line(err)}") from None
-    note = _store(result, args.workload)
     if args.json:
         json.dump(result.to_dict(), sys.stdout, indent=2, allow_nan=False)
         print()
     else:
         print(result.summary())
+    sys.stdout.flush()
+    params = {"train": args.train, "rounds": args.rounds, "warmup": args.warmup, "seed": args.seed}
+    note = _store(result, args.workload, params, started_at)  # after printing: a storage error keeps the result
     if note:
         print(note, file=sys.stderr)
     return 1 if result.verdict == "parity_failed" else 0
@@ -79,15 +83,17 @@ def swaps_from_report(path: Path) -> list[str]:
     return swaps
 
 
-def _store(result, workload: str) -> str | None:
-    """Save to the configured database (PROFILER_SVC_DATABASE_URL) if storage can; else a note why not."""
+def _store(result, workload: str, params: dict, started_at) -> str | None:
+    """Save to the configured database (PROFILER_SVC_DATABASE_URL) as a done A/B job; a line saying so."""
     from ..storage.db import DATABASE_URL_ENV
 
     if not os.environ.get(DATABASE_URL_ENV):
         return None
+    from ..storage import save_ab_result
     try:
-        from ..storage import save_ab_result
-    except ImportError:
-        return "note: result not stored: this storage version has no save_ab_result"
-    saved_id = save_ab_result(result.to_dict(), workload=workload)
-    return f"stored as A/B result {saved_id}"
+        job_id = save_ab_result(result.to_dict(), workload=workload, params=params, started_at=started_at)
+    except UserError:
+        raise
+    except Exception as err:  # the database is unreachable or not migrated: the result above still stands
+        raise UserError(f"result not stored: {one_line(err)}") from None
+    return f"stored as A/B job {job_id}"

@@ -93,3 +93,40 @@ def fail(session, job_id: int, worker: str, error: str) -> bool:
     return session.execute(
         update(ABJob).where(ABJob.id == job_id, ABJob.worker == worker, ABJob.status == "running")
         .values(status="failed", finished_at=utcnow(), lease_expires_at=None, error=error[:4000])).rowcount == 1
+
+
+def save_ab_result(result: dict, *, workload: str, params: dict | None = None, run_id: int | None = None,
+                   started_at=None, engine=None) -> int:
+    """Store an A/B test run outside the queue (the `profiler_svc ab` CLI) as a done job with its result.
+
+    The job belongs to `run_id` if given, else to the newest run of that workload (e.g. one ingested
+    with --workload), else to a run made for the workload (no traces, one per workload, reused by
+    later results). It shows on the dashboard like a queued job that a worker finished. Returns the
+    job id. `engine`: the configured database by default (the SQLite file is migrated on first use).
+    """
+    import socket
+
+    from .commands import ready_engine
+    from .db import session_scope
+    from .ingest import _get_or_create_run
+    from .models import Run
+    from .queries import get
+
+    with session_scope(engine or ready_engine()) as session:
+        if run_id is not None:
+            run = get(session, Run, run_id)
+        else:
+            run = session.scalars(select(Run).where(Run.workload == workload).order_by(Run.id.desc()).limit(1)).first()
+            if run is None:
+                run = _get_or_create_run(session, group_key=f"ab:{workload}", name=f"A/B {workload}",
+                                         host=socket.gethostname(), workload=workload,
+                                         meta={"source": "profiler_svc ab"})
+        now = utcnow()
+        job = ABJob(run_id=run.id, swap=", ".join(result.get("swaps") or [])[:255] or "?", workload=workload[:500],
+                    params={**(params or {}), "source": "cli"}, status="done", attempts=1,
+                    worker=f"cli@{socket.gethostname()}"[:255], created_at=started_at or now,
+                    started_at=started_at or now, finished_at=now)
+        session.add(job)
+        session.flush()
+        session.add(ABResultRow(job_id=job.id, result=result, device=result.get("device")))
+        return job.id

@@ -101,3 +101,30 @@ def test_model_failure_is_one_line_exit_2(capsys):
     code, out, err = _ab(capsys, "--workload", "ab_workloads:mlp", "--swap", "rms_norm", "--train", *QUICK)
     assert code == 2 and err.count("\n") == 1 and "needs a scalar loss" in err
 
+
+
+@needs_kernels
+def test_result_is_stored_when_a_database_is_configured(tmp_path, monkeypatch, capsys):
+    from profiler_svc.storage import db as storage_db
+    from profiler_svc.storage.db import session_scope
+    from profiler_svc.storage.models import ABJob
+
+    url = f"sqlite:///{tmp_path / 'ab.sqlite3'}"  # the zero-set-up SQLite file: migrated on first use
+    monkeypatch.setenv("PROFILER_SVC_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("PROFILER_SVC_DATABASE_URL", url)
+    try:
+        code, out, err = _ab(capsys, "--workload", "ab_workloads:mlp", "--swap", "rms_norm", "--json", *QUICK)
+        assert code == 0 and err.strip() == "stored as A/B job 1"
+        with session_scope(storage_db.get_engine(url)) as s:
+            job = s.get(ABJob, 1)
+            assert job.status == "done" and job.workload == "ab_workloads:mlp" and job.swap == "rms_norm"
+            assert job.result.result == json.loads(out) and job.params["rounds"] == 3
+            assert job.run.workload == "ab_workloads:mlp"
+    finally:
+        storage_db._engines.pop(url).dispose()
+
+    # a configured database that cannot take the result: the result is still printed, then exit 2
+    monkeypatch.setenv("PROFILER_SVC_DATABASE_URL", "postgresql://nobody@127.0.0.1:1/none")
+    code, out, err = _ab(capsys, "--workload", "ab_workloads:mlp", "--swap", "rms_norm", *QUICK)
+    assert code == 2 and "verdict: " in out
+    assert err.count("\n") == 1 and "cannot open the database" in err and "Connection refused" in err
