@@ -15,7 +15,9 @@ module globals, which would patch every model built after it in the same process
   ab         profiler_svc.ab_test on the eager model with the recommended module swaps, batch 1:
              parity against fp64 (loss and every gradient) and interleaved timing with its CI
 
-"ours" = the recommended module swaps (kernels.swap, parity-checked per instance) plus, where the
+"ours" = the recommended module swaps (kernels.swap, parity-checked per instance: e.g. rms_norm on
+the norms, swiglu on the MLPs, rope on the attention instances, which then call our fused rotary
+kernel instead of the module-global apply_rotary_pos_emb) plus, where the
 report recommends `cross_entropy` for the loss chain, the loss computed by our
 fused_linear_cross_entropy from the final hidden states (what Liger's fused_linear_cross_entropy
 does by patching LlamaForCausalLM.forward; a module swap cannot reach HF's functional loss).
