@@ -15,8 +15,12 @@ CHUNK_N = 4096
 WARP_ELEMENTS = 512  # tile elements per warp in the row kernels (16 per thread): bounds registers per thread
 ROW_BLOCK_ELEMENTS = 2048  # short rows are grouped until a program's tile has this many elements
 PROGRAMS_PER_SM = 4  # programs per SM of the grid-stride backward kernels (extra ones wait for a free slot)
-BWD_WARP_ELEMENTS = 512  # the same two knobs for the norms' grid-stride backward
+# The norms' grid-stride backward on short rows (n <= BWD_SMALL_N) has its own three knobs: it also
+# carries per-program partial sums, and short rows need more rows in flight per SM.
+BWD_SMALL_N = 2048
+BWD_WARP_ELEMENTS = 512
 BWD_ROW_BLOCK_ELEMENTS = 2048
+BWD_SMALL_PROGRAMS_PER_SM = 4
 
 
 def interpreted() -> bool:
@@ -41,7 +45,7 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
 def row_tiles(n: int, max_tile_n: int = MAX_TILE_N, backward: bool = False) -> tuple[int, int, int, bool]:
     """(BLOCK_M, BLOCK_N, num_warps, one_tile) for a kernel that reduces rows of n columns (the
     backward's grid-stride kernels have their own knobs: they also carry per-program partial sums)."""
-    if backward:
+    if backward and n <= BWD_SMALL_N:
         return _row_tiles(n, max_tile_n, BWD_WARP_ELEMENTS, BWD_ROW_BLOCK_ELEMENTS)
     return _row_tiles(n, max_tile_n, WARP_ELEMENTS, ROW_BLOCK_ELEMENTS)
 
@@ -63,10 +67,10 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def persistent_programs(device: torch.device, blocks: int) -> int:
+def persistent_programs(device: torch.device, blocks: int, per_sm: int = 0) -> int:
     """Programs for a grid-stride kernel: a few per SM on a GPU, few under the (slow) interpreter."""
     if device.type == "cuda":
-        return max(1, min(blocks, PROGRAMS_PER_SM * _sm_count(device.index if device.index is not None else torch.cuda.current_device())))
+        return max(1, min(blocks, (per_sm or PROGRAMS_PER_SM) * _sm_count(device.index if device.index is not None else torch.cuda.current_device())))
     return max(1, min(blocks, 4))
 
 

@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import _launch
 from ._launch import as_rows, kernel_op, launch, persistent_programs, require_triton, round_to, row_tiles
 
 
@@ -234,7 +235,8 @@ def norm_bwd(
     m, n = x.shape
     dx = torch.empty((m, n), dtype=x.dtype, device=x.device)
     block_m, block_n, num_warps, one_tile = row_tiles(n, backward=True)
-    programs = persistent_programs(x.device, triton.cdiv(m, block_m))
+    per_sm = _launch.BWD_SMALL_PROGRAMS_PER_SM if n <= _launch.BWD_SMALL_N else 0
+    programs = persistent_programs(x.device, triton.cdiv(m, block_m), per_sm)
     # Whole rows in one tile: every program writes its own partial row once (no zeroing needed). Wide
     # rows add into theirs chunk by chunk, so those start at zero.
     new_partial = torch.empty if one_tile else torch.zeros
