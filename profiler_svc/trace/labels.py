@@ -2,7 +2,7 @@
 
 Kept in one place so the writer (capture) and the reader (trace loading) cannot drift apart.
 
-Module label: a `user_annotation` event (``torch.profiler.record_function``) named
+Module label: a CPU range (any category: the agent writes `cpu_op` ranges, `record_function` writes `user_annotation`) named
 ``module::<qualified name> (<ClassName>)``, e.g. ``module::model.layers.3.input_layernorm (LlamaRMSNorm)``.
 The root module's qualified name is written as ``<root>``.
 
