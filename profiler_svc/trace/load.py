@@ -493,8 +493,21 @@ def _add_op_context(table: pd.DataFrame, cpu: pd.DataFrame) -> None:
     table["op_name"] = pd.Series(np.where(has, names[safe], None), dtype=object, index=table.index)
     table["top_op"] = top
     table["top_op_name"] = pd.Series(np.where(top >= 0, names[np.maximum(top, 0)], None), dtype=object, index=table.index)
-    table["module"] = pd.Series(np.where(has, cpu["module"].to_numpy()[safe], None), dtype=object, index=table.index)
+    module = np.where(has, cpu["module"].to_numpy()[safe], None)
+    if not has.all():
+        module = np.where(has, module, _module_by_label_id(cpu, table["external_id"].to_numpy()))
+    table["module"] = pd.Series(module, dtype=object, index=table.index)
     table["backward"] = np.where(has, cpu["backward"].to_numpy()[safe], False)
+
+
+def _module_by_label_id(cpu: pd.DataFrame, external_ids: np.ndarray) -> np.ndarray:
+    """Module of the label whose External id a launch carries: a Triton kernel launched straight
+    from a module's Python code has no aten op, and then Kineto gives it the agent's label's id."""
+    is_label = (cpu["cat"] == "user_annotation").to_numpy() & cpu["module"].notna().to_numpy() \
+        & (cpu["external_id"] >= 0).to_numpy()
+    by_id = pd.Series(cpu["module"].to_numpy()[is_label], index=cpu["external_id"].to_numpy()[is_label])
+    by_id = by_id[~by_id.index.duplicated()]
+    return by_id.reindex(external_ids).to_numpy(dtype=object)
 
 
 def _rank(metadata):

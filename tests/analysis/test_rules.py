@@ -29,3 +29,21 @@ def test_torch_module_frames_name_the_class(tmp_path):
     f = [f for f in recommend(w.write(tmp_path / "t.json")).findings if f.category == "unfused_chain"]
     assert f and f[0].recommendation.swap == "rms_norm"
     assert f[0].evidence["modules"] == ["LlamaRMSNorm_0 (LlamaRMSNorm)"]
+
+
+def test_kernel_launched_straight_from_a_module_label_gets_its_module(tmp_path):
+    from profiler_svc import load_trace
+    w = TraceWriter()
+    # The agent's label is a cpu_op range; a Triton kernel launched from the module's own Python
+    # code has no aten op around it, so Kineto gives its launch the label's External id.
+    label = w.op("module::model.layers.0.mlp (LlamaMLP)", 0, 100)
+    w.kernel("_swiglu_forward_kernel", 200, 30, label)
+    ext = w.op("aten::mm", 10, 20, dims=[[8, 64], [64, 64]])  # an ordinary op inside the same label
+    w.kernel("nvjet_sm90_tst_64x8_64x16_1x1_v_bz_TNT", 240, 10, ext)
+    trace = load_trace(w.write(tmp_path / "t.json"))
+    assert set(trace.cpu.loc[trace.cpu["name"].str.startswith("module::"), "cat"]) == {"user_annotation"}
+    kernels = trace.kernels.set_index("name")
+    assert kernels.loc["_swiglu_forward_kernel", "module"] == "model.layers.0.mlp (LlamaMLP)"
+    assert kernels.loc["_swiglu_forward_kernel", "op_name"] is None  # a label is not an op
+    assert kernels.loc["nvjet_sm90_tst_64x8_64x16_1x1_v_bz_TNT", "module"] == "model.layers.0.mlp (LlamaMLP)"
+    assert kernels.loc["nvjet_sm90_tst_64x8_64x16_1x1_v_bz_TNT", "op_name"] == "aten::mm"
