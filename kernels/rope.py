@@ -262,6 +262,8 @@ def attention_plan(module: nn.Module) -> AttentionPlan | None:
     """
     if not all(isinstance(getattr(module, name, None), nn.Module) for name in ("q_proj", "k_proj", "v_proj", "o_proj")):
         return None
+    if "forward" in vars(module):  # patched on the instance (accelerate's hooks, PEFT...): not the class's code
+        raise ValueError(f"{type(module).__name__} instance has its own forward: not recognized")
     forward = type(module).forward
     code = getattr(forward, "__code__", None)
     if code is None or hasattr(forward, "__wrapped__"):

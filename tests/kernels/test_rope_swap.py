@@ -151,7 +151,7 @@ def interleaved_rope(q, k, cos, sin, unsqueeze_dim=1):
 
 
 def test_attention_that_does_not_match_is_skipped_with_a_reason():
-    model = tiny().eval()
+    model = tiny(num_hidden_layers=3).eval()
     layer = model.model.layers[0]
     layer.self_attn = ScaledAttention(layer.self_attn)
     # Llama's forward code verbatim, but its apply_rotary_pos_emb is interleaved: rejected by behaviour
@@ -159,11 +159,14 @@ def test_attention_that_does_not_match_is_skipped_with_a_reason():
                                   {**modeling_llama.__dict__, "apply_rotary_pos_emb": interleaved_rope})
     other = type("GlmLikeAttention", (modeling_llama.LlamaAttention,), {"forward": glm_like})
     model.model.layers[1].self_attn.__class__ = other
+    patched = model.model.layers[2].self_attn  # a forward patched on the instance, as accelerate's hooks do
+    patched.forward = types.MethodType(lambda self, *args, **kwargs: type(self).forward(self, *args, **kwargs), patched)
 
     report = swap(model, ["rope"])
 
     assert report.swapped == []
     reasons = dict((name, reason) for name, _, reason in report.skipped)
+    assert "has its own forward" in reasons["model.layers.2.self_attn"]
     assert "forward not recognized: uses ['repeat', 'temperature']" in reasons["model.layers.0.self_attn"]
     assert "not rotate-half RoPE" in reasons["model.layers.1.self_attn"]
     assert attention_plan(nn.Linear(4, 4)) is None  # not attention at all: no reason, no entry
