@@ -63,4 +63,7 @@ def test_dashboard_lists_and_shows_cli_results(engine, blobs):
     assert f"#{job_id}" in listing and "rms_norm, rope" in listing and "cli@" in listing
     page = client.get(f"/jobs/{job_id}").get_data(as_text=True)
     assert 'id="verdict">faster<' in page and "Run from the command line" in page and "1.909" in page
-    assert client.get(f"/api/v1/jobs/{job_id}").get_json()["result"]["verdict"] == "faster"
+    job = client.get(f"/api/v1/jobs/{job_id}").get_json()
+    assert job["result"]["verdict"] == "faster"
+    run_page = client.get(f"/runs/{job['run_id']}")  # the run made for the workload: no traces, its jobs
+    assert run_page.status_code == 200 and f"/jobs/{job_id}" in run_page.get_data(as_text=True)
