@@ -224,10 +224,7 @@ class AttentionPlan:
 
 def _hf_rope_reference(q, k, cos, sin):
     """HF's rotate-half rotary embedding, written out (the probe's expected values)."""
-    def rotate(x):
-        half = x.shape[-1] // 2
-        return x * cos[:, None] + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin[:, None]
-    return rotate(q), rotate(k)
+    return tuple(x * cos[:, None] + _rotate_half(x) * sin[:, None] for x in (q, k))
 
 
 @functools.lru_cache(maxsize=64)
@@ -248,7 +245,7 @@ def _is_hf_rotary(fn) -> bool:
     except Exception:
         return False
     expected = _hf_rope_reference(q, k, cos, sin)
-    return (isinstance(got, tuple) and len(got) == 2
+    return (isinstance(got, (tuple, list)) and len(got) == 2
             and all(isinstance(a, torch.Tensor) and a.shape == b.shape and bool((a - b).abs().max() <= 1e-12)
                     for a, b in zip(got, expected)))
 
@@ -278,7 +275,8 @@ def attention_plan(module: nn.Module) -> AttentionPlan | None:
         raise ValueError("forward not recognized: " + "; ".join(
             part for part in (f"uses {sorted(extra)}" if extra else "", f"lacks {sorted(missing)}" if missing else "") if part))
     consts = [c for c in code.co_consts if not isinstance(c, type(code))]
-    kwnames = [c for c in consts if isinstance(c, tuple)]
+    # keyword names of calls are tuples of strings among the constants (Python 3.11 to 3.13)
+    kwnames = [c for c in consts if isinstance(c, tuple) and c and all(isinstance(x, str) for x in c)]
     if len(kwnames) != 1 or kwnames[0] not in _INTERFACE_KWARGS:
         raise ValueError(f"forward passes {kwnames} to the attention function: not recognized")
     if module._parameters or module._buffers:
