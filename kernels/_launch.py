@@ -18,9 +18,10 @@ PROGRAMS_PER_SM = 4  # programs per SM of the grid-stride backward kernels (extr
 # The norms' grid-stride backward on short rows (n <= BWD_SMALL_N) has its own three knobs: it also
 # carries per-program partial sums, and short rows need more rows in flight per SM.
 BWD_SMALL_N = 2048
-BWD_WARP_ELEMENTS = 512
-BWD_ROW_BLOCK_ELEMENTS = 2048
-BWD_SMALL_PROGRAMS_PER_SM = 4
+# H100 sweep at 1024 columns (bf16, 16384 rows): 4 rows of 1024 per program, 4 warps, 2 programs per SM.
+BWD_WARP_ELEMENTS = 1024
+BWD_ROW_BLOCK_ELEMENTS = 4096
+BWD_SMALL_PROGRAMS_PER_SM = 2
 
 
 def interpreted() -> bool:
