@@ -16,13 +16,11 @@ from ._launch import as_rows, kernel_op, launch, persistent_programs, require_tr
 
 
 @triton.jit
-def _load_row_sum(X, R, S, rows, cols, mask, stride_x, stride_r, stride_s, HAS_RESIDUAL: tl.constexpr,
-                  WRITE_SUM: tl.constexpr, ACC: tl.constexpr):
+def _load_row_sum(X, R, rows, cols, mask, stride_x, stride_r, HAS_RESIDUAL: tl.constexpr, ACC: tl.constexpr):
+    """x (+ residual) in ACC; the kernel writes the sum S itself where it is due (see _norm_fwd_kernel)."""
     x = tl.load(X + rows * stride_x + cols, mask=mask, other=0.0).to(ACC)
     if HAS_RESIDUAL:
         x += tl.load(R + rows * stride_r + cols, mask=mask, other=0.0).to(ACC)
-        if WRITE_SUM:
-            tl.store(S + rows * stride_s + cols, round_to(x, S.dtype.element_ty), mask=mask)
     return x
 
 
@@ -49,7 +47,11 @@ def _norm_fwd_kernel(
     if ONE_TILE:  # the row stays in registers
         cols = tl.arange(0, BLOCK_N)[None, :]
         mask = row_mask[:, None] & (cols < N)
-        x = _load_row_sum(X, R, S, rows, cols, mask, stride_x, stride_r, stride_s, HAS_RESIDUAL, True, ACC)
+        x = _load_row_sum(X, R, rows, cols, mask, stride_x, stride_r, HAS_RESIDUAL, ACC)
+        # S is stored in the kernel, never in a helper: torch 2.11's mutation analysis misses stores in
+        # called jit functions, so under torch.compile S would stay unwritten.
+        if HAS_RESIDUAL:
+            tl.store(S + rows * stride_s + cols, round_to(x, S.dtype.element_ty), mask=mask)
         mean = tl.zeros([BLOCK_M], dtype=ACC)
         if CENTER:
             mean = tl.sum(x, axis=1) / N
@@ -64,20 +66,26 @@ def _norm_fwd_kernel(
             for start in range(0, N, BLOCK_N):
                 cols = start + tl.arange(0, BLOCK_N)[None, :]
                 mask = row_mask[:, None] & (cols < N)
-                acc += _load_row_sum(X, R, S, rows, cols, mask, stride_x, stride_r, stride_s, HAS_RESIDUAL, True, ACC)
+                x = _load_row_sum(X, R, rows, cols, mask, stride_x, stride_r, HAS_RESIDUAL, ACC)
+                if HAS_RESIDUAL:  # the first pass writes S (here, not in a helper: see above)
+                    tl.store(S + rows * stride_s + cols, round_to(x, S.dtype.element_ty), mask=mask)
+                acc += x
             mean = tl.sum(acc, axis=1) / N
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
         for start in range(0, N, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)[None, :]
             mask = row_mask[:, None] & (cols < N)
-            x = _load_row_sum(X, R, S, rows, cols, mask, stride_x, stride_r, stride_s, HAS_RESIDUAL, not CENTER, ACC)
+            x = _load_row_sum(X, R, rows, cols, mask, stride_x, stride_r, HAS_RESIDUAL, ACC)
+            if HAS_RESIDUAL:
+                if not CENTER:  # no mean pass: this is the first pass, it writes S (not in a helper: see above)
+                    tl.store(S + rows * stride_s + cols, round_to(x, S.dtype.element_ty), mask=mask)
             x = tl.where(mask, x - mean[:, None], 0.0)
             acc += x * x
         rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=1) / N + eps)
         for start in range(0, N, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)[None, :]
             mask = row_mask[:, None] & (cols < N)
-            x = _load_row_sum(X, R, S, rows, cols, mask, stride_x, stride_r, stride_s, HAS_RESIDUAL, False, ACC)
+            x = _load_row_sum(X, R, rows, cols, mask, stride_x, stride_r, HAS_RESIDUAL, ACC)
             y = _scale_shift((x - mean[:, None]) * rstd[:, None], W, B, cols, N, offset, HAS_WEIGHT, HAS_BIAS, ACC)
             tl.store(Y + rows * stride_y + cols, round_to(y, Y.dtype.element_ty), mask=mask)
     if CENTER:

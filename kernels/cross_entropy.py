@@ -59,18 +59,21 @@ def _cross_entropy_kernel(
         lse = tl.load(LSE + row)
     if WRITE_GRAD:
         scale = tl.where(ignored, 0.0, tl.load(SCALE + row * stride_scale).to(ACC))
-        _write_grad(x_row, DX + row * stride_dx, target, lse, scale, V, smoothing, BLOCK_N, ACC)
+        dx_row = DX + row * stride_dx
+        for start in range(0, V, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            mask = cols < V
+            grad = _grad_block(x_row, cols, mask, target, lse, V, smoothing, ACC)
+            # Stored here, not in the helper: torch 2.11's mutation analysis misses stores in called jit functions.
+            tl.store(dx_row + cols, round_to(scale * grad, DX.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _write_grad(x_row, dx_row, target, lse, scale, V, smoothing, BLOCK_N: tl.constexpr, ACC: tl.constexpr):
-    """dx_row = scale · (softmax(x) - (1 - ε)·onehot(target) - ε/V), fp32 (fp64) math, one rounding."""
-    for start in range(0, V, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        mask = cols < V
-        x = tl.load(x_row + cols, mask=mask, other=0.0).to(ACC)
-        grad = tl.exp(x - lse) - smoothing / V - tl.where(cols == target, 1.0 - smoothing, 0.0)
-        tl.store(dx_row + cols, round_to(scale * grad, dx_row.dtype.element_ty), mask=mask)
+def _grad_block(x_row, cols, mask, target, lse, V, smoothing, ACC: tl.constexpr):
+    """softmax(x) - (1 - ε)·onehot(target) - ε/V at `cols` of the row, in fp32 (fp64): the kernel scales it
+    and rounds it once as it stores it."""
+    x = tl.load(x_row + cols, mask=mask, other=0.0).to(ACC)
+    return tl.exp(x - lse) - smoothing / V - tl.where(cols == target, 1.0 - smoothing, 0.0)
 
 
 @triton.jit
@@ -89,8 +92,13 @@ def _regrad_kernel(
             row = tl.cast(row32, tl.int64)
             target = tl.load(T + row).to(tl.int64)
             row_scale = tl.where(target == ignore_index, 0.0, scale)
-            _write_grad(X + row * stride_x, DX + row * stride_dx, target, tl.load(LSE + row), row_scale, V,
-                        smoothing, BLOCK_N, ACC)
+            x_row, dx_row, lse = X + row * stride_x, DX + row * stride_dx, tl.load(LSE + row)
+            for start in range(0, V, BLOCK_N):
+                cols = start + tl.arange(0, BLOCK_N)
+                mask = cols < V
+                grad = _grad_block(x_row, cols, mask, target, lse, V, smoothing, ACC)
+                # Stored here, not in the helper: torch 2.11's mutation analysis misses stores in called jit functions.
+                tl.store(dx_row + cols, round_to(row_scale * grad, DX.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -39,16 +39,16 @@ def _load(ptr, mask, FP64: tl.constexpr):
 
 
 @triton.jit
-def _rotate_heads(
-    X, O, stride_xh, stride_oh, n_heads, c1, c2, s1, s2,
-    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BACKWARD: tl.constexpr, FP64: tl.constexpr,
-):
-    """Rotate every head of one (batch, position): X and O point at head 0, dimension 0."""
+def _head_tile(n_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Head and dimension indices of one (batch, position)'s first halves, and their mask."""
     heads = tl.arange(0, BLOCK_H)[:, None]
     dims = tl.arange(0, BLOCK_D)[None, :]
-    mask = (heads < n_heads) & (dims < HALF)
-    x_first = X + heads * stride_xh + dims
-    o_first = O + heads * stride_oh + dims
+    return heads, dims, (heads < n_heads) & (dims < HALF)
+
+
+@triton.jit
+def _rotate_heads(x_first, mask, c1, c2, s1, s2, HALF: tl.constexpr, BACKWARD: tl.constexpr, FP64: tl.constexpr):
+    """Every head of one (batch, position) rotated, from pointers to each head's first half: both halves, unrounded."""
     x1 = _load(x_first, mask, FP64)
     x2 = _load(x_first + HALF, mask, FP64)
     if BACKWARD:  # the transpose of the rotation: dx1 = dy1·c1 + dy2·s2, dx2 = dy2·c2 − dy1·s1
@@ -57,8 +57,7 @@ def _rotate_heads(
     else:
         o1 = x1 * c1 - x2 * s1
         o2 = x2 * c2 + x1 * s2
-    tl.store(o_first, round_to(o1, O.dtype.element_ty), mask=mask)
-    tl.store(o_first + HALF, round_to(o2, O.dtype.element_ty), mask=mask)
+    return o1, o2
 
 
 @triton.jit
@@ -71,18 +70,28 @@ def _rope_kernel(
     pid = tl.program_id(0)
     b = (pid // seq_len).to(tl.int64)
     s = (pid % seq_len).to(tl.int64)
-    dims = tl.arange(0, BLOCK_D)
-    dmask = dims < HALF
-    cs = COS + b * sc_b + s * sc_s + dims
-    sn = SIN + b * sc_b + s * sc_s + dims
+    table_dims = tl.arange(0, BLOCK_D)
+    dmask = table_dims < HALF
+    cs = COS + b * sc_b + s * sc_s + table_dims
+    sn = SIN + b * sc_b + s * sc_s + table_dims
     c1 = _load(cs, dmask, FP64)[None, :]
     c2 = _load(cs + HALF, dmask, FP64)[None, :]
     s1 = _load(sn, dmask, FP64)[None, :]
     s2 = _load(sn + HALF, dmask, FP64)[None, :]
-    _rotate_heads(Q + b * sq_b + s * sq_s, QO + b * sqo_b + s * sqo_s, sq_h, sqo_h, n_q_heads,
-                  c1, c2, s1, s2, HALF, BLOCK_HQ, BLOCK_D, BACKWARD, FP64)
-    _rotate_heads(K + b * sk_b + s * sk_s, KO + b * sko_b + s * sko_s, sk_h, sko_h, n_k_heads,
-                  c1, c2, s1, s2, HALF, BLOCK_HK, BLOCK_D, BACKWARD, FP64)
+    # Each output is stored here, not in a helper: torch 2.11's mutation analysis misses stores in called
+    # jit functions, so under torch.compile QO and KO would stay unwritten.
+    q_row, qo_row = Q + b * sq_b + s * sq_s, QO + b * sqo_b + s * sqo_s
+    heads, dims, mask = _head_tile(n_q_heads, HALF, BLOCK_HQ, BLOCK_D)
+    q_first, qo_first = q_row + heads * sq_h + dims, qo_row + heads * sqo_h + dims
+    q1, q2 = _rotate_heads(q_first, mask, c1, c2, s1, s2, HALF, BACKWARD, FP64)
+    tl.store(qo_first, round_to(q1, QO.dtype.element_ty), mask=mask)
+    tl.store(qo_first + HALF, round_to(q2, QO.dtype.element_ty), mask=mask)
+    k_row, ko_row = K + b * sk_b + s * sk_s, KO + b * sko_b + s * sko_s
+    heads, dims, mask = _head_tile(n_k_heads, HALF, BLOCK_HK, BLOCK_D)
+    k_first, ko_first = k_row + heads * sk_h + dims, ko_row + heads * sko_h + dims
+    k1, k2 = _rotate_heads(k_first, mask, c1, c2, s1, s2, HALF, BACKWARD, FP64)
+    tl.store(ko_first, round_to(k1, KO.dtype.element_ty), mask=mask)
+    tl.store(ko_first + HALF, round_to(k2, KO.dtype.element_ty), mask=mask)
 
 
 def _pow2(n: int) -> int:
