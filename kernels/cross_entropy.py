@@ -223,12 +223,16 @@ def _regrad_(x, target, lse, dx, grad, scale, ignore_index, smoothing):
 def _reduce(loss_rows, target, ignore_index, reduction):
     # The loss stays fp32 (fp64 for fp32 logits), as HF's upcast path and Liger return it: rounding it to
     # bf16 would cost more accuracy than the whole kernel.
+    # The result is always a new tensor, never an alias of loss_rows or of another intermediate (as
+    # `.float()` of a float32 tensor is): torch 2.11's dynamo capture of an autograd.Function hands
+    # the gradient of such an output to the alias, and the backward gets zeros (seen on the H100).
     if reduction == "none":
-        return loss_rows.float()
+        return loss_rows.to(torch.float32, copy=True)
     if torch.compiler.is_compiling():  # Inductor fuses these itself
-        if reduction == "sum":
-            return loss_rows.sum().float()
-        return (loss_rows.sum() / (target != ignore_index).sum()).float()  # 0/0 = nan when all ignored, as in eager
+        total = loss_rows.sum()
+        if reduction == "mean":
+            total = total / (target != ignore_index).sum()  # 0/0 = nan when all are ignored, as in eager
+        return total.to(torch.float32, copy=True)
     out = torch.empty((), dtype=torch.float32, device=loss_rows.device)
     launch(_reduce_kernel, (1,), loss_rows, target, out, target.shape[0], ignore_index, MEAN=reduction == "mean",
            **_one_program_block(target.shape[0]))
