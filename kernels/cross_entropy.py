@@ -329,11 +329,12 @@ MIN_CHUNK_ROWS = 4096  # H100 sweep: 2048 -> 4096 rows cut fwd+bwd 6% (32k vocab
 ACCUMULATE_IN_PLACE = True  # the weight gradient's fp32 accumulator updated in place by the matmul (knob for the sweep)
 
 
-def _chunk_rows(m: int, hidden: int, vocab: int) -> int:
-    # A chunk's logits about as large as the hidden states themselves (Liger's rule), but at least
-    # MIN_CHUNK_ROWS: each chunk's weight-gradient matmul also reads and writes the fp32 (V, H)
-    # accumulator, and needs that many rows of work to stay compute-bound on it.
-    return max(MIN_CHUNK_ROWS, triton.next_power_of_2(triton.cdiv(m, triton.cdiv(vocab, hidden))))
+def _chunk_rows(m: int, hidden: int, vocab: int, low_memory: bool = False) -> int:
+    # A chunk's logits about as large as the hidden states themselves (Liger's rule), but (except in
+    # low-memory mode) at least MIN_CHUNK_ROWS: each chunk's weight-gradient matmul also reads and
+    # writes the fp32 (V, H) accumulator, and needs that many rows of work to stay compute-bound on it.
+    rows = triton.next_power_of_2(triton.cdiv(m, triton.cdiv(vocab, hidden)))
+    return rows if low_memory else max(MIN_CHUNK_ROWS, rows)
 
 
 def _half_on_gpu(t) -> bool:
@@ -381,14 +382,22 @@ def _loss_and_grad(logits, target, scale, ignore_index, smoothing):
     return loss, logits
 
 
-def _chunked_pass(hidden, weight, bias, target, scale, ignore_index, smoothing, chunk_rows, need_grads):
-    """Loss rows, and with need_grads the gradients of sum(loss_rows · scale) for hidden, weight, bias."""
+def _chunked_pass(hidden, weight, bias, target, scale, ignore_index, smoothing, chunk_rows, need_grads,
+                  low_memory=False):
+    """Loss rows, and with need_grads the gradients of sum(loss_rows · scale) for hidden, weight, bias.
+
+    Default: fp32 gradients until the incoming gradient is applied, so each is rounded once, as in
+    eager. low_memory: hidden's and weight's gradients in their own dtypes from the start (Liger's
+    layout: half the bytes); the weight gradient is then rounded once per chunk.
+    """
     m = hidden.shape[0]
     loss_rows = hidden.new_empty((m,), dtype=_acc_dtype(hidden))
-    # fp32 until the incoming gradient is applied: one rounding in all, as in eager.
-    grad_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if need_grads else None
-    # fp32 accumulators across chunks: one rounding at the end, as eager's single matmul has.
-    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grads else None
+    grad_hidden = grad_weight = None
+    if need_grads:
+        grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype if low_memory else torch.float32,
+                                  device=hidden.device)
+        grad_weight = torch.zeros(weight.shape, dtype=weight.dtype if low_memory else torch.float32,
+                                  device=weight.device)
     grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_grads and bias is not None else None
     for start in range(0, m, chunk_rows):
         stop = min(start + chunk_rows, m)
@@ -400,8 +409,15 @@ def _chunked_pass(hidden, weight, bias, target, scale, ignore_index, smoothing, 
         if need_grads:
             s = scale[start:stop] if scale.dim() else scale
             loss_rows[start:stop], grad_logits = _loss_and_grad(logits, t, s, ignore_index, smoothing)
-            _mm_fp32_into(grad_hidden[start:stop], grad_logits, weight)
-            grad_weight = _addmm_fp32(grad_weight, grad_logits.t(), h)
+            if low_memory and not torch.compiler.is_compiling():
+                torch.mm(grad_logits, weight, out=grad_hidden[start:stop])  # fp32 sums inside, one rounding
+                grad_weight.addmm_(grad_logits.t(), h)
+            elif low_memory:
+                grad_hidden[start:stop] = grad_logits @ weight
+                grad_weight = grad_weight + grad_logits.t() @ h
+            else:
+                _mm_fp32_into(grad_hidden[start:stop], grad_logits, weight)
+                grad_weight = _addmm_fp32(grad_weight, grad_logits.t(), h)
             if grad_bias is not None:
                 grad_bias += grad_logits.float().sum(0)
         else:
@@ -411,7 +427,8 @@ def _chunked_pass(hidden, weight, bias, target, scale, ignore_index, smoothing, 
 
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, ignore_index, reduction, smoothing, chunk_rows, needs_grad):
+    def forward(ctx, hidden, weight, bias, target, ignore_index, reduction, smoothing, chunk_rows, needs_grad,
+                low_memory):
         args = (ignore_index, smoothing, chunk_rows)
         if needs_grad and reduction != "none":
             # The gradient is known up to the incoming scalar: compute it now, while each chunk is at hand.
@@ -420,12 +437,13 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             else:
                 one = torch.ones((), device=hidden.device, dtype=torch.float32)
                 scale = _row_scale(one, target, ignore_index, reduction)
-            loss_rows, *grads = _chunked_pass(hidden, weight, bias, target, scale, ignore_index, smoothing, chunk_rows, True)
+            loss_rows, *grads = _chunked_pass(hidden, weight, bias, target, scale, ignore_index, smoothing, chunk_rows,
+                                              True, low_memory)
             ctx.save_for_backward(*(g if g is not None else torch.empty(0) for g in grads))
         else:
             loss_rows, *_ = _chunked_pass(hidden, weight, bias, target, None, ignore_index, smoothing, chunk_rows, False)
             ctx.save_for_backward(hidden, weight, bias if bias is not None else torch.empty(0), target)
-        ctx.args, ctx.reduction, ctx.has_bias = args, reduction, bias is not None
+        ctx.args, ctx.reduction, ctx.has_bias, ctx.low_memory = args, reduction, bias is not None, low_memory
         ctx.dtypes = hidden.dtype, weight.dtype, bias.dtype if bias is not None else None
         return _reduce(loss_rows, target, ignore_index, reduction)
 
@@ -442,20 +460,29 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
                 hidden, weight, bias, target, grad.float(), ignore_index, smoothing, chunk_rows, True
             )
             g = torch.ones((), device=grad.device)
-        grad_hidden = _scaled_cast(grad_hidden, g, ctx.dtypes[0])
-        grad_weight = _scaled_cast(grad_weight, g, ctx.dtypes[1])
+        if ctx.low_memory and ctx.reduction != "none" and not torch.compiler.is_compiling():
+            # Already in their dtypes: scale in place (exact for the usual incoming 1), no second copy.
+            # Bumped versions make a second backward through this graph fail loudly, not reuse them.
+            grad_hidden.mul_(g)
+            grad_weight.mul_(g)
+        else:
+            grad_hidden = _scaled_cast(grad_hidden, g, ctx.dtypes[0])
+            grad_weight = _scaled_cast(grad_weight, g, ctx.dtypes[1])
         grad_bias = _scaled_cast(grad_bias, g, ctx.dtypes[2]) if ctx.has_bias else None
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None
 
 
 def fused_linear_cross_entropy(
     hidden, weight, target, bias=None, ignore_index: int = -100, reduction: str = "mean",
-    label_smoothing: float = 0.0, chunk_rows: Optional[int] = None,
+    label_smoothing: float = 0.0, chunk_rows: Optional[int] = None, low_memory: bool = False,
 ):
     """cross_entropy(hidden @ weight.T + bias, target) without materializing all the logits.
 
     hidden (..., H), weight (V, H) (an lm_head's), target (...). chunk_rows: rows per chunk (default:
-    enough that a chunk's logits are about the size of `hidden`).
+    enough that a chunk's logits are about the size of `hidden`, at least MIN_CHUNK_ROWS unless low_memory).
+    low_memory: keep the gradients in hidden's and weight's dtypes from the forward on, as Liger does:
+    about half the memory, at the price of rounding the weight gradient once per chunk (and once more
+    for an incoming gradient other than 1) instead of once.
     """
     _check(hidden, target, reduction, label_smoothing, what="hidden")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
@@ -463,12 +490,12 @@ def fused_linear_cross_entropy(
     if hidden.shape[:-1] != target.shape:
         raise ValueError(f"target shape {tuple(target.shape)} does not fit hidden {tuple(hidden.shape)}")
     rows = hidden.reshape(-1, hidden.shape[-1])
-    chunk = chunk_rows or _chunk_rows(rows.shape[0], weight.shape[1], weight.shape[0])
+    chunk = chunk_rows or _chunk_rows(rows.shape[0], weight.shape[1], weight.shape[0], low_memory)
     # Known here, not inside forward (which always runs without grad): skip the gradient work in inference.
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     loss = FusedLinearCrossEntropyFunction.apply(
         rows, weight, bias, target.reshape(-1), int(ignore_index), reduction, float(label_smoothing), int(chunk),
-        needs_grad,
+        needs_grad, bool(low_memory),
     )
     return loss.view(target.shape) if reduction == "none" else loss
 

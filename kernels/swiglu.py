@@ -61,26 +61,37 @@ def gated_act_bwd(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act:
 
 class GatedActFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gate, up, act):
+    def forward(ctx, gate, up, act, reuse_inputs):
         gate, up = gate.contiguous(), up.contiguous()
         ctx.save_for_backward(gate, up)
-        ctx.act = act
+        ctx.act, ctx.reuse_inputs = act, reuse_inputs
         return gated_act_fwd(gate, up, act)
 
     @staticmethod
     def backward(ctx, dout):
         gate, up = ctx.saved_tensors
+        if ctx.reuse_inputs and not torch.compiler.is_compiling():
+            # The gradients overwrite gate and up (the caller's own temporaries, as in Liger's SwiGLU):
+            # two activation-sized buffers fewer at the backward's peak. Each element is read before it
+            # is written by the same program. The bumped versions make a second backward through this
+            # graph fail loudly instead of reading gradients as activations.
+            launch_elementwise(_gated_bwd_kernel, dout.contiguous(), gate, up, gate, up, n=gate.numel(), ACT=ctx.act)
+            torch.autograd.graph.increment_version(gate)
+            torch.autograd.graph.increment_version(up)
+            return gate, up, None, None
         dgate, dup = gated_act_bwd(dout.contiguous(), gate, up, ctx.act)
-        return dgate, dup, None
+        return dgate, dup, None, None
 
 
-def gated_act(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tensor:
+def gated_act(gate: torch.Tensor, up: torch.Tensor, act: int, reuse_inputs: bool = False) -> torch.Tensor:
+    """act(gate) · up. reuse_inputs: the backward may overwrite gate and up with their gradients (only
+    for tensors nobody else reads afterwards, such as the outputs of the MLP's own projections)."""
     check_float(gate, up)
     if gate.shape != up.shape:
         raise ValueError(f"gate and up must have the same shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
     if not needs_grad(gate, up):  # inference: skip the autograd.Function's host time
         return gated_act_fwd(gate.contiguous(), up.contiguous(), act)
-    return GatedActFunction.apply(gate, up, act)
+    return GatedActFunction.apply(gate, up, act, reuse_inputs)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -106,7 +117,8 @@ class GatedMLP(nn.Module):
         self.act = act
 
     def forward(self, x):
-        return self.down_proj(gated_act(self.gate_proj(x), self.up_proj(x), self.act))
+        # The projections' outputs are ours alone: their memory is reused for their gradients.
+        return self.down_proj(gated_act(self.gate_proj(x), self.up_proj(x), self.act, reuse_inputs=True))
 
     def extra_repr(self):
         return f"act={ACT_NAMES[self.act]}"

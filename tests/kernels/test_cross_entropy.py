@@ -1,7 +1,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_numerics import assert_no_worse, rel_err
+from kernel_numerics import SLACK, assert_no_worse, errors, rel_err
 from torch import nn
 
 from profiler_svc.kernels import cross_entropy, fused_linear_cross_entropy, swap, unswap
@@ -51,8 +51,8 @@ def test_edge_cases():
 
 
 @pytest.mark.parametrize("reduction,smoothing", [("mean", 0.0), ("sum", 0.2), ("none", 0.0)])
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_fused_linear_cross_entropy_matches_unfused(reduction, smoothing, with_bias):
+@pytest.mark.parametrize("with_bias,low_memory", [(False, False), (True, False), (True, True)])
+def test_fused_linear_cross_entropy_matches_unfused(reduction, smoothing, with_bias, low_memory):
     gen = torch.Generator().manual_seed(3)
     m, h, v = 45, 24, 300
     hidden = torch.randn(m, h, generator=gen, dtype=torch.float64).requires_grad_()
@@ -70,7 +70,7 @@ def test_fused_linear_cross_entropy_matches_unfused(reduction, smoothing, with_b
     h32, w32 = ours_leaves[:2]
     b32 = ours_leaves[2] if with_bias else None
     # 7 rows per chunk: several chunks and a ragged last one.
-    loss = fused_linear_cross_entropy(h32, w32, target, b32, chunk_rows=7, **kwargs)
+    loss = fused_linear_cross_entropy(h32, w32, target, b32, chunk_rows=7, low_memory=low_memory, **kwargs)
     grads = torch.autograd.grad(loss, ours_leaves, dy.float())
     assert rel_err(loss, ref) < 1e-6
     for g, r in zip(grads, ref_grads):
@@ -89,6 +89,16 @@ def test_fused_linear_cross_entropy_bf16_no_worse_than_unfused_eager():
     eager = {"hf": lambda h, w: F.cross_entropy(F.linear(h, w).float().flatten(0, 1), target.flatten()).to(h.dtype)}
     ours = lambda h, w: fused_linear_cross_entropy(h, w, target, chunk_rows=8)  # noqa: E731
     assert_no_worse(ours, eager, [hidden, weight], reference, torch.bfloat16)
+
+    # low_memory trades accuracy for memory, as Liger does: the loss is as accurate, the gradients
+    # are rounded to bf16 in the forward (once more for an incoming gradient other than 1) and the
+    # weight gradient once per chunk (5 chunks here). Documented bound: within 2x eager's error.
+    low_memory = lambda h, w: fused_linear_cross_entropy(h, w, target, chunk_rows=8, low_memory=True)  # noqa: E731
+    mine = errors(low_memory, [hidden, weight], reference, torch.bfloat16)
+    base = errors(eager["hf"], [hidden, weight], reference, torch.bfloat16)
+    assert mine[0][0] <= SLACK * base[0][0]
+    for (err, _), (eager_err, _) in zip(mine[1:], base[1:]):
+        assert err <= 2 * eager_err
 
 
 def test_swap_cross_entropy_loss():
@@ -120,3 +130,17 @@ def test_gradient_written_in_forward(reduction):
     assert rel_err(g1, r1) < 1e-6 and rel_err(g2, r2) < 1e-6
     assert torch.equal(g1, kept)  # the first gradient was not overwritten by the second backward
     assert g1[::5].abs().max() == 0  # ignored rows
+
+
+def test_low_memory_gradients_are_handed_out_once():
+    gen = torch.Generator().manual_seed(6)
+    hidden = torch.randn(6, 8, generator=gen, requires_grad=True)
+    weight = torch.randn(20, 8, generator=gen, requires_grad=True)
+    target = torch.randint(0, 20, (6,), generator=gen)
+    loss = fused_linear_cross_entropy(hidden, weight, target, low_memory=True)
+    expected = torch.autograd.grad(fused_linear_cross_entropy(hidden, weight, target), [hidden, weight])
+    got = torch.autograd.grad(loss, [hidden, weight], retain_graph=True)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b)  # fp32: the same numbers, only the buffers differ
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(loss, [hidden, weight])  # scaled in place once: a second backward is refused

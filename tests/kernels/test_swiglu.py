@@ -5,6 +5,7 @@ from kernel_numerics import assert_no_worse
 from torch import nn
 
 from profiler_svc.kernels import geglu, swap, swapped, swiglu, unswap
+from profiler_svc.kernels.gelu_tanh import SILU
 from profiler_svc.kernels.swiglu import SWAP, GatedMLP
 
 transformers = pytest.importorskip("transformers")
@@ -121,3 +122,18 @@ def test_compile_fullgraph_forward_backward(op):
     torch.testing.assert_close(out, ref)
     for g, r in zip(torch.autograd.grad(out.sum(), [gate, up]), torch.autograd.grad(ref.sum(), [gate, up])):
         torch.testing.assert_close(g, r)
+
+
+def test_gated_mlp_backward_reuses_the_projections_outputs():
+    torch.manual_seed(0)
+    gate_proj, up_proj, down_proj = nn.Linear(16, 40), nn.Linear(16, 40), nn.Linear(40, 16)
+    mlp = GatedMLP(gate_proj, up_proj, down_proj, act=SILU)
+    x = torch.randn(3, 16, requires_grad=True)
+    # The gradients written over gate_proj(x) and up_proj(x) equal the ones written to new buffers.
+    fresh = torch.autograd.grad(down_proj(swiglu(gate_proj(x), up_proj(x))).sum(), [x, *mlp.parameters()])
+    out = mlp(x).sum()
+    reused = torch.autograd.grad(out, [x, *mlp.parameters()], retain_graph=True)
+    for a, b in zip(fresh, reused):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(out, [x])  # the saved activations now hold gradients: refused, not misread
