@@ -8,7 +8,7 @@ module globals, which would patch every model built after it in the same process
 
   recommend  capture 4 eager training steps with profiler_svc.capture, run `recommend` on the trace
              and keep the swaps its findings name: the loop a user runs, on this very workload
-  measure    one VARIANT (eager | ours | liger) in one MODE (train | infer): median step time by CUDA
+  measure    one VARIANT (eager | ours | ours_low_memory | liger) in one MODE (train | infer): median step time by CUDA
              events over --steps steps after --warmup, and peak memory (torch.cuda.max_memory_allocated
              over the timed steps, model + optimizer state + activations). train = forward + loss +
              backward + fused AdamW step; infer = forward under no_grad, all logits, no KV cache
@@ -21,6 +21,9 @@ kernel instead of the module-global apply_rotary_pos_emb) plus, where the
 report recommends `cross_entropy` for the loss chain, the loss computed by our
 fused_linear_cross_entropy from the final hidden states (what Liger's fused_linear_cross_entropy
 does by patching LlamaForCausalLM.forward; a module swap cannot reach HF's functional loss).
+"ours_low_memory" (training only) is the same with fused_linear_cross_entropy(low_memory=True):
+gradients kept in bf16 from the forward on and the weight gradient rounded once per chunk, the
+memory layout Liger uses, against the default's fp32 accumulation.
 The table goes to stdout and DIR/ab_llama.md, the raw numbers to DIR/ab_llama.json.
 """
 import argparse
@@ -71,14 +74,14 @@ def batch(small: bool, size: int | None = None):
     return ids, ids.clone()  # labels = inputs: HF shifts them inside the loss
 
 
-def loss_of(model, ids, labels, fused_loss: bool):
+def loss_of(model, ids, labels, fused_loss: bool, low_memory: bool = False):
     if not fused_loss:
         return model(input_ids=ids, labels=labels).loss
     from profiler_svc.kernels import fused_linear_cross_entropy
     hidden = model.model(input_ids=ids).last_hidden_state
     # HF's causal-LM loss: position t predicts label t+1; the last position predicts nothing
     target = F.pad(labels[:, 1:], (0, 1), value=-100)
-    return fused_linear_cross_entropy(hidden, model.lm_head.weight, target)
+    return fused_linear_cross_entropy(hidden, model.lm_head.weight, target, low_memory=low_memory)
 
 
 # ---- stages (children) ----------------------------------------------------------------------------
@@ -114,8 +117,10 @@ def stage_measure(args) -> dict:
     model = build(args.small, liger=args.variant == "liger")
     ids, labels = batch(args.small)
     swapped = {}
-    fused_loss = args.variant == "ours" and args.fused_loss and args.mode == "train"
-    if args.variant == "ours":
+    ours = args.variant.startswith("ours")
+    fused_loss = ours and args.fused_loss and args.mode == "train"
+    low_memory = args.variant == "ours_low_memory"
+    if ours:
         from profiler_svc.kernels import swap
         report = swap(model, args.swaps)
         for _, _, name, *_ in report.swapped:
@@ -127,7 +132,7 @@ def stage_measure(args) -> dict:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=dev.type == "cuda")
 
         def step():
-            loss = loss_of(model, ids, labels, fused_loss)
+            loss = loss_of(model, ids, labels, fused_loss, low_memory)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -269,7 +274,7 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=460, help="stop starting stages after this long")
     p.add_argument("--small", action="store_true", help="a tiny config: a smoke test on any machine")
     p.add_argument("--child", choices=STAGES)
-    p.add_argument("--variant", choices=("eager", "ours", "liger"))
+    p.add_argument("--variant", choices=("eager", "ours", "ours_low_memory", "liger"))
     p.add_argument("--mode", choices=("train", "infer"))
     p.add_argument("--swaps", type=lambda s: [x for x in s.split(",") if x], default=[])
     p.add_argument("--fused-loss", action="store_true")
@@ -292,11 +297,12 @@ def main(argv=None) -> int:
     ours = ["--swaps", ",".join(module_swaps)] + (["--fused-loss"] if "cross_entropy" in recommended else [])
     runs = []
     for mode in ("train", "infer"):
-        for variant in ("eager", "ours", "liger"):
+        # ours_low_memory: the fused loss keeps its gradients in bf16 (Liger's layout), training only
+        for variant in ("eager", "ours", "ours_low_memory", "liger") if mode == "train" else ("eager", "ours", "liger"):
             if left() < 30:
                 runs.append({"want": (variant, mode), "error": "skipped: out of time budget"})
                 continue
-            r = run_child("measure", ["--variant", variant, "--mode", mode, *(ours if variant == "ours" else [])],
+            r = run_child("measure", ["--variant", variant, "--mode", mode, *(ours if variant.startswith("ours") else [])],
                           args, min(120, left()))
             runs.append({"want": (variant, mode), **r})
             print(f"{variant} {mode}: {r}", file=sys.stderr, flush=True)
