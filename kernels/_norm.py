@@ -48,8 +48,7 @@ def _norm_fwd_kernel(
         cols = tl.arange(0, BLOCK_N)[None, :]
         mask = row_mask[:, None] & (cols < N)
         x = _load_row_sum(X, R, rows, cols, mask, stride_x, stride_r, HAS_RESIDUAL, ACC)
-        # S is stored in the kernel, never in a helper: torch 2.11's mutation analysis misses stores in
-        # called jit functions, so under torch.compile S would stay unwritten.
+        # S is stored in the kernel, never in a helper (tests/kernels/test_stores_in_kernels.py says why).
         if HAS_RESIDUAL:
             tl.store(S + rows * stride_s + cols, round_to(x, S.dtype.element_ty), mask=mask)
         mean = tl.zeros([BLOCK_M], dtype=ACC)

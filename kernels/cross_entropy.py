@@ -64,7 +64,7 @@ def _cross_entropy_kernel(
             cols = start + tl.arange(0, BLOCK_N)
             mask = cols < V
             grad = _grad_block(x_row, cols, mask, target, lse, V, smoothing, ACC)
-            # Stored here, not in the helper: torch 2.11's mutation analysis misses stores in called jit functions.
+            # Stored here, not in the helper (tests/kernels/test_stores_in_kernels.py says why).
             tl.store(dx_row + cols, round_to(scale * grad, DX.dtype.element_ty), mask=mask)
 
 
@@ -97,7 +97,7 @@ def _regrad_kernel(
                 cols = start + tl.arange(0, BLOCK_N)
                 mask = cols < V
                 grad = _grad_block(x_row, cols, mask, target, lse, V, smoothing, ACC)
-                # Stored here, not in the helper: torch 2.11's mutation analysis misses stores in called jit functions.
+                # Stored here, not in the helper (tests/kernels/test_stores_in_kernels.py says why).
                 tl.store(dx_row + cols, round_to(row_scale * grad, DX.dtype.element_ty), mask=mask)
 
 

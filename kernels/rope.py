@@ -78,8 +78,7 @@ def _rope_kernel(
     c2 = _load(cs + HALF, dmask, FP64)[None, :]
     s1 = _load(sn, dmask, FP64)[None, :]
     s2 = _load(sn + HALF, dmask, FP64)[None, :]
-    # Each output is stored here, not in a helper: torch 2.11's mutation analysis misses stores in called
-    # jit functions, so under torch.compile QO and KO would stay unwritten.
+    # Each output is stored here, not in a helper (tests/kernels/test_stores_in_kernels.py says why).
     q_row, qo_row = Q + b * sq_b + s * sq_s, QO + b * sqo_b + s * sqo_s
     heads, dims, mask = _head_tile(n_q_heads, HALF, BLOCK_HQ, BLOCK_D)
     q_first, qo_first = q_row + heads * sq_h + dims, qo_row + heads * sqo_h + dims

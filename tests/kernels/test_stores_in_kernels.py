@@ -1,9 +1,12 @@
 """Every tl.store of a kernel output is in the launched @triton.jit kernel itself, never in a helper.
 
-torch 2.11's mutation analysis of a wrapped Triton kernel (torch.compile, wrap_triton) misses stores
-made inside a called jit function: the output counts as never written and comes back as its empty
-buffer (seen on the H100: cross-entropy gradients all zeros under torch.compile). Static check of the
-source with `ast`, so it runs on the CPU.
+Under torch.compile (triton_op / wrap_triton), torch finds which arguments a kernel writes by
+analysing its TTIR; a store made inside a called jit function depends on that analysis following the
+call, and an output it misses would come back as its empty buffer. We suspected this when
+cross-entropy's compiled gradients came back as zeros on the H100 (torch 2.11); the cause there
+turned out to be elsewhere (an output aliasing an intermediate, see cross_entropy._reduce), so this
+layout is a precaution, not a proven fix. It costs nothing: the machine code is identical. Static
+check of the source with `ast`, so it runs on the CPU.
 """
 import ast
 from pathlib import Path
