@@ -37,11 +37,11 @@ RECORDING = (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE)
 
 
 def capture(model, out=None, *, wait=None, warmup=None, active=None, repeat=1, nvtx=True,
-            record_shapes=True, upload=None, workload=None, name=None, **profile_kwargs):
+            record_shapes=True, upload=None, workload=None, name=None, label_modules=None, **profile_kwargs):
     """Profile ``model`` inside a ``with`` block; see :class:`Capture`."""
     return Capture(model, out, wait=wait, warmup=warmup, active=active, repeat=repeat, nvtx=nvtx,
                    record_shapes=record_shapes, upload=upload, workload=workload, name=name,
-                   **profile_kwargs)
+                   label_modules=label_modules, **profile_kwargs)
 
 
 class Capture:
@@ -54,13 +54,19 @@ class Capture:
     upload: service URL to POST traces to (default ``$PROFILER_SVC_URL``; False: never).
     workload: ``"pkg.module:factory"`` that rebuilds the workload, for the A/B service.
     name: the traces' name (default: the model's class).
+    label_modules: ``(qualified_name, module) -> bool``, which submodules get a label (default: all).
+        Each labelled call costs host time; where the step waits on the host, labelling fewer
+        modules (say, only the decoder layers' direct children) cuts the overhead. The model itself
+        is always labelled.
     profile_kwargs: passed on to ``torch.profiler.profile`` (``with_stack``, ``profile_memory``...).
     """
 
     def __init__(self, model, out=None, *, wait=None, warmup=None, active=None, repeat=1, nvtx=True,
-                 record_shapes=True, upload=None, workload=None, name=None, **profile_kwargs):
+                 record_shapes=True, upload=None, workload=None, name=None, label_modules=None, **profile_kwargs):
         if not isinstance(model, torch.nn.Module):
             raise UserError(f"capture() needs a torch.nn.Module, got {type(model).__name__}")
+        if label_modules is not None and not callable(label_modules):
+            raise UserError(f"label_modules must be a function (name, module) -> bool, got {type(label_modules).__name__}")
         self.schedule = _schedule(wait, warmup, active, repeat)
         if workload is not None and not (isinstance(workload, str) and WORKLOAD_PATTERN.match(workload)):
             raise UserError(f"workload must look like 'pkg.module:factory', got {workload!r}")
@@ -78,9 +84,15 @@ class Capture:
         self.out_dir, self._file_stem = _output_location(out, self.name, self.run, self.rank, self.world_size)
         self.record_shapes = record_shapes
         self.profile_kwargs = profile_kwargs
-        self.hooks = ModuleHooks(model, use_nvtx=nvtx)
+        try:
+            self.hooks = ModuleHooks(model, use_nvtx=nvtx, label_modules=label_modules)
+        except Exception as exc:
+            if label_modules is None:
+                raise
+            raise UserError(f"label_modules raised {type(exc).__name__}: {exc}") from None
         self.hooks.on_root_call = self._sample_numerics
         settings = {**(self.schedule or {}), "record_shapes": record_shapes, "nvtx": nvtx,
+                    "labelled_modules": len(self.hooks.targets), "label_filter": label_modules is not None,
                     **{k: v for k, v in profile_kwargs.items() if isinstance(v, (bool, int, str))}}
         self.metadata = static_metadata(model, rank=self.rank, world_size=self.world_size,
                                         workload=workload, run=self.run, name=self.name, settings=settings)

@@ -101,13 +101,15 @@ def class_name(module) -> str:
 class ModuleHooks:
     """Attach/detach the labelling hooks on every eagerly called module of ``model``."""
 
-    def __init__(self, model, use_nvtx=True):
+    def __init__(self, model, use_nvtx=True, label_modules=None):
         self.domain = nvtx_domain() if use_nvtx else None
         # Labelled: every eagerly called module; of the wrappers only torch.compile's, since the
-        # module it runs is traced (a DDP wrapper's module is labelled itself).
+        # module it runs is traced (a DDP wrapper's module is labelled itself). label_modules(name,
+        # module) may leave some out; the root stays (its label marks each model call).
         self.targets = [(module, module_label(name, class_name(module)))
                         for name, module, traced in walk_modules(model)
-                        if not traced and (unwrap(module) is None or is_compile_wrapper(module))]
+                        if not traced and (unwrap(module) is None or is_compile_wrapper(module))
+                        and (label_modules is None or module is model or label_modules(name, module))]
         self.handles = []
         self.local = threading.local()  # per-thread stack of open labels (DataParallel replicas)
         self.on_root_call = None  # called on every call of the model itself: numerics sampling

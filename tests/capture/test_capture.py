@@ -467,3 +467,23 @@ def test_torchrun_ranks_share_a_run(tmp_path):
     assert [(m["rank"], m["world_size"]) for m in metas] == [(0, 2), (1, 2)]
     assert metas[0]["run"] == metas[1]["run"] and os.path.basename(paths[0]).startswith("Sequential_")
     assert module_label("1", "ReLU") in module_labels(load(paths[1]))  # DDP's `module.` is not in the names
+
+
+def test_label_modules_picks_the_labelled_submodules(model, x, tmp_path):
+    only_linear = lambda name, module: isinstance(module, nn.Linear)  # noqa: E731
+    with profiler_svc.capture(model, out=tmp_path, label_modules=only_linear) as cap:
+        train_step(model, x)
+    labels = set(module_labels(load(cap.trace_path)))
+    assert labels == {module_label("", "TinyModel")} | {module_label(n, "Linear") for n in ("blocks.0.fc", "blocks.1.fc", "head")}
+    cpu = profiler_svc.load_trace(cap.trace_path).cpu
+    assert "blocks.0.fc (Linear)" in set(cpu.loc[cpu["name"] == "aten::addmm", "module"])
+    settings = load(cap.trace_path)[METADATA_KEY]["capture"]
+    assert settings["label_filter"] is True and settings["labelled_modules"] == 4
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def test_label_modules_errors_are_one_line(model, tmp_path):
+    with pytest.raises(UserError, match="label_modules must be a function"):
+        profiler_svc.capture(model, out=tmp_path, label_modules="Linear")
+    with pytest.raises(UserError, match="label_modules raised KeyError"):
+        profiler_svc.capture(model, out=tmp_path, label_modules=lambda name, module: {}[name])
