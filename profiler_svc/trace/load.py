@@ -269,7 +269,7 @@ class TableBuilder:
     def _cpu_columns(self, evs) -> dict:
         args = [e.args for e in evs]
         return {
-            "cat": _names([_cpu_category(e) for e in evs]),
+            "cat": _names([_CPU_CATS[e.cat] for e in evs]),
             "name": _names([e.name for e in evs]),
             "ts": _num([e.ts for e in evs]),
             "dur": _num([e.dur for e in evs]),
@@ -310,6 +310,11 @@ class TableBuilder:
         for table in (kernels, memory, cpu, runtime):
             table["ts"] -= origin
             table["end"] = table["ts"] + table["dur"]
+        # The capture agent writes its module labels as cheap cpu_op ranges; they are annotations.
+        if len(cpu):
+            is_label = name_mask(cpu, lambda n: n.startswith(labels.MODULE_PREFIX))
+            cat = np.where(is_label, "user_annotation", cpu["cat"].to_numpy())
+            cpu["cat"] = pd.Series(cat, dtype=object, index=cpu.index)  # object, as built: no Arrow strings
         _link_cpu_tree(cpu)
         _attribute_backward(cpu)
         op_rows = _rows_by_external_id(cpu)
@@ -414,13 +419,6 @@ def _link_cpu_tree(cpu: pd.DataFrame) -> None:
     cpu["module"] = _objects(module)
     cpu["top"] = np.array(top, dtype=np.int64)
     cpu["backward"] = False
-
-
-def _cpu_category(event) -> str:
-    # The capture agent writes its module labels as cheap cpu_op ranges; they are annotations.
-    if event.name.startswith(labels.MODULE_PREFIX):
-        return "user_annotation"
-    return _CPU_CATS[event.cat]
 
 
 def _module_of(name):
