@@ -1,13 +1,21 @@
 """Per-module attribution: a profiler label and an NVTX range around every submodule call.
 
-Forward: a pre-hook opens a profiler label named by ``module_label`` and pushes an NVTX range; a
-post-hook (``always_call``, so it also runs when forward raises) closes both. The label is a
+Forward: the module's ``forward`` is wrapped, for the capture only, by an instance attribute that
+opens a profiler label named by ``module_label`` and pushes an NVTX range around the class's
+forward (closed in ``finally``, so also when forward raises). A wrapper, not forward hooks: any hook
+sends every call of the module down ``Module._call_impl``'s slow path, which costs more than the
+label itself (benchmarks/results/capture_overhead.md). The wrapper is a method bound to its module,
+so ``copy.deepcopy`` rebinds it to the copy, and it carries the class forward as ``__wrapped__``, so
+``inspect.signature`` sees the real parameters. Modules whose ``forward`` is already an instance
+attribute (``torch.compile``'s wrapper, accelerate's hooks) and models under ``DataParallel`` (whose
+replicas are shallow copies that would call the original) get a pre-hook and a post-hook
+(``always_call``) instead. The label is a
 ``torch._C._profiler._RecordFunctionFast`` range, the cheapest a profiler records: about 0.5 us per
 pair, against 2 us for ``_record_function_with_args_enter`` (which builds a script object per call)
 and 20 us for ``torch.ops.profiler._record_function_enter_new``. It is written to the trace as a
 ``cpu_op``, not a ``user_annotation``, which also spares the profiler a user correlation id per
 kernel launched inside it; the trace loader reads ``module::`` events as labels whatever their
-category. Most of what is left is PyTorch's hook dispatch (benchmarks/results/capture_overhead.md).
+category.
 
 Backward (only while an NVTX tool such as Nsight Systems listens: the ranges are invisible
 otherwise, and the hooks cost about 60 us per module call on the H100 host): when a module's
@@ -17,11 +25,15 @@ thread and does not nest them strictly. Modules whose inputs need no gradient (a
 embedding) get no backward range. The Kineto trace needs no backward hooks: the analyser links
 backward kernels to forward ops by autograd sequence number.
 
-Hooks are attached only while the profiler warms up or records, so outside that window the
-model runs at full speed, and ``detach`` leaves the model's hook dictionaries as they were.
+Wrappers and hooks are attached only while the profiler warms up or records, so outside that window
+the model runs at full speed, and ``detach`` leaves the model's ``__dict__`` and hook dictionaries as
+they were.
 """
+import functools
+import inspect
 import sys
 import threading
+import types
 
 import torch
 from torch.autograd.graph import register_multi_grad_hook
@@ -110,6 +122,7 @@ class ModuleHooks:
                         for name, module, traced in walk_modules(model)
                         if not traced and (unwrap(module) is None or is_compile_wrapper(module))
                         and (label_modules is None or module is model or label_modules(name, module))]
+        self.under_data_parallel = any(isinstance(module, torch.nn.DataParallel) for _, module, _ in walk_modules(model))
         self.handles = []
         self.local = threading.local()  # per-thread stack of open labels (DataParallel replicas)
         self.on_root_call = None  # called on every call of the model itself: numerics sampling
@@ -121,8 +134,14 @@ class ModuleHooks:
     def attach(self):
         if self.handles:
             return
+        wrap_forward = not self.under_data_parallel
         for index, (module, label) in enumerate(self.targets):
-            pre, post = self._hooks(label, is_root=index == 0)
+            is_root = index == 0
+            cls_forward = type(module).forward
+            if wrap_forward and "forward" not in vars(module) and inspect.isfunction(cls_forward):
+                self.handles.append(InstanceForward(module, self._labelled_forward(cls_forward, label, is_root)))
+                continue
+            pre, post = self._hooks(label, is_root)
             self.handles.append(module.register_forward_pre_hook(pre))
             # kwargs only matter to the backward ranges: without NVTX the cheaper call is taken
             self.handles.append(module.register_forward_hook(
@@ -139,6 +158,42 @@ class ModuleHooks:
                 self.domain.pop_range()
             LABEL_RANGE[2](record, None, None, None)
         self.local.stack = []
+
+    def _labelled_forward(self, cls_forward, label, is_root):
+        """``cls_forward`` inside the module's label and NVTX range: the forward of one module."""
+        domain = self.domain
+        attributes = domain.get_event_attributes(message=label) if domain is not None else None
+        backward_attributes = (domain.get_event_attributes(message="backward::" + label.partition("::")[2])
+                               if domain is not None else None)
+        open_label, enter_label, exit_label = LABEL_RANGE
+        is_compiling = torch.compiler.is_compiling
+        current_graph_task = torch._C._current_graph_task_id
+
+        def forward(module, *args, **kwargs):
+            if is_compiling():  # inside a graph dynamo traces: leave it unbroken
+                return cls_forward(module, *args, **kwargs)
+            if is_root and self.on_root_call is not None:
+                self.on_root_call()
+            record = open_label(label)
+            enter_label(record)
+            if domain is None:
+                try:
+                    return cls_forward(module, *args, **kwargs)
+                finally:
+                    exit_label(record, None, None, None)
+            domain.push_range(attributes)
+            try:
+                output = cls_forward(module, *args, **kwargs)
+            finally:
+                domain.pop_range()
+                exit_label(record, None, None, None)
+            # Not during a backward pass (activation checkpointing re-runs forward there).
+            if output is not None and torch.is_grad_enabled() and current_graph_task() == -1:
+                _backward_range(domain, backward_attributes, (args, kwargs), output)
+            return output
+
+        functools.update_wrapper(forward, cls_forward)  # __wrapped__: inspect.signature sees the real one
+        return forward
 
     def _hooks(self, label, is_root):
         # Runs on every module call while recording: a few microseconds, so no needless work.
@@ -190,6 +245,21 @@ class ModuleHooks:
                 _backward_range(domain, backward_attributes, (args, kwargs), output)
 
         return pre_hook, post_hook_with_backward_range
+
+
+class InstanceForward:
+    """A labelled forward set as ``module.forward`` until ``remove()``, like a hook's handle."""
+
+    def __init__(self, module, forward):
+        self.module = module
+        # Bound to the module: deepcopy (an EMA copy made inside the block) rebinds it to the copy.
+        self.method = types.MethodType(forward, module)
+        vars(module)["forward"] = self.method
+
+    def remove(self):
+        # Only ours: a forward the user set during the block stays.
+        if vars(self.module).get("forward") is self.method:
+            del vars(self.module)["forward"]
 
 
 def _grad_tensors(tree):

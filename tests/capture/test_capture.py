@@ -60,9 +60,11 @@ def module_labels(trace):
 
 
 def hook_state(model):
-    """Every hook dict of every module, by content, plus the parameters by identity and value."""
-    modules = {name: {key: dict(value) for key, value in vars(module).items()
-                      if "hook" in key and isinstance(value, dict)}
+    """Every hook dict and instance attribute of every module, by content, plus the parameters by
+    identity and value."""
+    modules = {name: {key: dict(value) if "hook" in key and isinstance(value, dict) else value
+                      for key, value in vars(module).items()
+                      if key not in ("_parameters", "_buffers", "_modules")}
                for name, module in model.named_modules()}
     params = {name: (id(p), p.detach().clone()) for name, p in model.named_parameters()}
     return modules, params, model.training
@@ -189,7 +191,7 @@ def test_exception_inside_forward_closes_labels(model, x, tmp_path):
             model(x)
         handle.remove()
         model(x)  # the next call is labelled from the root again
-        assert cap.hooks.local.stack == []  # nothing left open
+        assert not getattr(cap.hooks.local, "stack", None)  # nothing left open
     assert_same_state(before, hook_state(model))
     labels = module_labels(load(cap.trace_path))
     assert labels.count(module_label("", "TinyModel")) == 2
@@ -487,3 +489,72 @@ def test_label_modules_errors_are_one_line(model, tmp_path):
         profiler_svc.capture(model, out=tmp_path, label_modules="Linear")
     with pytest.raises(UserError, match="label_modules raised KeyError"):
         profiler_svc.capture(model, out=tmp_path, label_modules=lambda name, module: {}[name])
+
+
+def test_labelled_forward_is_transparent(model, x, tmp_path):
+    """While labelled, a module's forward keeps its signature, and a deep copy made inside the block
+    (an EMA model, say) computes with its own parameters and leaves nothing of the capture behind."""
+    import copy
+    import inspect
+    signature = inspect.signature(model.blocks[0].forward)
+    with profiler_svc.capture(model, out=tmp_path) as cap:
+        assert "forward" in vars(model.blocks[0])  # the labelled forward is in place
+        assert inspect.signature(model.blocks[0].forward) == signature
+        twin = copy.deepcopy(model)
+        with torch.no_grad():
+            for p in twin.parameters():
+                p.mul_(2.0)
+        twin_out = twin(x)
+    plain_twin = copy.deepcopy(model)
+    plain_twin.load_state_dict(twin.state_dict())
+    assert torch.equal(twin_out, plain_twin(x))  # the copy ran its own (doubled) parameters
+    assert not torch.equal(twin_out, model(x))
+    # The copy's calls were labelled too (its forward is bound to the copy, same label).
+    assert module_labels(load(cap.trace_path)).count(module_label("", "TinyModel")) == 1
+    assert not any("forward" in vars(m) for m in model.modules())
+
+
+def test_forward_set_by_the_user_is_kept(model, x, tmp_path):
+    """A module whose forward is already an instance attribute is labelled by hooks and keeps it;
+    a forward the user sets inside the block survives the exit."""
+    calls = []
+    original = model.blocks[0].fc.forward
+
+    def counted(inp):
+        calls.append(1)
+        return original(inp)
+
+    model.blocks[0].fc.forward = counted
+    before = hook_state(model)
+    with profiler_svc.capture(model, out=tmp_path) as cap:
+        model(x)
+        replacement = nn.LayerNorm.forward.__get__(model.blocks[1].norm)  # a plain bound forward
+        model.blocks[1].norm.forward = replacement  # set by the user mid-block, over the labelled one
+    assert calls == [1]
+    assert vars(model.blocks[0].fc)["forward"] is counted
+    assert vars(model.blocks[1].norm)["forward"] is replacement
+    del vars(model.blocks[1].norm)["forward"]
+    assert_same_state(before, hook_state(model))
+    assert sorted(module_labels(load(cap.trace_path))) == sorted(module_label(n, c) for n, c in CALLED.items())
+
+
+def test_hugging_face_generate_and_training_under_capture(tmp_path):
+    """A transformers Llama trains and generates inside the block exactly as outside it: generate
+    inspects forward's signature, and the layers take keyword inputs."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
+    torch.manual_seed(0)
+    llama = transformers.LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, 64, (1, 5))
+    expected = llama.generate(ids, max_new_tokens=4, do_sample=False)
+    loss = llama(ids, labels=ids).loss
+    before = hook_state(llama)
+    with profiler_svc.capture(llama, out=tmp_path) as cap:
+        generated = llama.generate(ids, max_new_tokens=4, do_sample=False)
+        labelled_loss = llama(ids, labels=ids).loss
+    assert torch.equal(generated, expected)
+    assert torch.equal(labelled_loss, loss)
+    assert_same_state(before, hook_state(llama))
+    labels = module_labels(load(cap.trace_path))
+    assert labels.count(module_label("model.layers.1.mlp.act_fn", "SiLUActivation")) == 5  # 4 generate steps + 1
