@@ -137,3 +137,24 @@ def test_gated_mlp_backward_reuses_the_projections_outputs():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         torch.autograd.grad(out, [x])  # the saved activations now hold gradients: refused, not misread
+
+
+@pytest.mark.parametrize("shape", [(3, 16), (2, 5, 16)])  # 3-D: linear saves a 2-D view of its input
+def test_gated_mlp_recomputes_the_activation_instead_of_keeping_it(shape):
+    import gc
+    import weakref
+    torch.manual_seed(0)
+    gate_proj, up_proj, down_proj = nn.Linear(16, 40), nn.Linear(16, 40), nn.Linear(40, 16)
+    x = torch.randn(*shape, requires_grad=True)
+    kept = []
+    down_proj.register_forward_pre_hook(lambda _m, args: kept.append(weakref.ref(args[0])))
+    grads, alive = {}, {}
+    for recompute in (False, True):
+        mlp = GatedMLP(gate_proj, up_proj, down_proj, act=SILU, recompute=recompute)
+        out = mlp(x).sum()
+        gc.collect()
+        alive[recompute] = kept.pop()() is not None  # is down_proj's input still held by the graph?
+        grads[recompute] = torch.autograd.grad(out, [x, *mlp.parameters()])
+    assert alive == {False: True, True: False}
+    for a, b in zip(grads[False], grads[True]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)  # the recomputed activation is bit-identical
