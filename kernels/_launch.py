@@ -68,10 +68,12 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def persistent_programs(device: torch.device, blocks: int, per_sm: int = 0) -> int:
-    """Programs for a grid-stride kernel: a few per SM on a GPU, few under the (slow) interpreter."""
+def persistent_programs(device: torch.device, blocks: int, per_sm: float = 0) -> int:
+    """Programs for a grid-stride kernel: a few per SM on a GPU (per_sm may be a fraction), few under the
+    (slow) interpreter."""
     if device.type == "cuda":
-        return max(1, min(blocks, (per_sm or PROGRAMS_PER_SM) * _sm_count(device.index if device.index is not None else torch.cuda.current_device())))
+        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+        return max(1, min(blocks, int((per_sm or PROGRAMS_PER_SM) * sms)))
     return max(1, min(blocks, 4))
 
 

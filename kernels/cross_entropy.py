@@ -4,8 +4,9 @@ Per row r with target t (rows whose target is ignore_index contribute nothing):
     lse = logsumexp(x),  loss = (1 - ε)·(lse - x_t) + ε·(lse - mean(x))          (ε = label smoothing)
     dloss/dx_j = g_r · (softmax(x)_j - (1 - ε)·[j = t] - ε/V)
 One online pass over a row gives lse, x_t and mean(x) (fp32 math; fp64 for fp32 logits). With
-mean/sum and a gradient wanted (eager), the same kernel then writes the gradient for an incoming 1
-while the row is in L2: logits read once, gradient written once; the backward has nothing to do
+mean/sum and a gradient wanted (eager), the same kernel then writes the gradient for an incoming 1:
+rows of up to 32k logits are held whole in registers (logits read once, gradient written once); wider
+ones are read again, launched so that the second read finds the row in L2. The backward has nothing to do
 unless the incoming gradient is not 1. Otherwise (reduction none, torch.compile) the backward
 recomputes softmax from the saved lse, reading the logits again. The fused linear version runs the
 kernel on row chunks of hidden @ weight.T, writing each chunk's logits' gradient over the chunk and
@@ -28,51 +29,107 @@ REDUCTIONS = ("mean", "sum", "none")
 
 @triton.jit
 def _cross_entropy_kernel(
-    X, T, LSE, LOSS, DX, SCALE, stride_x, stride_dx, stride_scale, V, ignore_index, smoothing,
-    COMPUTE_LSE: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr,
+    X, T, LSE, LOSS, DX, SCALE, stride_x, stride_dx, stride_scale, M, V, ignore_index, smoothing,
+    COMPUTE_LSE: tl.constexpr, WRITE_GRAD: tl.constexpr, ROW_SUM: tl.constexpr, ONE_TILE: tl.constexpr,
+    PREFETCH: tl.constexpr, REVERSE: tl.constexpr, KEEP: tl.constexpr, LAST: tl.constexpr, OUT: tl.constexpr,
+    BLOCK_N: tl.constexpr, ACC: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    target = tl.load(T + row).to(tl.int64)
-    ignored = target == ignore_index
-    x_row = X + row * stride_x
-    if COMPUTE_LSE:
-        # The target's logit first: its load is in flight during the pass instead of after it.
-        in_range = (target >= 0) & (target < V)  # never read outside the row, whatever the target
-        x_t = tl.load(x_row + tl.where(in_range, target, 0)).to(ACC)
-        # Online logsumexp: a running max and the sum of exponentials rescaled to it, one exp per logit.
-        m = tl.full([], -float("inf"), dtype=ACC)
-        s = tl.zeros([], dtype=ACC)
+    # Grid-stride over rows: one program per row, or (wide rows) a few per SM, so that the rows in flight
+    # fit in L2 and the gradient pass's second read of a row hits it. ONE_TILE: the whole row in
+    # registers, read once. PREFETCH: each step loads the next step's logits before it works on its own,
+    # so a program keeps two steps of loads in flight. KEEP, LAST, OUT: eviction policies of a read that
+    # is read again, of the last read of the logits, and of the gradient's stores. ROW_SUM: the row's sum
+    # of logits, which label smoothing needs (see _row_launch for where it is computed without).
+    n_blocks = tl.cdiv(V, BLOCK_N)
+    for row32 in range(tl.program_id(0), M, tl.num_programs(0)):
+        row = tl.cast(row32, tl.int64)
+        target = tl.load(T + row).to(tl.int64)
+        ignored = target == ignore_index
+        x_row = X + row * stride_x
+        if COMPUTE_LSE:
+            # The target's logit first: its load is in flight during the pass instead of after it.
+            in_range = (target >= 0) & (target < V)  # never read outside the row, whatever the target
+            x_t = tl.load(x_row + tl.where(in_range, target, 0)).to(ACC)
         total = tl.zeros([], dtype=ACC)
-        for start in range(0, V, BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)
-            x = tl.load(x_row + cols, mask=cols < V, other=-float("inf")).to(ACC)
-            m_new = tl.maximum(m, tl.max(x, axis=0))
-            shift = tl.where(m_new == -float("inf"), 0.0, m_new)  # only -inf so far: keep s at 0
-            s = s * tl.exp(m - shift) + tl.sum(tl.exp(x - shift), axis=0)
-            m = m_new
-            total += tl.sum(tl.where(cols < V, x, 0.0), axis=0)
-        lse = m + tl.log(s)
-        loss = (1.0 - smoothing) * (lse - x_t) + smoothing * (lse - total / V)
-        tl.store(LSE + row, lse)
-        tl.store(LOSS + row, tl.where(ignored, 0.0, loss))
-    else:
-        lse = tl.load(LSE + row)
-    if WRITE_GRAD:
-        scale = tl.where(ignored, 0.0, tl.load(SCALE + row * stride_scale).to(ACC))
-        dx_row = DX + row * stride_dx
-        for start in range(0, V, BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)
+        if ONE_TILE:
+            cols = tl.arange(0, BLOCK_N)
             mask = cols < V
-            grad = _grad_block(x_row, cols, mask, target, lse, V, smoothing, ACC)
-            # Stored here, not in the helper (tests/kernels/test_stores_in_kernels.py says why).
-            tl.store(dx_row + cols, round_to(scale * grad, DX.dtype.element_ty), mask=mask)
+            x = tl.load(x_row + cols, mask=mask, other=-float("inf"), eviction_policy=LAST).to(ACC)
+            if COMPUTE_LSE:
+                m = tl.max(x, axis=0)
+                e = tl.exp(x - m)
+                s = tl.sum(e, axis=0)
+                lse = m + tl.log(s)
+                if ROW_SUM:
+                    total = tl.sum(tl.where(mask, x, 0.0), axis=0)
+                prob = e * (1.0 / s)  # softmax from the exponentials at hand: no second exp, no division
+            else:
+                lse = tl.load(LSE + row)
+                prob = tl.exp(x - lse)
+        else:
+            if COMPUTE_LSE:
+                # Online logsumexp: a running max and the sum of exponentials rescaled to it, one exp per logit.
+                m = tl.full([], -float("inf"), dtype=ACC)
+                s = tl.zeros([], dtype=ACC)
+                cols = tl.arange(0, BLOCK_N)
+                if PREFETCH:
+                    x_next = tl.load(x_row + cols, mask=cols < V, other=-float("inf"), eviction_policy=KEEP)
+                for i in range(0, n_blocks):
+                    cols = i * BLOCK_N + tl.arange(0, BLOCK_N)
+                    if PREFETCH:
+                        x = x_next.to(ACC)
+                        x_next = tl.load(x_row + cols + BLOCK_N, mask=cols + BLOCK_N < V, other=-float("inf"),
+                                         eviction_policy=KEEP)
+                    else:
+                        x = tl.load(x_row + cols, mask=cols < V, other=-float("inf"), eviction_policy=KEEP).to(ACC)
+                    m_new = tl.maximum(m, tl.max(x, axis=0))
+                    shift = tl.where(m_new == -float("inf"), 0.0, m_new)  # only -inf so far: keep s at 0
+                    s = s * tl.exp(m - shift) + tl.sum(tl.exp(x - shift), axis=0)
+                    m = m_new
+                    if ROW_SUM:
+                        total += tl.sum(tl.where(cols < V, x, 0.0), axis=0)
+                lse = m + tl.log(s)
+            else:
+                lse = tl.load(LSE + row)
+        if COMPUTE_LSE:
+            loss = lse - x_t
+            if ROW_SUM:
+                loss = (1.0 - smoothing) * loss + smoothing * (lse - total / V)
+            tl.store(LSE + row, lse)
+            tl.store(LOSS + row, tl.where(ignored, 0.0, loss))
+        if WRITE_GRAD:
+            scale = tl.where(ignored, 0.0, tl.load(SCALE + row * stride_scale).to(ACC))
+            dx_row = DX + row * stride_dx
+            if ONE_TILE:
+                grad = prob - smoothing / V - tl.where(cols == target, 1.0 - smoothing, 0.0)
+                tl.store(dx_row + cols, round_to(scale * grad, DX.dtype.element_ty), mask=mask, eviction_policy=OUT)
+            else:
+                # REVERSE: the last-read logits first, while they are the likeliest still in L2.
+                step = -BLOCK_N if REVERSE else BLOCK_N
+                first = (n_blocks - 1) * BLOCK_N if REVERSE else 0
+                if PREFETCH:
+                    cols = first + tl.arange(0, BLOCK_N)
+                    x_next = tl.load(x_row + cols, mask=cols < V, other=0.0, eviction_policy=LAST)
+                for i in range(0, n_blocks):
+                    cols = first + i * step + tl.arange(0, BLOCK_N)
+                    mask = cols < V
+                    if PREFETCH:
+                        x = x_next.to(ACC)
+                        ahead = cols + step
+                        x_next = tl.load(x_row + ahead, mask=(ahead >= 0) & (ahead < V), other=0.0,
+                                         eviction_policy=LAST)
+                    else:
+                        x = tl.load(x_row + cols, mask=mask, other=0.0, eviction_policy=LAST).to(ACC)
+                    grad = _grad(x, cols, target, lse, V, smoothing)
+                    tl.store(dx_row + cols, round_to(scale * grad, DX.dtype.element_ty), mask=mask,
+                             eviction_policy=OUT)
 
 
 @triton.jit
-def _grad_block(x_row, cols, mask, target, lse, V, smoothing, ACC: tl.constexpr):
-    """softmax(x) - (1 - ε)·onehot(target) - ε/V at `cols` of the row, in fp32 (fp64): the kernel scales it
-    and rounds it once as it stores it."""
-    x = tl.load(x_row + cols, mask=mask, other=0.0).to(ACC)
+def _grad(x, cols, target, lse, V, smoothing):
+    """softmax(x) - (1 - ε)·onehot(target) - ε/V at `cols` of the row, in x's dtype (fp32, fp64): the kernel
+    scales it and rounds it once as it stores it (stores stay in the kernels, see
+    tests/kernels/test_stores_in_kernels.py)."""
     return tl.exp(x - lse) - smoothing / V - tl.where(cols == target, 1.0 - smoothing, 0.0)
 
 
@@ -96,8 +153,7 @@ def _regrad_kernel(
             for start in range(0, V, BLOCK_N):
                 cols = start + tl.arange(0, BLOCK_N)
                 mask = cols < V
-                grad = _grad_block(x_row, cols, mask, target, lse, V, smoothing, ACC)
-                # Stored here, not in the helper (tests/kernels/test_stores_in_kernels.py says why).
+                grad = _grad(tl.load(x_row + cols, mask=mask, other=0.0).to(ACC), cols, target, lse, V, smoothing)
                 tl.store(dx_row + cols, round_to(row_scale * grad, DX.dtype.element_ty), mask=mask)
 
 
@@ -136,15 +192,38 @@ def _acc_type(x: torch.Tensor):
     return tl.float64 if _acc_dtype(x) == torch.float64 else tl.float32
 
 
+# Rows of up to ONE_TILE_V logits (and shorter rows that fit one step) are read once, whole, into registers.
+ONE_TILE_V = 32768
+# Launch settings above 8k logits, H100 sweeps (bf16, 16384 rows; benchmarks/results/kernels.md, "wide
+# rows"). TILE, up to ONE_TILE_V: the whole row in registers, 32 warps, a grid of PROGRAMS_PER_SM per SM
+# looping over rows; it always computes the row's sum (triton 3.6: without it the kernel spills, and it
+# measured 1138 instead of 928 µs fwd+bwd at 32k). Wider rows: WIDE when the gradient is written (two
+# reads of each row: the second hits L2 only if few rows are in flight; 128k fwd+bwd 4362 -> 3661 µs)
+# and WIDE_FWD for the loss alone (one read; 1488 -> 1374 µs). PROGRAMS_PER_SM 0: one program per row.
+# PREFETCH, REVERSE, KEEP, LAST, OUT: see the kernel.
+TILE = dict(num_warps=32, PROGRAMS_PER_SM=1.0)
+WIDE = dict(BLOCK_N=16384, num_warps=16, PROGRAMS_PER_SM=0, PREFETCH=False, REVERSE=True, KEEP="evict_last",
+            LAST="evict_first", OUT="evict_first")
+WIDE_FWD = dict(BLOCK_N=BLOCK_V, num_warps=8, PROGRAMS_PER_SM=0, PREFETCH=True)
+
+
 @functools.lru_cache(maxsize=None)
-def _row_launch(v: int) -> dict:
-    """Columns per step and warps for rows of v logits: the best of a sweep on the H100 (bf16, 16384 rows;
-    benchmarks/results/kernels.md): short rows want few warps, 32k-wide rows a 16-warp program."""
+def _row_launch(v: int, write_grad: bool) -> tuple[float, dict]:
+    """(programs per SM, 0 for one per row; kernel launch keywords) for rows of v logits. Up to 8k logits,
+    the best of an earlier H100 sweep: short rows want few warps."""
+    kw = dict(PREFETCH=False, REVERSE=False, KEEP="", LAST="", OUT="", ROW_SUM=False)
+    if v > ONE_TILE_V:
+        wide = WIDE if write_grad else WIDE_FWD
+        kw.update({k: wide[k] for k in kw if k in wide})
+        return wide["PROGRAMS_PER_SM"], dict(kw, BLOCK_N=min(wide["BLOCK_N"], triton.next_power_of_2(v)),
+                                             ONE_TILE=False, num_warps=wide["num_warps"])
     if v <= 1024:
-        return dict(BLOCK_N=triton.next_power_of_2(v), num_warps=2)
-    if 8192 < v <= 32768:
-        return dict(BLOCK_N=2 * BLOCK_V, num_warps=16)
-    return dict(BLOCK_N=min(BLOCK_V, triton.next_power_of_2(v)), num_warps=8)
+        return 0, dict(kw, BLOCK_N=triton.next_power_of_2(v), ONE_TILE=True, num_warps=2)
+    if v <= 8192:
+        block_n = min(BLOCK_V, triton.next_power_of_2(v))
+        return 0, dict(kw, BLOCK_N=block_n, ONE_TILE=block_n >= v, num_warps=8)
+    return TILE["PROGRAMS_PER_SM"], dict(kw, BLOCK_N=triton.next_power_of_2(v), ONE_TILE=True,
+                                         num_warps=TILE["num_warps"], ROW_SUM=True)
 
 
 def _run(x, target, lse, loss, dx, scale, ignore_index, smoothing, compute_lse, write_grad):
@@ -155,12 +234,15 @@ def _run(x, target, lse, loss, dx, scale, ignore_index, smoothing, compute_lse, 
     loss = loss if loss is not None else unused()
     dx = dx if dx is not None else unused()
     scale = scale if scale is not None else unused()
+    m, v = x.shape
+    per_sm, kw = _row_launch(v, write_grad)
+    programs = persistent_programs(x.device, m, per_sm) if per_sm else m
+    kw = dict(kw, ROW_SUM=kw["ROW_SUM"] or smoothing > 0)
     launch(
-        _cross_entropy_kernel, (x.shape[0],),
+        _cross_entropy_kernel, (programs,),
         x, target, lse, loss, dx, scale, x.stride(0), dx.stride(0) if dx.numel() else 0,
-        scale.stride(0) if scale.dim() else 0,
-        x.shape[1], ignore_index, smoothing, COMPUTE_LSE=compute_lse, WRITE_GRAD=write_grad,
-        ACC=_acc_type(x), **_row_launch(x.shape[1]),
+        scale.stride(0) if scale.dim() else 0, m, v, ignore_index, smoothing,
+        COMPUTE_LSE=compute_lse, WRITE_GRAD=write_grad, ACC=_acc_type(x), **kw,
     )
 
 
@@ -216,8 +298,13 @@ def _regrad_(x, target, lse, dx, grad, scale, ignore_index, smoothing):
     launch(
         _regrad_kernel, (persistent_programs(x.device, m),),
         x, target, lse, dx, grad, scale, x.stride(0), dx.stride(0), m, v, ignore_index, smoothing,
-        ACC=_acc_type(x), **_row_launch(v),
+        ACC=_acc_type(x), **_regrad_launch(v),
     )
+
+
+def _regrad_launch(v: int) -> dict:
+    # Only for an incoming gradient other than 1 (rare): one chunked setting above 1k logits.
+    return dict(BLOCK_N=triton.next_power_of_2(v), num_warps=2) if v <= 1024 else dict(BLOCK_N=BLOCK_V, num_warps=8)
 
 
 def _reduce(loss_rows, target, ignore_index, reduction):

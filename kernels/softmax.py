@@ -1,7 +1,8 @@
 """Softmax over the last dim, forward and backward, any width.
 
-Rows up to 32k columns stay in registers: one read, one write. Wider rows take an online pass
-(running max and rescaled sum of exponentials) and a write pass. Math in fp32
+Rows up to 32k columns stay in registers: one read, one write (the backward: up to 16k). Wider rows
+take an online pass (running max and rescaled sum of exponentials) and a write pass, launched so that
+the second read of a row finds it in L2 (see WIDE). Math in fp32
 (fp64 for fp32 inputs, so the result is never less accurate than eager's), one rounding.
 Backward: dx = y * (dy - sum(y * dy)), with y recomputed in fp32 from x and the saved row max and sum
 (same bytes as reading a saved y, but y unrounded: as accurate as softmax in fp32 then cast).
@@ -11,82 +12,140 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from ._launch import as_rows, kernel_op, launch, require_triton, round_to, row_tiles
+from ._launch import as_rows, kernel_op, launch, persistent_programs, require_triton, round_to, row_tiles
 from .swap import SwapEntry, behaves_like, place
 
 MAX_TILE_N = 32768
 
 
 @triton.jit
-def _softmax_fwd_kernel(X, Y, MAX, SUM, stride_x, stride_y, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        ONE_TILE: tl.constexpr, ACC: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = (rows < M)[:, None]
-    rows = rows.to(tl.int64)[:, None]
-    if ONE_TILE:
-        cols = tl.arange(0, BLOCK_N)[None, :]
-        mask = row_mask & (cols < N)
-        x = tl.load(X + rows * stride_x + cols, mask=mask, other=-float("inf")).to(ACC)
-        row_max = tl.max(x, axis=1)
-        e = tl.exp(x - row_max[:, None])
-        total = tl.sum(e, axis=1)
-        y = e / total[:, None]
-        tl.store(Y + rows * stride_y + cols, round_to(y, Y.dtype.element_ty), mask=mask)
-    else:
-        # Online pass: running max and the sum of exponentials rescaled to it, one exp per element.
-        row_max = tl.full([BLOCK_M], -float("inf"), dtype=ACC)
-        total = tl.zeros([BLOCK_M], dtype=ACC)
-        for start in range(0, N, BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)[None, :]
-            x = tl.load(X + rows * stride_x + cols, mask=row_mask & (cols < N), other=-float("inf")).to(ACC)
-            m_new = tl.maximum(row_max, tl.max(x, axis=1))
-            shift = tl.where(m_new == -float("inf"), 0.0, m_new)  # only -inf so far: keep the sum at 0
-            total = total * tl.exp(row_max - shift) + tl.sum(tl.exp(x - shift[:, None]), axis=1)
-            row_max = m_new
-        for start in range(0, N, BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)[None, :]
-            mask = row_mask & (cols < N)
-            x = tl.load(X + rows * stride_x + cols, mask=mask, other=-float("inf")).to(ACC)
-            y = tl.exp(x - row_max[:, None]) / total[:, None]
-            tl.store(Y + rows * stride_y + cols, round_to(y, Y.dtype.element_ty), mask=mask)
-    tl.store(MAX + rows, row_max[:, None], mask=row_mask)
-    tl.store(SUM + rows, total[:, None], mask=row_mask)
+def _chunk(P, rows, stride, cols, row_mask, N, other, POLICY: tl.constexpr):
+    """Columns `cols` of the rows (as stored; masked outside the row, negative columns included)."""
+    return tl.load(P + rows * stride + cols, mask=row_mask & (cols >= 0) & (cols < N), other=other,
+                   eviction_policy=POLICY)
 
 
 @triton.jit
-def _recompute(X, MAX, SUM, rows, cols, mask, row_mask, stride_x, ACC: tl.constexpr):
-    x = tl.load(X + rows * stride_x + cols, mask=mask, other=-float("inf")).to(ACC)
-    row_max = tl.load(MAX + rows, mask=row_mask, other=0.0)
-    return tl.exp(x - row_max) / tl.load(SUM + rows, mask=row_mask, other=1.0)
+def _softmax_fwd_kernel(X, Y, MAX, SUM, stride_x, stride_y, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        ONE_TILE: tl.constexpr, PREFETCH: tl.constexpr, REVERSE: tl.constexpr, KEEP: tl.constexpr,
+                        LAST: tl.constexpr, OUT: tl.constexpr, ACC: tl.constexpr):
+    # One tile (the whole row in registers): one program per row block, no loop (a loop costs a barrier
+    # and registers per program; this way the one-tile code is the earlier, measured one). Wider rows:
+    # grid-stride over rows, with
+    # one program per row or (PROGRAMS_PER_SM) a few per SM, so that the rows in flight fit in L2 and the
+    # second read of each row hits it. PREFETCH: each step loads the next step's columns before it works
+    # on its own (two steps of loads in flight per program). REVERSE: the second pass goes last chunk
+    # first, while those are the likeliest still in L2. KEEP, LAST, OUT: eviction policies of a read that
+    # is read again, of the last read, and of the stores.
+    n_blocks = tl.cdiv(N, BLOCK_N)
+    pid, programs = tl.program_id(0), tl.num_programs(0)
+    for it in range(0, 1 if ONE_TILE else tl.cdiv(tl.cdiv(M, BLOCK_M) - pid, programs)):
+        rows = (pid + it * programs) * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = (rows < M)[:, None]
+        rows = rows.to(tl.int64)[:, None]
+        if ONE_TILE:
+            cols = tl.arange(0, BLOCK_N)[None, :]
+            mask = row_mask & (cols < N)
+            x = tl.load(X + rows * stride_x + cols, mask=mask, other=-float("inf")).to(ACC)
+            row_max = tl.max(x, axis=1)
+            e = tl.exp(x - row_max[:, None])
+            total = tl.sum(e, axis=1)
+            y = e / total[:, None]
+            tl.store(Y + rows * stride_y + cols, round_to(y, Y.dtype.element_ty), mask=mask)
+        else:
+            # Online pass: running max and the sum of exponentials rescaled to it, one exp per element.
+            row_max = tl.full([BLOCK_M], -float("inf"), dtype=ACC)
+            total = tl.zeros([BLOCK_M], dtype=ACC)
+            cols = tl.arange(0, BLOCK_N)[None, :]
+            if PREFETCH:
+                x_next = _chunk(X, rows, stride_x, cols, row_mask, N, -float("inf"), KEEP)
+            for i in range(0, n_blocks):
+                cols = i * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+                if PREFETCH:
+                    x = x_next.to(ACC)
+                    x_next = _chunk(X, rows, stride_x, cols + BLOCK_N, row_mask, N, -float("inf"), KEEP)
+                else:
+                    x = _chunk(X, rows, stride_x, cols, row_mask, N, -float("inf"), KEEP).to(ACC)
+                m_new = tl.maximum(row_max, tl.max(x, axis=1))
+                shift = tl.where(m_new == -float("inf"), 0.0, m_new)  # only -inf so far: keep the sum at 0
+                total = total * tl.exp(row_max - shift) + tl.sum(tl.exp(x - shift[:, None]), axis=1)
+                row_max = m_new
+            inv_total = (1.0 / total)[:, None]  # one reciprocal per row, not a division per element
+            step = -BLOCK_N if REVERSE else BLOCK_N
+            first = (n_blocks - 1) * BLOCK_N if REVERSE else 0
+            if PREFETCH:
+                x_next = _chunk(X, rows, stride_x, first + tl.arange(0, BLOCK_N)[None, :], row_mask, N, 0.0, LAST)
+            for i in range(0, n_blocks):
+                cols = first + i * step + tl.arange(0, BLOCK_N)[None, :]
+                if PREFETCH:
+                    x = x_next.to(ACC)
+                    x_next = _chunk(X, rows, stride_x, cols + step, row_mask, N, 0.0, LAST)
+                else:
+                    x = _chunk(X, rows, stride_x, cols, row_mask, N, 0.0, LAST).to(ACC)
+                y = tl.exp(x - row_max[:, None]) * inv_total
+                tl.store(Y + rows * stride_y + cols, round_to(y, Y.dtype.element_ty), mask=row_mask & (cols < N),
+                         eviction_policy=OUT)
+        tl.store(MAX + rows, row_max[:, None], mask=row_mask)
+        tl.store(SUM + rows, total[:, None], mask=row_mask)
 
 
 @triton.jit
 def _softmax_bwd_kernel(DY, X, MAX, SUM, DX, stride_dy, stride_x, stride_dx, M, N, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, ONE_TILE: tl.constexpr, ACC: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = (rows < M)[:, None]
-    rows = rows.to(tl.int64)[:, None]
-    if ONE_TILE:
-        cols = tl.arange(0, BLOCK_N)[None, :]
-        mask = row_mask & (cols < N)
-        y = _recompute(X, MAX, SUM, rows, cols, mask, row_mask, stride_x, ACC)
-        dy = tl.load(DY + rows * stride_dy + cols, mask=mask, other=0.0).to(ACC)
-        dx = y * (dy - tl.sum(y * dy, axis=1)[:, None])
-        tl.store(DX + rows * stride_dx + cols, round_to(dx, DX.dtype.element_ty), mask=mask)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
-        for start in range(0, N, BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)[None, :]
+                        BLOCK_N: tl.constexpr, ONE_TILE: tl.constexpr, PREFETCH: tl.constexpr, REVERSE: tl.constexpr,
+                        KEEP: tl.constexpr, LAST: tl.constexpr, OUT: tl.constexpr, ACC: tl.constexpr):
+    # As the forward; y recomputed from x and the row's max and sum.
+    n_blocks = tl.cdiv(N, BLOCK_N)
+    pid, programs = tl.program_id(0), tl.num_programs(0)
+    for it in range(0, 1 if ONE_TILE else tl.cdiv(tl.cdiv(M, BLOCK_M) - pid, programs)):
+        rows = (pid + it * programs) * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = (rows < M)[:, None]
+        rows = rows.to(tl.int64)[:, None]
+        if ONE_TILE:
+            cols = tl.arange(0, BLOCK_N)[None, :]
             mask = row_mask & (cols < N)
-            y = _recompute(X, MAX, SUM, rows, cols, mask, row_mask, stride_x, ACC)
-            acc += y * tl.load(DY + rows * stride_dy + cols, mask=mask, other=0.0).to(ACC)
-        dot = tl.sum(acc, axis=1)[:, None]
-        for start in range(0, N, BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)[None, :]
-            mask = row_mask & (cols < N)
-            y = _recompute(X, MAX, SUM, rows, cols, mask, row_mask, stride_x, ACC)
+            x = tl.load(X + rows * stride_x + cols, mask=mask, other=-float("inf")).to(ACC)
+            row_max = tl.load(MAX + rows, mask=row_mask, other=0.0)
+            y = tl.exp(x - row_max) / tl.load(SUM + rows, mask=row_mask, other=1.0)
             dy = tl.load(DY + rows * stride_dy + cols, mask=mask, other=0.0).to(ACC)
-            tl.store(DX + rows * stride_dx + cols, round_to(y * (dy - dot), DX.dtype.element_ty), mask=mask)
+            dx = y * (dy - tl.sum(y * dy, axis=1)[:, None])
+            tl.store(DX + rows * stride_dx + cols, round_to(dx, DX.dtype.element_ty), mask=mask)
+        else:
+            row_max = tl.load(MAX + rows, mask=row_mask, other=0.0)
+            inv_sum = 1.0 / tl.load(SUM + rows, mask=row_mask, other=1.0)  # one reciprocal per row
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
+            cols = tl.arange(0, BLOCK_N)[None, :]
+            if PREFETCH:
+                x_next = _chunk(X, rows, stride_x, cols, row_mask, N, -float("inf"), KEEP)
+                dy_next = _chunk(DY, rows, stride_dy, cols, row_mask, N, 0.0, KEEP)
+            for i in range(0, n_blocks):
+                cols = i * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+                if PREFETCH:
+                    x, dy = x_next.to(ACC), dy_next.to(ACC)
+                    x_next = _chunk(X, rows, stride_x, cols + BLOCK_N, row_mask, N, -float("inf"), KEEP)
+                    dy_next = _chunk(DY, rows, stride_dy, cols + BLOCK_N, row_mask, N, 0.0, KEEP)
+                else:
+                    x = _chunk(X, rows, stride_x, cols, row_mask, N, -float("inf"), KEEP).to(ACC)
+                    dy = _chunk(DY, rows, stride_dy, cols, row_mask, N, 0.0, KEEP).to(ACC)
+                acc += tl.exp(x - row_max) * inv_sum * dy
+            dot = tl.sum(acc, axis=1)[:, None]
+            step = -BLOCK_N if REVERSE else BLOCK_N
+            first = (n_blocks - 1) * BLOCK_N if REVERSE else 0
+            if PREFETCH:
+                cols = first + tl.arange(0, BLOCK_N)[None, :]
+                x_next = _chunk(X, rows, stride_x, cols, row_mask, N, -float("inf"), LAST)
+                dy_next = _chunk(DY, rows, stride_dy, cols, row_mask, N, 0.0, LAST)
+            for i in range(0, n_blocks):
+                cols = first + i * step + tl.arange(0, BLOCK_N)[None, :]
+                if PREFETCH:
+                    x, dy = x_next.to(ACC), dy_next.to(ACC)
+                    x_next = _chunk(X, rows, stride_x, cols + step, row_mask, N, -float("inf"), LAST)
+                    dy_next = _chunk(DY, rows, stride_dy, cols + step, row_mask, N, 0.0, LAST)
+                else:
+                    x = _chunk(X, rows, stride_x, cols, row_mask, N, -float("inf"), LAST).to(ACC)
+                    dy = _chunk(DY, rows, stride_dy, cols, row_mask, N, 0.0, LAST).to(ACC)
+                y = tl.exp(x - row_max) * inv_sum
+                tl.store(DX + rows * stride_dx + cols, round_to(y * (dy - dot), DX.dtype.element_ty),
+                         mask=row_mask & (cols < N), eviction_policy=OUT)
 
 
 def _acc_dtype(x: torch.Tensor) -> torch.dtype:
@@ -97,6 +156,40 @@ def _acc_type(x: torch.Tensor):
     return tl.float64 if _acc_dtype(x) == torch.float64 else tl.float32
 
 
+# Rows wider than MAX_TILE_N take two reads each (forward: the online pass, then the write pass;
+# backward: the dot product, then the write pass), in steps of BLOCK_N columns. The second read hits L2
+# only if few rows are in flight: one program per row (PROGRAMS_PER_SM 0) of many warps, each step's
+# loads issued a step ahead (PREFETCH), or a grid of PROGRAMS_PER_SM programs per SM looping over rows.
+# REVERSE, KEEP, LAST, OUT: see the kernel. H100 sweep, bf16, 16384 rows, 131072 columns
+# (benchmarks/results/kernels.md, "wide rows"): forward 4376 -> 3134 µs (91% of copy bandwidth),
+# forward+backward 11508 -> 8761 µs. PROGRAMS_PER_SM=2 with 32 warps: only one fits on an SM (64
+# registers per thread); the others start as the first ones finish their rows.
+WIDE = dict(BLOCK_N=32768, num_warps=32, PROGRAMS_PER_SM=2.0, PREFETCH=True, REVERSE=False, KEEP="evict_last",
+            LAST="evict_first", OUT="evict_first")
+WIDE_BWD = dict(BLOCK_N=16384, num_warps=32, PROGRAMS_PER_SM=0, PREFETCH=True, REVERSE=True, KEEP="evict_last",
+                LAST="evict_first", OUT="evict_first")
+# Backward rows wider than BWD_MAX_TILE_N, up to MAX_TILE_N, take the two-pass kernel too, with MID_BWD:
+# the whole-row backward holds x and dy (spills at 32 warps) and its exponentials wait on the loads;
+# H100, 32768 columns: forward+backward 1976 (one tile) -> 1869 µs.
+BWD_MAX_TILE_N = 16384
+MID_BWD = dict(WIDE_BWD)
+
+
+def _settings(m: int, n: int, device: torch.device, backward: bool) -> tuple[int, dict]:
+    """(programs, kernel launch keywords) for m rows of n columns."""
+    block_m, block_n, num_warps, one_tile = row_tiles(n, BWD_MAX_TILE_N if backward else MAX_TILE_N)
+    if one_tile:
+        kw = dict(BLOCK_M=block_m, BLOCK_N=block_n, ONE_TILE=True, PREFETCH=False, REVERSE=False, KEEP="", LAST="",
+                  OUT="", num_warps=num_warps)
+        return triton.cdiv(m, block_m), kw
+    wide = (MID_BWD if n <= MAX_TILE_N else WIDE_BWD) if backward else WIDE
+    kw = dict(BLOCK_M=1, BLOCK_N=min(wide["BLOCK_N"], triton.next_power_of_2(n)), ONE_TILE=False,
+              PREFETCH=wide["PREFETCH"], REVERSE=wide["REVERSE"], KEEP=wide["KEEP"], LAST=wide["LAST"], OUT=wide["OUT"],
+              num_warps=wide["num_warps"])
+    per_sm = wide["PROGRAMS_PER_SM"]  # 0: one program per row
+    return (persistent_programs(device, m, per_sm) if per_sm else m), kw
+
+
 @kernel_op("profiler_svc::softmax_fwd", mutates_args={})
 def softmax_fwd(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns y and each row's max and sum of exponentials (for the backward's recompute)."""
@@ -104,12 +197,9 @@ def softmax_fwd(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     row_max = torch.empty((m,), dtype=_acc_dtype(x), device=x.device)
     row_sum = torch.empty((m,), dtype=_acc_dtype(x), device=x.device)
-    block_m, block_n, num_warps, one_tile = row_tiles(n, MAX_TILE_N)
-    launch(
-        _softmax_fwd_kernel, (triton.cdiv(m, block_m),),
-        x, y, row_max, row_sum, x.stride(0), y.stride(0), m, n,
-        BLOCK_M=block_m, BLOCK_N=block_n, ONE_TILE=one_tile, ACC=_acc_type(x), num_warps=num_warps,
-    )
+    programs, kw = _settings(m, n, x.device, backward=False)
+    launch(_softmax_fwd_kernel, (programs,), x, y, row_max, row_sum, x.stride(0), y.stride(0), m, n,
+           ACC=_acc_type(x), **kw)
     return y, row_max, row_sum
 
 
@@ -117,12 +207,9 @@ def softmax_fwd(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 def softmax_bwd(dy: torch.Tensor, x: torch.Tensor, row_max: torch.Tensor, row_sum: torch.Tensor) -> torch.Tensor:
     m, n = x.shape
     dx = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    block_m, block_n, num_warps, one_tile = row_tiles(n, MAX_TILE_N)
-    launch(
-        _softmax_bwd_kernel, (triton.cdiv(m, block_m),),
-        dy, x, row_max, row_sum, dx, dy.stride(0), x.stride(0), dx.stride(0), m, n,
-        BLOCK_M=block_m, BLOCK_N=block_n, ONE_TILE=one_tile, ACC=_acc_type(x), num_warps=num_warps,
-    )
+    programs, kw = _settings(m, n, x.device, backward=True)
+    launch(_softmax_bwd_kernel, (programs,), dy, x, row_max, row_sum, dx, dy.stride(0), x.stride(0), dx.stride(0),
+           m, n, ACC=_acc_type(x), **kw)
     return dx
 
 

@@ -1,3 +1,5 @@
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -144,3 +146,36 @@ def test_low_memory_gradients_are_handed_out_once():
         torch.testing.assert_close(a, b)  # fp32: the same numbers, only the buffers differ
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         torch.autograd.grad(loss, [hidden, weight])  # scaled in place once: a second backward is refused
+
+
+@pytest.mark.parametrize("reverse,prefetch,per_sm", [(True, True, 1.0), (False, True, 2.0), (True, False, 0)])
+def test_wide_row_settings(monkeypatch, reverse, prefetch, per_sm):
+    """The wide-row path (online pass, then the gradient pass, optionally last chunk first, optionally each
+    chunk loaded a step ahead; a grid of a few programs looping over rows) at a width the interpreter
+    runs: the thresholds are lowered."""
+    ce = importlib.import_module("profiler_svc.kernels.cross_entropy")  # the module, not the function
+
+    monkeypatch.setattr(ce, "ONE_TILE_V", 256)
+    monkeypatch.setitem(ce.WIDE, "BLOCK_N", 64)
+    monkeypatch.setitem(ce.WIDE, "REVERSE", reverse)
+    monkeypatch.setitem(ce.WIDE, "PREFETCH", prefetch)
+    monkeypatch.setitem(ce.WIDE_FWD, "PREFETCH", prefetch)
+    monkeypatch.setitem(ce.WIDE, "PROGRAMS_PER_SM", per_sm)
+    monkeypatch.setitem(ce.WIDE_FWD, "BLOCK_N", 128)
+    ce._row_launch.cache_clear()
+    try:
+        logits, target = problem(11, 1000, seed=7)  # 4 programs under the interpreter: several rows each
+        assert ce._row_launch(1000, True)[1]["ONE_TILE"] is False
+        for reduction, smoothing in (("mean", 0.1), ("none", 0.0)):
+            x = logits.detach().float().requires_grad_()
+            ref = logits.detach().clone().requires_grad_()
+            kwargs = dict(reduction=reduction, label_smoothing=smoothing)
+            loss, ref_loss = cross_entropy(x, target, **kwargs), F.cross_entropy(ref, target, **kwargs)
+            dy = torch.randn(ref_loss.shape, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+            (g,), (r,) = torch.autograd.grad(loss, x, dy.float()), torch.autograd.grad(ref_loss, ref, dy)
+            assert rel_err(loss, ref_loss) < 1e-6 and rel_err(g, r) < 1e-6
+        with torch.no_grad():  # the loss alone (WIDE_FWD)
+            x = logits.detach()
+            assert rel_err(cross_entropy(x.float(), target), F.cross_entropy(x, target)) < 1e-6
+    finally:
+        ce._row_launch.cache_clear()

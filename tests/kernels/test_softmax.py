@@ -1,3 +1,5 @@
+import importlib
+
 import pytest
 import torch
 from kernel_numerics import assert_no_worse, rel_err
@@ -47,3 +49,43 @@ def test_swap_replaces_last_dim_softmax_only():
     torch.testing.assert_close(model(x), nn.Sequential(model[0], last, first)(x))
     unswap(model)
     assert model[1] is last
+
+
+@pytest.mark.parametrize("reverse,prefetch,per_sm", [(True, True, 1.0), (False, True, 0.5), (True, False, 0)])
+def test_wide_row_settings(monkeypatch, reverse, prefetch, per_sm):
+    """The wide-row path (two reads of each row, optionally the second last chunk first, optionally each
+    chunk loaded a step ahead; a grid of a few programs looping over rows) at a width the interpreter
+    runs: the thresholds are lowered."""
+    sm = importlib.import_module("profiler_svc.kernels.softmax")  # the module, not the function
+
+    monkeypatch.setattr(sm, "MAX_TILE_N", 256)
+    monkeypatch.setattr(sm, "BWD_MAX_TILE_N", 256)
+    for settings in (sm.WIDE, sm.WIDE_BWD):
+        monkeypatch.setitem(settings, "BLOCK_N", 64)
+        monkeypatch.setitem(settings, "REVERSE", reverse)
+        monkeypatch.setitem(settings, "PREFETCH", prefetch)
+        monkeypatch.setitem(settings, "PROGRAMS_PER_SM", per_sm)
+    assert sm._settings(11, 1000, torch.device("cpu"), backward=True)[1]["ONE_TILE"] is False
+    x = scores((11, 1000), 4)  # 4 programs under the interpreter: several rows each
+    x32 = x.detach().float().requires_grad_()
+    y = softmax(x32)
+    ref = torch.softmax(x, -1)
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    (g,), (r,) = torch.autograd.grad(y, x32, dy.float()), torch.autograd.grad(ref, x, dy)
+    assert rel_err(y, ref) < 1e-6 and rel_err(g, r) < 1e-6
+
+
+def test_two_pass_backward_under_one_tile_forward(monkeypatch):
+    """Backward rows wider than BWD_MAX_TILE_N but within MAX_TILE_N: one-tile forward, two-pass backward
+    (MID_BWD settings)."""
+    sm = importlib.import_module("profiler_svc.kernels.softmax")
+    monkeypatch.setattr(sm, "BWD_MAX_TILE_N", 256)
+    monkeypatch.setitem(sm.MID_BWD, "BLOCK_N", 64)
+    monkeypatch.setitem(sm.MID_BWD, "PROGRAMS_PER_SM", 1.0)
+    assert sm._settings(11, 1000, torch.device("cpu"), backward=False)[1]["ONE_TILE"] is True
+    assert sm._settings(11, 1000, torch.device("cpu"), backward=True)[1]["ONE_TILE"] is False
+    x = scores((11, 1000), 6)
+    x32 = x.detach().float().requires_grad_()
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    (g,), (r,) = torch.autograd.grad(softmax(x32), x32, dy.float()), torch.autograd.grad(torch.softmax(x, -1), x, dy)
+    assert rel_err(g, r) < 1e-6
