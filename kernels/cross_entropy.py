@@ -412,24 +412,37 @@ class CrossEntropyLoss(nn.Module):
 # ---- fused linear + cross-entropy -----------------------------------------------------------------
 
 
-MIN_CHUNK_ROWS = 4096  # H100 sweep: 2048 -> 4096 rows cut fwd+bwd 6% (32k vocab) / 3% (128k); 8192 saved 1-2% more at twice the chunk memory
+# Rows per chunk (H100, 16384 x 4096 hidden states, bf16; benchmarks/results/kernels.md): each chunk's
+# weight-gradient matmul also writes (and after the first, reads) the fp32 (V, H) sum, so fewer, bigger
+# chunks are faster: 2048 -> 4096 rows cut fwd+bwd 6% (32k vocab) / 3% (128k), 8192 ~1-2% more.
+MIN_CHUNK_ROWS = 8192
 ACCUMULATE_IN_PLACE = True  # the weight gradient's fp32 accumulator updated in place by the matmul (knob for the sweep)
 
 
 def _chunk_rows(m: int, hidden: int, vocab: int, low_memory: bool = False) -> int:
     # A chunk's logits about as large as the hidden states themselves (Liger's rule), but (except in
-    # low-memory mode) at least MIN_CHUNK_ROWS: each chunk's weight-gradient matmul also reads and
-    # writes the fp32 (V, H) accumulator, and needs that many rows of work to stay compute-bound on it.
-    rows = triton.next_power_of_2(triton.cdiv(m, triton.cdiv(vocab, hidden)))
-    return rows if low_memory else max(MIN_CHUNK_ROWS, rows)
+    # low-memory mode) at least MIN_CHUNK_ROWS, for the speed above, yet at most half the rows (never
+    # all the logits at once) unless that is below MIN_CHUNK_ROWS / 2. The trade at 16384 rows: 8192-row
+    # chunks (512 MiB of logits at a 32k vocab, 2 GiB at 128k) against all the logits for torch.compile;
+    # low_memory=True keeps Liger's rule.
+    rows = max(1, triton.next_power_of_2(triton.cdiv(m, triton.cdiv(vocab, hidden))))  # 1: no rows at all
+    if low_memory:
+        return rows
+    half = triton.next_power_of_2(triton.cdiv(m, 2))
+    return max(rows, min(MIN_CHUNK_ROWS, max(MIN_CHUNK_ROWS // 2, half)))
 
 
 def _half_on_gpu(t) -> bool:
     return t.is_cuda and t.dtype in (torch.bfloat16, torch.float16)
 
 
+def _mm_fp32(a, b):
+    """a @ b, accumulated and kept in fp32 (not rounded to bf16/fp16 on the way), as a new tensor."""
+    return torch.mm(a, b, out_dtype=torch.float32) if _half_on_gpu(a) else torch.mm(a.float(), b.float())
+
+
 def _mm_fp32_into(out, a, b):
-    """out (fp32) = a @ b, accumulated and kept in fp32 (not rounded to bf16/fp16 on the way)."""
+    """out (fp32) = a @ b, as _mm_fp32, written straight into `out`."""
     if not _half_on_gpu(a):
         torch.mm(a.float(), b.float(), out=out)
     elif torch.compiler.is_compiling():  # out= forms kept out of traced graphs
@@ -443,18 +456,48 @@ def _addmm_fp32(acc, a, b):
     so the (V, H) accumulator is never held twice."""
     if torch.compiler.is_compiling():
         # torch 2.11's fake addmm(out_dtype=) fails under torch.compile (seen on the H100); mm's works.
-        return acc + (torch.mm(a, b, out_dtype=torch.float32) if _half_on_gpu(a) else torch.mm(a.float(), b.float()))
+        return acc + _mm_fp32(a, b)
     out = acc if ACCUMULATE_IN_PLACE else None
     if not _half_on_gpu(a):
         return torch.addmm(acc, a.float(), b.float(), out=out)
     return torch.addmm(acc, a, b, out_dtype=torch.float32, out=out)
 
 
+@triton.jit
+def _scale_kernel(X, G, Y, n, SKIP_IF_ONE: tl.constexpr, BLOCK: tl.constexpr):
+    """Y = X · G, rounded once to Y's dtype (Y may be X). SKIP_IF_ONE (in place): the loads and stores
+    are masked off for an incoming gradient of exactly 1, which would change nothing."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    g = tl.load(G).to(tl.float32)
+    if SKIP_IF_ONE:
+        n = tl.where(g != 1.0, n, 0)
+    live = offs < n
+    x = tl.load(X + offs, mask=live, other=0.0).to(tl.float32)
+    tl.store(Y + offs, round_to(x * g, Y.dtype.element_ty), mask=live)
+
+
+def _scale_launch(x, g, y, skip_if_one):
+    # 1024 elements per program, 4 warps: 3.05 TB/s on the H100 for fp32 -> bf16, where torch.mul by a
+    # 0-dim CUDA tensor takes its unvectorized broadcast path (1.3-1.5 TB/s; 0.9 TB/s in place on bf16).
+    assert x.is_contiguous() and y.is_contiguous()  # the gradients this scales are all fresh, dense buffers
+    n = x.numel()
+    launch(_scale_kernel, (triton.cdiv(n, 1024),), x, g, y, n, SKIP_IF_ONE=skip_if_one, BLOCK=1024, num_warps=4)
+
+
 def _scaled_cast(t, g, dtype):
-    """(t · g) in `dtype`: one pass over the fp32 t in eager, where torch.mul rounds into the output."""
+    """(t · g) in `dtype` (t fp32, g a 0-dim fp32 tensor), one rounding: one pass over t in eager."""
     if torch.compiler.is_compiling():
         return (t * g).to(dtype)
-    return torch.mul(t, g, out=torch.empty(t.shape, dtype=dtype, device=t.device))
+    out = torch.empty(t.shape, dtype=dtype, device=t.device)
+    _scale_launch(t, g, out, False)
+    return out
+
+
+def _scale_(t, g):
+    """t *= g in place (eager), skipped on the device for g == 1. The version bump makes a second
+    backward through the graph that saved t fail loudly instead of reusing the scaled values."""
+    _scale_launch(t, g, t, True)
+    torch.autograd.graph.increment_version(t)
 
 
 def _loss_and_grad(logits, target, scale, ignore_index, smoothing):
@@ -483,8 +526,6 @@ def _chunked_pass(hidden, weight, bias, target, scale, ignore_index, smoothing, 
     if need_grads:
         grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype if low_memory else torch.float32,
                                   device=hidden.device)
-        grad_weight = torch.zeros(weight.shape, dtype=weight.dtype if low_memory else torch.float32,
-                                  device=weight.device)
     grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_grads and bias is not None else None
     for start in range(0, m, chunk_rows):
         stop = min(start + chunk_rows, m)
@@ -498,18 +539,34 @@ def _chunked_pass(hidden, weight, bias, target, scale, ignore_index, smoothing, 
             loss_rows[start:stop], grad_logits = _loss_and_grad(logits, t, s, ignore_index, smoothing)
             if low_memory and not torch.compiler.is_compiling():
                 torch.mm(grad_logits, weight, out=grad_hidden[start:stop])  # fp32 sums inside, one rounding
-                grad_weight.addmm_(grad_logits.t(), h)
             elif low_memory:
                 grad_hidden[start:stop] = grad_logits @ weight
-                grad_weight = grad_weight + grad_logits.t() @ h
             else:
                 _mm_fp32_into(grad_hidden[start:stop], grad_logits, weight)
-                grad_weight = _addmm_fp32(grad_weight, grad_logits.t(), h)
+            grad_weight = _add_weight_grad(grad_weight, grad_logits.t(), h, low_memory)
             if grad_bias is not None:
                 grad_bias += grad_logits.float().sum(0)
         else:
             loss_rows[start:stop] = cross_entropy_fwd(logits, t, ignore_index, smoothing)[0]
+        # Freed before the next chunk's logits are allocated, so two chunks' buffers are never held
+        # at once (measured on the H100: one chunk's logits less at the peak).
+        logits = grad_logits = None
+    if need_grads and grad_weight is None:  # no rows
+        grad_weight = torch.zeros(weight.shape, dtype=weight.dtype if low_memory else torch.float32,
+                                  device=weight.device)
     return loss_rows, grad_hidden, grad_weight, grad_bias
+
+
+def _add_weight_grad(acc, a, b, low_memory):
+    """acc + a @ b, the weight gradient's running sum over chunks; acc is None before the first chunk,
+    which writes the sum itself: no zero-filled (V, H) buffer, and one read of it fewer."""
+    if acc is None:
+        return a @ b if low_memory else _mm_fp32(a, b)
+    if not low_memory:
+        return _addmm_fp32(acc, a, b)
+    if torch.compiler.is_compiling():
+        return acc + a @ b
+    return acc.addmm_(a, b)
 
 
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):
@@ -548,10 +605,9 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             )
             g = torch.ones((), device=grad.device)
         if ctx.low_memory and ctx.reduction != "none" and not torch.compiler.is_compiling():
-            # Already in their dtypes: scale in place (exact for the usual incoming 1), no second copy.
-            # Bumped versions make a second backward through this graph fail loudly, not reuse them.
-            grad_hidden.mul_(g)
-            grad_weight.mul_(g)
+            # Already in their dtypes: scale in place (nothing to do for the usual incoming 1), no second copy.
+            _scale_(grad_hidden, g)
+            _scale_(grad_weight, g)
         else:
             grad_hidden = _scaled_cast(grad_hidden, g, ctx.dtypes[0])
             grad_weight = _scaled_cast(grad_weight, g, ctx.dtypes[1])
@@ -566,10 +622,15 @@ def fused_linear_cross_entropy(
     """cross_entropy(hidden @ weight.T + bias, target) without materializing all the logits.
 
     hidden (..., H), weight (V, H) (an lm_head's), target (...). chunk_rows: rows per chunk (default:
-    enough that a chunk's logits are about the size of `hidden`, at least MIN_CHUNK_ROWS unless low_memory).
-    low_memory: keep the gradients in hidden's and weight's dtypes from the forward on, as Liger does:
-    about half the memory, at the price of rounding the weight gradient once per chunk (and once more
-    for an incoming gradient other than 1) instead of once.
+    enough that a chunk's logits are about the size of `hidden`, and unless low_memory at least
+    MIN_CHUNK_ROWS = 8192 but at most half the rows, down to 4096; see _chunk_rows).
+    Memory and speed of the default: the fp32 weight and hidden gradients plus one chunk's logits. At
+    16384 rows x 4096 hidden (H100, bf16, fwd+bwd) that peaked at 1.63 GiB (32k vocab) / 5.38 GiB (128k)
+    against torch.compile's 1.75 / 6.25 GiB, in the same time or less (benchmarks/results/kernels.md).
+    low_memory: keep the gradients in hidden's and weight's dtypes from the forward on, with Liger's
+    chunk rule, as Liger does: about half the memory (0.88 / 2.38 GiB there, as Liger), at the price
+    of rounding the weight gradient once per chunk (and once more for an incoming gradient other than
+    1) instead of once, and of more, smaller chunks (slower at large vocabularies: 101 vs 78 ms at 128k).
     """
     _check(hidden, target, reduction, label_smoothing, what="hidden")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:

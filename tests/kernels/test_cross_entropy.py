@@ -134,6 +134,32 @@ def test_gradient_written_in_forward(reduction):
     assert g1[::5].abs().max() == 0  # ignored rows
 
 
+@pytest.mark.parametrize("low_memory", [False, True])
+def test_fused_linear_cross_entropy_no_rows(low_memory):
+    """No rows: no chunk writes the weight gradient, which is then zero (and chunk sizes stay positive)."""
+    hidden = torch.randn(0, 16, requires_grad=True)
+    weight = torch.randn(50, 16, requires_grad=True)
+    loss = fused_linear_cross_entropy(hidden, weight, torch.zeros(0, dtype=torch.long), reduction="sum",
+                                      low_memory=low_memory)
+    grad_hidden, grad_weight = torch.autograd.grad(loss, [hidden, weight])
+    assert loss.item() == 0 and grad_hidden.shape == (0, 16)
+    assert grad_weight.dtype == weight.dtype and not grad_weight.any()
+
+
+def test_backward_scaling_rounds_once():
+    """The backward's scale-and-cast (fp32 sums times the incoming gradient, rounded once to bf16) and the
+    low-memory in-place scaling, which leaves the values alone for an incoming 1 but bumps the version."""
+    ce = importlib.import_module("profiler_svc.kernels.cross_entropy")  # the module, not the function
+    gen = torch.Generator().manual_seed(7)
+    t = torch.randn(37, 1000, generator=gen)
+    for g in (torch.tensor(1.0), torch.tensor(-0.37)):
+        assert torch.equal(ce._scaled_cast(t, g, torch.bfloat16), torch.mul(t, g).to(torch.bfloat16))
+        b = t.to(torch.bfloat16)
+        expected, version = (b.float() * g).to(torch.bfloat16), b._version
+        ce._scale_(b, g)
+        assert torch.equal(b, expected) and b._version > version
+
+
 def test_low_memory_gradients_are_handed_out_once():
     gen = torch.Generator().manual_seed(6)
     hidden = torch.randn(6, 8, generator=gen, requires_grad=True)
