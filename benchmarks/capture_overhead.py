@@ -104,9 +104,9 @@ def patched_labels():
 
 
 def no_labels():
-    original = capture_hooks.ModuleHooks.attach
-    capture_hooks.ModuleHooks.attach = lambda self: None
-    return lambda: setattr(capture_hooks.ModuleHooks, "attach", original)
+    original = capture_hooks.ModuleLabels.attach
+    capture_hooks.ModuleLabels.attach = lambda self: None
+    return lambda: setattr(capture_hooks.ModuleLabels, "attach", original)
 
 
 SETUP = {"capture+nvtx_bwd": force_nvtx, "capture_annotation": patched_labels, "capture_nolabels": no_labels}
@@ -142,13 +142,13 @@ def unprofiled_session(variant, model, step, n):
         return [timed(step) for _ in range(n)]
     if variant == "capture_wait":
         with profiler_svc.capture(model, out=tempfile.gettempdir(), wait=10**6, warmup=0, active=1) as cap:
-            assert not cap.hooks.attached
+            assert not cap.labels.attached
             times = []
             for _ in range(n):
                 times.append(timed(step))
                 cap.step()
         return times
-    labels = capture_hooks.ModuleHooks(model)
+    labels = capture_hooks.ModuleLabels(model)
     labels.attach()
     try:
         return [timed(step) for _ in range(n)]
@@ -208,7 +208,7 @@ def interleaved(args, model, step):
                 for index in range(WAIT + WARMUP + args.active):
                     recorded = index - WAIT - WARMUP
                     if recorded >= 0 and recorded % 2:
-                        cap.hooks.detach()  # re-attached by cap.step() while the profiler records
+                        cap.labels.detach()  # re-attached by cap.step() while the profiler records
                     sample = timed(step)
                     if recorded >= 0:
                         steps["unlabelled" if recorded % 2 else "labelled"].append(sample)
@@ -263,7 +263,7 @@ def main():
         timed(step)
     if args.interleaved:
         return interleaved(args, model, step)
-    labelled_modules = len(capture_hooks.ModuleHooks(model).targets)
+    labelled_modules = len(capture_hooks.ModuleLabels(model).targets)
     samples = {variant: [] for variant in PROFILED + UNPROFILED}
     with tempfile.TemporaryDirectory() as out_dir:
         for trial in range(args.trials):

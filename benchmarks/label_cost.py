@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from profiler_svc.capture.hooks import ModuleHooks
+from profiler_svc.capture.hooks import ModuleLabels
 
 
 class Tiny(torch.nn.Module):
@@ -42,7 +42,7 @@ def mechanisms():
         return lambda: [h.remove() for h in hs]
 
     def agent(model):
-        hooks = ModuleHooks(model, use_nvtx=False)
+        hooks = ModuleLabels(model, use_nvtx=False)
         hooks.attach()
         return hooks.detach
 

@@ -5,7 +5,7 @@ round), under a profiler (CPU+CUDA, record_shapes, a fresh cycle every two round
   none            nothing attached
   plain_wrappers  every module's forward wrapped by a bound method that only calls the class forward
   ranges_only     those wrappers opening a _RecordFunctionFast label range around the call
-  agent           the capture agent's labels (ModuleHooks without NVTX)
+  agent           the capture agent's labels (ModuleLabels without NVTX)
   noop_hooks      a no-op forward pre-hook and forward hook on every module (the old mechanism's floor)
 
     python benchmarks/label_split.py [--rounds 40] [--batch 4 --seq 1024]
@@ -14,7 +14,7 @@ import sys, statistics, types, argparse
 sys.path.insert(0, ".")
 import torch
 import capture_overhead as C
-from profiler_svc.capture.hooks import ModuleHooks, LABEL_RANGE
+from profiler_svc.capture.hooks import ModuleLabels, LABEL_RANGE
 from profiler_svc.trace.labels import module_label
 
 p = argparse.ArgumentParser()
@@ -48,7 +48,7 @@ def ranges_only(model):  # a label range per module call, opened by the wrapper:
     return lambda: [vars(m).pop("forward") for m in done]
 
 def agent(model):
-    h = ModuleHooks(model, use_nvtx=False); h.attach(); return h.detach
+    h = ModuleLabels(model, use_nvtx=False); h.attach(); return h.detach
 
 def noop_hooks(model):
     hs = []

@@ -25,7 +25,7 @@ from torch.profiler import ProfilerAction, ProfilerActivity
 
 from ..errors import UserError
 from ..trace.labels import METADATA_KEY
-from .hooks import ModuleHooks, class_name
+from .hooks import ModuleLabels, class_name
 from .metadata import numerics, rank_and_world_size, static_metadata
 from .upload import UploadError, upload_trace
 
@@ -85,14 +85,14 @@ class Capture:
         self.record_shapes = record_shapes
         self.profile_kwargs = profile_kwargs
         try:
-            self.hooks = ModuleHooks(model, use_nvtx=nvtx, label_modules=label_modules)
+            self.labels = ModuleLabels(model, use_nvtx=nvtx, label_modules=label_modules)
         except Exception as exc:
             if label_modules is None:
                 raise
             raise UserError(f"label_modules raised {type(exc).__name__}: {exc}") from None
-        self.hooks.on_root_call = self._sample_numerics
+        self.labels.on_root_call = self._sample_numerics
         settings = {**(self.schedule or {}), "record_shapes": record_shapes, "nvtx": nvtx,
-                    "labelled_modules": len(self.hooks.targets), "label_filter": label_modules is not None,
+                    "labelled_modules": len(self.labels.targets), "label_filter": label_modules is not None,
                     **{k: v for k, v in profile_kwargs.items() if isinstance(v, (bool, int, str))}}
         self.metadata = static_metadata(model, rank=self.rank, world_size=self.world_size,
                                         workload=workload, run=self.run, name=self.name, settings=settings)
@@ -115,7 +115,7 @@ class Capture:
             activities=activities, schedule=schedule, record_shapes=self.record_shapes,
             on_trace_ready=self._write_trace, **self.profile_kwargs)
         self._profiler.__enter__()
-        self._sync_hooks()
+        self._sync_labels()
         return self
 
     def step(self):
@@ -127,7 +127,7 @@ class Capture:
         if profiler.current_action == ProfilerAction.RECORD_AND_SAVE:
             self._add_metadata(profiler)  # the cycle is saved inside this step(): last chance to add it
         profiler.step()
-        self._sync_hooks()
+        self._sync_labels()
 
     def __exit__(self, exc_type, exc, tb):
         profiler, self._profiler = self._profiler, None
@@ -143,7 +143,7 @@ class Capture:
             # The user's exception is the one that matters: ours must not replace it.
             warnings.warn(f"profiler_svc.capture: stopping the profiler failed: {teardown_error}", stacklevel=2)
         finally:
-            self.hooks.detach()
+            self.labels.detach()
         if exc_type is None or issubclass(exc_type, Exception):
             self._upload_all()
         if exc_type is None and not self._cycles_saved:
@@ -167,12 +167,12 @@ class Capture:
 
     # ---- internals -------------------------------------------------------------------------
 
-    def _sync_hooks(self):
-        """Hooks only while the profiler warms up or records: nothing to pay for elsewhere."""
+    def _sync_labels(self):
+        """Labels only while the profiler warms up or records: nothing to pay for elsewhere."""
         if self._profiler.current_action == ProfilerAction.NONE:
-            self.hooks.detach()
+            self.labels.detach()
         else:
-            self.hooks.attach()
+            self.labels.attach()
 
     def _sample_numerics(self):
         # Called as the model is entered, so that autocast and sdpa_kernel contexts around the

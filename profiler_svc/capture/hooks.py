@@ -110,8 +110,9 @@ def class_name(module) -> str:
     return type(module).__name__
 
 
-class ModuleHooks:
-    """Attach/detach the labelling hooks on every eagerly called module of ``model``."""
+class ModuleLabels:
+    """Attach/detach the labels (forward wrappers, or hooks where a wrapper cannot go) on every eagerly
+    called module of ``model``."""
 
     def __init__(self, model, use_nvtx=True, label_modules=None):
         self.domain = nvtx_domain() if use_nvtx else None

@@ -153,13 +153,13 @@ def test_tf32_read_through_the_new_precision_api():
         matmul.fp32_precision = "none"
 
 
-def test_hooks_removed_and_model_unchanged(model, x, tmp_path):
+def test_labels_removed_and_model_unchanged(model, x, tmp_path):
     before = hook_state(model)
     reference = TinyModel()
     reference.load_state_dict(model.state_dict())
     train_step(reference, x)
     with profiler_svc.capture(model, out=tmp_path) as cap:
-        assert cap.hooks.attached
+        assert cap.labels.attached
         train_step(model, x)
     assert_same_state(before, hook_state(model))
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
@@ -191,7 +191,7 @@ def test_exception_inside_forward_closes_labels(model, x, tmp_path):
             model(x)
         handle.remove()
         model(x)  # the next call is labelled from the root again
-        assert not getattr(cap.hooks.local, "stack", None)  # nothing left open
+        assert not getattr(cap.labels.local, "stack", None)  # nothing left open
     assert_same_state(before, hook_state(model))
     labels = module_labels(load(cap.trace_path))
     assert labels.count(module_label("", "TinyModel")) == 2
@@ -201,7 +201,7 @@ def test_schedule_wait_warmup_active(model, x, tmp_path):
     attached = []
     with profiler_svc.capture(model, out=tmp_path, wait=1, warmup=1, active=2, repeat=2) as cap:
         for _ in range(9):
-            attached.append(cap.hooks.attached)
+            attached.append(cap.labels.attached)
             train_step(model, x)
             cap.step()
     # Hooks only in warmup and active steps; two cycles of wait, warmup, active, active.
