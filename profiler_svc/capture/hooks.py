@@ -135,11 +135,10 @@ class ModuleLabels:
     def attach(self):
         if self.handles:
             return
-        wrap_forward = not self.under_data_parallel
         for index, (module, label) in enumerate(self.targets):
             is_root = index == 0
-            cls_forward = type(module).forward
-            if wrap_forward and "forward" not in vars(module) and inspect.isfunction(cls_forward):
+            cls_forward = None if self.under_data_parallel else _class_forward(module)
+            if cls_forward is not None:
                 self.handles.append(InstanceForward(module, self._labelled_forward(cls_forward, label, is_root)))
                 continue
             pre, post = self._hooks(label, is_root)
@@ -246,6 +245,15 @@ class ModuleLabels:
                 _backward_range(domain, backward_attributes, (args, kwargs), output)
 
         return pre_hook, post_hook_with_backward_range
+
+
+def _class_forward(module):
+    """The class's forward, if a wrapper bound to the module can stand in for it: a plain function
+    (not a static or class method), not shadowed by an instance attribute. Else None."""
+    if "forward" in vars(module):
+        return None
+    forward = inspect.getattr_static(type(module), "forward", None)
+    return forward if inspect.isfunction(forward) else None
 
 
 class InstanceForward:

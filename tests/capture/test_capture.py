@@ -558,3 +558,19 @@ def test_hugging_face_generate_and_training_under_capture(tmp_path):
     assert_same_state(before, hook_state(llama))
     labels = module_labels(load(cap.trace_path))
     assert labels.count(module_label("model.layers.1.mlp.act_fn", "SiLUActivation")) == 5  # 4 generate steps + 1
+
+
+def test_static_forward_is_labelled_by_hooks(tmp_path):
+    class Doubler(nn.Module):
+        @staticmethod
+        def forward(x):
+            return 2 * x
+
+    model = nn.Sequential(nn.Linear(4, 4), Doubler())
+    x = torch.randn(2, 4)
+    expected = model(x)
+    with profiler_svc.capture(model, out=tmp_path) as cap:
+        assert "forward" not in vars(model[1]) and model[1]._forward_pre_hooks
+        out = model(x)
+    assert torch.equal(out, expected)
+    assert module_label("1", "Doubler") in module_labels(load(cap.trace_path))
