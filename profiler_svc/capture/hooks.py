@@ -119,11 +119,12 @@ class ModuleLabels:
         # Labelled: every eagerly called module; of the wrappers only torch.compile's, since the
         # module it runs is traced (a DDP wrapper's module is labelled itself). label_modules(name,
         # module) may leave some out; the root stays (its label marks each model call).
+        modules = list(walk_modules(model))
         self.targets = [(module, module_label(name, class_name(module)))
-                        for name, module, traced in walk_modules(model)
+                        for name, module, traced in modules
                         if not traced and (unwrap(module) is None or is_compile_wrapper(module))
                         and (label_modules is None or module is model or label_modules(name, module))]
-        self.under_data_parallel = any(isinstance(module, torch.nn.DataParallel) for _, module, _ in walk_modules(model))
+        self.under_data_parallel = any(isinstance(module, torch.nn.DataParallel) for _, module, _ in modules)
         self.handles = []
         self.local = threading.local()  # per-thread stack of open labels (DataParallel replicas)
         self.on_root_call = None  # called on every call of the model itself: numerics sampling
@@ -159,12 +160,17 @@ class ModuleLabels:
             LABEL_RANGE[2](record, None, None, None)
         self.local.stack = []
 
+    def _nvtx_attributes(self, label):
+        """The NVTX attributes of the module's forward and backward ranges (None, None without a tool)."""
+        if self.domain is None:
+            return None, None
+        return (self.domain.get_event_attributes(message=label),
+                self.domain.get_event_attributes(message="backward::" + label.partition("::")[2]))
+
     def _labelled_forward(self, cls_forward, label, is_root):
         """``cls_forward`` inside the module's label and NVTX range: the forward of one module."""
         domain = self.domain
-        attributes = domain.get_event_attributes(message=label) if domain is not None else None
-        backward_attributes = (domain.get_event_attributes(message="backward::" + label.partition("::")[2])
-                               if domain is not None else None)
+        attributes, backward_attributes = self._nvtx_attributes(label)
         open_label, enter_label, exit_label = LABEL_RANGE
         is_compiling = torch.compiler.is_compiling
         current_graph_task = torch._C._current_graph_task_id
@@ -198,7 +204,7 @@ class ModuleLabels:
     def _hooks(self, label, is_root):
         # Runs on every module call while recording: a few microseconds, so no needless work.
         domain = self.domain
-        attributes = domain.get_event_attributes(message=label) if domain is not None else None
+        attributes, backward_attributes = self._nvtx_attributes(label)
         open_label, enter_label, exit_label = LABEL_RANGE
         is_compiling = torch.compiler.is_compiling
         local = self.local
@@ -234,7 +240,6 @@ class ModuleLabels:
                     close(mod)
             return pre_hook, post_hook
 
-        backward_attributes = domain.get_event_attributes(message="backward::" + label.partition("::")[2])
         current_graph_task = torch._C._current_graph_task_id
 
         def post_hook_with_backward_range(mod, args, kwargs, output):
