@@ -32,16 +32,17 @@ def _cross_entropy_kernel(
     X, T, LSE, LOSS, DX, SCALE, stride_x, stride_dx, stride_scale, M, V, ignore_index, smoothing,
     COMPUTE_LSE: tl.constexpr, WRITE_GRAD: tl.constexpr, ROW_SUM: tl.constexpr, ONE_TILE: tl.constexpr,
     PREFETCH: tl.constexpr, REVERSE: tl.constexpr, KEEP: tl.constexpr, LAST: tl.constexpr, OUT: tl.constexpr,
-    BLOCK_N: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_N: tl.constexpr, ACC: tl.constexpr, STAGES: tl.constexpr,
 ):
     # Grid-stride over rows: one program per row, or (wide rows) a few per SM, so that the rows in flight
     # fit in L2 and the gradient pass's second read of a row hits it. ONE_TILE: the whole row in
     # registers, read once. PREFETCH: each step loads the next step's logits before it works on its own,
     # so a program keeps two steps of loads in flight. KEEP, LAST, OUT: eviction policies of a read that
     # is read again, of the last read of the logits, and of the gradient's stores. ROW_SUM: the row's sum
-    # of logits, which label smoothing needs (see _row_launch for where it is computed without).
+    # of logits, which label smoothing needs (TILE_FP64 always computes it). STAGES: the row loop's
+    # software pipeline (loads of the next STAGES - 1 rows in flight, into shared memory).
     n_blocks = tl.cdiv(V, BLOCK_N)
-    for row32 in range(tl.program_id(0), M, tl.num_programs(0)):
+    for row32 in tl.range(tl.program_id(0), M, tl.num_programs(0), num_stages=STAGES):
         row = tl.cast(row32, tl.int64)
         target = tl.load(T + row).to(tl.int64)
         ignored = target == ignore_index
@@ -194,36 +195,47 @@ def _acc_type(x: torch.Tensor):
 
 # Rows of up to ONE_TILE_V logits (and shorter rows that fit one step) are read once, whole, into registers.
 ONE_TILE_V = 32768
-# Launch settings above 8k logits, H100 sweeps (bf16, 16384 rows; benchmarks/results/kernels.md, "wide
-# rows"). TILE, up to ONE_TILE_V: the whole row in registers, 32 warps, a grid of PROGRAMS_PER_SM per SM
-# looping over rows; it always computes the row's sum (triton 3.6: without it the kernel spills, and it
-# measured 1138 instead of 928 µs fwd+bwd at 32k). Wider rows: WIDE when the gradient is written (two
-# reads of each row: the second hits L2 only if few rows are in flight; 128k fwd+bwd 4362 -> 3661 µs)
-# and WIDE_FWD for the loss alone (one read; 1488 -> 1374 µs). PROGRAMS_PER_SM 0: one program per row.
-# PREFETCH, REVERSE, KEEP, LAST, OUT: see the kernel.
-TILE = dict(num_warps=32, PROGRAMS_PER_SM=1.0)
+# Launch settings from H100 sweeps (bf16, 16384 rows; benchmarks/results/kernels.md, "wide rows" and
+# "pipelined rows"). PROGRAMS_PER_SM 0: one program per row; PREFETCH, REVERSE, KEEP, LAST, OUT: see the
+# kernel. STAGES: the row loop's software pipeline (tl.range num_stages): with 3, the next two rows'
+# logits are on their way into shared memory while a program works on its row.
+# - The loss alone, rows of 1k-8k logits: the whole row, 4 warps (4k: 51.6 -> 45.3 µs, 8k: 101.7 ->
+#   87.9 µs); wider rows: WIDE_FWD, one read in steps with the next step's loads in flight (32k: 443.6 ->
+#   350.2 µs, 128k: 1374 µs, ~100% of copy bandwidth).
+# - The loss and its gradient, rows of 8k-32k logits: TILE, the whole row in registers (read once), 16
+#   warps, one program per SM looping over rows, pipelined (32k: 920.8 -> 757.7 µs; without the pipeline
+#   its loads, reductions and stores did not overlap). fp32 logits (fp64 math; two rows would not fit in
+#   shared memory) keep TILE_FP64, the earlier setting: 32 warps, no pipeline, the row's sum always
+#   computed (without it that kernel spilled). Wider rows: WIDE, two reads of each row, the second from L2
+#   (128k: 4362 -> 3661 µs).
+TILE = dict(num_warps=16, PROGRAMS_PER_SM=1.0, STAGES=3, ROW_SUM=False)
+TILE_FP64 = dict(num_warps=32, PROGRAMS_PER_SM=1.0, STAGES=1, ROW_SUM=True)
 WIDE = dict(BLOCK_N=16384, num_warps=16, PROGRAMS_PER_SM=0, PREFETCH=False, REVERSE=True, KEEP="evict_last",
             LAST="evict_first", OUT="evict_first")
 WIDE_FWD = dict(BLOCK_N=BLOCK_V, num_warps=8, PROGRAMS_PER_SM=0, PREFETCH=True)
+SHORT_V = 8192  # rows up to this many logits: one program per row, no grid-stride loop
 
 
 @functools.lru_cache(maxsize=None)
-def _row_launch(v: int, write_grad: bool) -> tuple[float, dict]:
-    """(programs per SM, 0 for one per row; kernel launch keywords) for rows of v logits. Up to 8k logits,
-    the best of an earlier H100 sweep: short rows want few warps."""
-    kw = dict(PREFETCH=False, REVERSE=False, KEEP="", LAST="", OUT="", ROW_SUM=False)
-    if v > ONE_TILE_V:
+def _row_launch(v: int, write_grad: bool, fp64: bool = False) -> tuple[float, dict]:
+    """(programs per SM, 0 for one per row; kernel launch keywords) for rows of v logits, fp64 math or
+    not. Up to 1k logits, and the gradient up to 8k: the best of an earlier H100 sweep."""
+    kw = dict(PREFETCH=False, REVERSE=False, KEEP="", LAST="", OUT="", ROW_SUM=False, STAGES=1)
+    if v > ONE_TILE_V or (v > SHORT_V and not write_grad):
         wide = WIDE if write_grad else WIDE_FWD
         kw.update({k: wide[k] for k in kw if k in wide})
         return wide["PROGRAMS_PER_SM"], dict(kw, BLOCK_N=min(wide["BLOCK_N"], triton.next_power_of_2(v)),
                                              ONE_TILE=False, num_warps=wide["num_warps"])
     if v <= 1024:
         return 0, dict(kw, BLOCK_N=triton.next_power_of_2(v), ONE_TILE=True, num_warps=2)
-    if v <= 8192:
+    if v <= SHORT_V:
+        if not write_grad and not fp64:  # fp64 math in 4 warps would hold 128 registers a thread for the row
+            return 0, dict(kw, BLOCK_N=triton.next_power_of_2(v), ONE_TILE=True, num_warps=4)
         block_n = min(BLOCK_V, triton.next_power_of_2(v))
         return 0, dict(kw, BLOCK_N=block_n, ONE_TILE=block_n >= v, num_warps=8)
-    return TILE["PROGRAMS_PER_SM"], dict(kw, BLOCK_N=triton.next_power_of_2(v), ONE_TILE=True,
-                                         num_warps=TILE["num_warps"], ROW_SUM=True)
+    tile = TILE_FP64 if fp64 else TILE
+    return tile["PROGRAMS_PER_SM"], dict(kw, BLOCK_N=triton.next_power_of_2(v), ONE_TILE=True,
+                                         num_warps=tile["num_warps"], STAGES=tile["STAGES"], ROW_SUM=tile["ROW_SUM"])
 
 
 def _run(x, target, lse, loss, dx, scale, ignore_index, smoothing, compute_lse, write_grad):
@@ -235,7 +247,7 @@ def _run(x, target, lse, loss, dx, scale, ignore_index, smoothing, compute_lse, 
     dx = dx if dx is not None else unused()
     scale = scale if scale is not None else unused()
     m, v = x.shape
-    per_sm, kw = _row_launch(v, write_grad)
+    per_sm, kw = _row_launch(v, write_grad, _acc_dtype(x) == torch.float64)
     programs = persistent_programs(x.device, m, per_sm) if per_sm else m
     kw = dict(kw, ROW_SUM=kw["ROW_SUM"] or smoothing > 0)
     launch(

@@ -4,8 +4,10 @@ Rows up to 32k columns stay in registers: one read, one write (the backward: up 
 take an online pass (running max and rescaled sum of exponentials) and a write pass, launched so that
 the second read of a row finds it in L2 (see WIDE). Math in fp32
 (fp64 for fp32 inputs, so the result is never less accurate than eager's), one rounding.
-Backward: dx = y * (dy - sum(y * dy)), with y recomputed in fp32 from x and the saved row max and sum
-(same bytes as reading a saved y, but y unrounded: as accurate as softmax in fp32 then cast).
+Backward: dx = y * (dy - sum(y * dy)), with y = exp(x - lse) recomputed in fp32 from x and the row's saved
+logsumexp (same bytes as reading a saved y, but y unrounded: as accurate as softmax in fp32 then cast).
+The forward stores lse only when a gradient is wanted: on the H100 each per-row statistic stored cost the
+32k-column forward ~1% (benchmarks/results/kernels.md, "softmax statistics").
 """
 import torch
 import triton
@@ -26,9 +28,9 @@ def _chunk(P, rows, stride, cols, row_mask, N, other, POLICY: tl.constexpr):
 
 
 @triton.jit
-def _softmax_fwd_kernel(X, Y, MAX, SUM, stride_x, stride_y, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _softmax_fwd_kernel(X, Y, LSE, stride_x, stride_y, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         ONE_TILE: tl.constexpr, PREFETCH: tl.constexpr, REVERSE: tl.constexpr, KEEP: tl.constexpr,
-                        LAST: tl.constexpr, OUT: tl.constexpr, ACC: tl.constexpr):
+                        LAST: tl.constexpr, OUT: tl.constexpr, ACC: tl.constexpr, STATS: tl.constexpr):
     # One tile (the whole row in registers): one program per row block, no loop (a loop costs a barrier
     # and registers per program; this way the one-tile code is the earlier, measured one). Wider rows:
     # grid-stride over rows, with
@@ -36,7 +38,7 @@ def _softmax_fwd_kernel(X, Y, MAX, SUM, stride_x, stride_y, M, N, BLOCK_M: tl.co
     # second read of each row hits it. PREFETCH: each step loads the next step's columns before it works
     # on its own (two steps of loads in flight per program). REVERSE: the second pass goes last chunk
     # first, while those are the likeliest still in L2. KEEP, LAST, OUT: eviction policies of a read that
-    # is read again, of the last read, and of the stores.
+    # is read again, of the last read, and of the stores. STATS: store each row's logsumexp (for the backward).
     n_blocks = tl.cdiv(N, BLOCK_N)
     pid, programs = tl.program_id(0), tl.num_programs(0)
     for it in range(0, 1 if ONE_TILE else tl.cdiv(tl.cdiv(M, BLOCK_M) - pid, programs)):
@@ -50,6 +52,8 @@ def _softmax_fwd_kernel(X, Y, MAX, SUM, stride_x, stride_y, M, N, BLOCK_M: tl.co
             row_max = tl.max(x, axis=1)
             e = tl.exp(x - row_max[:, None])
             total = tl.sum(e, axis=1)
+            if STATS:
+                tl.store(LSE + rows, (row_max + tl.log(total))[:, None], mask=row_mask)
             y = e / total[:, None]
             tl.store(Y + rows * stride_y + cols, round_to(y, Y.dtype.element_ty), mask=mask)
         else:
@@ -71,6 +75,8 @@ def _softmax_fwd_kernel(X, Y, MAX, SUM, stride_x, stride_y, M, N, BLOCK_M: tl.co
                 total = total * tl.exp(row_max - shift) + tl.sum(tl.exp(x - shift[:, None]), axis=1)
                 row_max = m_new
             inv_total = (1.0 / total)[:, None]  # one reciprocal per row, not a division per element
+            if STATS:
+                tl.store(LSE + rows, (row_max + tl.log(total))[:, None], mask=row_mask)
             step = -BLOCK_N if REVERSE else BLOCK_N
             first = (n_blocks - 1) * BLOCK_N if REVERSE else 0
             if PREFETCH:
@@ -85,15 +91,13 @@ def _softmax_fwd_kernel(X, Y, MAX, SUM, stride_x, stride_y, M, N, BLOCK_M: tl.co
                 y = tl.exp(x - row_max[:, None]) * inv_total
                 tl.store(Y + rows * stride_y + cols, round_to(y, Y.dtype.element_ty), mask=row_mask & (cols < N),
                          eviction_policy=OUT)
-        tl.store(MAX + rows, row_max[:, None], mask=row_mask)
-        tl.store(SUM + rows, total[:, None], mask=row_mask)
 
 
 @triton.jit
-def _softmax_bwd_kernel(DY, X, MAX, SUM, DX, stride_dy, stride_x, stride_dx, M, N, BLOCK_M: tl.constexpr,
+def _softmax_bwd_kernel(DY, X, LSE, DX, stride_dy, stride_x, stride_dx, M, N, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, ONE_TILE: tl.constexpr, PREFETCH: tl.constexpr, REVERSE: tl.constexpr,
                         KEEP: tl.constexpr, LAST: tl.constexpr, OUT: tl.constexpr, ACC: tl.constexpr):
-    # As the forward; y recomputed from x and the row's max and sum.
+    # As the forward; y = exp(x - lse) recomputed from x and the row's logsumexp.
     n_blocks = tl.cdiv(N, BLOCK_N)
     pid, programs = tl.program_id(0), tl.num_programs(0)
     for it in range(0, 1 if ONE_TILE else tl.cdiv(tl.cdiv(M, BLOCK_M) - pid, programs)):
@@ -104,14 +108,12 @@ def _softmax_bwd_kernel(DY, X, MAX, SUM, DX, stride_dy, stride_x, stride_dx, M, 
             cols = tl.arange(0, BLOCK_N)[None, :]
             mask = row_mask & (cols < N)
             x = tl.load(X + rows * stride_x + cols, mask=mask, other=-float("inf")).to(ACC)
-            row_max = tl.load(MAX + rows, mask=row_mask, other=0.0)
-            y = tl.exp(x - row_max) / tl.load(SUM + rows, mask=row_mask, other=1.0)
+            y = tl.exp(x - tl.load(LSE + rows, mask=row_mask, other=0.0))
             dy = tl.load(DY + rows * stride_dy + cols, mask=mask, other=0.0).to(ACC)
             dx = y * (dy - tl.sum(y * dy, axis=1)[:, None])
             tl.store(DX + rows * stride_dx + cols, round_to(dx, DX.dtype.element_ty), mask=mask)
         else:
-            row_max = tl.load(MAX + rows, mask=row_mask, other=0.0)
-            inv_sum = 1.0 / tl.load(SUM + rows, mask=row_mask, other=1.0)  # one reciprocal per row
+            lse = tl.load(LSE + rows, mask=row_mask, other=0.0)
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC)
             cols = tl.arange(0, BLOCK_N)[None, :]
             if PREFETCH:
@@ -126,7 +128,7 @@ def _softmax_bwd_kernel(DY, X, MAX, SUM, DX, stride_dy, stride_x, stride_dx, M, 
                 else:
                     x = _chunk(X, rows, stride_x, cols, row_mask, N, -float("inf"), KEEP).to(ACC)
                     dy = _chunk(DY, rows, stride_dy, cols, row_mask, N, 0.0, KEEP).to(ACC)
-                acc += tl.exp(x - row_max) * inv_sum * dy
+                acc += tl.exp(x - lse) * dy
             dot = tl.sum(acc, axis=1)[:, None]
             step = -BLOCK_N if REVERSE else BLOCK_N
             first = (n_blocks - 1) * BLOCK_N if REVERSE else 0
@@ -143,7 +145,7 @@ def _softmax_bwd_kernel(DY, X, MAX, SUM, DX, stride_dy, stride_x, stride_dx, M, 
                 else:
                     x = _chunk(X, rows, stride_x, cols, row_mask, N, -float("inf"), LAST).to(ACC)
                     dy = _chunk(DY, rows, stride_dy, cols, row_mask, N, 0.0, LAST).to(ACC)
-                y = tl.exp(x - row_max) * inv_sum
+                y = tl.exp(x - lse)
                 tl.store(DX + rows * stride_dx + cols, round_to(y * (dy - dot), DX.dtype.element_ty),
                          mask=row_mask & (cols < N), eviction_policy=OUT)
 
@@ -170,9 +172,10 @@ WIDE_BWD = dict(BLOCK_N=16384, num_warps=32, PROGRAMS_PER_SM=0, PREFETCH=True, R
                 LAST="evict_first", OUT="evict_first")
 # Backward rows wider than BWD_MAX_TILE_N, up to MAX_TILE_N, take the two-pass kernel too, with MID_BWD:
 # the whole-row backward holds x and dy (spills at 32 warps) and its exponentials wait on the loads;
-# H100, 32768 columns: forward+backward 1976 (one tile) -> 1869 µs.
+# H100, 32768 columns: forward+backward 1976 (one tile) -> 1869 µs; one program per SM looping over rows
+# (fewer rows in flight, so more second reads hit L2): backward alone 1133 -> 1089 µs.
 BWD_MAX_TILE_N = 16384
-MID_BWD = dict(WIDE_BWD)
+MID_BWD = dict(WIDE_BWD, PROGRAMS_PER_SM=1.0)
 
 
 def _settings(m: int, n: int, device: torch.device, backward: bool) -> tuple[int, dict]:
@@ -191,25 +194,24 @@ def _settings(m: int, n: int, device: torch.device, backward: bool) -> tuple[int
 
 
 @kernel_op("profiler_svc::softmax_fwd", mutates_args={})
-def softmax_fwd(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns y and each row's max and sum of exponentials (for the backward's recompute)."""
+def softmax_fwd(x: torch.Tensor, stats: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns y and, with `stats`, each row's logsumexp for the backward's recompute (else an empty tensor)."""
     m, n = x.shape
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    row_max = torch.empty((m,), dtype=_acc_dtype(x), device=x.device)
-    row_sum = torch.empty((m,), dtype=_acc_dtype(x), device=x.device)
+    lse = torch.empty((m,) if stats else (0,), dtype=_acc_dtype(x), device=x.device)
     programs, kw = _settings(m, n, x.device, backward=False)
-    launch(_softmax_fwd_kernel, (programs,), x, y, row_max, row_sum, x.stride(0), y.stride(0), m, n,
-           ACC=_acc_type(x), **kw)
-    return y, row_max, row_sum
+    launch(_softmax_fwd_kernel, (programs,), x, y, lse, x.stride(0), y.stride(0), m, n, ACC=_acc_type(x), STATS=stats,
+           **kw)
+    return y, lse
 
 
 @kernel_op("profiler_svc::softmax_bwd", mutates_args={})
-def softmax_bwd(dy: torch.Tensor, x: torch.Tensor, row_max: torch.Tensor, row_sum: torch.Tensor) -> torch.Tensor:
+def softmax_bwd(dy: torch.Tensor, x: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     m, n = x.shape
     dx = torch.empty((m, n), dtype=x.dtype, device=x.device)
     programs, kw = _settings(m, n, x.device, backward=True)
-    launch(_softmax_bwd_kernel, (programs,), dy, x, row_max, row_sum, dx, dy.stride(0), x.stride(0), dx.stride(0),
-           m, n, ACC=_acc_type(x), **kw)
+    launch(_softmax_bwd_kernel, (programs,), dy, x, lse, dx, dy.stride(0), x.stride(0), dx.stride(0), m, n,
+           ACC=_acc_type(x), **kw)
     return dx
 
 
@@ -217,14 +219,14 @@ class SoftmaxFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
         x2 = as_rows(x)
-        y, row_max, row_sum = softmax_fwd(x2)
-        ctx.save_for_backward(x2, row_max, row_sum)
+        y, lse = softmax_fwd(x2, True)
+        ctx.save_for_backward(x2, lse)
         return y.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy):
-        x2, row_max, row_sum = ctx.saved_tensors
-        return softmax_bwd(as_rows(dy), x2, row_max, row_sum).view(dy.shape)
+        x2, lse = ctx.saved_tensors
+        return softmax_bwd(as_rows(dy), x2, lse).view(dy.shape)
 
 
 def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -239,7 +241,7 @@ def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         return softmax(x.movedim(dim, -1)).movedim(-1, dim)
     if torch.is_grad_enabled() and x.requires_grad:
         return SoftmaxFunction.apply(x)
-    return softmax_fwd(as_rows(x))[0].view(x.shape)  # no gradient wanted: skip autograd's CPU cost
+    return softmax_fwd(as_rows(x), False)[0].view(x.shape)  # no gradient wanted: no autograd, no statistics
 
 
 class Softmax(nn.Module):

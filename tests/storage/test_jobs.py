@@ -1,8 +1,9 @@
 import threading
 import time
+from datetime import timedelta
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.orm import selectinload
 
 from dbfixtures import SMALL_TRACE
@@ -10,7 +11,7 @@ from profiler_svc.errors import UserError
 from profiler_svc.storage import jobs, worker
 from profiler_svc.storage.db import session_scope
 from profiler_svc.storage.ingest import ingest_path
-from profiler_svc.storage.models import ABJob, Finding, Run
+from profiler_svc.storage.models import ABJob, Finding, Run, utcnow
 
 
 @pytest.fixture
@@ -102,10 +103,12 @@ def test_a_failing_job_is_recorded_and_the_worker_goes_on(engine, run_id):
 def test_a_crashed_workers_job_is_requeued_after_its_lease(engine, run_id):
     [job_id] = queue(engine, run_id, 1)
     with session_scope(engine) as s:
-        assert jobs.claim(s, "crashed", lease_s=0.2).id == job_id
+        assert jobs.claim(s, "crashed", lease_s=60).id == job_id
     with session_scope(engine) as s:
         assert jobs.claim(s, "other") is None  # lease still valid
-    time.sleep(0.3)
+    with session_scope(engine) as s:  # the crashed worker's lease runs out (set, not slept: a busy CI
+        # machine once took longer than a short lease between two claims)
+        s.execute(update(ABJob).where(ABJob.id == job_id).values(lease_expires_at=utcnow() - timedelta(seconds=1)))
     with session_scope(engine) as s:
         again = jobs.claim(s, "rescuer", lease_s=60)
         assert again.id == job_id and again.attempts == 2
