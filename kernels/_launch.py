@@ -68,6 +68,29 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)
+def _shared_memory_bytes(device_index: int) -> int:
+    props = torch.cuda.get_device_properties(device_index)
+    return getattr(props, "shared_memory_per_block_optin", 0) or props.shared_memory_per_block
+
+
+def pipeline_stages(stages: int, stage_bytes: int, shared_memory_bytes: int, scratch_bytes: int = 8192) -> int:
+    """`stages` for a software-pipelined row loop (tl.range num_stages) whose loads take stage_bytes of
+    shared memory per stage ahead, or fewer where those buffers would not fit beside the reductions'
+    scratch (GPUs with less shared memory than the H100's 227 KiB a program)."""
+    while stages > 1 and (stages - 1) * stage_bytes > shared_memory_bytes - scratch_bytes:
+        stages -= 1
+    return stages
+
+
+def device_pipeline_stages(device: torch.device, stages: int, stage_bytes: int) -> int:
+    """pipeline_stages for the GPU at hand (under the interpreter the stages only name a loop)."""
+    if device.type != "cuda" or stages <= 1:
+        return stages
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return pipeline_stages(stages, stage_bytes, _shared_memory_bytes(index))
+
+
 def persistent_programs(device: torch.device, blocks: int, per_sm: float = 0) -> int:
     """Programs for a grid-stride kernel: a few per SM on a GPU (per_sm may be a fraction), few under the
     (slow) interpreter."""

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from ._launch import kernel_op, launch, persistent_programs, require_triton, round_to
+from ._launch import device_pipeline_stages, kernel_op, launch, persistent_programs, require_triton, round_to
 from .swap import SwapEntry, place
 
 BLOCK_V = 4096  # columns per step of the online pass
@@ -249,7 +249,8 @@ def _run(x, target, lse, loss, dx, scale, ignore_index, smoothing, compute_lse, 
     m, v = x.shape
     per_sm, kw = _row_launch(v, write_grad, _acc_dtype(x) == torch.float64)
     programs = persistent_programs(x.device, m, per_sm) if per_sm else m
-    kw = dict(kw, ROW_SUM=kw["ROW_SUM"] or smoothing > 0)
+    stages = device_pipeline_stages(x.device, kw["STAGES"], kw["BLOCK_N"] * x.element_size())
+    kw = dict(kw, ROW_SUM=kw["ROW_SUM"] or smoothing > 0, STAGES=stages)
     launch(
         _cross_entropy_kernel, (programs,),
         x, target, lse, loss, dx, scale, x.stride(0), dx.stride(0) if dx.numel() else 0,

@@ -205,3 +205,17 @@ def test_wide_row_settings(monkeypatch, reverse, prefetch, per_sm):
             assert rel_err(cross_entropy(x.float(), target), F.cross_entropy(x, target)) < 1e-6
     finally:
         ce._row_launch.cache_clear()
+
+
+def test_pipelined_rows_fit_shared_memory():
+    """The pipelined row loop (32k-logit bf16 rows: 64 KiB of shared memory per stage ahead) keeps the
+    stages that fit: all three on an H100 (227 KiB a program) or an A100 (163 KiB), one row ahead on
+    99 KiB parts, none on 48 KiB ones."""
+    from profiler_svc.kernels._launch import pipeline_stages
+
+    row = 32768 * 2
+    assert pipeline_stages(3, row, 227 * 1024) == 3
+    assert pipeline_stages(3, row, 163 * 1024) == 3
+    assert pipeline_stages(3, row, 99 * 1024) == 2
+    assert pipeline_stages(3, row, 48 * 1024) == 1
+    assert pipeline_stages(1, row, 0) == 1
