@@ -1,6 +1,7 @@
 """Kernel benchmarks on one GPU: ours vs eager PyTorch (HF-style and F.*), torch.compile and Liger-Kernel.
 
     python benchmarks/kernels.py [--ops rms_norm,softmax] [--quick] [--tune] [--out results.md] [--budget-s 400]
+                                 [--rounds 3] [--skip-checks]
     python benchmarks/kernels.py --compile-check-only   # torch.compile vs eager, every output and gradient
 
 Every case is timed forward (under no_grad) and forward+backward (torch.autograd.grad, so no .grad
@@ -29,6 +30,7 @@ touches CUDA on import.
 import argparse
 import itertools
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -303,28 +305,48 @@ def parity(case: Case, fn, mode: str, seed: int) -> float:
     return max([rel_err(out, ref)] + [rel_err(g, r) for g, r in zip(grads, ref_grads)])
 
 
-def run_cases(cases, copy_bw, deadline, log, after_case=lambda: None):
+def run_cases(cases, copy_bw, deadline, log, after_case=lambda: None, rounds=1):
+    """Parity and timing of every candidate of every case, forward and forward+backward. With rounds > 1
+    a mode's candidates are timed in turn, `rounds` times over, so that a drifting clock (the GEMMs'
+    under sustained load) or a warm-up weighs on all of them alike, and each reports its median."""
     for case in cases:
         for mode in ("fwd", "fwd+bwd"):
-            for name, fn in case.candidates.items():
-                if time.time() > deadline:
-                    case.results.append((mode, name, None, None, None, "skipped: time budget"))
-                    continue
-                started = time.time()
-                try:
-                    err = parity(case, fn, mode, seed=0 if mode == "fwd" else 1)  # the same draw for every candidate
-                    us, wall_us = time_case(case, name, fn, mode)
-                    nbytes = case.bytes_fwd if mode == "fwd" else case.bytes_fwdbwd
-                    frac = nbytes / (us * 1e-6) / copy_bw if nbytes else None
-                    case.results.append((mode, name, us, frac, err, f"wall {wall_us:.0f} µs"))
-                except Exception as exc:  # one candidate failing must not stop the run
-                    case.results.append((mode, name, None, None, None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"))
-                    traceback.print_exc(file=log)
-                torch.cuda.empty_cache()
-                r = case.results[-1]
-                print(f"{case.op:28s} {str(case.shape):22s} {mode:8s} {name:10s} "
-                      f"{'' if r[2] is None else f'{r[2]:10.1f} us'} {r[5]} ({time.time() - started:.1f} s)", file=log, flush=True)
+            errs, timings, failed = {}, {}, {}
+            for rnd in range(rounds):
+                for name, fn in case.candidates.items():
+                    if name in failed or time.time() > deadline:
+                        continue
+                    started = time.time()
+                    try:
+                        if rnd == 0:
+                            errs[name] = parity(case, fn, mode, seed=0 if mode == "fwd" else 1)  # one draw for all
+                        timings.setdefault(name, []).append(time_case(case, name, fn, mode))
+                        note = f"{timings[name][-1][0]:10.1f} us"
+                    except Exception as exc:  # one candidate failing must not stop the run
+                        failed[name] = note = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+                        traceback.print_exc(file=log)
+                    torch.cuda.empty_cache()
+                    print(f"{case.op:28s} {str(case.shape):22s} {mode:8s} {name:10s} round {rnd} {note} "
+                          f"({time.time() - started:.1f} s)", file=log, flush=True)
+            for name in case.candidates:
+                case.results.append(_result(case, mode, name, errs.get(name), timings.get(name), failed.get(name), copy_bw))
         after_case()
+
+
+def _result(case, mode, name, err, timings, failure, copy_bw):
+    """(mode, name, kernel µs, fraction of copy bandwidth, parity error, note) from a candidate's rounds."""
+    if failure:
+        return mode, name, None, None, None, failure
+    if not timings:
+        return mode, name, None, None, None, "skipped: time budget"
+    us = statistics.median(t[0] for t in timings)
+    nbytes = case.bytes_fwd if mode == "fwd" else case.bytes_fwdbwd
+    frac = nbytes / (us * 1e-6) / copy_bw if nbytes else None
+    note = f"wall {statistics.median(t[1] for t in timings):.0f} µs"
+    if len(timings) > 1:
+        kernel = [t[0] for t in timings]
+        note += f"; median of {len(timings)} rounds ({min(kernel):.1f}-{max(kernel):.1f})"
+    return mode, name, us, frac, err, note
 
 
 def table(cases, copy_bw) -> str:
@@ -519,6 +541,9 @@ def main(argv=None):
     parser.add_argument("--out", default=None, help="write the markdown results here")
     parser.add_argument("--log", default=None, help="write the per-candidate log here")
     parser.add_argument("--budget-s", type=float, default=1e9, help="stop timing new candidates after this")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="time each case's candidates in turn this many times over and report medians")
+    parser.add_argument("--skip-checks", action="store_true", help="no torch.compile and fp32 checks before the cases")
     parser.add_argument("--compile-check-only", action="store_true",
                         help="only the torch.compile check of every op's outputs and gradients (exit 1 on any failure)")
     args = parser.parse_args(argv)
@@ -543,7 +568,7 @@ def main(argv=None):
     print(header, flush=True)
     copy_bw = copy_bandwidth()
     print(f"device-to-device copy: {copy_bw / 1e12:.2f} TB/s (read + write)", flush=True)
-    checks = compile_check(log) + [""] + fp32_check(log)
+    checks = ["(skipped: --skip-checks)"] if args.skip_checks else compile_check(log) + [""] + fp32_check(log)
     print("\n".join(checks), flush=True)
     cases = all_cases(args.quick)
     if args.ops:
@@ -551,11 +576,14 @@ def main(argv=None):
         cases = [c for c in cases if c.op in wanted]
     command = "python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:])
 
+    rounds_note = (f"; the median of {args.rounds} such figures, each case's candidates timed in turn"
+                   if args.rounds > 1 else "")
+
     def report():
         text = (
             f"{header}\n\nCommand: `{command}`\n\nbf16, M={ROWS} rows. Device-to-device copy bandwidth, same run: "
             f"{copy_bw / 1e12:.2f} TB/s (bytes read + written). Kernel time: the profiler's sum of GPU kernel "
-            f"durations per call (mean of 10 calls, after warm-up). % copy BW: fewest bytes the op must move / "
+            f"durations per call (mean of 10 calls, after warm-up{rounds_note}). % copy BW: fewest bytes the op must move / "
             f"kernel time / copy bandwidth. Parity: ‖out − ref‖/‖ref‖ vs fp64 on fresh inputs of {PARITY_ROWS} rows "
             f"(fwd+bwd: the worst of output and input gradients). Note: triton.testing.do_bench median wall time "
             f"per call (CUDA events; includes launch gaps where the CPU cannot keep ahead).\n\n"
@@ -566,7 +594,7 @@ def main(argv=None):
                 f.write(text)
         return text
 
-    run_cases(cases, copy_bw, deadline, log, after_case=report)
+    run_cases(cases, copy_bw, deadline, log, after_case=report, rounds=args.rounds)
     print(report(), flush=True)
     return 0
 
