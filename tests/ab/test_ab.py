@@ -79,7 +79,10 @@ def test_to_dict_round_trips_through_json():
     assert as_dict["timing"]["a_ms"] == result.timing.a_ms
     assert len(as_dict["parity"]) == len(result.parity)
     assert as_dict["memory_method"] is None and as_dict["peak_memory_a_bytes"] is None  # CPU
-    assert "verdict: no_difference" in result.summary()
+    # The summary names the verdict. Which verdict is a 95% interval's call, wrong about one run in twenty
+    # for identical arms (test_noop_swap_has_no_difference retries for it); asserting it here made this
+    # test fail now and then.
+    assert f"verdict: {result.verdict}" in result.summary()
 
 
 def test_repeated_runs_agree():
