@@ -533,6 +533,17 @@ def fp32_check(log) -> list[str]:
     return ["| op (fp32 inputs, 256×5000) | ours: worst rel err, output and grads, vs fp64 | eager fp32 |", "| --- | --- | --- |"] + lines
 
 
+def _at_least_one(text: str) -> int:
+    """argparse type for --rounds: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return value
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ops", help="comma-separated op names (default: all)")
@@ -541,7 +552,7 @@ def main(argv=None):
     parser.add_argument("--out", default=None, help="write the markdown results here")
     parser.add_argument("--log", default=None, help="write the per-candidate log here")
     parser.add_argument("--budget-s", type=float, default=1e9, help="stop timing new candidates after this")
-    parser.add_argument("--rounds", type=int, default=1,
+    parser.add_argument("--rounds", type=_at_least_one, default=1,
                         help="time each case's candidates in turn this many times over and report medians")
     parser.add_argument("--skip-checks", action="store_true", help="no torch.compile and fp32 checks before the cases")
     parser.add_argument("--compile-check-only", action="store_true",

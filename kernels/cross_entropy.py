@@ -213,7 +213,7 @@ TILE_FP64 = dict(num_warps=32, PROGRAMS_PER_SM=1.0, STAGES=1, ROW_SUM=True)
 WIDE = dict(BLOCK_N=16384, num_warps=16, PROGRAMS_PER_SM=0, PREFETCH=False, REVERSE=True, KEEP="evict_last",
             LAST="evict_first", OUT="evict_first")
 WIDE_FWD = dict(BLOCK_N=BLOCK_V, num_warps=8, PROGRAMS_PER_SM=0, PREFETCH=True)
-SHORT_V = 8192  # rows up to this many logits: one program per row, no grid-stride loop
+SHORT_V = 8192  # rows up to this many logits: one program per row, whole or in BLOCK_V steps
 
 
 @functools.lru_cache(maxsize=None)
