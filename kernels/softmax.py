@@ -1,8 +1,8 @@
 """Softmax over the last dim, forward and backward, any width.
 
-Rows up to 32k columns stay in registers: one read, one write (the backward: up to 16k). Wider rows
-take an online pass (running max and rescaled sum of exponentials) and a write pass, launched so that
-the second read of a row finds it in L2 (see WIDE). Math in fp32
+Rows up to 32k columns stay in registers: one read, one write (the backward of fp32 inputs: up to 16k).
+Wider rows take an online pass (running max and rescaled sum of exponentials) and a write pass, launched
+so that the second read of a row finds it in L2 (see WIDE). Math in fp32
 (fp64 for fp32 inputs, so the result is never less accurate than eager's), one rounding.
 Backward: dx = y * (dy - sum(y * dy)), with y = exp(x - lse) recomputed in fp32 from x and the row's saved
 logsumexp (same bytes as reading a saved y, but y unrounded: as accurate as softmax in fp32 then cast).
@@ -18,6 +18,7 @@ from ._launch import as_rows, kernel_op, launch, persistent_programs, require_tr
 from .swap import SwapEntry, behaves_like, place
 
 MAX_TILE_N = 32768
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
@@ -25,6 +26,14 @@ def _chunk(P, rows, stride, cols, row_mask, N, other, POLICY: tl.constexpr):
     """Columns `cols` of the rows (as stored; masked outside the row, negative columns included)."""
     return tl.load(P + rows * stride + cols, mask=row_mask & (cols >= 0) & (cols < N), other=other,
                    eviction_policy=POLICY)
+
+
+@triton.jit
+def _exp(x, shift):
+    """exp(x - shift) as exp2(x·log2(e) - shift·log2(e)): one FMA and one ex2.approx.ftz in fp32, where
+    tl.exp costs a subtraction, a multiply and a denormal fix-up around the ex2 (six instructions, not
+    two). Results below 2^-126 flush to zero. fp64 takes libdevice's exp2."""
+    return tl.math.exp2(x * LOG2E - shift * LOG2E)
 
 
 @triton.jit
@@ -50,12 +59,12 @@ def _softmax_fwd_kernel(X, Y, LSE, stride_x, stride_y, M, N, BLOCK_M: tl.constex
             mask = row_mask & (cols < N)
             x = tl.load(X + rows * stride_x + cols, mask=mask, other=-float("inf")).to(ACC)
             row_max = tl.max(x, axis=1)
-            e = tl.exp(x - row_max[:, None])
+            e = _exp(x, row_max[:, None])
             total = tl.sum(e, axis=1)
-            if STATS:
-                tl.store(LSE + rows, (row_max + tl.log(total))[:, None], mask=row_mask)
             y = e / total[:, None]
             tl.store(Y + rows * stride_y + cols, round_to(y, Y.dtype.element_ty), mask=mask)
+            if STATS:  # after y's stores: stored before them, it held them up (32k columns: 730 -> 723 µs)
+                tl.store(LSE + rows, (row_max + tl.log(total))[:, None], mask=row_mask)
         else:
             # Online pass: running max and the sum of exponentials rescaled to it, one exp per element.
             row_max = tl.full([BLOCK_M], -float("inf"), dtype=ACC)
@@ -72,7 +81,7 @@ def _softmax_fwd_kernel(X, Y, LSE, stride_x, stride_y, M, N, BLOCK_M: tl.constex
                     x = _chunk(X, rows, stride_x, cols, row_mask, N, -float("inf"), KEEP).to(ACC)
                 m_new = tl.maximum(row_max, tl.max(x, axis=1))
                 shift = tl.where(m_new == -float("inf"), 0.0, m_new)  # only -inf so far: keep the sum at 0
-                total = total * tl.exp(row_max - shift) + tl.sum(tl.exp(x - shift[:, None]), axis=1)
+                total = total * _exp(row_max, shift) + tl.sum(_exp(x, shift[:, None]), axis=1)
                 row_max = m_new
             inv_total = (1.0 / total)[:, None]  # one reciprocal per row, not a division per element
             if STATS:
@@ -88,7 +97,7 @@ def _softmax_fwd_kernel(X, Y, LSE, stride_x, stride_y, M, N, BLOCK_M: tl.constex
                     x_next = _chunk(X, rows, stride_x, cols + step, row_mask, N, 0.0, LAST)
                 else:
                     x = _chunk(X, rows, stride_x, cols, row_mask, N, 0.0, LAST).to(ACC)
-                y = tl.exp(x - row_max[:, None]) * inv_total
+                y = _exp(x, row_max[:, None]) * inv_total
                 tl.store(Y + rows * stride_y + cols, round_to(y, Y.dtype.element_ty), mask=row_mask & (cols < N),
                          eviction_policy=OUT)
 
@@ -108,7 +117,7 @@ def _softmax_bwd_kernel(DY, X, LSE, DX, stride_dy, stride_x, stride_dx, M, N, BL
             cols = tl.arange(0, BLOCK_N)[None, :]
             mask = row_mask & (cols < N)
             x = tl.load(X + rows * stride_x + cols, mask=mask, other=-float("inf")).to(ACC)
-            y = tl.exp(x - tl.load(LSE + rows, mask=row_mask, other=0.0))
+            y = _exp(x, tl.load(LSE + rows, mask=row_mask, other=0.0))
             dy = tl.load(DY + rows * stride_dy + cols, mask=mask, other=0.0).to(ACC)
             dx = y * (dy - tl.sum(y * dy, axis=1)[:, None])
             tl.store(DX + rows * stride_dx + cols, round_to(dx, DX.dtype.element_ty), mask=mask)
@@ -128,7 +137,7 @@ def _softmax_bwd_kernel(DY, X, LSE, DX, stride_dy, stride_x, stride_dx, M, N, BL
                 else:
                     x = _chunk(X, rows, stride_x, cols, row_mask, N, -float("inf"), KEEP).to(ACC)
                     dy = _chunk(DY, rows, stride_dy, cols, row_mask, N, 0.0, KEEP).to(ACC)
-                acc += tl.exp(x - lse) * dy
+                acc += _exp(x, lse) * dy
             dot = tl.sum(acc, axis=1)[:, None]
             step = -BLOCK_N if REVERSE else BLOCK_N
             first = (n_blocks - 1) * BLOCK_N if REVERSE else 0
@@ -145,7 +154,7 @@ def _softmax_bwd_kernel(DY, X, LSE, DX, stride_dy, stride_x, stride_dx, M, N, BL
                 else:
                     x = _chunk(X, rows, stride_x, cols, row_mask, N, -float("inf"), LAST).to(ACC)
                     dy = _chunk(DY, rows, stride_dy, cols, row_mask, N, 0.0, LAST).to(ACC)
-                y = tl.exp(x - lse)
+                y = _exp(x, lse)
                 tl.store(DX + rows * stride_dx + cols, round_to(y * (dy - dot), DX.dtype.element_ty),
                          mask=row_mask & (cols < N), eviction_policy=OUT)
 
@@ -170,18 +179,27 @@ WIDE = dict(BLOCK_N=32768, num_warps=32, PROGRAMS_PER_SM=2.0, PREFETCH=True, REV
             LAST="evict_first", OUT="evict_first")
 WIDE_BWD = dict(BLOCK_N=16384, num_warps=32, PROGRAMS_PER_SM=0, PREFETCH=True, REVERSE=True, KEEP="evict_last",
                 LAST="evict_first", OUT="evict_first")
-# Backward rows wider than BWD_MAX_TILE_N, up to MAX_TILE_N, take the two-pass kernel too, with MID_BWD:
-# the whole-row backward holds x and dy (spills at 32 warps) and its exponentials wait on the loads;
-# H100, 32768 columns: forward+backward 1976 (one tile) -> 1869 µs; one program per SM looping over rows
-# (fewer rows in flight, so more second reads hit L2): backward alone 1133 -> 1089 µs.
-BWD_MAX_TILE_N = 16384
+# Backward rows up to BWD_MAX_TILE_N are read once, whole (fp32 inputs, whose math is fp64: up to
+# BWD_MAX_TILE_N_FP64). Wider ones, up to MAX_TILE_N, take the two-pass kernel, with MID_BWD: one program
+# per SM looping over rows, so that the second reads hit L2. H100, bf16, 32768 columns (kernels.md,
+# "softmax 32k backward"): two-pass 1080 µs (ncu: DRAM bytes as Liger's, every second read an L2 hit); the
+# whole row at 16 warps, 1068 µs (a few registers spill); the two passes with their loads pipelined
+# through shared memory, 1157 µs or more; Liger's whole-row bf16 kernel 1055 µs, at a larger error.
+BWD_MAX_TILE_N = 32768
+BWD_MAX_TILE_N_FP64 = 16384
 MID_BWD = dict(WIDE_BWD, PROGRAMS_PER_SM=1.0)
+# Whole rows wider than 16384 columns (16-bit inputs) take 16 warps, not 32: H100, bf16, 32768 columns,
+# forward 729 -> 723 µs (fewer warps meet at each of the two reductions' barriers).
+WIDEST_TILE_WARPS = 16
 
 
-def _settings(m: int, n: int, device: torch.device, backward: bool) -> tuple[int, dict]:
-    """(programs, kernel launch keywords) for m rows of n columns."""
-    block_m, block_n, num_warps, one_tile = row_tiles(n, BWD_MAX_TILE_N if backward else MAX_TILE_N)
+def _settings(m: int, n: int, device: torch.device, backward: bool, fp64: bool) -> tuple[int, dict]:
+    """(programs, kernel launch keywords) for m rows of n columns; fp64: the math is fp64 (fp32 inputs)."""
+    max_tile_n = (BWD_MAX_TILE_N_FP64 if fp64 else BWD_MAX_TILE_N) if backward else MAX_TILE_N
+    block_m, block_n, num_warps, one_tile = row_tiles(n, min(max_tile_n, MAX_TILE_N))
     if one_tile:
+        if block_n > 16384 and not fp64:
+            num_warps = WIDEST_TILE_WARPS
         kw = dict(BLOCK_M=block_m, BLOCK_N=block_n, ONE_TILE=True, PREFETCH=False, REVERSE=False, KEEP="", LAST="",
                   OUT="", num_warps=num_warps)
         return triton.cdiv(m, block_m), kw
@@ -199,7 +217,7 @@ def softmax_fwd(x: torch.Tensor, stats: bool) -> tuple[torch.Tensor, torch.Tenso
     m, n = x.shape
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     lse = torch.empty((m,) if stats else (0,), dtype=_acc_dtype(x), device=x.device)
-    programs, kw = _settings(m, n, x.device, backward=False)
+    programs, kw = _settings(m, n, x.device, backward=False, fp64=_acc_dtype(x) == torch.float64)
     launch(_softmax_fwd_kernel, (programs,), x, y, lse, x.stride(0), y.stride(0), m, n, ACC=_acc_type(x), STATS=stats,
            **kw)
     return y, lse
@@ -209,7 +227,7 @@ def softmax_fwd(x: torch.Tensor, stats: bool) -> tuple[torch.Tensor, torch.Tenso
 def softmax_bwd(dy: torch.Tensor, x: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     m, n = x.shape
     dx = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    programs, kw = _settings(m, n, x.device, backward=True)
+    programs, kw = _settings(m, n, x.device, backward=True, fp64=_acc_dtype(x) == torch.float64)
     launch(_softmax_bwd_kernel, (programs,), dy, x, lse, dx, dy.stride(0), x.stride(0), dx.stride(0), m, n,
            ACC=_acc_type(x), **kw)
     return dx

@@ -17,7 +17,8 @@ def scores(shape, seed, scale=4.0):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 # Peaked softmax rows have few effective values: enough rows keep the error estimate steady.
-@pytest.mark.parametrize("shape", [(37, 1000), (64, 1), (3, 50, 96), (2, 40000)])  # 40000: the chunked path
+# 20000: one tile of 32768 columns (16-bit backward: the whole row; fp32: two passes); 40000: the chunked path
+@pytest.mark.parametrize("shape", [(37, 1000), (64, 1), (3, 50, 96), (2, 20000), (2, 40000)])
 def test_numerics_no_worse_than_eager(dtype, shape):
     eager = {"torch.softmax": lambda x: torch.softmax(x, -1), "float-upcast": lambda x: torch.softmax(x.float(), -1).to(x.dtype)}
     assert_no_worse(softmax, eager, [scores(shape, 1)], lambda x: torch.softmax(x, -1), dtype)
@@ -59,13 +60,13 @@ def test_wide_row_settings(monkeypatch, reverse, prefetch, per_sm):
     sm = importlib.import_module("profiler_svc.kernels.softmax")  # the module, not the function
 
     monkeypatch.setattr(sm, "MAX_TILE_N", 256)
-    monkeypatch.setattr(sm, "BWD_MAX_TILE_N", 256)
+    monkeypatch.setattr(sm, "BWD_MAX_TILE_N_FP64", 256)
     for settings in (sm.WIDE, sm.WIDE_BWD):
         monkeypatch.setitem(settings, "BLOCK_N", 64)
         monkeypatch.setitem(settings, "REVERSE", reverse)
         monkeypatch.setitem(settings, "PREFETCH", prefetch)
         monkeypatch.setitem(settings, "PROGRAMS_PER_SM", per_sm)
-    assert sm._settings(11, 1000, torch.device("cpu"), backward=True)[1]["ONE_TILE"] is False
+    assert sm._settings(11, 1000, torch.device("cpu"), backward=True, fp64=True)[1]["ONE_TILE"] is False
     x = scores((11, 1000), 4)  # 4 programs under the interpreter: several rows each
     x32 = x.detach().float().requires_grad_()
     y = softmax(x32)
@@ -76,14 +77,19 @@ def test_wide_row_settings(monkeypatch, reverse, prefetch, per_sm):
 
 
 def test_two_pass_backward_under_one_tile_forward(monkeypatch):
-    """Backward rows wider than BWD_MAX_TILE_N but within MAX_TILE_N: one-tile forward, two-pass backward
-    (MID_BWD settings)."""
+    """Backward rows of fp32 inputs wider than BWD_MAX_TILE_N_FP64 but within MAX_TILE_N: one-tile forward,
+    two-pass backward (MID_BWD settings); 16-bit inputs keep the whole row up to BWD_MAX_TILE_N."""
     sm = importlib.import_module("profiler_svc.kernels.softmax")
-    monkeypatch.setattr(sm, "BWD_MAX_TILE_N", 256)
+    monkeypatch.setattr(sm, "BWD_MAX_TILE_N_FP64", 256)
     monkeypatch.setitem(sm.MID_BWD, "BLOCK_N", 64)
     monkeypatch.setitem(sm.MID_BWD, "PROGRAMS_PER_SM", 1.0)
-    assert sm._settings(11, 1000, torch.device("cpu"), backward=False)[1]["ONE_TILE"] is True
-    assert sm._settings(11, 1000, torch.device("cpu"), backward=True)[1]["ONE_TILE"] is False
+    cpu = torch.device("cpu")
+    assert sm._settings(11, 1000, cpu, backward=False, fp64=True)[1]["ONE_TILE"] is True
+    assert sm._settings(11, 1000, cpu, backward=True, fp64=True)[1]["ONE_TILE"] is False
+    assert sm._settings(11, 1000, cpu, backward=True, fp64=False)[1]["ONE_TILE"] is True
+    # The widest whole rows of 16-bit inputs take WIDEST_TILE_WARPS; fp64 math keeps row_tiles' warps.
+    assert sm._settings(4, 32768, cpu, backward=True, fp64=False)[1]["num_warps"] == sm.WIDEST_TILE_WARPS
+    assert sm._settings(4, 16384, cpu, backward=True, fp64=False)[1]["num_warps"] == 32
     x = scores((11, 1000), 6)
     x32 = x.detach().float().requires_grad_()
     dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
