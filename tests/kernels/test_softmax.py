@@ -17,8 +17,9 @@ def scores(shape, seed, scale=4.0):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 # Peaked softmax rows have few effective values: enough rows keep the error estimate steady.
-# 20000: one tile of 32768 columns (16-bit backward: the whole row; fp32: two passes); 40000: the chunked path
-@pytest.mark.parametrize("shape", [(37, 1000), (64, 1), (3, 50, 96), (2, 20000), (2, 40000)])
+# 20000, 20001: one tile of 32768 columns (16-bit backward: the whole row, as int32 pairs at an even width;
+# fp32: two passes); 40000: the chunked path
+@pytest.mark.parametrize("shape", [(37, 1000), (64, 1), (3, 50, 96), (8, 20000), (8, 20001), (2, 40000)])
 def test_numerics_no_worse_than_eager(dtype, shape):
     eager = {"torch.softmax": lambda x: torch.softmax(x, -1), "float-upcast": lambda x: torch.softmax(x.float(), -1).to(x.dtype)}
     assert_no_worse(softmax, eager, [scores(shape, 1)], lambda x: torch.softmax(x, -1), dtype)
