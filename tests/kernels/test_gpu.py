@@ -38,7 +38,7 @@ def compiled(name, eager):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", sorted(CASES))
-@pytest.mark.parametrize("n", [5000, 70000])
+@pytest.mark.parametrize("n", [5000, 20000, 70000])  # 20000: softmax's 16-bit whole-row (int32 pairs) backward
 def test_no_worse_than_eager_and_compile(name, dtype, n):
     ours, eager, reference = CASES[name]
     gen = torch.Generator(device="cuda").manual_seed(n)
@@ -68,3 +68,16 @@ def test_fullgraph_inductor_matches_eager():
     torch.testing.assert_close(out, ref, rtol=1e-3, atol=1e-3)
     for g, r in zip(torch.autograd.grad(out, [x, w]), torch.autograd.grad(ref, [x, w])):
         torch.testing.assert_close(g, r, rtol=2e-2, atol=2e-2)
+
+
+def test_fullgraph_softmax_widths():
+    """torch.compile(fullgraph=True) through each of softmax's kernels: whole rows, the 16-bit whole-row
+    backward on int32 pairs (20000 columns), its odd-width fallback, and the two-pass wide rows."""
+    compiled = torch.compile(lambda x: K.softmax(x), fullgraph=True)
+    for n in (1000, 20000, 20001, 70000):
+        x = torch.randn(64, n, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(64, n, device="cuda", dtype=torch.bfloat16)
+        out, ref = compiled(x), K.softmax(x)
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)
+        (g,), (r,) = torch.autograd.grad(out, x, dy), torch.autograd.grad(ref, x, dy)
+        torch.testing.assert_close(g, r, rtol=0, atol=0)
