@@ -216,7 +216,7 @@ WIDE_BWD = dict(BLOCK_N=16384, num_warps=32, PROGRAMS_PER_SM=0, PREFETCH=True, R
 # Backward rows up to BWD_MAX_TILE_N are read once, whole (fp32 inputs, whose math is fp64: up to
 # BWD_MAX_TILE_N_FP64). Wider ones, up to MAX_TILE_N, take the two-pass kernel, with MID_BWD: one program
 # per SM looping over rows, so that the second reads hit L2. H100, bf16, 32768 columns (kernels.md,
-# "softmax 32k backward"): two-pass 1080 µs (ncu: DRAM bytes as Liger's, every second read an L2 hit); the
+# "Softmax at 32k columns"): two-pass 1080 µs (ncu: DRAM bytes as Liger's, every second read an L2 hit); the
 # whole row at 16 warps, 1068 µs (a few registers spill); the two passes with their loads pipelined
 # through shared memory, 1157 µs or more; Liger's whole-row bf16 kernel 1055 µs, at a larger error.
 BWD_MAX_TILE_N = 32768
