@@ -180,7 +180,7 @@ def _pack(even, odd, DTYPE: tl.constexpr):
 def _softmax_bwd_pairs_kernel(DY, X, LSE, DX, stride_dy, stride_x, stride_dx, N2, BLOCK_N2: tl.constexpr,
                               DTYPE: tl.constexpr):
     # The one-tile backward of 16-bit rows of even width, a program per row, its x, dy and dx read and
-    # written as int32 words of two values: the row held in half the registers (see PAIRS_MIN_N).
+    # written as int32 words of two values: the row held in half the registers (see WIDEST_TILE_N).
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N2)
     mask = cols < N2
@@ -222,13 +222,14 @@ WIDE_BWD = dict(BLOCK_N=16384, num_warps=32, PROGRAMS_PER_SM=0, PREFETCH=True, R
 BWD_MAX_TILE_N = 32768
 BWD_MAX_TILE_N_FP64 = 16384
 MID_BWD = dict(WIDE_BWD, PROGRAMS_PER_SM=1.0)
-# Whole rows wider than 16384 columns (16-bit inputs) take 16 warps, not 32: H100, bf16, 32768 columns,
-# forward 729 -> 723 µs (fewer warps meet at each of the two reductions' barriers).
+# Whole rows of 16-bit inputs wider than WIDEST_TILE_N columns:
+# - take WIDEST_TILE_WARPS, not 32: H100, bf16, 32768 columns, forward 729 -> 723 µs (fewer warps meet at
+#   each of the two reductions' barriers);
+# - in the backward, at even widths and strides, take _softmax_bwd_pairs_kernel: x and dy loaded as int32
+#   words of two values, which the compiler keeps packed (loaded as bf16, each value takes a 32-bit
+#   register). H100, bf16, 32768 columns: 1073 -> 1068 µs.
+WIDEST_TILE_N = 16384
 WIDEST_TILE_WARPS = 16
-# Whole-row backwards of at least PAIRS_MIN_N columns of 16-bit values (of even width, at even strides) take
-# _softmax_bwd_pairs_kernel: x and dy loaded as int32 words of two values, which the compiler keeps packed
-# (loaded as bf16, each value takes a 32-bit register). H100, bf16, 32768 columns: 1073 -> 1068 µs.
-PAIRS_MIN_N = 16385
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -243,7 +244,7 @@ def _settings(m: int, n: int, device: torch.device, backward: bool, fp64: bool) 
     max_tile_n = (BWD_MAX_TILE_N_FP64 if fp64 else BWD_MAX_TILE_N) if backward else MAX_TILE_N
     block_m, block_n, num_warps, one_tile = row_tiles(n, min(max_tile_n, MAX_TILE_N))
     if one_tile:
-        if block_n > 16384 and not fp64:
+        if block_n > WIDEST_TILE_N and not fp64:
             num_warps = WIDEST_TILE_WARPS
         kw = dict(BLOCK_M=block_m, BLOCK_N=block_n, ONE_TILE=True, PREFETCH=False, REVERSE=False, KEEP="", LAST="",
                   OUT="", num_warps=num_warps)
@@ -273,9 +274,9 @@ def softmax_bwd(dy: torch.Tensor, x: torch.Tensor, lse: torch.Tensor) -> torch.T
     m, n = x.shape
     dx = torch.empty((m, n), dtype=x.dtype, device=x.device)
     programs, kw = _settings(m, n, x.device, backward=True, fp64=_acc_dtype(x) == torch.float64)
-    if kw["ONE_TILE"] and n >= PAIRS_MIN_N and _pairs_fit(dy, x, dx):
+    if kw["ONE_TILE"] and n > WIDEST_TILE_N and _pairs_fit(dy, x, dx):
         words = [t.view(torch.int32) for t in (dy, x, dx)]
-        launch(_softmax_bwd_pairs_kernel, (m,), words[0], words[1], lse, words[2],
+        launch(_softmax_bwd_pairs_kernel, (programs,), words[0], words[1], lse, words[2],
                *(w.stride(0) for w in words), n // 2, BLOCK_N2=kw["BLOCK_N"] // 2, DTYPE=_TL_DTYPE[x.dtype],
                num_warps=kw["num_warps"])
         return dx
