@@ -27,11 +27,13 @@ from ..errors import UserError
 from ..trace.labels import METADATA_KEY
 from .hooks import ModuleLabels, class_name
 from .metadata import numerics, rank_and_world_size, static_metadata
+from .step_timer import StepTimer
 from .upload import UploadError, upload_trace
 
 DEFAULT_OUT = "profiler_svc_traces"
 URL_ENV = "PROFILER_SVC_URL"
-DEFAULT_SCHEDULE = {"wait": 1, "warmup": 1, "active": 3}
+# Two wait steps: the second runs unprofiled after a warm-up step and is timed to calibrate the analysis.
+DEFAULT_SCHEDULE = {"wait": 2, "warmup": 1, "active": 3}
 WORKLOAD_PATTERN = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")  # "pkg.module:factory"
 RECORDING = (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE)
 
@@ -90,7 +92,7 @@ class Capture:
             if label_modules is None:
                 raise
             raise UserError(f"label_modules raised {type(exc).__name__}: {exc}") from None
-        self.labels.on_root_call = self._sample_numerics
+        self.labels.on_root_call = self._on_model_call
         settings = {**(self.schedule or {}), "record_shapes": record_shapes, "nvtx": nvtx,
                     "labelled_modules": len(self.labels.targets), "label_filter": label_modules is not None,
                     **{k: v for k, v in profile_kwargs.items() if isinstance(v, (bool, int, str))}}
@@ -99,6 +101,8 @@ class Capture:
         self.trace_paths = []
         self.uploads = []  # the service's replies, one per uploaded trace
         self.steps = 0
+        self.timer = StepTimer()
+        self._step_range = None  # this step's ProfilerStep#N range, when capture marks steps itself
         self._numerics = None
         self._profiler = None
         self._discard = False
@@ -116,6 +120,7 @@ class Capture:
             on_trace_ready=self._write_trace, **self.profile_kwargs)
         self._profiler.__enter__()
         self._sync_labels()
+        self.timer.begin(profiled=self._profiler.current_action != ProfilerAction.NONE)
         return self
 
     def step(self):
@@ -124,15 +129,19 @@ class Capture:
         if profiler is None:
             raise RuntimeError("cap.step() called outside the capture block")
         self.steps += 1
+        self.timer.end()
+        self._end_step_mark()
         if profiler.current_action == ProfilerAction.RECORD_AND_SAVE:
             self._add_metadata(profiler)  # the cycle is saved inside this step(): last chance to add it
         profiler.step()
         self._sync_labels()
+        self.timer.begin(profiled=profiler.current_action != ProfilerAction.NONE)
 
     def __exit__(self, exc_type, exc, tb):
         profiler, self._profiler = self._profiler, None
         # A cycle cut short by an exception is dropped, not saved half-way through a step.
         self._discard = exc_type is not None
+        self._end_step_mark()
         try:
             if profiler.current_action in RECORDING and not self._discard:
                 self._add_metadata(profiler)
@@ -174,6 +183,19 @@ class Capture:
         else:
             self.labels.attach()
 
+    def _on_model_call(self):
+        self._sample_numerics()
+        # Without a schedule torch.profiler marks no steps: the step's first model call opens its
+        # ProfilerStep#N range, cap.step() closes it (so no empty step follows the last one).
+        if self.schedule is None and self._step_range is None:
+            self._step_range = torch.profiler.record_function(f"ProfilerStep#{self.steps}")
+            self._step_range.__enter__()
+
+    def _end_step_mark(self):
+        if self._step_range is not None:
+            self._step_range.__exit__(None, None, None)
+            self._step_range = None
+
     def _sample_numerics(self):
         # Called as the model is entered, so that autocast and sdpa_kernel contexts around the
         # call are seen. Once per saved cycle.
@@ -181,7 +203,8 @@ class Capture:
             self._numerics = numerics()
 
     def _add_metadata(self, profiler):
-        metadata = {**self.metadata, "numerics": self._numerics or numerics(), "steps": self.steps}
+        metadata = {**self.metadata, "numerics": self._numerics or numerics(), "steps": self.steps,
+                    "unprofiled": self.timer.summary()}
         profiler.add_metadata_json(METADATA_KEY, json.dumps(metadata))
 
     def _write_trace(self, profiler):

@@ -1,11 +1,12 @@
 """Shared vocabulary of the detectors: what a kernel is, how big an op's work is, what a finding holds."""
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import pandas as pd
 
 from ..trace.model import OpInputs, Trace, element_bytes
+from ..trace.replay import Change
 
 # A GEMM dimension this large is a vocabulary (or class count): pad it to a multiple of 64.
 VOCAB_MIN = 8192
@@ -26,13 +27,17 @@ class Finding:
     title: str
     detail: str
     evidence: dict
-    estimated_savings_us: float
     recommendation: Recommendation
+    # what the fix does to the step; the report replays it for the saving
+    change: Change = field(default_factory=Change, repr=False)
     # identifies "the same problem" across ranks and runs (e.g. "unfused_chain:rms_norm:LlamaRMSNorm")
     key: str = ""
     severity: str = "info"
     rank: Optional[int] = None
     id: str = ""
+    # set by the report from the replay: what the step gets shorter, and what the fix frees on the GPU
+    saving_us_per_step: float = 0.0
+    gpu_time_saved_us_per_step: float = 0.0
 
 
 # kernel classes by name live with the trace vocabulary (the loader tags every kernel with one)
@@ -66,6 +71,11 @@ class GemmShape:
     @property
     def flops(self) -> float:
         return 2.0 * self.batch * self.m * self.n * self.k
+
+    @property
+    def bytes(self) -> int:
+        """A, B and the output each moved once."""
+        return self.batch * (self.m * self.k + self.k * self.n + self.m * self.n) * (element_bytes(self.dtype) or 2)
 
 
 def gemm_shape(op_name: str, inputs: OpInputs) -> Optional[GemmShape]:
@@ -130,13 +140,6 @@ def is_dense(shape, strides) -> bool:
 
 # -- trace helpers ----------------------------------------------------------------------------
 
-def window_kernels(trace: Trace) -> pd.DataFrame:
-    """Kernels that start inside the analysed window."""
-    start, end = trace.window
-    k = trace.kernels
-    return k[(k["ts"] >= start) & (k["ts"] <= end)]
-
-
 def module_class(module: Optional[str]) -> Optional[str]:
     """'model.layers.0.mlp (LlamaMLP)' -> 'LlamaMLP'."""
     if not module or not module.endswith(")"):
@@ -160,9 +163,76 @@ def fmt_shape(shape) -> str:
     return "[" + ", ".join(str(x) for x in shape) + "]"
 
 
-def steps_note(trace: Trace) -> str:
-    n = len(trace.steps)
-    return f"over {n} profiled step{'s' if n != 1 else ''}" if n else "over the whole trace"
+def per_step(trace: Trace, us: float) -> float:
+    """A window total as a per-step figure."""
+    return us / trace.step_count
+
+
+def per_step_note(trace: Trace, us: float) -> str:
+    """'1.20 ms per step' (or 'in the trace' when it has no steps)."""
+    return f"{fmt_us(per_step(trace, us))} per step" if len(trace.steps) else f"{fmt_us(us)} in the trace"
+
+
+# -- what a fix changes -------------------------------------------------------------------------
+
+# A Python statement between two ops of one chain costs at most this much; a longer quiet spell on the host
+# is something else (a sync, another module) and stays.
+_GLUE_MAX_US = 50.0
+
+
+def new_durations(kernel_rows, durations) -> Change:
+    """Each kernel runs in the given time (a faster path for the same work)."""
+    return Change(durations=dict(zip(list(kernel_rows), [float(d) for d in durations])))
+
+
+def scaled(kernel_rows, durations, factor: float) -> Change:
+    """Each kernel takes FACTOR of its time (the same work on a faster path)."""
+    return new_durations(kernel_rows, [d * factor for d in durations])
+
+
+def op_interval(trace: Trace, cpu_row: int) -> tuple:
+    """(start, end) of a CPU op on the host."""
+    return float(trace.cpu["ts"].iat[cpu_row]), float(trace.cpu["end"].iat[cpu_row])
+
+
+def fused(trace: Trace, kernel_rows, fused_us: float, host: bool = True) -> Change:
+    """KERNEL_ROWS (one chain) become one kernel of FUSED_US in the first one's place. With HOST, the host
+    work of the ops that launched only these kernels goes too, but for the first op's: the fused op costs
+    the host about what one eager op did."""
+    rows = sorted(kernel_rows, key=lambda r: trace.kernels["ts"].iat[r])
+    if not rows:
+        return Change()
+    intervals = host_intervals(trace, rows) if host else []
+    return Change(durations={rows[0]: float(fused_us)}, removed=set(rows[1:]), host_removed=intervals[1:])
+
+
+def host_intervals(trace: Trace, kernel_rows) -> list:
+    """Host intervals of the outermost ops that launched nothing but KERNEL_ROWS, in time order, then the
+    Python between consecutive ones on the same thread."""
+    kernels = trace.kernels
+    rows = list(kernel_rows)
+    if not rows or not len(trace.cpu):
+        return []
+    tops = kernels["top_op"].to_numpy()[rows]
+    tops = tops[tops >= 0]
+    if not len(tops):
+        return []
+    claimed = pd.Series(tops).value_counts()
+    launched = trace.launches_per_top_op.reindex(claimed.index).fillna(0)
+    whole = claimed.index[(claimed >= launched).to_numpy()].to_numpy()
+    if not len(whole):
+        return []
+    cpu = trace.cpu
+    ops = cpu.loc[whole, ["ts", "end", "thread"]].sort_values("ts")
+    out = list(zip(ops["ts"].tolist(), ops["end"].tolist()))  # the first op first: fused() keeps it
+    # the Python between two consecutive ops of the chain: no other outermost op ran on that thread
+    starts, ends, threads = ops["ts"].to_numpy(), ops["end"].to_numpy(), ops["thread"].to_numpy()
+    for i in range(1, len(ops)):
+        gap = starts[i] - ends[i - 1]
+        if threads[i] == threads[i - 1] and 0 < gap <= _GLUE_MAX_US and \
+                not trace.top_ops_between(threads[i], ends[i - 1], starts[i]):
+            out.append((float(ends[i - 1]), float(starts[i])))
+    return out
 
 
 GRANULE = {"fp16": 8, "bf16": 8, "fp8": 16, "fp32": 4}  # elements: 16-byte operands (tf32: 4)

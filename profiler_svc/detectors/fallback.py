@@ -11,16 +11,17 @@ from collections import defaultdict
 import numpy as np
 
 from ..trace.model import Trace
+from ..trace.replay import Change
 from .common import (TENSOR_CORE_EFFICIENCY, VOCAB_MIN, Finding, GemmReference, Recommendation, conv_shape,
-                     fmt_shape, fmt_us, gemm_shape, is_attention, is_dense, is_gemm, is_low_alignment, is_old_arch,
-                     is_simt_matmul, module_class, name_mask, op_bytes, peak_tflops, short_kernel_name, steps_note,
-                     window_kernels)
+                     fmt_shape, fmt_us, fused, gemm_shape, is_attention, is_dense, is_gemm, is_low_alignment,
+                     is_old_arch, is_simt_matmul, module_class, name_mask, new_durations, op_bytes, op_interval,
+                     peak_tflops, per_step_note, scaled, short_kernel_name)
 
 
 def detect(trace: Trace) -> list[Finding]:
     if not trace.has_gpu:
         return []
-    kernels = window_kernels(trace)
+    kernels = trace.window_kernels
     findings = []
     findings += _simt_matmuls(trace, kernels)
     findings += _low_alignment_gemms(trace, kernels)
@@ -46,7 +47,7 @@ def _group_by_op(trace, kernels):
 
 def _evidence(rows, trace, extra=None):
     names = sorted({short_kernel_name(r.name) for r, _ in rows})
-    modules = sorted({r.module for r, _ in rows if r.module})
+    modules = sorted({r.module for r, _ in rows if isinstance(r.module, str)})
     first, inp = rows[0]
     evidence = {
         "kernels": names[:5],
@@ -116,19 +117,30 @@ def _simt_matmuls(trace, kernels):
             category="fallback_kernel",
             title=f"{dtype} {label}s on the CUDA-core (FFMA) path: {len(groups)} shape{'s' if len(groups) > 1 else ''}, "
                   f"{len(rows)} calls",
-            detail=(f"{len(rows)} {label} calls took {fmt_us(time)} {steps_note(trace)} on non-tensor-core kernels "
+            detail=(f"{len(rows)} {label} calls took {per_step_note(trace, time)} on non-tensor-core kernels "
                     f"(e.g. {short_kernel_name(worst['rows'][0][0].name, 60)}; largest: {worst['op']} {worst['shapes']}, "
-                    f"{fmt_us(worst['time'])}). Why: {why}. On tensor cores the same work needs about {fmt_us(expected)}."),
+                    f"{per_step_note(trace, worst['time'])}). Why: {why}. On tensor cores the same work needs about "
+                    f"{per_step_note(trace, expected)}."),
             evidence=_evidence(worst["rows"], trace, {
                 "reason": why, "calls": len(rows), "time_us": round(time, 2), "numerics": trace.numerics or None,
-                "modules": sorted({r.module for r, _ in rows if r.module})[:32],
+                "modules": sorted({r.module for r, _ in rows if isinstance(r.module, str)})[:32],
                 "shapes": [{"op": g["op"], "input_shapes": g["shapes"], "calls": len(g["rows"]),
                             "time_us": round(g["time"], 2)} for g in groups[:12]]}),
-            estimated_savings_us=max(0.0, time - expected),
             recommendation=Recommendation(fix, None, snippet),
+            change=_scaled_groups(groups),
             key=f"fallback_kernel:simt:{label}:{dtype}",
         ))
     return findings
+
+
+def _scaled_groups(groups):
+    """Each group's kernels take expected / measured of their time."""
+    change = None
+    for g in groups:
+        one = scaled([r.Index for r, _ in g["rows"]], [r.dur for r, _ in g["rows"]],
+                     min(1.0, g["expected"] / g["time"]) if g["time"] else 1.0)
+        change = one if change is None else change.merged(one)
+    return change
 
 
 def _flops(op, inputs):
@@ -168,7 +180,6 @@ def _low_alignment_gemms(trace, kernels):
             expected = per_call * len(rows)
         else:
             expected, basis = 0.5 * time, "no shapes recorded: assumed half the time"
-        savings = max(0.0, time - expected)
         kernel = short_kernel_name(rows[0][0].name, 70)
         why = ("an operand's leading dimension is not a multiple of "
                f"{multiple} elements (16 bytes), so only a low-alignment kernel ({kernel}) can read it")
@@ -176,13 +187,13 @@ def _low_alignment_gemms(trace, kernels):
         findings.append(Finding(
             category="fallback_kernel",
             title=f"GEMM on a low-alignment kernel: {top_op or op} {shapes}",
-            detail=(f"{len(rows)} calls took {fmt_us(time)} {steps_note(trace)}; {why}. "
+            detail=(f"{len(rows)} calls took {per_step_note(trace, time)}; {why}. "
                     + (f"Misaligned: {dims}. " if dims else "")
-                    + f"Aligned, the same work should take about {fmt_us(expected)} ({basis})."),
+                    + f"Aligned, the same work should take about {per_step_note(trace, expected)} ({basis})."),
             evidence=_evidence(rows, trace, {"gemm": g.__dict__ if g else None,
                                              "misaligned": {d: {"size": v, "padded": p} for d, (v, p) in misaligned.items()},
                                              "expected_us": round(expected, 2), "expected_basis": basis}),
-            estimated_savings_us=savings,
+            change=scaled([r.Index for r, _ in rows], [r.dur for r, _ in rows], min(1.0, expected / time) if time else 1.0),
             recommendation=Recommendation(
                 f"Pad {dims or 'the GEMM dimensions'} to multiples of {multiple} (hidden/intermediate/vocab sizes, "
                 "or pad the weight and slice the output).",
@@ -224,19 +235,23 @@ def _sdpa_math(trace, kernels):
             b, h, s, d = q[0]
             s_k = tensors[1][0][2] if len(tensors) > 1 and len(tensors[1][0]) == 4 else s
             expected = 4.0 * b * h * s * s_k * d / (peak_tflops(trace, q[1]) * TENSOR_CORE_EFFICIENCY * 1e6) * len(calls)
-        savings = max(0.0, time - expected)
-        modules = sorted({r.module for _, rows, _ in calls for r in rows if r.module})
+        modules = sorted({r.module for _, rows, _ in calls for r in rows if isinstance(r.module, str)})
+        change = None
+        for _, rows, _ in calls:  # each call's kernels become one fused kernel
+            one = fused(trace, [r.Index for r in rows], expected / len(calls), host=False)
+            change = one if change is None else change.merged(one)
         findings.append(Finding(
             category="fallback_kernel",
             title=f"scaled_dot_product_attention on the math path {shapes}",
             detail=(f"{len(calls)} SDPA calls ran as separate bmm/softmax/mask kernels (the math backend), "
-                    f"{fmt_us(time)} {steps_note(trace)}; a fused flash/memory-efficient kernel would need about "
-                    f"{fmt_us(expected)} and never materializes the attention matrix. Why: {'; '.join(reasons)}."),
+                    f"{per_step_note(trace, time)}; a fused flash/memory-efficient kernel would need about "
+                    f"{per_step_note(trace, expected)} and never materializes the attention matrix. "
+                    f"Why: {'; '.join(reasons)}."),
             evidence={"op": "aten::scaled_dot_product_attention", "input_shapes": [t[0] for t in tensors],
                       "dtypes": [t[1] for t in tensors], "calls": len(calls), "time_us": round(time, 2),
                       "kernels": sorted({short_kernel_name(r.name) for _, rows, _ in calls for r in rows})[:6],
                       "reason": reasons, **({"modules": modules[:10]} if modules else {})},
-            estimated_savings_us=savings,
+            change=change,
             recommendation=Recommendation(
                 "Let SDPA use a fused backend: keep q/k/v in fp16/bf16, head_dim a multiple of 8 and <= 256, "
                 "prefer is_causal=True over an explicit mask, and leave the flash/memory-efficient backends enabled.",
@@ -286,6 +301,7 @@ def _eager_attention(trace, kernels):
     tops = cpu[(cpu["top"] == cpu.index)].sort_values("ts")
     kernel_time = kernels.groupby("top_op")["dur"].sum()
     gemm_time = kernels[name_mask(kernels, is_gemm)].groupby("top_op")["dur"].sum()
+    kernels_of = kernels.groupby("top_op").groups  # top op row -> kernel index
     positions = {row: i for i, row in enumerate(tops.index)}
     names = tops["name"].tolist()
     index = tops.index.to_numpy()
@@ -305,25 +321,29 @@ def _eager_attention(trace, kernels):
         time = float(kernel_time.reindex(rows).fillna(0).sum())
         gemms = float(gemm_time.reindex(rows).fillna(0).sum())
         module = cpu["module"].iat[row]
-        groups[(module_class(module) or "", str(t[0][0]), t[0][1])].append((row, time, module, t[0], gemms))
+        launched = [k for op in rows for k in kernels_of.get(op, [])]
+        groups[(module_class(module) or "", str(t[0][0]), t[0][1])].append((row, time, module, t[0], gemms, launched))
     findings = []
     for (cls, shape, dtype), calls in groups.items():
         time = sum(c[1] for c in calls)
         scores = calls[0][3][0]
         # a fused kernel still does the two GEMMs' work: the saving is the score-matrix traffic around them
         expected = sum(c[4] for c in calls)
-        savings = max(0.0, time - expected)
-        modules = sorted({c[2] for c in calls if c[2]})
+        modules = sorted({c[2] for c in calls if isinstance(c[2], str)})
+        change = None
+        for c in calls:  # each call becomes one SDPA kernel doing the GEMMs' work, and one op on the host
+            one = fused(trace, c[5], c[4], host=True)
+            change = one if change is None else change.merged(one)
         findings.append(Finding(
             category="fallback_kernel",
             title=f"eager attention (matmul → softmax → matmul) over scores {shape}" + (f" in {cls}" if cls else ""),
             detail=(f"{len(calls)} attention calls materialize the {shape} {dtype} score matrix and run the "
-                    f"scale/mask/softmax/dropout as separate kernels: {fmt_us(time)} {steps_note(trace)}, of which the "
-                    f"two GEMMs take {fmt_us(expected)}. scaled_dot_product_attention (flash / memory-efficient) fuses "
-                    f"it and never writes the scores."),
+                    f"scale/mask/softmax/dropout as separate kernels: {per_step_note(trace, time)}, of which the "
+                    f"two GEMMs take {per_step_note(trace, expected)}. scaled_dot_product_attention (flash / "
+                    f"memory-efficient) fuses it and never writes the scores."),
             evidence={"op": "aten::softmax", "score_shape": scores, "dtypes": [dtype], "calls": len(calls),
                       "time_us": round(time, 2), **({"modules": modules[:10]} if modules else {})},
-            estimated_savings_us=savings,
+            change=change,
             recommendation=Recommendation(
                 "Use scaled_dot_product_attention: for Hugging Face models load with attn_implementation=\"sdpa\" "
                 "(or \"flash_attention_2\"); in your own code replace matmul/softmax/matmul by F.scaled_dot_product_attention.",
@@ -362,18 +382,17 @@ def _unvectorized_elementwise(trace, kernels):
             continue  # broadcasting alone: expected, and part of a chain the unfused detector reports
         moved = op_bytes(inp) * len(rows)
         expected = moved / (0.8 * bandwidth)
-        savings = max(0.0, time - expected)
-        if savings < 0.005 * total_kernel:
+        if time - expected < 0.005 * total_kernel:
             continue
         findings.append(Finding(
             category="fallback_kernel",
             title=f"elementwise {op} off the vectorized path {shapes}",
-            detail=(f"{len(rows)} calls took {fmt_us(time)} {steps_note(trace)} at "
+            detail=(f"{len(rows)} calls took {per_step_note(trace, time)} at "
                     f"{moved / time / 1e3:.0f} GB/s ({short_kernel_name(rows[0][0].name, 60)}). Why: "
                     f"{'; '.join(reasons)}. Contiguous same-dtype operands take the vectorized kernel "
-                    f"(about {fmt_us(expected)})."),
+                    f"(about {per_step_note(trace, expected)})."),
             evidence=_evidence(rows, trace, {"reason": reasons, "bytes": moved}),
-            estimated_savings_us=savings,
+            change=scaled([r.Index for r, _ in rows], [r.dur for r, _ in rows], min(1.0, expected / time)),
             recommendation=Recommendation(
                 "Make the operands contiguous and of one dtype before the op (or fuse the op into its neighbours "
                 "with torch.compile).", None, "x = x.contiguous()  # once, where the view is created\ny = x.to(w.dtype) * w"),
@@ -392,7 +411,7 @@ def _cast_storm(trace, kernels):
     casts = kernels[(kernels["op_name"] == "aten::copy_") & kernels["top_op_name"].isin(_CAST_PARENTS)]
     if not len(casts):
         return []
-    steps = max(len(trace.steps), 1)
+    steps = trace.step_count
     rows = []
     for row in casts.itertuples():
         inp = trace.op_inputs(row.op)
@@ -415,12 +434,14 @@ def _cast_storm(trace, kernels):
         category="fallback_kernel",
         title=f"autocast cast storm: {len(rows)} {src}→{dst} casts inside compute ops",
         detail=(f"{len(rows) / steps:.0f} dtype casts per step (under {', '.join(f'{k} ×{v}' for k, v in sorted(parents.items(), key=lambda x: -x[1])[:4])}) "
-                f"re-cast the same fp32 tensors, mostly weights, to {dst} on every call: {fmt_us(time)} {steps_note(trace)}."),
+                f"re-cast the same fp32 tensors, mostly weights, to {dst} on every call: {per_step_note(trace, time)}."),
         evidence={"kernels": sorted({short_kernel_name(r.name) for r, _ in rows})[:4], "op": "aten::copy_",
                   "calls": len(rows), "time_us": round(time, 2), "casts_per_step": round(len(rows) / steps, 1),
                   "parent_ops": dict(parents), "input_shapes": [list(s) for s, _ in sorted(shapes.items(), key=lambda x: -x[1])[:8]],
                   "dtypes": [src, dst], **({"autocast": autocast} if autocast else {})},
-        estimated_savings_us=time,
+        # weights kept in the low dtype: the casts and their ops go
+        change=Change(removed={r.Index for r, _ in rows},
+                      host_removed=[op_interval(trace, r.op) for r, _ in rows if r.op >= 0]),
         recommendation=Recommendation(
             f"Keep the weights in {dst} and let the optimizer hold fp32 master weights, or torch.compile the "
             "model so the casts fuse into their consumers.", None,

@@ -8,10 +8,8 @@ import numpy as np
 import pandas as pd
 
 from ..trace.model import Trace
+from ..trace.replay import BLOCKING_CALLS
 
-# Blocking calls: the host waits for the GPU inside these.
-BLOCKING_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
-                  "cuStreamSynchronize", "cuCtxSynchronize", "cuEventSynchronize")
 
 
 @dataclass
@@ -29,7 +27,8 @@ class IdleGaps:
 def gpu_activity(trace: Trace) -> pd.DataFrame:
     start, end = trace.window
     cols = ["ts", "dur", "end", "name", "stream", "correlation", "op", "top_op_name", "module"]
-    gpu = pd.concat([trace.kernels[cols], trace.memory[cols]], ignore_index=True)
+    kernels = trace.kernels[cols].assign(kernel_row=trace.kernels.index.to_numpy().astype(float))
+    gpu = pd.concat([kernels, trace.memory[cols].assign(kernel_row=np.nan)], ignore_index=True)
     gpu = gpu[(gpu["end"] >= start) & (gpu["ts"] <= end)]
     return gpu.sort_values("ts", kind="stable").reset_index(drop=True)
 
@@ -45,11 +44,6 @@ def idle_gaps(trace: Trace) -> IdleGaps:
     is_gap[1:] = ts[1:] > busy_until[:-1]
     rows = np.flatnonzero(is_gap)
     starts, stops = busy_until[rows - 1], ts[rows]
-    window_start, _ = trace.window
-    if ts[0] > window_start:  # idle from the window's start to the first GPU work
-        starts = np.concatenate([[window_start], starts])
-        stops = np.concatenate([[ts[0]], stops])
-        rows = np.concatenate([[0], rows])
     return IdleGaps(starts, stops, rows, gpu)
 
 

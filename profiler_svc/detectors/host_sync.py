@@ -6,7 +6,8 @@ from collections import defaultdict
 import numpy as np
 
 from ..trace.model import Trace
-from .common import Finding, Recommendation, fmt_us, steps_note
+from ..trace.replay import Change
+from .common import Finding, Recommendation, per_step_note
 from .gpu_idle import blocking_calls, gpu_activity
 
 _FIXES = {
@@ -16,8 +17,14 @@ _FIXES = {
                                   "torch.where(cond, a, b)  # instead of `a if cond.item() else b`"),
     "aten::nonzero": ("nonzero/masked_select need the result size on the host: use fixed-size masks "
                       "(torch.where, masked_fill) or nonzero_static.", "idx = torch.nonzero_static(mask, size=max_n)"),
-    "aten::to": ("A device-to-host copy blocks: copy asynchronously into pinned memory, or keep the data on the GPU.",
-                 "host = torch.empty(shape, pin_memory=True); host.copy_(t, non_blocking=True)"),
+}
+# What a blocking copy's direction calls for (the memcpy's name says it: "Memcpy DtoH (Device -> Pageable)").
+_COPY_FIXES = {
+    "DtoH": ("A device-to-host copy blocks until the GPU is done: copy asynchronously into pinned memory, or keep "
+             "the data on the GPU.", "host = torch.empty(shape, pin_memory=True); host.copy_(t, non_blocking=True)"),
+    "HtoD": ("A host-to-device copy from pageable memory blocks the host: build the tensor on the GPU directly, or "
+             "copy from pinned memory with non_blocking=True.",
+             "t = torch.tensor(values, device=\"cuda\")  # or: x.pin_memory().to(\"cuda\", non_blocking=True)"),
 }
 _EXPLICIT = "torch.cuda.synchronize()"
 
@@ -35,6 +42,7 @@ def detect(trace: Trace) -> list[Finding]:
     cpu = trace.cpu
     steps = trace.steps
     step_ends = steps["end"].to_numpy() if len(steps) else np.array([end])
+    directions = _copy_directions(trace)
     groups = defaultdict(list)
     for call in syncs.itertuples():
         nxt = np.searchsorted(starts, call.end)
@@ -50,32 +58,46 @@ def detect(trace: Trace) -> list[Finding]:
             if nxt >= len(starts) or starts[nxt] >= step_end:
                 continue
             cause, inner, module = _bare_sync_cause(trace, call), call.name, None
-        groups[(cause, inner)].append((call, idle, module))
+        direction = directions.get(call.correlation)
+        groups[(cause, inner, direction)].append((call, idle, module))
     findings = []
-    for (cause, inner), calls in groups.items():
+    for (cause, inner, direction), calls in groups.items():
         idle = sum(i for _, i, _ in calls)
         blocked = sum(c.dur for c, _, _ in calls)
-        per_step = len(calls) / max(len(steps), 1)
-        fix, snippet = _FIXES.get(cause) or _FIXES.get(inner) or (
+        per_step = len(calls) / trace.step_count
+        fix, snippet = _COPY_FIXES.get(direction) or _FIXES.get(cause) or _FIXES.get(inner) or (
             "Move the synchronization out of the step, or make the dependent host work asynchronous.", None)
-        modules = sorted({m for _, _, m in calls if m})
+        modules = sorted({m for _, _, m in calls if isinstance(m, str)})
+        what = f"{direction} copy" if direction else "sync"
         findings.append(Finding(
             category="host_sync",
-            title=f"host sync in {cause}" + (f" ({inner})" if inner != cause else "") + f": {len(calls)} calls",
+            title=f"host {what} in {cause}" + (f" ({inner})" if inner != cause else "") + f": {len(calls)} calls",
             detail=(f"{len(calls)} blocking {', '.join(sorted({c.name for c, _, _ in calls}))} calls ({per_step:.0f} per step) "
-                    f"from {cause} held the CPU {fmt_us(blocked)} {steps_note(trace)}; after each the GPU sat idle "
-                    f"until the CPU launched again: {fmt_us(idle)} in total."),
+                    f"from {cause} held the CPU {per_step_note(trace, blocked)}; after each the GPU sat idle "
+                    f"until the CPU launched again: {per_step_note(trace, idle)}."),
             evidence={"op": cause, "inner_op": inner, "runtime_calls": sorted({c.name for c, _, _ in calls}),
+                      **({"copy": direction} if direction else {}),
                       "calls": len(calls), "per_step": round(per_step, 1), "host_blocked_us": round(blocked, 2),
                       "gpu_idle_after_us": round(idle, 2),
                       "examples": [{"ts_us": round(c.ts, 2), "blocked_us": round(c.dur, 2), "idle_after_us": round(i, 2)}
                                    for c, i, _ in sorted(calls, key=lambda x: -x[1])[:5]],
                       **({"modules": modules[:10]} if modules else {})},
-            estimated_savings_us=idle,
             recommendation=Recommendation(fix, None, snippet),
-            key=f"host_sync:{cause}:{inner}",
+            change=Change(unblocked={c.Index for c, _, _ in calls}),
+            key=f"host_sync:{cause}:{inner}" + (f":{direction}" if direction else ""),
         ))
     return findings
+
+
+def _copy_directions(trace: Trace) -> dict:
+    """Runtime correlation id -> "HtoD" / "DtoH" / "DtoD" of the memcpy it launched."""
+    memory = trace.memory
+    if not len(memory):
+        return {}
+    names = memory["name"].astype(str)
+    direction = names.str.extract(r"(HtoD|DtoH|DtoD|HtoH)", expand=False)
+    found = direction.notna().to_numpy()
+    return dict(zip(memory["correlation"].to_numpy()[found].tolist(), direction[found].tolist()))
 
 
 def _bare_sync_cause(trace, call) -> str:

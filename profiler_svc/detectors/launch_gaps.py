@@ -1,20 +1,27 @@
-"""Launch gaps: GPU idle inside the window, split by cause.
+"""Launch gaps: GPU idle inside the steps, split by cause.
 
-- host-wait: the kernel that ended the gap was launched after the GPU went idle (the CPU was late:
+- host-wait: the activity that ended the gap was launched after the GPU went idle (the CPU was late:
   Python, dispatcher, launch overhead)
-- sync-caused: the host was blocked in a synchronization just before (reported by host_sync)
+- sync: the host was blocked in a synchronization just before (priced by host_sync)
 - kernel-to-kernel: work was queued but the GPU still idled (dependencies, stream waits, tiny kernels)
+
+The idle before the first GPU activity of the window is the profiler starting up, not the step: not counted.
 """
 import numpy as np
 
 from ..trace.model import Trace
-from .common import Finding, Recommendation, fmt_us, name_mask, short_kernel_name, steps_note, window_kernels
+from ..trace.replay import Change
+from .common import Finding, Recommendation, fmt_us, name_mask, per_step, per_step_note, short_kernel_name
 from .gpu_idle import blocking_calls, idle_gaps, launch_times
 
 # Gaps shorter than this are the normal kernel-switch cost, not something to fix.
 _MIN_GAP_US = 2.0
 # Report a cause when its idle time is at least this share of the window.
 _MIN_SHARE = 0.03
+# An op whose input shapes take this many distinct values in the window runs with dynamic shapes (a growing
+# KV cache): CUDA graphs replay fixed shapes only.
+_DYNAMIC_SHAPES = 8
+CAUSES = ("host_wait", "sync", "kernel_to_kernel")
 
 
 def classify_gaps(trace: Trace):
@@ -38,6 +45,18 @@ def classify_gaps(trace: Trace):
     return gaps, kind
 
 
+def idle_breakdown(trace: Trace) -> dict:
+    """Per cause: gaps, idle µs per step, median and largest gap (HTA's idle-time breakdown, per step)."""
+    gaps, kind = classify_gaps(trace)
+    out = {}
+    for cause in CAUSES + ("short",):
+        dur = gaps.dur[kind == cause] if len(kind) else np.zeros(0)
+        out[cause] = {"gaps": int(len(dur)), "idle_us_per_step": round(per_step(trace, float(dur.sum())), 2),
+                      "median_gap_us": round(float(np.median(dur)), 2) if len(dur) else 0.0,
+                      "max_gap_us": round(float(dur.max()), 2) if len(dur) else 0.0}
+    return out
+
+
 def detect(trace: Trace) -> list[Finding]:
     if not trace.has_gpu:
         return []
@@ -47,11 +66,12 @@ def detect(trace: Trace) -> list[Finding]:
         return []
     dur = gaps.dur
     findings = []
-    in_window = window_kernels(trace)
+    in_window = trace.window_kernels
     runtime = trace.runtime
     launch_dur = runtime[name_mask(runtime, lambda n: "Launch" in n)]["dur"]
     median_launch = float(launch_dur.median()) if len(launch_dur) else None
     short = in_window[in_window["dur"] < 10.0]
+    breakdown = idle_breakdown(trace)
     for cause in ("host_wait", "kernel_to_kernel"):
         mask = kind == cause
         idle = float(dur[mask].sum())
@@ -66,38 +86,64 @@ def detect(trace: Trace) -> list[Finding]:
             examples.append({"start_us": round(float(gaps.start[g]), 2), "idle_us": round(float(dur[g]), 2),
                              "next_kernel": short_kernel_name(nxt["name"], 80), "next_op": nxt["top_op_name"],
                              "module": nxt["module"], "host_ops_during_gap": _host_ops(trace, gaps.start[g], gaps.end[g])})
+        share = 100 * idle / span
         if cause == "host_wait":
-            title = f"GPU idle {100 * idle / span:.0f}% of the time waiting for the CPU to launch work"
-            detail = (f"{int(mask.sum())} gaps totalling {fmt_us(idle)} {steps_note(trace)} ({100 * idle / span:.1f}% of "
-                      f"{fmt_us(span)}) ended with a kernel the CPU launched only after the GPU had gone idle. "
-                      f"{len(short)} of {len(in_window)} kernels run under 10 µs"
+            title = f"GPU idle {share:.0f}% of the step waiting for the CPU to launch work"
+            detail = (f"{int(mask.sum())} gaps, {per_step_note(trace, idle)} ({share:.1f}% of the window), ended "
+                      f"with a kernel the CPU launched only after the GPU had gone idle. {len(short)} of "
+                      f"{len(in_window)} kernels run under 10 µs"
                       + (f" while a launch call takes {median_launch:.1f} µs (median)" if median_launch else "")
                       + ": the step is launch-bound.")
-            rec = Recommendation(
-                "Remove per-kernel launch cost: capture the step in a CUDA graph (torch.compile mode=\"reduce-overhead\" "
-                "does it), fuse small ops, or give each launch more work (larger batch).",
-                None, 'model = torch.compile(model, mode="reduce-overhead")  # CUDA graphs')
-            savings = idle  # upper bound: a graph replays with near-zero gaps
+            dynamic = _dynamic_shape_ops(trace)
+            if dynamic:
+                detail += (f" CUDA graphs replay fixed shapes only, and {', '.join(dynamic)} change shape from call to "
+                           "call here (a growing KV cache): use a static cache first.")
+                rec = Recommendation(
+                    "Make the shapes static (a pre-allocated KV cache), then capture the decode step in a CUDA graph; "
+                    "until then, fuse small ops or give each launch more work (larger batch).", None,
+                    'model.generation_config.cache_implementation = "static"\n'
+                    'model.forward = torch.compile(model.forward, mode="reduce-overhead")  # CUDA graphs')
+            else:
+                rec = Recommendation(
+                    "Remove per-kernel launch cost: capture the step in a CUDA graph (torch.compile "
+                    "mode=\"reduce-overhead\" does it), fuse small ops, or give each launch more work (larger batch).",
+                    None, 'model = torch.compile(model, mode="reduce-overhead")  # CUDA graphs')
+            change = Change(graphs=True)
         else:
-            title = f"GPU idle between queued kernels: {fmt_us(idle)}"
-            detail = (f"{int(mask.sum())} gaps totalling {fmt_us(idle)} {steps_note(trace)} occurred although the next "
+            title = f"GPU idle between queued kernels: {per_step_note(trace, idle)}"
+            detail = (f"{int(mask.sum())} gaps, {per_step_note(trace, idle)}, occurred although the next "
                       "kernel had already been launched: stream dependencies, event waits or device-side scheduling.")
             rec = Recommendation("Check cross-stream waits and host-to-device copies on the critical path; overlap them "
                                  "with compute on separate streams (pinned memory, non_blocking=True).", None,
                                  "x = x.pin_memory().to(device, non_blocking=True)")
-            savings = max(0.0, idle - _MIN_GAP_US * int(mask.sum()))
+            after = gaps.gpu.iloc[gaps.next_row[mask]]
+            change = Change(tightened=set(after["kernel_row"].dropna().astype(int).tolist()))
         findings.append(Finding(
             category="launch_gaps", title=title, detail=detail,
             evidence={"cause": cause, "gaps": int(mask.sum()), "idle_us": round(idle, 2),
-                      "idle_pct": round(100 * idle / span, 2), "window_us": round(span, 2),
-                      "gpu_busy_pct": round(trace.gpu_busy_pct, 2),
+                      "idle_us_per_step": round(per_step(trace, idle), 2),
+                      "idle_pct": round(share, 2), "window_us": round(span, 2),
+                      "gpu_busy_pct": round(trace.gpu_busy_pct, 2), "idle_breakdown": breakdown,
                       "sync_idle_us": round(float(dur[kind == "sync"].sum()), 2),
                       "kernels_under_10us": int(len(short)), "kernels": int(len(in_window)),
                       "median_launch_us": round(median_launch, 2) if median_launch else None,
                       "largest_gaps": examples},
-            estimated_savings_us=savings, recommendation=rec, key=f"launch_gaps:{cause}",
+            recommendation=rec, change=change, key=f"launch_gaps:{cause}",
         ))
     return findings
+
+
+def _dynamic_shape_ops(trace: Trace) -> list:
+    """Attention and GEMM ops whose input shapes vary across the window."""
+    cpu = trace.cpu
+    names = ("aten::scaled_dot_product_attention", "aten::bmm", "aten::matmul")
+    out = []
+    for name in names:
+        rows = cpu.index[(cpu["name"] == name).to_numpy()][:2000]
+        shapes = {str(trace.op_inputs(r).dims) for r in rows}
+        if len(shapes) >= _DYNAMIC_SHAPES:
+            out.append(name.removeprefix("aten::"))
+    return out
 
 
 def _host_ops(trace, start, end, limit=3):

@@ -6,9 +6,9 @@ import re
 from collections import defaultdict
 
 from ..trace.model import Trace
-from .common import (GEMM_OPS, GRANULE, VOCAB_MIN, Finding, GemmReference, Recommendation, conv_shape, fmt_us,
-                     gemm_shape, is_gemm, is_low_alignment, is_old_arch, is_simt_matmul, name_mask, steps_note,
-                     window_kernels)
+from .common import (GEMM_OPS, GRANULE, VOCAB_MIN, Finding, GemmReference, Recommendation, conv_shape,
+                     gemm_shape, is_gemm, is_low_alignment, is_old_arch, is_simt_matmul, name_mask, new_durations,
+                     per_step_note, scaled)
 
 
 
@@ -19,7 +19,7 @@ def round_up(value: int, multiple: int) -> int:
 def detect(trace: Trace) -> list[Finding]:
     if not trace.has_gpu:
         return []
-    kernels = window_kernels(trace)
+    kernels = trace.window_kernels
     gemms = kernels[name_mask(kernels, is_gemm) & kernels["op_name"].isin(GEMM_OPS).to_numpy()]
     findings = []
     findings += _gemm_dims(trace, gemms, GemmReference(trace, gemms))
@@ -61,22 +61,22 @@ def _gemm_dims(trace, gemms, reference):
     for (sizes, dtype), items in groups.items():
         time = sum(r.dur for r, _, _ in items)
         flops = sum(g.flops for _, g, _ in items)
-        expected = sum(reference.expected_us(g)[0] for _, g, _ in items)
+        expected_each = [reference.expected_us(g)[0] for _, g, _ in items]
+        expected = sum(expected_each)
         basis = reference.expected_us(items[0][1])[1]
-        savings = max(0.0, time - expected)
         vocab = any(v >= VOCAB_MIN for v, _ in sizes)
         pads = ", ".join(f"{v} → {p}" for v, p in sizes)
         what = "vocabulary/output size" if vocab else "GEMM dimension"
         row0, g0, off0 = items[0]
-        modules = sorted({r.module for r, _, _ in items if r.module})
+        modules = sorted({r.module for r, _, _ in items if isinstance(r.module, str)})
         ops = sorted({r.top_op_name or r.op_name for r, _, _ in items})
         findings.append(Finding(
             category="misalignment",
             title=f"{dtype} {what} not a multiple of {64 if vocab else GRANULE[dtype]}: pad {pads}",
             detail=(f"{len(items)} GEMM calls ({', '.join(ops)}) have sizes {pads}: "
                     f"tensor-core tiles and vectorized loads want multiples of {64 if vocab else GRANULE[dtype]}. They took "
-                    f"{fmt_us(time)} {steps_note(trace)} at {flops / time / 1e6 if time else 0:.0f} TFLOP/s; aligned, about "
-                    f"{fmt_us(expected)} ({basis})."),
+                    f"{per_step_note(trace, time)} at {flops / time / 1e6 if time else 0:.0f} TFLOP/s; aligned, about "
+                    f"{per_step_note(trace, expected)} ({basis})."),
             evidence={"op": row0.op_name, "top_op": row0.top_op_name, "gemm": {"M": g0.m, "N": g0.n, "K": g0.k, "batch": g0.batch},
                       "misaligned": [{"dim": d, "size": v, "padded": p} for d, v, p in off0],
                       "dtypes": [dtype], "calls": len(items), "time_us": round(time, 2),
@@ -84,7 +84,8 @@ def _gemm_dims(trace, gemms, reference):
                       "achieved_tflops": round(flops / time / 1e6, 1) if time else None,
                       "expected_us": round(expected, 2), "expected_basis": basis,
                       **({"modules": modules[:10]} if modules else {})},
-            estimated_savings_us=savings,
+            change=new_durations([r.Index for r, _, _ in items],
+                                 [min(r.dur, e) for (r, _, _), e in zip(items, expected_each)]),
             recommendation=Recommendation(
                 (f"Pad the vocabulary {pads} (resize the embedding/lm_head; the extra rows are never predicted)."
                  if vocab else f"Pad {pads} (hidden/intermediate sizes, or tokens per batch for M)."),
@@ -119,18 +120,17 @@ def _head_dim(trace, kernels):
             continue
         time = float(kernel_time.reindex(rows).fillna(0).sum())
         padded = round_up(d, 8) if d <= 256 else 256
-        modules = sorted({m for m in cpu["module"].iloc[rows] if m})
+        modules = sorted({m for m in cpu["module"].iloc[rows] if isinstance(m, str)})
         why = (f"head_dim {d} is not a multiple of 8" if d % 8 else f"head_dim {d} is above 256")
         findings.append(Finding(
             category="misalignment",
             title=f"attention head_dim {d}: flash attention refuses it",
             detail=(f"{why}: flash and memory-efficient SDPA kernels need head_dim a multiple of 8 and at most 256, "
-                    f"so {len(rows)} attention calls ({fmt_us(time)} {steps_note(trace)}) fall back to padded or "
+                    f"so {len(rows)} attention calls ({per_step_note(trace, time)}) fall back to padded or "
                     f"unfused paths. Choose hidden_size / num_heads = {padded} (or pad q/k/v to {padded})."),
             evidence={"head_dim": d, "padded": padded, "dtypes": [dtype], "calls": len(rows), "time_us": round(time, 2),
                       "ops": sorted(set(cpu["name"].iloc[rows])), **({"modules": modules[:10]} if modules else {})},
             # the fallback detector prices the unfused attention itself; this one says how to fix the shape
-            estimated_savings_us=0.0,
             recommendation=Recommendation(
                 f"Make head_dim {padded}: change num_attention_heads or hidden_size, or pad q/k/v and slice the output.",
                 None, f"q, k, v = (F.pad(t, (0, {padded - d})) for t in (q, k, v))  # then out[..., :{d}]"
@@ -163,11 +163,11 @@ def _conv_channels(trace, kernels):
         findings.append(Finding(
             category="misalignment",
             title=f"{dtype} convolution channels not multiples of 8: {pads}",
-            detail=(f"{len(rows)} convolution kernels ({fmt_us(time)} {steps_note(trace)}) have {pads}; tensor-core "
+            detail=(f"{len(rows)} convolution kernels ({per_step_note(trace, time)}) have {pads}; tensor-core "
                     "convolutions (implicit GEMM) need channel counts that are multiples of 8."),
             evidence={"op": rows[0].op_name, "dtypes": [dtype], "calls": len(rows), "time_us": round(time, 2),
                       "channels": dict(off)},
-            estimated_savings_us=0.5 * time,
+            change=scaled([r.Index for r in rows], [r.dur for r in rows], 0.5),  # rough: no reference to price it
             recommendation=Recommendation(f"Pad the channels: {pads}.", None, None),
             key=f"misalignment:conv:{off}",
         ))
@@ -218,14 +218,14 @@ def _wave_quantization(trace, gemms):
             category="misalignment",
             title=f"wave quantization: GEMM {m}x{n}x{k} makes {tiles} tiles of {tile[0]}x{tile[1]} on {sms} SMs "
                   f"({waves:.2f} waves)",
-            detail=(f"{len(items)} calls ({fmt_us(time)} {steps_note(trace)}) run {math.ceil(waves)} waves of "
+            detail=(f"{len(items)} calls ({per_step_note(trace, time)}) run {math.ceil(waves)} waves of "
                     f"{sms} tiles; the last holds {tiles - fits} tiles, leaving {100 * loss:.0f}% of the GPU idle "
                     f"for a wave. {fits} tiles or fewer (e.g. fewer rows per GEMM, M ≈ {fits // max(math.ceil(n / tile[1]) * batch, 1) * tile[0]}) "
                     f"would finish in {math.floor(waves)} wave{'s' if math.floor(waves) > 1 else ''}."),
             evidence={"gemm": {"M": m, "N": n, "K": k, "batch": batch}, "tile": list(tile), "tiles": tiles,
                       "sm_count": sms, "waves": round(waves, 3), "calls": len(items), "time_us": round(time, 2),
                       "kernels": sorted({r.name[:100] for r, _ in items})[:3], "op": items[0][0].op_name},
-            estimated_savings_us=savings,
+            change=scaled([r.Index for r, _ in items], [r.dur for r, _ in items], 1 - loss),
             recommendation=Recommendation(
                 "Size the GEMM to whole waves: adjust tokens per batch (M) or the layer width so tiles / SMs lands "
                 "just under a whole number.", None, None),

@@ -3,11 +3,11 @@ runs to the device's ceilings (bandwidth for memory-bound kernels, FLOP rate for
 import pandas as pd
 
 from ..trace.model import Trace
-from .common import gemm_shape, is_compute_bound_kernel, op_bytes, short_kernel_name, window_kernels
+from .common import gemm_shape, is_compute_bound_kernel, op_bytes, per_step, short_kernel_name
 
 
 def top_kernels(trace: Trace, n: int = 20) -> list[dict]:
-    kernels = window_kernels(trace)
+    kernels = trace.window_kernels
     if not len(kernels):
         return []
     total = float(kernels["dur"].sum()) or 1.0
@@ -26,10 +26,12 @@ def top_kernels(trace: Trace, n: int = 20) -> list[dict]:
         item = {
             "name": name, "short_name": short_kernel_name(name), "count": int(stats["count"]),
             "total_us": round(float(stats["sum"]), 3), "mean_us": round(float(stats["mean"]), 3),
+            "us_per_step": round(per_step(trace, float(stats["sum"])), 3),
             "share_pct": round(100.0 * float(stats["sum"]) / total, 2),
             "op": op, "top_op": top_op, "module": module,
             "input_shapes": [t[0] for t in tensors], "dtypes": [t[1] for t in tensors],
             "achieved_gbps": None, "bandwidth_pct": None, "achieved_tflops": None, "peak_pct": None,
+            "bound": None,
         }
         # rates over every call of this kernel (shapes differ between calls)
         flops = moved = timed = 0.0
@@ -38,21 +40,28 @@ def top_kernels(trace: Trace, n: int = 20) -> list[dict]:
                 continue
             if op_row not in cache:
                 inp = trace.op_inputs(op_row)
-                cache[op_row] = (gemm_shape(op_name, inp), op_bytes(inp))
+                g = gemm_shape(op_name, inp)
+                cache[op_row] = (g, g.bytes if g else op_bytes(inp))
             g, nbytes = cache[op_row]
             flops += g.flops if g else 0.0
             moved += nbytes
             timed += dur
         dtype = gemm_shape(op, inputs).dtype if op and gemm_shape(op, inputs) else None
+        if moved and timed:
+            gbps = moved / timed / 1e3
+            item["achieved_gbps"] = round(gbps, 1)
+            item["bandwidth_pct"] = round(100 * gbps / bandwidth, 1)
         if flops and timed:
             tflops = flops / timed / 1e6
             peak = trace.device.peak_tflops.get("tf32" if dtype == "fp32" else dtype)
             item["achieved_tflops"] = round(tflops, 2)
             item["peak_pct"] = round(100 * tflops / peak, 1) if peak else None
-        elif not is_compute_bound_kernel(name) and moved and timed:
-            gbps = moved / timed / 1e3
-            item["achieved_gbps"] = round(gbps, 1)
-            item["bandwidth_pct"] = round(100 * gbps / bandwidth, 1)
+            # roofline: the ceiling the kernel's arithmetic intensity puts it under
+            if peak and moved:
+                ridge = peak * 1e12 / (bandwidth * 1e9)  # FLOP per byte where the two ceilings meet
+                item["bound"] = "compute" if flops / moved >= ridge else "memory"
+        elif not is_compute_bound_kernel(name):
+            item["bound"] = "memory"
         out.append(item)
     return out
 

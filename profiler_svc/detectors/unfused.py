@@ -9,9 +9,11 @@ import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
-from ..trace.model import Trace
-from .common import (Finding, Recommendation, fmt_us, module_class, numel, op_bytes, plural, short_kernel_name,
-                     steps_note, tensor_bytes, window_kernels)
+from ..trace.model import Trace, element_bytes
+from ..trace.replay import Change
+from .common import (Finding, Recommendation, fmt_us, fused, module_class, numel, op_bytes, per_step, per_step_note,
+                     plural, short_kernel_name, tensor_bytes)
+from .swap_costs import swap_host_cost
 
 # A fused kernel still costs a launch and a tail.
 _FUSED_FLOOR_US = 2.0
@@ -96,6 +98,7 @@ class Chain:
     dtype: str = ""
     kind: str = ""                                 # a PATTERNS key, once classified
     module: str = None                             # the module instance the chain runs in
+    ops_seen: set = field(default_factory=set)     # op rows whose bytes are counted
 
     @property
     def time(self):
@@ -109,14 +112,16 @@ class Chain:
 def detect(trace: Trace) -> list[Finding]:
     if not trace.has_gpu:
         return []
-    kernels = window_kernels(trace).sort_values("ts")
+    kernels = trace.window_kernels.sort_values("ts")
     # SDPA's math path is priced whole by the fallback detector; its inner elementwise kernels are not a chain here
     kernels = kernels[kernels["top_op_name"] != "aten::scaled_dot_product_attention"]
     inputs = {}
 
+    list_dtype = _parameter_dtype(trace)
+
     def info(row):
         if row.op not in inputs:
-            inputs[row.op] = _chain_info(row.op_name or "", trace.op_inputs(row.op))
+            inputs[row.op] = _chain_info(row.op_name or "", trace.op_inputs(row.op), list_dtype)
         return inputs[row.op]
 
     # without recorded shapes every row is unknown: then only the module and direction delimit a chain
@@ -128,12 +133,13 @@ def detect(trace: Trace) -> list[Finding]:
     return _findings(trace, chains)
 
 
-def _chain_info(op_name, inputs):
+def _chain_info(op_name, inputs, list_dtype):
     """(bytes the op moves, its largest tensor as (shape, dtype, strides), the rows it works on).
 
     Rows are the largest tensor's dims but the last, so a [4, 512, 1024] input and its [4, 512, 1]
-    statistics share them. Ops over tensor lists: a foreach optimizer's list is one pseudo-tensor of all
-    its parameters (states are fp32); a cat's list is keyed by its largest member's rows.
+    statistics share them. Ops over tensor lists: a foreach optimizer's lists are one pseudo-tensor of all
+    its parameters (elements of LIST_DTYPE: the trace records no dtype inside a list); a cat's list is keyed
+    by its largest member's rows.
     """
     tensors = inputs.tensors()
     if tensors:
@@ -141,21 +147,35 @@ def _chain_info(op_name, inputs):
         shape = big[0]
         rows = numel(shape[:-1]) if len(shape) > 1 else ("vector", numel(shape))
         return op_bytes(inputs), big, rows
-    shapes = _tensor_list_shapes(inputs)
-    if not shapes:
+    lists = _tensor_lists(inputs)
+    if not lists:
         return 0, None, None
+    size = element_bytes(list_dtype) or 4
     if op_name.startswith(("aten::_foreach_", "aten::_fused_")):
-        return 0, ([sum(numel(s) for s in shapes)], "fp32", None), "tensor list"
-    shape = max(shapes, key=numel)
+        params = sum(numel(s) for s in lists[0])
+        # every list read once, and the first (updated in place, or the result) written once
+        moved = (sum(numel(s) for shapes in lists for s in shapes) + params) * size
+        return moved, ([params], list_dtype, None), "tensor list"
+    shape = max(lists[0], key=numel)
     return 0, None, numel(shape[:-1]) if len(shape) > 1 else ("vector", numel(shape))
 
 
-def _tensor_list_shapes(inputs):
-    for dims in inputs.dims:
-        if isinstance(dims, list) and dims and all(isinstance(d, list) and d and all(isinstance(x, int) for x in d)
-                                                   for d in dims):
-            return dims
-    return []
+def _parameter_dtype(trace: Trace) -> str:
+    """The dtype the model's weights most likely have: that of the most common GEMM weight in the window."""
+    counts = Counter()
+    k = trace.window_kernels
+    for op in k.loc[k["kind"] == "gemm", "op"].drop_duplicates().head(200).tolist():
+        tensors = trace.op_inputs(op).tensors()
+        if len(tensors) >= 2:
+            counts[tensors[1][1]] += 1
+    return counts.most_common(1)[0][0] if counts else "fp32"
+
+
+def _tensor_lists(inputs):
+    """The shapes of every tensor-list argument (a foreach op's params, grads, states...)."""
+    return [dims for dims in inputs.dims
+            if isinstance(dims, list) and dims and all(isinstance(d, list) and all(isinstance(x, int) for x in d)
+                                                       for d in dims)]
 
 
 def _stream_chains(stream, info, wildcard):
@@ -180,7 +200,9 @@ def _stream_chains(stream, info, wildcard):
         current.rows.append(row)
         for kind in {op_kind(row.top_op_name), op_kind(row.op_name)}:  # composite op and the op inside it
             current.ops[kind] += 1
-        current.bytes += moved
+        if row.op not in current.ops_seen:  # an op that launches several kernels moves its bytes once
+            current.ops_seen.add(row.op)
+            current.bytes += moved
         if big and tensor_bytes(big[0], big[1]) > current.largest:
             current.largest, current.shape, current.dtype = tensor_bytes(big[0], big[1]), big[0], big[1]
     _close(chains, current)
@@ -232,53 +254,83 @@ def _findings(trace, chains):
 
     findings = []
     for (kind, cls), group in groups.items():
-        pattern = PATTERNS[kind]
-        time = sum(c.time for c in group)
-        fused = sum(max(pattern.passes * c.largest / bandwidth, _FUSED_FLOOR_US) for c in group)
-        savings = max(0.0, time - fused)
-        moved = sum(c.bytes for c in group)
-        fused_bytes = sum(pattern.passes * c.largest for c in group)
-        # the optimizer's chain is one foreach op per step pass: its fused minimum counts the whole step once
-        if kind == "optimizer":
-            fused = sum(max(pattern.passes * c.largest / bandwidth, _FUSED_FLOOR_US) for c in group[:1]) * len(group)
-        forward = [c for c in group if not c.backward]
-        backward = len(group) - len(forward)
-        instances = sorted({c.module for c in group if c.module})
-        first = (forward or group)[0]
-        names = [op_kind(r.top_op_name).replace("aten::", "") for r in first.rows]
-        ops = " → ".join(names[:10]) + (" → …" if len(names) > 10 else "")
-        where = f" in {cls}" if cls and kind != "generic" else ""
-        n_kernels = sum(len(c.rows) for c in group)
-        counted = ([f"{len(forward)} forward"] if forward else []) + ([f"{backward} backward"] if backward else [])
-        noun = ("optimizer step" if kind == "optimizer" else "chain") + ("s" if len(group) > 1 else "")
-        detail = (f"{' and '.join(counted)} {noun}{where} "
-                  f"({n_kernels} kernels, e.g. {ops}) took {fmt_us(time)} {steps_note(trace)} moving "
-                  f"{moved / 1e6:.1f} MB; fused, each reads its input once and writes its output once: "
-                  f"{fused_bytes / 1e6:.1f} MB, {fmt_us(fused)} at {trace.device.memory_bandwidth_gbps:.0f} GB/s.")
-        if kind == "optimizer":
-            summary = ("Use the fused optimizer implementation (one kernel per parameter group reads params, grads and "
-                       "states once).")
-        elif pattern.swap:
-            summary = (f"Swap in the bundled fused `{pattern.swap}` kernel"
-                       + (f" for {len(instances)} module instance{'s' if len(instances) != 1 else ''}" if instances
-                          else " (capture with profiler_svc.capture to name the module instances)") + ".")
-        else:
-            summary = "Fuse the chain: torch.compile the module (or write the math as one kernel)."
-        findings.append(Finding(
-            category="unfused_chain",
-            title=f"{pattern.label}{where}: {plural(len(group), 'chain')}, {plural(n_kernels, 'kernel')}",
-            detail=detail,
-            evidence={"pattern": kind, "ops": [op_kind(r.top_op_name) for r in first.rows][:24],
-                      "kernels": [short_kernel_name(r.name, 70) for r in first.rows][:8],
-                      "input_shapes": [first.shape] if first.shape else [], "dtypes": [first.dtype] if first.dtype else [],
-                      "chains": len(group), "kernel_count": n_kernels, "time_us": round(time, 2),
-                      "bytes_moved": int(moved), "fused_min_bytes": int(fused_bytes),
-                      **({"modules": instances[:32], "module_class": cls} if instances else {})},
-            estimated_savings_us=savings,
-            recommendation=Recommendation(summary, pattern.swap, pattern.snippet),
-            key=f"unfused_chain:{kind}:{cls or ''}",
-        ))
+        findings.append(_finding(trace, kind, cls, group, bandwidth))
     return findings
+
+
+def _finding(trace, kind, cls, group, bandwidth) -> Finding:
+    pattern = PATTERNS[kind]
+    time = sum(c.time for c in group)
+    fused_times = [max(pattern.passes * c.largest / bandwidth, _FUSED_FLOOR_US) for c in group]
+    fused_time = sum(fused_times)
+    moved = sum(c.bytes for c in group)
+    fused_bytes = sum(pattern.passes * c.largest for c in group)
+    change, cost_note = _change(trace, pattern, group, fused_times)
+    forward = [c for c in group if not c.backward]
+    backward = len(group) - len(forward)
+    instances = sorted({c.module for c in group if c.module})
+    first = (forward or group)[0]
+    names = [op_kind(r.top_op_name).replace("aten::", "") for r in first.rows]
+    ops = " → ".join(names[:10]) + (" → …" if len(names) > 10 else "")
+    where = f" in {cls}" if cls and kind != "generic" else ""
+    n_kernels = sum(len(c.rows) for c in group)
+    if kind == "optimizer":
+        counted = plural(len(group), "optimizer step")
+    else:
+        counted = " and ".join(([f"{len(forward)} forward"] if forward else [])
+                               + ([f"{backward} backward"] if backward else [])) \
+            + (" chains" if len(group) > 1 else " chain")
+    detail = (f"{counted}{where} ({n_kernels} kernels, e.g. {ops}) took {per_step_note(trace, time)} moving "
+              f"{per_step(trace, moved) / 1e6:.1f} MB per step; fused, each reads its input once and writes its "
+              f"output once: {per_step(trace, fused_bytes) / 1e6:.1f} MB, {fmt_us(per_step(trace, fused_time))} at "
+              f"{trace.device.memory_bandwidth_gbps:.0f} GB/s.{cost_note}")
+    if kind == "optimizer":
+        summary = ("Use the fused optimizer implementation (one kernel per parameter group reads params, grads and "
+                   "states once).")
+    elif pattern.swap:
+        summary = (f"Swap in the bundled fused `{pattern.swap}` kernel"
+                   + (f" for {len(instances)} module instance{'s' if len(instances) != 1 else ''}" if instances
+                      else " (capture with profiler_svc.capture to name the module instances)") + ".")
+    else:
+        summary = "Fuse the chain: torch.compile the module (or write the math as one kernel)."
+    return Finding(
+        category="unfused_chain",
+        title=f"{pattern.label}{where}: {plural(len(group), 'step' if kind == 'optimizer' else 'chain')}, "
+              f"{plural(n_kernels, 'kernel')}",
+        detail=detail,
+        evidence={"pattern": kind, "ops": [op_kind(r.top_op_name) for r in first.rows][:24],
+                  "kernels": [short_kernel_name(r.name, 70) for r in first.rows][:8],
+                  "input_shapes": [first.shape] if first.shape else [], "dtypes": [first.dtype] if first.dtype else [],
+                  "chains": len(group), "kernel_count": n_kernels, "time_us": round(time, 2),
+                  "time_us_per_step": round(per_step(trace, time), 2),
+                  "bytes_moved": int(moved), "fused_min_bytes": int(fused_bytes),
+                  "fused_us_per_step": round(per_step(trace, fused_time), 2),
+                  **({"modules": instances[:32], "module_class": cls} if instances else {})},
+        recommendation=Recommendation(summary, pattern.swap, pattern.snippet),
+        change=change,
+        key=f"unfused_chain:{kind}:{cls or ''}",
+    )
+
+
+def _change(trace, pattern, group, fused_times) -> tuple[Change, str]:
+    """Each chain becomes one kernel. A bundled swap brings its own measured host cost per call; other
+    fixes (a fused optimizer, an Inductor kernel) cost the host about what the chain's first op did."""
+    change = Change()
+    note = ""
+    for chain, fused_us in zip(group, fused_times):
+        rows = [r.Index for r in chain.rows]
+        if pattern.swap:
+            # the registry's measured host cost per call, relative to the eager module (unknown: the same)
+            one = fused(trace, rows, fused_us, host=False)
+            cost = swap_host_cost(pattern.swap, chain.backward)
+            if cost:
+                one.host_added = [(float(chain.rows[0].ts), cost)]
+        else:
+            one = fused(trace, rows, fused_us, host=True)
+        change = change.merged(one)
+    if pattern.swap and swap_host_cost(pattern.swap, False) is None:
+        note = f" The `{pattern.swap}` swap's host cost per call is not measured: taken as the eager module's."
+    return change, note
 
 
 def _signature(chain):

@@ -1,4 +1,5 @@
-"""The report: findings from every rank, ranked by estimated saving, with severities, ids and renderers."""
+"""The report: findings from every rank, ranked by what their fix buys per step, with the steps, what bounds
+them, and one combined prediction for applying every recommended fix."""
 import json
 import re
 from dataclasses import asdict, dataclass, field
@@ -6,10 +7,10 @@ from typing import Optional
 
 import numpy as np
 
-from ..detectors.common import window_kernels
-from ..detectors import CATEGORIES, Finding, run_detectors, top_kernels, top_ops
+from ..detectors import CATEGORIES, Finding, top_kernels, top_ops
 from ..trace import Trace, load_traces
 
+from .analysis import Analysis, analyse
 from .severity import SEVERITIES, severity_for
 
 SCHEMA = "profiler_svc.report/1"
@@ -21,6 +22,9 @@ class Report:
     trace: dict
     top_kernels: list
     findings: list
+    steps: dict = field(default_factory=dict)
+    prediction: dict = field(default_factory=dict)
+    ranks: list = field(default_factory=list)
     top_ops: list = field(default_factory=list)
     traces: list = field(default_factory=list, repr=False)
 
@@ -32,11 +36,13 @@ class Report:
             "schema": SCHEMA,
             "source": self.source,
             "trace": self.trace,
+            "steps": self.steps,
+            "prediction": self.prediction,
+            "ranks": self.ranks,
             "top_kernels": self.top_kernels,
             "top_ops": self.top_ops,
             "findings": [_finding_dict(f) for f in self.findings],
-            "summary": {"total_estimated_savings_us": round(sum(f.estimated_savings_us for f in self.findings), 2),
-                        "findings_by_category": by_category},
+            "summary": {"findings_by_category": by_category},
         })
 
     def to_json(self, indent=2) -> str:
@@ -58,10 +64,12 @@ class Report:
 
 def _finding_dict(f: Finding) -> dict:
     d = asdict(f)
-    d.pop("key")
-    d["estimated_savings_us"] = round(f.estimated_savings_us, 2)
-    order = ["id", "category", "severity", "title", "detail", "evidence", "estimated_savings_us", "rank",
-             "recommendation"]
+    for private in ("key", "change"):
+        d.pop(private)
+    d["saving_us_per_step"] = round(f.saving_us_per_step, 2)
+    d["gpu_time_saved_us_per_step"] = round(f.gpu_time_saved_us_per_step, 2)
+    order = ["id", "category", "severity", "title", "detail", "evidence", "saving_us_per_step",
+             "gpu_time_saved_us_per_step", "share_of_step_pct", "rank", "recommendation"]
     return {k: d[k] for k in order}
 
 
@@ -72,41 +80,45 @@ def _plain(value):
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     if isinstance(value, np.generic):
-        return value.item()
+        return _plain(value.item())
     if isinstance(value, np.ndarray):
-        return value.tolist()
+        return _plain(value.tolist())
     if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
         return None
     return value
 
 
 def build_report(traces: list[Trace], path: str, top: int = 20) -> Report:
-    findings = []
-    for trace in traces:
-        findings.extend(run_detectors(trace))
-    main = traces[0]
-    span = main.span_us
-    findings = _merge_ranks(findings)
-    for f in findings:
-        f.severity = severity_for(f.estimated_savings_us, span)
-    findings.sort(key=lambda f: (-f.estimated_savings_us, f.category, f.title))
+    analyses = [analyse(trace) for trace in traces]
+    for a in analyses:
+        step = a.prediction.get("step_us") or a.steps["step_us"]["median"]
+        for f in a.findings:
+            f.rank = a.trace.rank
+            f.share_of_step_pct = round(100 * f.saving_us_per_step / step, 2) if step else 0.0
+            f.severity = severity_for(f.saving_us_per_step, step)
+    main = analyses[0]
+    findings = _merge_ranks(analyses) if len(analyses) > 1 else main.findings
+    findings.sort(key=lambda f: (-f.saving_us_per_step, f.category, f.title))
     counters = {}
     for f in findings:
         counters[f.category] = counters.get(f.category, 0) + 1
         f.id = f"{f.category}-{counters[f.category]}"
     return Report(
         source={"path": str(path), "files": [t.path for t in traces], "ranks": [t.rank for t in traces]},
-        trace=trace_summary(main),
-        top_kernels=top_kernels(main, top),
+        trace=trace_summary(main.trace),
+        steps=main.steps,
+        prediction=main.prediction,
+        ranks=[_rank_summary(a) for a in analyses] if len(analyses) > 1 else [],
+        top_kernels=top_kernels(main.trace, top),
         findings=findings,
-        top_ops=top_ops(main, top),
+        top_ops=top_ops(main.trace, top),
         traces=traces,
     )
 
 
 def trace_summary(trace: Trace) -> dict:
     kernels = trace.kernels
-    in_window = window_kernels(trace)
+    in_window = trace.window_kernels
     return {
         "device": trace.device.to_dict(),
         "span_us": round(trace.span_us, 2),
@@ -122,24 +134,28 @@ def trace_summary(trace: Trace) -> dict:
     }
 
 
-def _merge_ranks(findings: list[Finding]) -> list[Finding]:
-    """The same problem on several ranks is one finding (the worst rank's numbers), listing the ranks."""
-    merged = {}
-    for f in findings:
-        key = f.key or f"{f.category}:{f.title}"
-        if key not in merged:
-            merged[key] = (f, {f.rank})
-            continue
-        best, ranks = merged[key]
-        ranks.add(f.rank)
-        if f.estimated_savings_us > best.estimated_savings_us:
-            merged[key] = (f, ranks)
+def _rank_summary(a: Analysis) -> dict:
+    return {"rank": a.trace.rank, "step_us": a.steps["step_us"], "bottleneck": a.steps.get("bottleneck", {}).get("kind"),
+            "gpu_busy_pct": round(a.trace.gpu_busy_pct, 2), "prediction": a.prediction}
+
+
+def _merge_ranks(analyses: list[Analysis]) -> list[Finding]:
+    """The same problem on several ranks is one finding, with each rank's saving; its figures are the worst
+    rank's (the rank the headline names), its spread across ranks in the evidence."""
+    by_key: dict = {}
+    for a in analyses:
+        for f in a.findings:
+            by_key.setdefault(f.key or f"{f.category}:{f.title}", []).append(f)
     out = []
-    for f, ranks in merged.values():
-        ranks = sorted(r for r in ranks if r is not None)
-        if len(ranks) > 1:
-            f.evidence["ranks"] = ranks
-        out.append(f)
+    for group in by_key.values():
+        worst = max(group, key=lambda f: f.saving_us_per_step)
+        if len(group) > 1:
+            per_rank = {str(f.rank): round(f.saving_us_per_step, 2) for f in group}
+            values = list(per_rank.values())
+            worst.evidence["ranks"] = sorted(f.rank for f in group if f.rank is not None)
+            worst.evidence["saving_us_per_step_by_rank"] = per_rank
+            worst.evidence["spread_us_per_step"] = round(max(values) - min(values), 2)
+        out.append(worst)
     return out
 
 
@@ -163,6 +179,38 @@ def _us(us: float) -> str:
     return fmt_us(us)
 
 
+def _headline(report: Report) -> list[str]:
+    """The step, what bounds it, and what every recommended fix together would make of it."""
+    steps, prediction = report.steps, report.prediction
+    lines = []
+    if steps.get("step_us"):
+        s = steps["step_us"]
+        where = {"profiler": "ProfilerStep ranges", "root module": "model calls", "none": "no steps found: the window"}
+        lines.append(f"step {_us(s['median'])} (median of {max(steps['count'], 1)}, {_us(s['min'])}-{_us(s['max'])}; "
+                     f"{where.get(steps['source'], steps['source'])})")
+    b = steps.get("bottleneck")
+    if b:
+        lines.append(f"bound by {b['kind']}: {b['detail']}")
+    calibration = steps.get("calibration") or {}
+    if calibration.get("measured"):
+        lines.append(f"unprofiled step {_us(calibration['unprofiled_step_us'])}: the profiler inflated it by "
+                     f"{calibration['profiler_inflation_pct']:.0f}%; host time scaled by {calibration['host_scale']:.2f}")
+    elif calibration:
+        lines.append("host figures are upper bounds: " + calibration["note"].split(": ", 1)[-1])
+    if prediction:
+        lines.append(f"all recommended fixes together: {_us(prediction['step_us'])} -> {_us(prediction['step_us_after'])} "
+                     f"per step ({prediction['saving_pct']:.1f}% faster, one replay; replay error "
+                     f"{steps.get('replay_error_pct', 0):+.1f}%)")
+    phases = steps.get("phases")
+    if phases:
+        lines.append(f"generation: {phases['note']}")
+    return lines
+
+
+def _truncate(text: str, width: int) -> str:
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+
 def render_text(report: Report, top: int = 10) -> str:
     t = report.trace
     dev = t["device"]
@@ -170,17 +218,24 @@ def render_text(report: Report, top: int = 10) -> str:
              f"device {clean(dev.get('name') or 'unknown')}  window {_us(t['span_us'])}  steps {t['steps']}  "
              f"GPU busy {t['gpu_busy_pct']:.1f}%  kernels {t['kernel_count']} ({_us(t['kernel_time_us'])})"]
     if len(report.source["ranks"]) > 1:
-        lines.append(f"ranks {report.source['ranks']} (figures below: rank {report.source['ranks'][0]})")
+        lines.append(f"ranks {report.source['ranks']} (step and prediction below: rank {report.source['ranks'][0]}; "
+                     "findings: the worst rank's figures)")
+    lines += _headline(report)
+    for r in report.ranks:
+        lines.append(f"  rank {r['rank']}: step {_us(r['step_us']['median'])}, bound by {r['bottleneck']}")
     lines.append("")
     findings = report.findings[:top]
     if findings:
-        lines.append(f"{'#':>2}  {'severity':8}  {'category':15}  {'est. saving':>11}  finding")
+        lines.append(f"{'#':>2}  {'severity':8}  {'category':15}  {'saves/step':>11}  finding")
         for i, f in enumerate(findings, 1):
-            lines.append(f"{i:>2}  {f.severity:8}  {f.category:15}  {_us(f.estimated_savings_us):>11}  {clean(f.title)}")
+            lines.append(f"{i:>2}  {f.severity:8}  {f.category:15}  {_us(f.saving_us_per_step):>11}  {clean(f.title)}")
         lines.append("")
         for i, f in enumerate(findings, 1):
             lines.append(f"[{i}] {f.id}: {clean(f.title)}")
             lines.append(f"    {clean(f.detail)}")
+            lines.append(f"    saves {_us(f.saving_us_per_step)} per step ({f.share_of_step_pct:.1f}% of the step), "
+                         f"frees {_us(f.gpu_time_saved_us_per_step)} of GPU time per step"
+                         + (f"; rank {f.rank}" if len(report.source["ranks"]) > 1 and f.rank is not None else ""))
             modules = f.evidence.get("modules")
             if modules:
                 lines.append(f"    modules: {clean(', '.join(modules[:6]))}" + (" …" if len(modules) > 6 else ""))
@@ -194,13 +249,10 @@ def render_text(report: Report, top: int = 10) -> str:
         lines.append("")
     if report.top_kernels:
         lines.append("Top kernels")
-        lines.append(f"{'share':>6}  {'total':>9}  {'calls':>6}  {'rate':>14}  kernel  (op · module)")
+        lines.append(f"{'share':>6}  {'per step':>9}  {'calls':>6}  {'rate':>22}  kernel  (op · module)")
         for k in report.top_kernels[:top]:
-            rate = (f"{k['achieved_tflops']:.0f} TFLOP/s" if k["achieved_tflops"] is not None else
-                    f"{k['achieved_gbps']:.0f} GB/s" if k["achieved_gbps"] is not None else "")
-            where = " · ".join(clean(x) for x in (k["top_op"] or k["op"], k["module"]) if x)
-            lines.append(f"{k['share_pct']:5.1f}%  {_us(k['total_us']):>9}  {k['count']:>6}  {rate:>14}  "
-                         f"{clean(k['short_name'])[:70]}  ({where})")
+            lines.append(f"{k['share_pct']:5.1f}%  {_us(k['us_per_step']):>9}  {k['count']:>6}  {_rate(k):>22}  "
+                         f"{_truncate(clean(k['short_name']), 70)}  ({_where(k)})")
     elif report.top_ops:
         lines.append("No GPU kernels in this trace. Top CPU ops (outermost, host time)")
         lines.append(f"{'share':>6}  {'total':>9}  {'calls':>6}  op")
@@ -209,32 +261,58 @@ def render_text(report: Report, top: int = 10) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _rate(k: dict) -> str:
+    """Achieved rate against the device's peak: FLOP/s for GEMMs, bandwidth for the rest."""
+    if k["achieved_tflops"] is not None:
+        peak = f" ({k['peak_pct']:.0f}%)" if k.get("peak_pct") is not None else ""
+        return f"{k['achieved_tflops']:.0f} TFLOP/s{peak}"
+    if k["achieved_gbps"] is not None:
+        return f"{k['achieved_gbps']:.0f} GB/s ({k['bandwidth_pct']:.0f}%)"
+    return ""
+
+
+def _where(k: dict) -> str:
+    return " · ".join(clean(x) for x in (k["top_op"] or k["op"], k["module"]) if x)
+
+
 def _md(text) -> str:
+    """Text for a markdown table cell or paragraph (outside code spans)."""
     return clean(text).replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def _code(text, width: int = 80) -> str:
+    """A markdown code span: nothing escaped inside (markdown shows it literally), cut before it is wrapped."""
+    body = _truncate(clean(text), width).replace("`", "'").replace("|", "\\|")
+    return f"`{body}`"
 
 
 def render_markdown(report: Report, top: int = 10) -> str:
     t = report.trace
-    out = [f"## profiler_svc report: `{_md(report.source['path'])}`", "",
+    fence = "`" * 3
+    out = [f"## profiler_svc report: {_code(report.source['path'], 200)}", "",
            f"**{_md(t['device'].get('name') or 'unknown device')}** · window {_us(t['span_us'])} · "
            f"{t['steps']} steps · GPU busy {t['gpu_busy_pct']:.1f}% · {t['kernel_count']} kernels", ""]
+    out += [f"- {_md(line)}" for line in _headline(report)] + [""]
     if report.findings:
-        out += ["| # | severity | category | est. saving | finding | swap |", "|---|---|---|---|---|---|"]
+        out += ["| # | severity | category | saves per step | finding | swap |", "|---|---|---|---|---|---|"]
         for i, f in enumerate(report.findings[:top], 1):
-            out.append(f"| {i} | {f.severity} | {f.category} | {_us(f.estimated_savings_us)} | {_md(f.title)} | "
-                       f"{'`' + f.recommendation.swap + '`' if f.recommendation.swap else ''} |")
+            out.append(f"| {i} | {f.severity} | {f.category} | {_us(f.saving_us_per_step)} | {_md(f.title)} | "
+                       f"{_code(f.recommendation.swap) if f.recommendation.swap else ''} |")
         out.append("")
         for i, f in enumerate(report.findings[:top], 1):
             out += [f"<details><summary>{i}. {_md(f.title)}</summary>", "", _md(f.detail), "",
+                    f"Saves {_us(f.saving_us_per_step)} per step ({f.share_of_step_pct:.1f}% of the step); frees "
+                    f"{_us(f.gpu_time_saved_us_per_step)} of GPU time per step.", "",
                     f"**Fix:** {_md(f.recommendation.summary)}", ""]
             if f.recommendation.snippet:
-                out += ["```python", clean(f.recommendation.snippet).replace("```", "'''"), "```", ""]
+                out += [fence + "python", clean(f.recommendation.snippet).replace(fence, "'''"), fence, ""]
             out += ["</details>", ""]
     else:
         out += ["No findings.", ""]
     if report.top_kernels:
-        out += ["### Top kernels", "", "| share | total | calls | kernel | op | module |", "|---|---|---|---|---|---|"]
+        out += ["### Top kernels", "", "| share | per step | calls | rate | kernel | op | module |",
+                "|---|---|---|---|---|---|---|"]
         for k in report.top_kernels[:top]:
-            out.append(f"| {k['share_pct']:.1f}% | {_us(k['total_us'])} | {k['count']} | `{_md(k['short_name'])[:80]}` | "
-                       f"{_md(k['top_op'] or k['op'] or '')} | {_md(k['module'] or '')} |")
+            out.append(f"| {k['share_pct']:.1f}% | {_us(k['us_per_step'])} | {k['count']} | {_rate(k)} | "
+                       f"{_code(k['short_name'])} | {_md(k['top_op'] or k['op'] or '')} | {_md(k['module'] or '')} |")
     return "\n".join(out) + "\n"

@@ -8,7 +8,7 @@ Times are microseconds since the trace's first event. Row links are integer posi
 """
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import msgspec
 import numpy as np
@@ -16,7 +16,13 @@ import pandas as pd
 
 from . import labels
 from .device import DeviceInfo
-from .kernel_names import name_mask
+from .steps import find_steps
+
+if TYPE_CHECKING:
+    from .replay import Timeline
+
+# A long trace is replayed over this many steps from its middle: per-step figures need no more.
+MAX_REPLAY_STEPS = 8
 
 _DTYPE_NAMES = {
     "float": "fp32", "double": "fp64", "c10::Half": "fp16", "c10::BFloat16": "bf16",
@@ -109,13 +115,25 @@ class Trace:
             self._inputs_cache[row] = cached
         return cached
 
-    # -- windows -----------------------------------------------------------------------------
+    # -- windows ---------------------------------------------------------------------------
     @cached_property
+    def _steps_found(self) -> tuple[pd.DataFrame, str]:
+        return find_steps(self.cpu)
+
+    @property
     def steps(self) -> pd.DataFrame:
-        """ProfilerStep#N annotations (the profiler's active steps), in time order."""
-        cpu = self.cpu
-        steps = cpu[name_mask(cpu, lambda n: n.startswith("ProfilerStep#")) & (cpu["cat"] == "user_annotation").to_numpy()]
-        return steps[["name", "ts", "dur", "end", "thread"]].sort_values("ts").reset_index(drop=True)
+        """The profiled steps, in time order (see trace.steps): ProfilerStep#N ranges, else root-module calls."""
+        return self._steps_found[0]
+
+    @property
+    def steps_source(self) -> str:
+        """How the steps were found: "profiler", "root module" or "none" (the whole window is one step)."""
+        return self._steps_found[1]
+
+    @property
+    def step_count(self) -> int:
+        """Steps in the window, at least 1: a trace without steps is analysed as one."""
+        return max(len(self.steps), 1)
 
     @cached_property
     def window(self) -> tuple[float, float]:
@@ -128,6 +146,53 @@ class Trace:
             return start, end
         ends = [t["end"].max() for t in (self.kernels, self.memory, self.cpu, self.runtime) if len(t)]
         return 0.0, float(max(ends)) if ends else 0.0
+
+    @cached_property
+    def window_kernels(self) -> pd.DataFrame:
+        """Kernels that start inside the analysed window."""
+        start, end = self.window
+        k = self.kernels
+        return k[(k["ts"] >= start) & (k["ts"] <= end)]
+
+    @cached_property
+    def launches_per_top_op(self) -> pd.Series:
+        """Outermost CPU op row -> how many kernels and memcpy/memsets it launched."""
+        tops = np.concatenate([self.kernels["top_op"].to_numpy(), self.memory["top_op"].to_numpy()])
+        return pd.Series(tops[tops >= 0]).value_counts()
+
+    @cached_property
+    def _top_op_starts(self) -> dict:
+        """thread -> sorted start times of its outermost CPU ops."""
+        cpu = self.cpu
+        tops = cpu[(cpu["cat"] == "cpu_op").to_numpy() & (cpu["top"].to_numpy() == np.arange(len(cpu)))]
+        return {t: np.sort(g["ts"].to_numpy()) for t, g in tops.groupby("thread")}
+
+    def top_ops_between(self, thread, start: float, end: float) -> bool:
+        """Did an outermost CPU op start on THREAD strictly between START and END?"""
+        starts = self._top_op_starts.get(thread)
+        if starts is None:
+            return False
+        i = np.searchsorted(starts, start, side="right")
+        return bool(i < len(starts) and starts[i] < end)
+
+    @cached_property
+    def timeline(self) -> "Timeline":
+        """The replayable timeline of the profiled steps (trace.replay)."""
+        from .replay import Timeline
+        return Timeline(self, self.replay_steps)
+
+    @property
+    def replay_steps(self) -> pd.DataFrame:
+        """The steps the replay covers: every step, or the middle MAX_REPLAY_STEPS of a long trace."""
+        steps = self.steps
+        if not len(steps):
+            start, end = self.window
+            return pd.DataFrame({"name": ["window"], "ts": [start], "dur": [end - start], "end": [end],
+                                 "thread": [-1]})
+        if len(steps) > MAX_REPLAY_STEPS:
+            first = (len(steps) - MAX_REPLAY_STEPS) // 2
+            steps = steps.iloc[first:first + MAX_REPLAY_STEPS]
+        return steps
 
     @property
     def span_us(self) -> float:

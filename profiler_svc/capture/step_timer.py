@@ -1,0 +1,61 @@
+"""Step times outside the profiler: what the analysis calibrates the profiled host time against.
+
+A step runs from the return of one `cap.step()` (or the start of the block) to the next `cap.step()` call,
+so the profiler's own start and stop between steps are not in it. Its time is the GPU-side time between
+two CUDA events recorded there (the step as the GPU lives it, whether the host or the GPU bounds it), or
+the wall-clock time without CUDA. Only steps the profiler did not run in count; the first step of the
+block is left out as warm-up when a later one was timed.
+"""
+import statistics
+import time
+
+import torch
+
+
+class StepTimer:
+    def __init__(self):
+        self.steps = []   # (start seconds, start event, end seconds, end event) of each unprofiled step
+        self._open = None
+
+    def begin(self, profiled: bool) -> None:
+        """A step starts; it is timed when the profiler will not run in it."""
+        self._open = None if profiled else (time.perf_counter(), self._event())
+
+    def end(self) -> None:
+        if self._open is not None:
+            self.steps.append((*self._open, time.perf_counter(), self._event()))
+            self._open = None
+        else:
+            self.steps.append(None)  # a profiled step: counted, not timed
+
+    @staticmethod
+    def _event():
+        if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def unprofiled_steps_us(self) -> list:
+        """(step index, µs) of each finished unprofiled step."""
+        out = []
+        for index, step in enumerate(self.steps):
+            if step is None:
+                continue
+            t0, e0, t1, e1 = step
+            if e0 is not None and e1 is not None:
+                e1.synchronize()
+                out.append((index, e0.elapsed_time(e1) * 1e3))
+            else:
+                out.append((index, (t1 - t0) * 1e6))
+        return out
+
+    def summary(self) -> dict:
+        """What capture writes into the trace's metadata (docs/capture.md, "unprofiled")."""
+        steps = self.unprofiled_steps_us()
+        used = [us for index, us in steps if index > 0]
+        cuda = any(s is not None and s[1] is not None for s in self.steps)
+        return {"steps_us": [round(us, 2) for _, us in steps], "step_indices": [i for i, _ in steps],
+                "timer": "cuda_events" if cuda else "perf_counter",
+                "step_us": round(statistics.median(used), 2) if used else None,
+                "note": None if used else "no unprofiled step after the first (warm-up) one was timed"}

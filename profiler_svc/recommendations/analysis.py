@@ -1,0 +1,240 @@
+"""One trace's analysis: its steps and what bounds them, and what each finding's fix buys per step.
+
+Every saving comes from the what-if replay (trace.replay): the replayed steps with the fix, against the
+replayed steps without it. Fixes are priced one at a time for each finding, and all together for the
+report's one combined prediction. A kernel's time belongs to at most one finding: where two findings'
+fixes touch the same kernels, the more specific root cause keeps them.
+"""
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from ..detectors import Finding, run_detectors
+from ..detectors.common import fmt_us, is_communication, is_compute_bound_kernel, name_mask
+from ..detectors.launch_gaps import idle_breakdown
+from ..trace.model import Trace
+from ..trace.replay import Change, Timeline, calibrate, sensitivity
+
+# Which finding keeps a kernel two fixes both change: the specific root cause first, generic fusion last.
+_CLAIM_ORDER = ("fallback_kernel", "misalignment", "unfused_chain", "host_sync", "launch_gaps")
+# The step is bound by the host (or the GPU) when halving its time shortens the step this much more than
+# halving the other's does.
+_BOUND_MARGIN = 0.15
+
+
+@dataclass
+class Analysis:
+    trace: Trace
+    findings: list
+    steps: dict
+    prediction: dict
+
+
+def analyse(trace: Trace) -> Analysis:
+    findings = run_detectors(trace)
+    if not trace.has_gpu:
+        return Analysis(trace, findings, _steps_without_gpu(trace), {})
+    findings = _resolve_claims(findings)
+    timeline = trace.timeline
+    scale, calibration = _calibration(trace, timeline)
+    base = timeline.replay(host_scale=scale)
+    n = base.steps
+    for f in findings:
+        after = timeline.replay(f.change, host_scale=scale)
+        f.saving_us_per_step = (base.total_us - after.total_us) / n
+        f.gpu_time_saved_us_per_step = _gpu_time_saved(trace, f.change)
+    helpful = [f for f in findings if f.saving_us_per_step > 0]
+    combined = Change()
+    for f in helpful:
+        combined = combined.merged(f.change)
+    after = timeline.replay(combined, host_scale=scale)
+    prediction = {
+        "step_us": round(base.total_us / n, 2),
+        "step_us_after": round(after.total_us / n, 2),
+        "saving_us_per_step": round((base.total_us - after.total_us) / n, 2),
+        "saving_pct": round(100 * (base.total_us - after.total_us) / base.total_us, 2) if base.total_us else 0.0,
+        "findings": [f.key for f in helpful],
+    }
+    return Analysis(trace, findings, _steps_summary(trace, timeline, base, scale, calibration), prediction)
+
+
+# -- claims --------------------------------------------------------------------------------------------
+
+def _resolve_claims(findings: list) -> list:
+    """Each kernel to one finding: the earlier in _CLAIM_ORDER keeps it; a finding whose every kernel another
+    root cause claimed is that cause's, and goes."""
+    order = {c: i for i, c in enumerate(_CLAIM_ORDER)}
+    generic = lambda f: f.evidence.get("pattern") == "generic"  # noqa: E731
+    ranked = sorted(findings, key=lambda f: (order.get(f.category, len(order)), generic(f)))
+    claimed: set = set()
+    kept = []
+    for f in ranked:
+        mine = f.change.kernels
+        overlap = mine & claimed
+        if overlap:
+            if overlap == mine:
+                continue
+            f.change = f.change.without_kernels(overlap)
+            f.evidence["kernels_claimed_elsewhere"] = len(overlap)
+        claimed |= mine - overlap
+        kept.append(f)
+    return kept
+
+
+def _gpu_time_saved(trace: Trace, change: Change) -> float:
+    """Kernel time the change frees per step, over the whole window."""
+    k = trace.kernels
+    saved = 0.0
+    if change.durations:
+        rows = list(change.durations)
+        saved += float((k["dur"].to_numpy()[rows] - np.fromiter(change.durations.values(), float, len(rows))).sum())
+    if change.removed:
+        saved += float(k["dur"].to_numpy()[list(change.removed)].sum())
+    if change.graphs:
+        saved += 0.0  # graphs remove host time and launch latency, not kernel time
+    return saved / trace.step_count
+
+
+# -- calibration ---------------------------------------------------------------------------------------
+
+def _calibration(trace: Trace, timeline: Timeline) -> tuple[float, dict]:
+    """The host-time scale that makes the replay take the unprofiled step time capture measured."""
+    unprofiled = unprofiled_step_us(trace)
+    if not unprofiled:
+        return 1.0, {"measured": False,
+                     "note": "no unprofiled step time in the trace (capture with profiler_svc.capture and a "
+                             "schedule to get one): host-side figures are upper bounds, inflated by the profiler"}
+    replayed = timeline.replay()
+    target = unprofiled * replayed.steps
+    scale = calibrate(timeline, target)
+    profiled = replayed.total_us / replayed.steps
+    return scale, {"measured": True, "unprofiled_step_us": round(unprofiled, 2),
+                   "profiled_step_us": round(profiled, 2),
+                   "profiler_inflation_pct": round(100 * (profiled / unprofiled - 1), 1),
+                   "host_scale": round(scale, 3)}
+
+
+def unprofiled_step_us(trace: Trace) -> Optional[float]:
+    """The step time capture measured outside the profiler (median over the steps it timed), if any."""
+    info = trace.capture_metadata.get("unprofiled")
+    if not isinstance(info, dict):
+        return None
+    value = info.get("step_us")
+    return float(value) if isinstance(value, (int, float)) and value > 0 else None
+
+
+# -- steps ---------------------------------------------------------------------------------------------
+
+def _steps_summary(trace: Trace, timeline: Timeline, base, scale: float, calibration: dict) -> dict:
+    measured = timeline.measured
+    steps = measured.step_us
+    sens = sensitivity(timeline, host_scale=scale)
+    return {
+        "count": int(len(trace.steps)),
+        "source": trace.steps_source,
+        "replayed": int(measured.steps),
+        "step_us": _spread(steps),
+        "replay_error_pct": round(timeline.error_pct, 2),
+        "calibration": calibration,
+        "bottleneck": _bottleneck(trace, sens, base),
+        "breakdown_us_per_step": _breakdown(trace),
+        "idle": idle_breakdown(trace),
+        "phases": _phases(trace),
+    }
+
+
+def _steps_without_gpu(trace: Trace) -> dict:
+    start, end = trace.window
+    return {"count": int(len(trace.steps)), "source": trace.steps_source, "replayed": 0,
+            "step_us": _spread(trace.steps["dur"].to_numpy(float) if len(trace.steps) else np.array([end - start])),
+            "bottleneck": {"kind": "host", "detail": "no GPU activity in the trace: the host is all there is"}}
+
+
+def _spread(values: np.ndarray) -> dict:
+    values = np.asarray(values, dtype=float)
+    if not len(values):
+        return {"median": 0.0, "min": 0.0, "max": 0.0, "values": []}
+    return {"median": round(float(np.median(values)), 2), "min": round(float(values.min()), 2),
+            "max": round(float(values.max()), 2), "values": [round(float(v), 2) for v in values[:64]]}
+
+
+def _bottleneck(trace: Trace, sens: dict, base) -> dict:
+    """What bounds the step, from how the replayed step answers halving host or GPU time."""
+    k = trace.window_kernels
+    total = float(k["dur"].sum()) or 1.0
+    comm = float(k.loc[name_mask(k, is_communication), "dur"].sum())
+    compute = float(k.loc[name_mask(k, is_compute_bound_kernel), "dur"].sum())
+    host, gpu = sens["host"], sens["gpu"]
+    wait_share = base.host_wait_us / base.total_us if base.total_us else 0.0
+    figures = {"host_sensitivity": round(host, 3), "gpu_sensitivity": round(gpu, 3),
+               "host_wait_share": round(wait_share, 3)}
+    if max(host, gpu) < 0.2 and _collective_host_time(trace) > 0.3 * trace.span_us:
+        kind, detail = "communication", ("neither faster host nor faster kernels shorten the step: it waits in "
+                                         "collectives")
+    elif comm > 0.3 * total and gpu >= host:
+        kind, detail = "communication", "collective kernels take most of the GPU time"
+    elif host > gpu + _BOUND_MARGIN:
+        if wait_share > 0.3:
+            kind, detail = "synchronization", "the host spends the step blocked in syncs, then launches late"
+        else:
+            kind, detail = "launch overhead", ("the GPU waits for the host to launch work: halving host time would "
+                                               f"shorten the step by {100 * host / 2:.0f}%")
+    elif gpu > host + _BOUND_MARGIN or gpu >= 0.5:
+        if compute >= 0.5 * total:
+            kind, detail = "compute", "GEMMs, convolutions and attention take most of the kernel time"
+        else:
+            kind, detail = "memory bandwidth", "memory-bound kernels take most of the kernel time"
+    else:
+        kind, detail = "balanced", "host and GPU each bound parts of the step"
+    return {"kind": kind, "detail": detail, **figures}
+
+
+def _collective_host_time(trace: Trace) -> float:
+    cpu = trace.cpu
+    mask = name_mask(cpu, lambda n: n.startswith(("gloo:", "nccl:", "c10d::", "record_param_comms")))
+    return float(cpu.loc[mask, "dur"].sum()) if mask.any() else 0.0
+
+
+def _breakdown(trace: Trace) -> dict:
+    """Per step: compute-bound kernels, memory-bound kernels, memcpy/memset, communication, and GPU idle."""
+    k = trace.window_kernels
+    comm = name_mask(k, is_communication)
+    compute = name_mask(k, is_compute_bound_kernel) & ~comm
+    start, end = trace.window
+    m = trace.memory
+    mem = m[(m["ts"] >= start) & (m["ts"] <= end)]
+    n = trace.step_count
+    busy = trace.gpu_busy_us
+    return {
+        "compute_kernels": round(float(k.loc[compute, "dur"].sum()) / n, 2),
+        "memory_kernels": round(float(k.loc[~compute & ~comm, "dur"].sum()) / n, 2),
+        "communication": round(float(k.loc[comm, "dur"].sum()) / n, 2),
+        "memcpy_memset": round(float(mem["dur"].sum()) / n, 2),
+        "gpu_idle": round(max(0.0, trace.span_us - busy) / n, 2),
+    }
+
+
+def _phases(trace: Trace) -> Optional[dict]:
+    """Generation: the prefill (first forward of a step) and the decode tokens after it, which the host
+    reads one at a time (a blocking call per token splits them)."""
+    from ..trace.replay import BLOCKING_CALLS
+    steps = trace.steps
+    if not len(steps):
+        return None
+    runtime = trace.runtime
+    syncs = runtime[runtime["name"].isin(BLOCKING_CALLS).to_numpy()]
+    first = steps.iloc[0]
+    inside = syncs[(syncs["ts"] >= first["ts"]) & (syncs["ts"] <= first["end"])].sort_values("ts")
+    if len(inside) < 4:
+        return None
+    bounds = np.r_[first["ts"], inside["end"].to_numpy()]
+    spans = np.diff(bounds)
+    prefill, tokens = float(spans[0]), spans[1:]
+    return {"prefill_us": round(prefill, 2), "decode_tokens": int(len(tokens)),
+            "decode_us_per_token": round(float(np.median(tokens)), 2),
+            "note": f"first step: prefill {fmt_us(prefill)}, then {len(tokens)} tokens at "
+                    f"{fmt_us(float(np.median(tokens)))} each (median)"}
+
+
+__all__ = ["Analysis", "Finding", "analyse", "unprofiled_step_us"]

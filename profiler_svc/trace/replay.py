@@ -1,0 +1,443 @@
+"""What-if replay of the profiled steps: when could each kernel have started, and when would the step end?
+
+The model, rebuilt from the trace alone:
+- The host issues its CUDA runtime calls in the order the trace shows (all threads that launch work,
+  merged in time order). The CPU time between two calls is fixed work (Python, dispatcher, the
+  profiler's own cost); a blocking call (synchronize, blocking memcpy) lasts until the GPU work launched
+  before it is done, plus the call's own cost.
+- A kernel (or memcpy/memset) arrives at the GPU a launch latency after its launch call and starts at
+  the later of that and the end of the previous activity on its stream.
+
+With the trace's own numbers the model reproduces the measured step (`Replay.error_pct` says how well).
+A fix is a `Change` to those numbers: kernels shortened or removed, host time removed or added, syncs
+that no longer block, launch overhead removed (CUDA graphs). The replayed step after the change, minus the
+step before, is what the fix buys; changes of several fixes combine in one replay, never by summing.
+
+Host time can be scaled (`host_scale`): the profiler inflates it, and a capture that timed the step
+unprofiled lets `calibrate` find the scale at which the replay matches the unprofiled step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import TYPE_CHECKING, Optional
+
+import numpy as np
+import pandas as pd
+
+from .kernel_names import name_mask
+
+if TYPE_CHECKING:
+    from .model import Trace
+
+# Blocking calls: the host waits for the GPU inside these.
+BLOCKING_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+                  "cuStreamSynchronize", "cuCtxSynchronize", "cuEventSynchronize", "cudaMemcpy2D")
+# Launch latency assumed where the trace shows no launch-bound activity to measure it on.
+_DEFAULT_LATENCY_US = 5.0
+# Host cost of replaying one captured CUDA graph, and the gap between its kernels on the GPU.
+GRAPH_LAUNCH_US = 10.0
+GRAPH_KERNEL_GAP_US = 1.0
+
+
+@dataclass
+class Change:
+    """What one fix does to the step, in the trace's own terms.
+
+    durations: trace.kernels index -> the kernel's duration after the fix (µs).
+    removed: trace.kernels index of kernels that no longer run (fused away), launches included.
+    host_removed: (start, end) host intervals whose profiled host work goes (an op and the Python around it),
+        scaled with the rest of the profiled host time by calibration.
+    host_added: (host time, µs) of real host work the fix adds there (a swap's own cost: not scaled).
+    unblocked: trace.runtime index of blocking calls that no longer wait for the GPU.
+    tightened: trace.kernels index of queued kernels that no longer idle after their predecessor.
+    graphs: the steps run as captured CUDA graphs: host time between launches and launch latency vanish.
+    """
+    durations: dict = field(default_factory=dict)
+    removed: set = field(default_factory=set)
+    host_removed: list = field(default_factory=list)
+    host_added: list = field(default_factory=list)
+    unblocked: set = field(default_factory=set)
+    tightened: set = field(default_factory=set)
+    graphs: bool = False
+
+    def merged(self, other: "Change") -> "Change":
+        return Change(durations={**self.durations, **other.durations}, removed=self.removed | other.removed,
+                      host_removed=self.host_removed + other.host_removed,
+                      host_added=self.host_added + other.host_added,
+                      unblocked=self.unblocked | other.unblocked, tightened=self.tightened | other.tightened,
+                      graphs=self.graphs or other.graphs)
+
+    @property
+    def kernels(self) -> set:
+        """The kernels this change claims."""
+        return set(self.durations) | self.removed
+
+    def without_kernels(self, kernels: set) -> "Change":
+        """The same change, leaving these kernels (claimed by another fix) as they are."""
+        return Change(durations={k: v for k, v in self.durations.items() if k not in kernels},
+                      removed=self.removed - kernels, host_removed=self.host_removed, host_added=self.host_added,
+                      unblocked=self.unblocked, tightened=self.tightened, graphs=self.graphs)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.durations or self.removed or self.host_removed or self.host_added or self.unblocked
+                    or self.tightened or self.graphs)
+
+
+@dataclass
+class Result:
+    """One replay of the chosen steps."""
+    total_us: float            # from the first step's start to the last step's end
+    step_us: np.ndarray        # per step
+    gpu_busy_us: float         # kernel + memcpy time inside the replayed steps
+    host_wait_us: float        # time blocking calls spent waiting for the GPU
+
+    @property
+    def steps(self) -> int:
+        return len(self.step_us)
+
+
+def chain_threads(trace: "Trace", calls: pd.DataFrame) -> set:
+    """Threads whose runtime calls form one sequence: the thread that runs the profiled steps and the
+    autograd engine's threads it waits on; every thread that launches work when the trace has no steps."""
+    steps = trace.steps
+    cpu = trace.cpu
+    if not len(steps):
+        return set(calls["thread"].unique().tolist())
+    threads = {int(steps["thread"].iloc[0])}
+    backward = cpu["backward"].to_numpy() if "backward" in cpu else np.zeros(len(cpu), dtype=bool)
+    threads |= set(cpu.loc[backward, "thread"].unique().tolist())
+    return threads
+
+
+class Timeline:
+    """The arrays the replay runs on, built once per trace for the steps it covers."""
+
+    def __init__(self, trace: "Trace", steps: pd.DataFrame):
+        self.trace = trace
+        self.steps = steps.reset_index(drop=True)
+        start = float(self.steps["ts"].iloc[0])
+        end = float(self.steps["end"].iloc[-1])
+        self.start, self.host_end = start, end
+        runtime = trace.runtime
+        calls = runtime[(runtime["ts"] >= start) & (runtime["ts"] < end)]
+        # The host chain: the threads that hand the step to each other (the one running the steps, autograd's
+        # backward threads), in time order. Other threads (gloo's, a data loader's) keep their measured times.
+        chain = calls[calls["thread"].isin(chain_threads(trace, calls))].sort_values("ts", kind="stable")
+        self.host = chain
+        self.host_ts = chain["ts"].to_numpy(float)
+        self.host_end_ts = chain["end"].to_numpy(float)
+        self.host_rows = chain.index.to_numpy()
+        self.is_sync = chain["name"].isin(BLOCKING_CALLS).to_numpy()
+        self._build_gpu(trace, chain)
+        self._build_steps()
+        self._measure_syncs()
+
+
+    # -- the GPU side --------------------------------------------------------------------------------
+    def _build_gpu(self, trace: "Trace", chain: pd.DataFrame) -> None:
+        cols = ["ts", "dur", "end", "stream", "correlation"]
+        kernels = trace.kernels[cols].assign(source=0, row=trace.kernels.index.to_numpy())
+        memory = trace.memory[cols].assign(source=1, row=trace.memory.index.to_numpy())
+        gpu = pd.concat([kernels, memory], ignore_index=True)
+        host_index = pd.Series(np.arange(len(chain)), index=chain["correlation"].to_numpy())
+        host_index = host_index[~host_index.index.duplicated()]
+        launch = host_index.reindex(gpu["correlation"].to_numpy()).to_numpy()
+        launched_here = ~np.isnan(launch)
+        # activities launched by the chosen steps, and those that run inside them without a launch we see
+        unlinked = ~launched_here & (gpu["ts"].to_numpy() >= self.start) & (gpu["ts"].to_numpy() < self.host_end)
+        keep = launched_here | unlinked
+        gpu = gpu[keep].copy()
+        gpu["launch"] = np.where(np.isnan(launch[keep]), -1, launch[keep]).astype(np.int64)
+        gpu = gpu.sort_values(["stream", "ts"], kind="stable").reset_index(drop=True)
+        self.gpu = gpu
+        self.gpu_start = gpu["ts"].to_numpy(float)
+        self.gpu_dur = gpu["dur"].to_numpy(float)
+        self.gpu_launch = gpu["launch"].to_numpy()
+        streams = gpu["stream"].to_numpy()
+        self.stream_bounds = np.flatnonzero(np.r_[True, streams[1:] != streams[:-1], True]) if len(gpu) else np.array([0])
+        # Measured busy-until of each stream before the chosen steps: work already queued.
+        self.stream_free = {}
+        for s in np.unique(streams):
+            before = trace.kernels[(trace.kernels["stream"] == s) & (trace.kernels["ts"] < self.start)]["end"]
+            self.stream_free[s] = float(before.max()) if len(before) else -np.inf
+        # An activity launched while its stream was still busy queued behind its predecessor: it starts the
+        # GPU's switch gap after that one ends. One launched onto an idle stream waited for its launch: it
+        # starts its measured launch latency after the call.
+        launched = self.gpu_launch >= 0
+        launch_ts = np.full(len(gpu), np.nan)
+        launch_ts[launched] = self.host_ts[self.gpu_launch[launched]]
+        prev_end = np.full(len(gpu), -np.inf)
+        for lo, hi in zip(self.stream_bounds[:-1], self.stream_bounds[1:]):
+            if hi <= lo:
+                continue
+            ends = self.gpu_start[lo:hi] + self.gpu_dur[lo:hi]
+            prev_end[lo] = self.stream_free.get(streams[lo], -np.inf)
+            prev_end[lo + 1:hi] = np.maximum(np.maximum.accumulate(ends)[:-1], prev_end[lo])
+        queued = launched & (launch_ts < prev_end)
+        waited = launched & ~queued
+        offset = self.gpu_start - launch_ts
+        typical = float(np.median(offset[waited])) if waited.any() else _DEFAULT_LATENCY_US
+        offset[queued] = np.minimum(offset[queued], typical)
+        self.gpu_gap = np.where(queued, np.clip(self.gpu_start - prev_end, 0.0, None), 0.0)
+        self.typical_gap = float(np.median(self.gpu_gap[queued])) if queued.any() else 0.0
+        self.typical_offset = typical
+        self.gpu_offset = offset
+        self.waited_for_launch = waited
+
+    # -- steps ---------------------------------------------------------------------------------------
+    def _build_steps(self) -> None:
+        starts = self.steps["ts"].to_numpy(float)
+        # the host chain index at which each step begins, and which step launched each activity
+        self.step_first_host = np.searchsorted(self.host_ts, starts, side="left")
+        launched = self.gpu_launch >= 0
+        step_of = np.full(len(self.gpu), -1)
+        step_of[launched] = np.searchsorted(starts, self.host_ts[self.gpu_launch[launched]], side="right") - 1
+        unlinked = ~launched
+        step_of[unlinked] = np.searchsorted(starts, self.gpu_start[unlinked], side="right") - 1
+        self.gpu_step = step_of
+
+    def _measure_syncs(self) -> None:
+        """Each blocking call's own cost before and after the GPU work it waited for."""
+        n = len(self.host_ts)
+        self.sync_pre = np.zeros(n)
+        self.sync_post = np.zeros(n)
+        if not self.is_sync.any():
+            return
+        ends = self.gpu_start + self.gpu_dur
+        launched = self.gpu_launch >= 0
+        order = np.argsort(self.gpu_launch[launched], kind="stable")
+        by_launch = self.gpu_launch[launched][order]
+        done_prefix = np.maximum.accumulate(ends[launched][order]) if launched.any() else np.zeros(0)
+        for i in np.flatnonzero(self.is_sync):
+            k = np.searchsorted(by_launch, i, side="left")  # activities launched before this call
+            done = done_prefix[k - 1] if k > 0 else -np.inf
+            start, end = self.host_ts[i], self.host_end_ts[i]
+            if done > start:
+                self.sync_post[i] = max(0.0, end - done)
+                self.sync_pre[i] = min(end - start, self.sync_post[i])
+            else:
+                self.sync_pre[i] = end - start
+                self.sync_post[i] = 0.0
+
+    # -- the replay ----------------------------------------------------------------------------------
+    def replay(self, change: Optional[Change] = None, host_scale: float = 1.0) -> Result:
+        change = change or Change()
+        n = len(self.host_ts)
+        dur = self.gpu_dur.copy()
+        offset = np.nan_to_num(self.gpu_offset, nan=0.0)
+        alive = np.ones(len(dur), dtype=bool)
+        if change.durations:
+            rows = self.kernel_rows.reindex(list(change.durations)).to_numpy()
+            new = np.fromiter(change.durations.values(), dtype=float, count=len(change.durations))
+            found = ~np.isnan(rows)
+            dur[rows[found].astype(np.int64)] = new[found]
+        if change.removed:
+            alive[self.rows_of_kernels(list(change.removed))] = False
+            dur[~alive] = 0.0
+        # CPU time before each host call (after the previous call returned), and each call's own time
+        gaps = np.empty(n)
+        if n:
+            gaps[0] = self.host_ts[0] - self.start
+            gaps[1:] = self.host_ts[1:] - self.host_end_ts[:-1]
+        own = self.host_end_ts - self.host_ts
+        own = np.where(self.is_sync, self.sync_pre, own)
+        gaps = np.maximum(gaps, 0.0) * host_scale
+        own = own * host_scale
+        if change.host_removed:
+            # the removed CPU time inside each gap and each call, from the measure of the removed intervals
+            removed_until = _measure_function(change.host_removed)
+            before = np.r_[self.start, self.host_end_ts[:-1]] if n else np.zeros(0)
+            gaps -= (removed_until(self.host_ts) - removed_until(before)) * host_scale
+            own -= np.where(self.is_sync, 0.0, removed_until(self.host_end_ts) - removed_until(self.host_ts)) * host_scale
+            own = np.maximum(own, 0.0)
+        if change.host_added:
+            at = np.array([t for t, _ in change.host_added], dtype=float)
+            idx = np.searchsorted(self.host_ts, at, side="left")
+            inside = idx < n
+            np.add.at(gaps, idx[inside], np.array([a for _, a in change.host_added], dtype=float)[inside])
+        tail_gap = max(0.0, self.host_end - (self.host_end_ts[-1] if n else self.start)) * host_scale
+        if change.graphs:
+            steps_first = set(self.step_first_host.tolist())
+            keep_cost = np.array([GRAPH_LAUNCH_US if i in steps_first else 0.0 for i in range(n)])
+            gaps = np.where(self.is_sync, gaps, np.minimum(gaps, keep_cost))
+            own = np.where(self.is_sync, own, 0.0)
+            offset = np.where(alive, 0.0, offset)
+            dur = np.where(alive, dur + GRAPH_KERNEL_GAP_US, dur)
+            tail_gap = 0.0
+        gaps = np.maximum(gaps, 0.0)  # removed host time never makes a call happen before the previous one
+        blocking = self.is_sync.copy()
+        if change.unblocked:
+            blocking &= ~np.isin(self.host_rows, np.fromiter(change.unblocked, dtype=np.int64))
+
+        gpu_gap = np.where(alive, self.gpu_gap, 0.0)
+        if change.tightened:
+            rows = self.rows_of_kernels(list(change.tightened))
+            gpu_gap[rows] = np.minimum(gpu_gap[rows], self.typical_gap)
+        host = np.empty(n)        # replayed start of each host call
+        arrival = np.full(len(dur), -np.inf)
+        launched = self.gpu_launch >= 0
+        ends = np.full(len(dur), np.nan)
+        free = dict(self.stream_free)
+        computed = np.zeros(len(dur), dtype=bool)
+        clock = self.start
+        wait_total = 0.0
+        syncs = np.flatnonzero(blocking)
+        segment_starts = np.r_[0, syncs + 1]
+        segment_ends = np.r_[syncs + 1, n]
+        for seg, (lo, hi) in enumerate(zip(segment_starts, segment_ends)):
+            if hi <= lo:
+                continue
+            # host calls in this segment run back to back; the last one (if a sync) waits afterwards
+            host[lo:hi] = clock + np.cumsum(gaps[lo:hi]) + np.r_[0.0, np.cumsum(own[lo:hi - 1])]
+            in_seg = launched & (self.gpu_launch >= lo) & (self.gpu_launch < hi)
+            arrival[in_seg] = np.where(alive[in_seg], host[self.gpu_launch[in_seg]] + offset[in_seg], -np.inf)
+            self._run_streams(in_seg & ~computed, arrival, dur, gpu_gap, ends, free)
+            computed |= in_seg
+            last = hi - 1
+            if seg < len(syncs) and last == syncs[seg]:
+                done = max((ends[launched & (self.gpu_launch < hi)]).max(initial=-np.inf), -np.inf)
+                returned = max(host[last] + own[last], done + self.sync_post[last])
+                wait_total += max(0.0, returned - (host[last] + own[last]))
+                clock = returned
+            else:
+                clock = host[last] + own[last]
+        # activities without a launch we can see keep their measured start as their arrival
+        rest = ~computed
+        arrival[rest & ~launched] = self.gpu_start[rest & ~launched]
+        self._run_streams(rest, arrival, dur, gpu_gap, ends, free)
+        host_end = clock + tail_gap
+        return self._result(host, ends, dur, alive, host_end, wait_total)
+
+    def _run_streams(self, mask, arrival, dur, gaps, ends, free) -> None:
+        """Ends of the masked activities, stream by stream: end = max(arrival, previous end) + duration."""
+        if not mask.any():
+            return
+        streams = self.gpu["stream"].to_numpy()
+        for lo, hi in zip(self.stream_bounds[:-1], self.stream_bounds[1:]):
+            sel = np.flatnonzero(mask[lo:hi]) + lo
+            if not len(sel):
+                continue
+            s = streams[lo]
+            # start = max(arrival, previous end + switch gap): with d = gap + duration and a = arrival - gap
+            # this is end = prefix(d) + running max of (a - prefix before), one pass
+            gap = gaps[sel]
+            d = dur[sel] + gap
+            prefix = np.cumsum(d)
+            before = prefix - d
+            latest = np.maximum.accumulate(arrival[sel] - gap - before)
+            e = prefix + np.maximum(latest, free.get(s, -np.inf))
+            ends[sel] = e
+            free[s] = float(e[-1])
+
+    def _result(self, host, ends, dur, alive, host_end, wait_total) -> Result:
+        n_steps = len(self.steps)
+        step_host_start = np.where(self.step_first_host < len(host),
+                                   host[np.minimum(self.step_first_host, len(host) - 1)] if len(host) else self.start,
+                                   host_end)
+        # a step's own start marker precedes its first call by the same CPU time as measured
+        lead = self.host_ts[np.minimum(self.step_first_host, len(self.host_ts) - 1)] - self.steps["ts"].to_numpy(float) \
+            if len(self.host_ts) else np.zeros(n_steps)
+        step_host_start = step_host_start - np.maximum(lead, 0.0)
+        step_host_start[0] = self.start
+        gpu_end = np.full(n_steps, -np.inf)
+        valid = (self.gpu_step >= 0) & ~np.isnan(ends) & alive
+        if valid.any():
+            np.maximum.at(gpu_end, self.gpu_step[valid], ends[valid])
+        bounds = np.empty(n_steps + 1)
+        bounds[0] = self.start
+        for i in range(1, n_steps):
+            bounds[i] = max(step_host_start[i], gpu_end[i - 1])
+        bounds[n_steps] = max(host_end, gpu_end[-1] if n_steps else host_end, bounds[n_steps - 1] if n_steps else 0)
+        bounds = np.maximum.accumulate(bounds)
+        return Result(total_us=float(bounds[-1] - bounds[0]), step_us=np.diff(bounds),
+                      gpu_busy_us=float(dur[alive].sum()), host_wait_us=wait_total)
+
+    @cached_property
+    def measured(self) -> Result:
+        """The chosen steps as the trace shows them, by the same step boundaries the replay uses."""
+        n_steps = len(self.steps)
+        ends = self.gpu_start + self.gpu_dur
+        gpu_end = np.full(n_steps, -np.inf)
+        valid = self.gpu_step >= 0
+        np.maximum.at(gpu_end, self.gpu_step[valid], ends[valid])
+        starts = self.steps["ts"].to_numpy(float)
+        bounds = np.empty(n_steps + 1)
+        bounds[0] = self.start
+        for i in range(1, n_steps):
+            bounds[i] = max(starts[i], gpu_end[i - 1])
+        bounds[n_steps] = max(self.host_end, gpu_end[-1])
+        bounds = np.maximum.accumulate(bounds)
+        wait = float(np.sum((self.host_end_ts - self.host_ts)[self.is_sync] - self.sync_pre[self.is_sync]
+                            - self.sync_post[self.is_sync]))
+        return Result(total_us=float(bounds[-1] - bounds[0]), step_us=np.diff(bounds),
+                      gpu_busy_us=float(self.gpu_dur.sum()), host_wait_us=wait)
+
+    @cached_property
+    def baseline(self) -> Result:
+        return self.replay()
+
+    @property
+    def error_pct(self) -> float:
+        """How far the replay of the unchanged trace is from the measured steps."""
+        m = self.measured.total_us
+        return 100.0 * (self.baseline.total_us - m) / m if m > 0 else 0.0
+
+    # -- mapping trace rows to timeline rows ----------------------------------------------------------
+    @cached_property
+    def kernel_rows(self) -> pd.Series:
+        """trace.kernels index -> row in `gpu`."""
+        k = self.gpu[self.gpu["source"] == 0]
+        return pd.Series(k.index.to_numpy(), index=k["row"].to_numpy())
+
+    def rows_of_kernels(self, kernel_index) -> np.ndarray:
+        found = self.kernel_rows.reindex(np.asarray(kernel_index)).to_numpy()
+        return found[~np.isnan(found)].astype(np.int64)
+
+
+def _measure_function(intervals):
+    """t -> total length of the union of INTERVALS before t (vectorized, by interpolation)."""
+    spans = np.array(sorted(intervals), dtype=float).reshape(-1, 2)
+    starts, ends = spans[:, 0], np.maximum.accumulate(spans[:, 1])
+    # merge overlaps: an interval starting inside the running union only extends it
+    new_run = np.r_[True, starts[1:] > ends[:-1]]
+    run_start = starts[new_run]
+    run_end = np.maximum.reduceat(ends, np.flatnonzero(new_run))
+    lengths = run_end - run_start
+    x = np.column_stack([run_start, run_end]).ravel()
+    y = np.column_stack([np.r_[0.0, np.cumsum(lengths)[:-1]], np.cumsum(lengths)]).ravel()
+    return lambda t: np.interp(t, x, y, left=0.0, right=y[-1])
+
+
+def sensitivity(timeline: Timeline, host_scale: float = 1.0) -> dict:
+    """How much the step shortens when all host time, or all GPU time, halves: what bounds the step."""
+    base = timeline.replay(host_scale=host_scale).total_us
+    half_host = timeline.replay(host_scale=host_scale * 0.5).total_us
+    kernels = timeline.kernel_rows
+    halved = dict(zip(kernels.index.tolist(), (timeline.gpu_dur[kernels.to_numpy()] * 0.5).tolist()))
+    half_gpu = timeline.replay(Change(durations=halved), host_scale=host_scale).total_us
+    return {"host": (base - half_host) / (base / 2) if base else 0.0,
+            "gpu": (base - half_gpu) / (base / 2) if base else 0.0}
+
+
+def calibrate(timeline: Timeline, unprofiled_total_us: float) -> float:
+    """The host-time scale at which the replayed steps take as long as they did unprofiled (1.0 when the
+    profiled steps were not slower; the lowest scale tried when host time alone cannot explain it)."""
+    if timeline.replay().total_us <= unprofiled_total_us:
+        return 1.0
+    low, high = 0.05, 1.0
+    if timeline.replay(host_scale=low).total_us > unprofiled_total_us:
+        return low
+    for _ in range(30):
+        mid = (low + high) / 2
+        if timeline.replay(host_scale=mid).total_us > unprofiled_total_us:
+            high = mid
+        else:
+            low = mid
+        if high - low < 1e-3:
+            break
+    return (low + high) / 2
+
+
+__all__ = ["BLOCKING_CALLS", "Change", "Result", "Timeline", "calibrate", "sensitivity", "name_mask"]
