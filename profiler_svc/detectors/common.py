@@ -32,12 +32,16 @@ class Finding:
     change: Change = field(default_factory=Change, repr=False)
     # identifies "the same problem" across ranks and runs (e.g. "unfused_chain:rms_norm:LlamaRMSNorm")
     key: str = ""
+    # (key, title) of the root cause when several findings can share one (a misaligned size): the report
+    # makes them one finding
+    root_cause: tuple = ()
     severity: str = "info"
     rank: Optional[int] = None
     id: str = ""
     # set by the report from the replay: what the step gets shorter, and what the fix frees on the GPU
     saving_us_per_step: float = 0.0
     gpu_time_saved_us_per_step: float = 0.0
+    share_of_step_pct: float = 0.0
 
 
 # kernel classes by name live with the trace vocabulary (the loader tags every kernel with one)
@@ -113,6 +117,47 @@ def conv_shape(inputs: OpInputs):
     return None
 
 
+# Where each convolution op records (stride, padding, dilation, groups) among its arguments.
+_CONV_ARGS = {
+    "aten::cudnn_convolution": (3, 2, 4, 5), "aten::miopen_convolution": (4, 3, 5, 6),
+    "aten::convolution": (3, 4, 5, 8), "aten::_convolution": (3, 4, 5, 8),
+    "aten::conv1d": (3, 4, 5, 6), "aten::conv2d": (3, 4, 5, 6), "aten::conv3d": (3, 4, 5, 6),
+}
+
+
+def conv_flops(op_name: str, inputs: OpInputs) -> float:
+    """FLOPs of a convolution from its recorded shapes, stride, padding, dilation and groups:
+    2 * N * C_out * (C_in / groups) * prod(kernel) * prod(output spatial)."""
+    c = conv_shape(inputs)
+    if not c:
+        return 0.0
+    x, w, _ = c
+    n, spatial = x[0], x[2:]
+    c_out, c_in_per_group, kernel = w[0], w[1], w[2:]
+    stride, padding, dilation = ([1] * len(spatial) for _ in range(3))
+    where = _CONV_ARGS.get(op_name)
+    if where:
+        stride, padding, dilation = (_int_list(inputs, i, len(spatial), d)
+                                     for i, d in zip(where[:3], (stride, padding, dilation)))
+    out = [(size + 2 * p - d * (k - 1) - 1) // s + 1
+           for size, k, s, p, d in zip(spatial, kernel, stride, padding, dilation)]
+    if any(o <= 0 for o in out):
+        return 0.0
+    return 2.0 * n * c_out * c_in_per_group * math.prod(kernel) * math.prod(out)
+
+
+def _int_list(inputs: OpInputs, index: int, length: int, default: list) -> list:
+    """A recorded int-list argument ("[2, 2]" in Concrete Inputs), broadcast to LENGTH; DEFAULT if absent."""
+    raw = inputs.concrete[index] if index < len(inputs.concrete) else ""
+    try:
+        values = [int(v) for v in str(raw).strip("[]").split(",") if v.strip()]
+    except ValueError:
+        return default
+    if len(values) == 1:
+        values = values * length
+    return values if len(values) == length else default
+
+
 def op_bytes(inputs: OpInputs) -> int:
     """Bytes an elementwise/reduction op moves: its tensor inputs read once, plus one output as large as
     its largest input (written once). Broadcast inputs count at their own size."""
@@ -145,6 +190,14 @@ def module_class(module: Optional[str]) -> Optional[str]:
     if not module or not module.endswith(")"):
         return None
     return module[module.rfind("(") + 1:-1]
+
+
+def size_root_cause(sizes) -> tuple:
+    """The root cause of shape findings: sizes (value, padded) that are not multiples of what they need."""
+    sizes = sorted(set(sizes))
+    label = ", ".join(f"{v} → {p}" for v, p in sizes)
+    return (f"size:{','.join(str(v) for v, _ in sizes)}",
+            f"misaligned size{'s' if len(sizes) > 1 else ''}: pad {label}")
 
 
 def fmt_us(us: float) -> str:

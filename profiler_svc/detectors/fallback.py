@@ -6,16 +6,16 @@
 - elementwise kernels off the vectorized path because of strided (non-dense) or mixed-dtype operands
 - autocast cast storms: weights re-cast to the autocast dtype on every call
 """
+import math
 from collections import defaultdict
 
-import numpy as np
 
 from ..trace.model import Trace
 from ..trace.replay import Change
-from .common import (TENSOR_CORE_EFFICIENCY, VOCAB_MIN, Finding, GemmReference, Recommendation, conv_shape,
-                     fmt_shape, fmt_us, fused, gemm_shape, is_attention, is_dense, is_gemm, is_low_alignment,
-                     is_old_arch, is_simt_matmul, module_class, name_mask, new_durations, op_bytes, op_interval,
-                     peak_tflops, per_step_note, scaled, short_kernel_name)
+from .common import (TENSOR_CORE_EFFICIENCY, VOCAB_MIN, Finding, GemmReference, Recommendation, conv_flops,
+                     fmt_shape, fused, gemm_shape, is_attention, is_dense, is_gemm, is_low_alignment,
+                     is_old_arch, is_simt_matmul, module_class, name_mask, op_bytes, op_interval,
+                     peak_tflops, per_step_note, scaled, short_kernel_name, size_root_cause)
 
 
 def detect(trace: Trace) -> list[Finding]:
@@ -83,7 +83,7 @@ def _simt_matmuls(trace, kernels):
         rate = peak_tflops(trace, dtype) * TENSOR_CORE_EFFICIENCY
         expected = flops / (rate * 1e6) * len(rows) if flops else 0.5 * time
         by_kind[(label, dtype)].append({"op": top_op or op, "shapes": [t[0] for t in rows[0][1].tensors()],
-                                        "rows": rows, "time": time,
+                                        "rows": rows, "time": time, "flops": flops * len(rows),
                                         "expected": min(max(expected, 0.1 * time), time)})
     findings = []
     for (label, dtype), groups in by_kind.items():
@@ -101,9 +101,10 @@ def _simt_matmuls(trace, kernels):
                        "torch.backends.cudnn.allow_tf32 = True")
         else:
             worst_shapes = groups[0]["shapes"]
-            channels = [d for shape in worst_shapes[:2] if len(shape) >= 2 for d in shape[:2]]
-            if any(c % 8 for c in channels[1:]):
-                why = f"{dtype} channel counts {channels} that tensor-core kernels refuse (not multiples of 8)"
+            channels = _channels(worst_shapes)
+            if any(c % 8 for c in channels.values()):
+                listed = ", ".join(f"{name} {c}" for name, c in channels.items())
+                why = f"{dtype} channel counts ({listed}) that tensor-core kernels refuse (not multiples of 8)"
                 fix = "Pad the channel/feature dimensions to multiples of 8 so tensor-core kernels apply."
                 snippet = None
             else:
@@ -124,13 +125,23 @@ def _simt_matmuls(trace, kernels):
             evidence=_evidence(worst["rows"], trace, {
                 "reason": why, "calls": len(rows), "time_us": round(time, 2), "numerics": trace.numerics or None,
                 "modules": sorted({r.module for r, _ in rows if isinstance(r.module, str)})[:32],
+                "flops": sum(g["flops"] for g in groups), "expected_us": round(expected, 2),
                 "shapes": [{"op": g["op"], "input_shapes": g["shapes"], "calls": len(g["rows"]),
-                            "time_us": round(g["time"], 2)} for g in groups[:12]]}),
+                            "time_us": round(g["time"], 2), "flops": g["flops"]} for g in groups[:12]]}),
             recommendation=Recommendation(fix, None, snippet),
             change=_scaled_groups(groups),
             key=f"fallback_kernel:simt:{label}:{dtype}",
         ))
     return findings
+
+
+def _channels(shapes) -> dict:
+    """Input and output channels of a GEMM/convolution from its operands' shapes (not the batch)."""
+    if len(shapes) >= 2 and len(shapes[0]) >= 3 and len(shapes[1]) == len(shapes[0]):  # conv: x, weight
+        return {"in_channels": shapes[0][1], "out_channels": shapes[1][0]}
+    if len(shapes) >= 2 and len(shapes[0]) >= 2 and len(shapes[1]) >= 2:  # GEMM: [.., K] x [K, N]
+        return {"K": shapes[0][-1], "N": shapes[1][-1]}
+    return {}
 
 
 def _scaled_groups(groups):
@@ -147,13 +158,7 @@ def _flops(op, inputs):
     g = gemm_shape(op, inputs)
     if g:
         return g.flops
-    c = conv_shape(inputs) if op and "conv" in op else None
-    if c:
-        (n, _, *spatial), weight, _ = c[0], c[1], c[2]
-        out_channels, in_per_group, *kernel = weight
-        # output spatial size unknown from inputs alone; 'same'-size approximation (stride 1)
-        return 2.0 * n * out_channels * in_per_group * np.prod(kernel) * np.prod(spatial)
-    return 0.0
+    return conv_flops(op, inputs) if op and "conv" in op else 0.0
 
 
 def _low_alignment_gemms(trace, kernels):
@@ -201,6 +206,8 @@ def _low_alignment_gemms(trace, kernels):
                 "# e.g. pad a Linear's out_features and slice the result\n"
                 "lin = nn.Linear(in_f, round_up(out_f, 8)); y = lin(x)[..., :out_f]"),
             key=f"fallback_kernel:align:{top_op}:{shapes}",
+            root_cause=size_root_cause([(v, p) for v, p in misaligned.values() if v < VOCAB_MIN]) if any(
+                v < VOCAB_MIN for v, _ in misaligned.values()) else (),
         ))
     return findings
 
@@ -401,6 +408,30 @@ def _unvectorized_elementwise(trace, kernels):
     return findings
 
 
+# Elementwise work on fp32 tensors this large is activation traffic, not bookkeeping.
+_ACTIVATION_MIN_ELEMENTS = 1 << 16
+
+
+def _fp32_activation_kernels(trace, kernels, exclude):
+    """(kernel row, µs, op) of memory-bound kernels whose op's largest input is an fp32 activation (not the
+    casts themselves, not an optimizer's parameter lists)."""
+    out = []
+    memory = kernels[(kernels["kind"] == "memory").to_numpy() & (kernels["op"] >= 0).to_numpy()]
+    largest = {}
+    for row in memory.itertuples():
+        if row.Index in exclude or (row.op_name or "").startswith(("aten::_foreach", "aten::_fused")):
+            continue
+        if row.op not in largest:
+            tensors = trace.op_inputs(row.op).tensors()
+            big = max(tensors, key=lambda t: math.prod(t[0]) if t[0] else 1) if tensors else None
+            largest[row.op] = big
+        big = largest[row.op]
+        if big and big[1] == "fp32" and len(big[0]) >= 2 and math.prod(big[0]) >= _ACTIVATION_MIN_ELEMENTS:
+            name = (row.top_op_name or row.op_name).removeprefix("autograd::engine::evaluate_function: ")
+            out.append((row.Index, float(row.dur), name))
+    return out
+
+
 _CAST_PARENTS = {"aten::linear", "aten::conv1d", "aten::conv2d", "aten::conv3d", "aten::matmul", "aten::bmm",
                  "aten::addmm", "aten::mm", "aten::baddbmm", "aten::layer_norm", "aten::group_norm",
                  "aten::convolution", "aten::_convolution", "aten::einsum"}
@@ -430,22 +461,42 @@ def _cast_storm(trace, kernels):
         shapes[tuple(inp.tensors()[1][0])] += 1
     src, dst = rows[0][1].tensors()[1][1], rows[0][1].tensors()[0][1]
     autocast = trace.numerics.get("autocast")
+    training = bool(trace.cpu["backward"].any())
+    # the same root cause keeps the activations between the GEMMs in fp32 (autocast runs norms and the
+    # residual stream's adds in the weights' dtype): in the low dtype they move half the bytes
+    casts = {r.Index for r, _ in rows}
+    wide = _fp32_activation_kernels(trace, kernels, casts)
+    wide_time = float(sum(d for _, d, _ in wide))
+    wide_ops = defaultdict(float)
+    for _, d, name in wide:
+        wide_ops[name] += d
+    top_wide = sorted(wide_ops.items(), key=lambda x: -x[1])[:4]
+    lowered = f"torch.{'bfloat16' if dst == 'bf16' else 'float16'}"
+    if training:
+        fix = (f"Keep the weights in {dst} and let the optimizer hold fp32 master weights, or torch.compile the "
+               "model so the casts fuse into their consumers.")
+        snippet = (f"model.to({lowered})  # + an optimizer with fp32 master weights\n"
+                   "# or: model = torch.compile(model)")
+    else:
+        fix = f"For inference, convert the weights to {dst} once instead of casting them on every call."
+        snippet = f"model = model.to({lowered}).eval()  # no autocast needed then"
     return [Finding(
         category="fallback_kernel",
         title=f"autocast cast storm: {len(rows)} {src}→{dst} casts inside compute ops",
         detail=(f"{len(rows) / steps:.0f} dtype casts per step (under {', '.join(f'{k} ×{v}' for k, v in sorted(parents.items(), key=lambda x: -x[1])[:4])}) "
-                f"re-cast the same fp32 tensors, mostly weights, to {dst} on every call: {per_step_note(trace, time)}."),
+                f"re-cast the same fp32 tensors, mostly weights, to {dst} on every call: {per_step_note(trace, time)}."
+                + (f" With fp32 weights the activations between the GEMMs stay fp32 too: "
+                   f"{', '.join(n.removeprefix('aten::') for n, _ in top_wide)} move fp32 tensors for "
+                   f"{per_step_note(trace, wide_time)}, half of which {dst} would save." if wide else "")),
         evidence={"kernels": sorted({short_kernel_name(r.name) for r, _ in rows})[:4], "op": "aten::copy_",
                   "calls": len(rows), "time_us": round(time, 2), "casts_per_step": round(len(rows) / steps, 1),
                   "parent_ops": dict(parents), "input_shapes": [list(s) for s, _ in sorted(shapes.items(), key=lambda x: -x[1])[:8]],
-                  "dtypes": [src, dst], **({"autocast": autocast} if autocast else {})},
-        # weights kept in the low dtype: the casts and their ops go
-        change=Change(removed={r.Index for r, _ in rows},
-                      host_removed=[op_interval(trace, r.op) for r, _ in rows if r.op >= 0]),
-        recommendation=Recommendation(
-            f"Keep the weights in {dst} and let the optimizer hold fp32 master weights, or torch.compile the "
-            "model so the casts fuse into their consumers.", None,
-            f"model.to(torch.{'bfloat16' if dst == 'bf16' else 'float16'})  # + an optimizer with fp32 master weights\n"
-            "# or: model = torch.compile(model)"),
+                  "dtypes": [src, dst], "fp32_activation_time_us": round(wide_time, 2),
+                  "fp32_activation_ops": {n: round(t, 2) for n, t in top_wide},
+                  **({"autocast": autocast} if autocast else {})},
+        # weights kept in the low dtype: the casts and their ops go, and fp32 activations halve
+        change=Change(removed=casts, host_removed=[op_interval(trace, r.op) for r, _ in rows if r.op >= 0],
+                      durations={k: d * 0.5 for k, d, _ in wide}),
+        recommendation=Recommendation(fix, None, snippet),
         key=f"fallback_kernel:cast_storm:{src}->{dst}",
     )]

@@ -15,6 +15,8 @@ _FIXES = {
                    "loss_sum += loss.detach()          # no .item() per step\nif step % 100 == 0: print(loss_sum.item())"),
     "aten::_local_scalar_dense": ("Avoid Python scalars from GPU tensors inside the step (.item(), float(t), if t:).",
                                   "torch.where(cond, a, b)  # instead of `a if cond.item() else b`"),
+    "aten::is_nonzero": ("`if t:` / bool(t) on a GPU tensor waits for the GPU: keep the condition on the GPU "
+                         "(torch.where), or test it less often.", "mask = t != 0  # use the mask instead of `if t:`"),
     "aten::nonzero": ("nonzero/masked_select need the result size on the host: use fixed-size masks "
                       "(torch.where, masked_fill) or nonzero_static.", "idx = torch.nonzero_static(mask, size=max_n)"),
 }
@@ -58,17 +60,18 @@ def detect(trace: Trace) -> list[Finding]:
             if nxt >= len(starts) or starts[nxt] >= step_end:
                 continue
             cause, inner, module = _bare_sync_cause(trace, call), call.name, None
-        direction = directions.get(call.correlation)
+        direction = directions.get(call.correlation) or (directions.get(("op", call.op)) if call.op >= 0 else None)
         groups[(cause, inner, direction)].append((call, idle, module))
     findings = []
     for (cause, inner, direction), calls in groups.items():
         idle = sum(i for _, i, _ in calls)
         blocked = sum(c.dur for c, _, _ in calls)
         per_step = len(calls) / trace.step_count
-        fix, snippet = _COPY_FIXES.get(direction) or _FIXES.get(cause) or _FIXES.get(inner) or (
+        fix, snippet = _FIXES.get(cause) or _COPY_FIXES.get(direction) or _FIXES.get(inner) or (
             "Move the synchronization out of the step, or make the dependent host work asynchronous.", None)
         modules = sorted({m for _, _, m in calls if isinstance(m, str)})
-        what = f"{direction} copy" if direction else "sync"
+        copy = direction if cause not in _FIXES else None  # .item() and the like: the op is the point
+        what = f"{copy} copy" if copy else "sync"
         findings.append(Finding(
             category="host_sync",
             title=f"host {what} in {cause}" + (f" ({inner})" if inner != cause else "") + f": {len(calls)} calls",
@@ -84,20 +87,24 @@ def detect(trace: Trace) -> list[Finding]:
                       **({"modules": modules[:10]} if modules else {})},
             recommendation=Recommendation(fix, None, snippet),
             change=Change(unblocked={c.Index for c, _, _ in calls}),
-            key=f"host_sync:{cause}:{inner}" + (f":{direction}" if direction else ""),
+            key=f"host_sync:{cause}:{inner}" + (f":{copy}" if copy else ""),
         ))
     return findings
 
 
 def _copy_directions(trace: Trace) -> dict:
-    """Runtime correlation id -> "HtoD" / "DtoH" / "DtoD" of the memcpy it launched."""
+    """"HtoD" / "DtoH" / "DtoD" of each memcpy, by the correlation id of its launch and by ("op", row) of the
+    op that launched it (a blocking copy is often an async memcpy plus a stream sync in one op)."""
     memory = trace.memory
     if not len(memory):
         return {}
     names = memory["name"].astype(str)
     direction = names.str.extract(r"(HtoD|DtoH|DtoD|HtoH)", expand=False)
     found = direction.notna().to_numpy()
-    return dict(zip(memory["correlation"].to_numpy()[found].tolist(), direction[found].tolist()))
+    out = dict(zip(memory["correlation"].to_numpy()[found].tolist(), direction[found].tolist()))
+    out.update({("op", op): d for op, d in zip(memory["op"].to_numpy()[found].tolist(), direction[found].tolist())
+                if op >= 0})
+    return out
 
 
 def _bare_sync_cause(trace, call) -> str:

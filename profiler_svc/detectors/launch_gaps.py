@@ -11,7 +11,7 @@ import numpy as np
 
 from ..trace.model import Trace
 from ..trace.replay import Change
-from .common import Finding, Recommendation, fmt_us, name_mask, per_step, per_step_note, short_kernel_name
+from .common import Finding, Recommendation, name_mask, per_step, per_step_note, short_kernel_name
 from .gpu_idle import blocking_calls, idle_gaps, launch_times
 
 # Gaps shorter than this are the normal kernel-switch cost, not something to fix.

@@ -8,7 +8,7 @@ from collections import defaultdict
 from ..trace.model import Trace
 from .common import (GEMM_OPS, GRANULE, VOCAB_MIN, Finding, GemmReference, Recommendation, conv_shape,
                      gemm_shape, is_gemm, is_low_alignment, is_old_arch, is_simt_matmul, name_mask, new_durations,
-                     per_step_note, scaled)
+                     per_step_note, scaled, size_root_cause)
 
 
 
@@ -94,6 +94,7 @@ def _gemm_dims(trace, gemms, reference):
                  f"# e.g. choose sizes that are multiples of {GRANULE[dtype]}: {pads}"),
             ),
             key=f"misalignment:gemm:{dtype}:{sizes}",
+            root_cause=size_root_cause([p for p in sizes if p[0] < VOCAB_MIN] or sizes),
         ))
     return findings
 
@@ -136,6 +137,7 @@ def _head_dim(trace, kernels):
                 None, f"q, k, v = (F.pad(t, (0, {padded - d})) for t in (q, k, v))  # then out[..., :{d}]"
                 if padded > d else None),
             key=f"misalignment:head_dim:{d}",
+            root_cause=size_root_cause([(d, padded)]),
         ))
     return findings
 

@@ -15,6 +15,9 @@ from .common import (Finding, Recommendation, fmt_us, fused, module_class, numel
                      plural, short_kernel_name, tensor_bytes)
 from .swap_costs import swap_host_cost
 
+# How many kernels after an activation its gated product may come: the up projection (a GEMM, with
+# autocast's casts of its weight, or an FP8 scale) runs in between.
+_GATED_WINDOW = 12
 # A fused kernel still costs a launch and a tail.
 _FUSED_FLOOR_US = 2.0
 
@@ -23,28 +26,34 @@ _FUSED_FLOOR_US = 2.0
 class Pattern:
     swap: str
     label: str
-    # fused minimum traffic as a multiple of the chain's largest tensor (input read + output written)
+    # fused minimum traffic as a multiple of the tensor at the chain's ends (its input read + output written)
     passes: float
     snippet: str
+    # the backward's: a norm's or activation's gradient also reads the saved input
+    backward_passes: float = 0.0
+
+    def passes_for(self, backward: bool) -> float:
+        return self.backward_passes if backward and self.backward_passes else self.passes
 
 
 PATTERNS = {
     "rms_norm": Pattern("rms_norm", "eager RMSNorm", 2,
-                        "from profiler_svc.kernels import swap\nswap(model, [\"rms_norm\"])"),
+                        "from profiler_svc.kernels import swap\nswap(model, [\"rms_norm\"])", 3),
     "layer_norm": Pattern("layer_norm", "eager LayerNorm", 2,
-                          "from profiler_svc.kernels import swap\nswap(model, [\"layer_norm\"])"),
+                          "from profiler_svc.kernels import swap\nswap(model, [\"layer_norm\"])", 3),
     "gelu_tanh": Pattern("gelu_tanh", "tanh-GELU written in Python", 2,
-                         "from profiler_svc.kernels import swap\nswap(model, [\"gelu_tanh\"])"),
+                         "from profiler_svc.kernels import swap\nswap(model, [\"gelu_tanh\"])", 3),
     "swiglu": Pattern("swiglu", "SiLU(gate)·up in separate kernels", 3,
-                      "from profiler_svc.kernels import swap\nswap(model, [\"swiglu\"])"),
+                      "from profiler_svc.kernels import swap\nswap(model, [\"swiglu\"])", 5),
     "geglu": Pattern("geglu", "GELU(gate)·up in separate kernels", 3,
-                     "from profiler_svc.kernels import swap\nswap(model, [\"geglu\"])"),
+                     "from profiler_svc.kernels import swap\nswap(model, [\"geglu\"])", 5),
     # the swap replaces the attention instances whose forward calls apply_rotary_pos_emb
     "rope": Pattern("rope", "rotary embedding as mul/neg/cat/add kernels", 2,
                     "from profiler_svc.kernels import swap\nswap(model, [\"rope\"])  # HF attention with the fused rotary\n"
                     "# own attention code: q, k = profiler_svc.kernels.rope(q, k, cos, sin)"),
     "softmax": Pattern("softmax", "softmax with fp32 upcast and downcast", 2,
-                       "from profiler_svc.kernels import softmax\nprobs = softmax(scores)  # fp32 math inside, one pass"),
+                       "from profiler_svc.kernels import softmax\nprobs = softmax(scores)  # fp32 math inside, one pass",
+                       3),
     "cross_entropy": Pattern("cross_entropy", "cross-entropy over upcast fp32 logits", 1,
                              "from profiler_svc.kernels import fused_linear_cross_entropy\n"
                              "loss = fused_linear_cross_entropy(hidden, lm_head.weight, labels)  # never materializes logits"),
@@ -94,6 +103,13 @@ class Chain:
     ops: Counter = field(default_factory=Counter)
     bytes: int = 0
     largest: int = 0                               # bytes of the largest tensor touched
+    first_bytes: int = 0                           # the largest input of the chain's first op, in bytes
+    last_bytes: int = 0                            # ... and of its last op
+
+    @property
+    def end_bytes(self) -> int:
+        """The tensor a fused kernel reads or writes: the chain's input or output, not an fp32 upcast inside."""
+        return max(self.first_bytes, self.last_bytes) or self.largest
     shape: list = None
     dtype: str = ""
     kind: str = ""                                 # a PATTERNS key, once classified
@@ -124,11 +140,19 @@ def detect(trace: Trace) -> list[Finding]:
             inputs[row.op] = _chain_info(row.op_name or "", trace.op_inputs(row.op), list_dtype)
         return inputs[row.op]
 
+    def end_bytes(row):
+        """The largest input of the user-facing op (aten::to, not the copy_ into its fp32 result)."""
+        op = row.top_op if row.top_op >= 0 else row.op
+        if ("top", op) not in inputs:
+            tensors = trace.op_inputs(op).tensors()
+            inputs[("top", op)] = max((tensor_bytes(t[0], t[1]) for t in tensors), default=0)
+        return inputs[("top", op)]
+
     # without recorded shapes every row is unknown: then only the module and direction delimit a chain
     wildcard = not any(d is not None for d in trace.raw_inputs.dims) if trace.raw_inputs else True
     chains = []
     for _, stream in kernels.groupby("stream", sort=False):
-        chains += _stream_chains(stream, info, wildcard)
+        chains += _stream_chains(stream, info, end_bytes, wildcard)
     chains += _gated_pairs(kernels, info)
     return _findings(trace, chains)
 
@@ -178,7 +202,7 @@ def _tensor_lists(inputs):
                                                        for d in dims)]
 
 
-def _stream_chains(stream, info, wildcard):
+def _stream_chains(stream, info, end_bytes, wildcard):
     chains, current, current_key = [], None, object()
     for row in stream.itertuples():
         # already-fused ops (fused optimizers) and compute kernels end a chain
@@ -205,6 +229,8 @@ def _stream_chains(stream, info, wildcard):
             current.bytes += moved
         if big and tensor_bytes(big[0], big[1]) > current.largest:
             current.largest, current.shape, current.dtype = tensor_bytes(big[0], big[1]), big[0], big[1]
+        current.last_bytes = end_bytes(row) or current.last_bytes
+        current.first_bytes = current.first_bytes or current.last_bytes
     _close(chains, current)
     return chains
 
@@ -224,7 +250,7 @@ def _gated_pairs(kernels, info):
         if not kind or row.backward:
             continue
         moved, big, _ = info(row)
-        for nxt in rows[i + 1:i + 6]:
+        for nxt in rows[i + 1:i + _GATED_WINDOW]:
             if nxt.stream != row.stream or nxt.top_op_name in acts:
                 continue
             if nxt.top_op_name == "aten::mul" and nxt.kind == "memory":
@@ -261,10 +287,11 @@ def _findings(trace, chains):
 def _finding(trace, kind, cls, group, bandwidth) -> Finding:
     pattern = PATTERNS[kind]
     time = sum(c.time for c in group)
-    fused_times = [max(pattern.passes * c.largest / bandwidth, _FUSED_FLOOR_US) for c in group]
+    fused_bytes_each = [pattern.passes_for(c.backward) * c.end_bytes for c in group]
+    fused_times = [max(b / bandwidth, _FUSED_FLOOR_US) for b in fused_bytes_each]
     fused_time = sum(fused_times)
     moved = sum(c.bytes for c in group)
-    fused_bytes = sum(pattern.passes * c.largest for c in group)
+    fused_bytes = sum(fused_bytes_each)
     change, cost_note = _change(trace, pattern, group, fused_times)
     forward = [c for c in group if not c.backward]
     backward = len(group) - len(forward)
@@ -305,11 +332,26 @@ def _finding(trace, kind, cls, group, bandwidth) -> Finding:
                   "time_us_per_step": round(per_step(trace, time), 2),
                   "bytes_moved": int(moved), "fused_min_bytes": int(fused_bytes),
                   "fused_us_per_step": round(per_step(trace, fused_time), 2),
+                  "directions": _directions(group, fused_bytes_each),
                   **({"modules": instances[:32], "module_class": cls} if instances else {})},
         recommendation=Recommendation(summary, pattern.swap, pattern.snippet),
         change=change,
         key=f"unfused_chain:{kind}:{cls or ''}",
     )
+
+
+def _directions(group, fused_bytes_each) -> dict:
+    """Chains, kernels, time and fused minimum bytes, forward and backward apart."""
+    out = {}
+    for chain, fused_bytes in zip(group, fused_bytes_each):
+        d = out.setdefault("backward" if chain.backward else "forward",
+                           {"chains": 0, "kernels": 0, "time_us": 0.0, "bytes_moved": 0, "fused_min_bytes": 0})
+        d["chains"] += 1
+        d["kernels"] += len(chain.rows)
+        d["time_us"] = round(d["time_us"] + chain.time, 2)
+        d["bytes_moved"] += int(chain.bytes)
+        d["fused_min_bytes"] += int(fused_bytes)
+    return out
 
 
 def _change(trace, pattern, group, fused_times) -> tuple[Change, str]:

@@ -35,7 +35,7 @@ def analyse(trace: Trace) -> Analysis:
     findings = run_detectors(trace)
     if not trace.has_gpu:
         return Analysis(trace, findings, _steps_without_gpu(trace), {})
-    findings = _resolve_claims(findings)
+    findings = _resolve_claims(_merge_root_causes(findings))
     timeline = trace.timeline
     scale, calibration = _calibration(trace, timeline)
     base = timeline.replay(host_scale=scale)
@@ -59,25 +59,56 @@ def analyse(trace: Trace) -> Analysis:
     return Analysis(trace, findings, _steps_summary(trace, timeline, base, scale, calibration), prediction)
 
 
+# -- one finding per root cause ------------------------------------------------------------------------
+
+def _merge_root_causes(findings: list) -> list:
+    """Findings that share a root cause (one misaligned size behind low-alignment GEMMs, a misaligned head
+    and GEMMs on normal kernels) become one: its fix is all of theirs."""
+    groups: dict = {}
+    for f in findings:
+        if f.root_cause:
+            groups.setdefault(f.root_cause[0], []).append(f)
+    out = [f for f in findings if not f.root_cause or len(groups[f.root_cause[0]]) == 1]
+    for key, parts in groups.items():
+        if len(parts) == 1:
+            continue
+        base = max(parts, key=lambda f: f.evidence.get("time_us") or 0.0)
+        change = Change()
+        for part in parts:
+            change = change.merged(part.change)
+        out.append(Finding(
+            category="misalignment", title=f"{parts[0].root_cause[1]} ({len(parts)} symptoms)",
+            detail=" ".join(f"({i}) {p.title}: {p.detail}" for i, p in enumerate(parts, 1)),
+            evidence={**base.evidence, "symptoms": [{"title": p.title, "key": p.key, "evidence": p.evidence}
+                                                    for p in parts]},
+            recommendation=base.recommendation, change=change, key=f"misalignment:{key}",
+            root_cause=base.root_cause))
+    return out
+
+
 # -- claims --------------------------------------------------------------------------------------------
 
 def _resolve_claims(findings: list) -> list:
-    """Each kernel to one finding: the earlier in _CLAIM_ORDER keeps it; a finding whose every kernel another
-    root cause claimed is that cause's, and goes."""
+    """Each kernel to one finding: the earlier in _CLAIM_ORDER keeps it. A finding whose every kernel is
+    already claimed goes, and the finding that claimed them names it as related (its advice stays in view)."""
     order = {c: i for i, c in enumerate(_CLAIM_ORDER)}
     generic = lambda f: f.evidence.get("pattern") == "generic"  # noqa: E731
     ranked = sorted(findings, key=lambda f: (order.get(f.category, len(order)), generic(f)))
-    claimed: set = set()
+    owner: dict = {}  # kernel -> the finding that claimed it
     kept = []
     for f in ranked:
         mine = f.change.kernels
-        overlap = mine & claimed
+        overlap = {k for k in mine if k in owner}
         if overlap:
             if overlap == mine:
+                claimant = owner[next(iter(overlap))]
+                claimant.evidence.setdefault("related", []).append(f.title)
+                claimant.detail += f" Related: {f.title}."
                 continue
             f.change = f.change.without_kernels(overlap)
             f.evidence["kernels_claimed_elsewhere"] = len(overlap)
-        claimed |= mine - overlap
+        for k in mine - overlap:
+            owner[k] = f
         kept.append(f)
     return kept
 

@@ -29,6 +29,20 @@ class TraceWriter:
                             "dur": dur, "args": {"External id": ext, "correlation": corr, "stream": stream,
                                                  "device": 0}})
 
+    def step(self, number, ts, dur, tid=1):
+        """A ProfilerStep#N range, as torch.profiler's schedule writes it."""
+        self.events.append({"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{number}", "pid": 1,
+                            "tid": tid, "ts": ts, "dur": dur, "args": {"External id": self._id()}})
+
+    def runtime(self, name, ts, dur, ext=None, tid=1):
+        """A CUDA runtime call that launches nothing (a synchronize)."""
+        self.events.append({"ph": "X", "cat": "cuda_runtime", "name": name, "pid": 1, "tid": tid, "ts": ts,
+                            "dur": dur, "args": {"correlation": self._id(), **({"External id": ext} if ext else {})}})
+
+    def _id(self):
+        self.next_id += 1
+        return self.next_id - 1
+
     def write(self, path):
         path.write_text(json.dumps({"deviceProperties": self.props, "traceEvents": self.events}))
         return path

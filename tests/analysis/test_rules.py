@@ -10,7 +10,8 @@ def test_wave_quantization(tmp_path):
     w.kernel("nvjet_sm90_tst_128x128_64x6_2x1_v_bz_TNT", 10, 100, ext)
     f = [f for f in recommend(w.write(tmp_path / "t.json")).findings if "waves" in f.key]
     assert len(f) == 1 and f[0].evidence["tiles"] == 140 and f[0].evidence["waves"] == round(140 / 132, 3)
-    assert 40 < f[0].estimated_savings_us < 50  # 1 - 1.06/2 of 100 µs
+    # the last wave's idle share: 1 - 1.06 / 2 of the kernel's 100 µs, freed on the GPU
+    assert 40 < f[0].gpu_time_saved_us_per_step < 50
 
 
 def test_whole_waves_are_not_flagged(tmp_path):

@@ -1,0 +1,104 @@
+"""The what-if replay on small hand-built timelines whose answers are known by hand."""
+import pytest
+
+from profiler_svc import load_trace
+from profiler_svc.trace.replay import Change, calibrate, sensitivity
+from tests.analysis.synthetic import TraceWriter
+
+
+def gpu_bound(tmp_path):
+    """One step: the host launches 10 kernels of 100 µs in the first 50 µs, they run back to back."""
+    w = TraceWriter()
+    w.step(1, 0, 60)
+    for i in range(10):
+        ext = w.op("aten::mul", i * 5, 4)
+        w.kernel(f"k{i}", 10 + i * 100, 100, ext, launch_ts=i * 5 + 1)
+    return load_trace(w.write(tmp_path / "gpu.json"))
+
+
+def host_bound(tmp_path):
+    """One step: 10 kernels of 2 µs, each launched 50 µs after the previous one (Python in between)."""
+    w = TraceWriter()
+    w.step(1, 0, 500)
+    for i in range(10):
+        ext = w.op("aten::mul", i * 50, 10)
+        w.kernel(f"k{i}", i * 50 + 8, 2, ext, launch_ts=i * 50 + 2)
+    return load_trace(w.write(tmp_path / "host.json"))
+
+
+def kernels_of(trace):
+    return trace.kernels.index.tolist()
+
+
+def test_replay_reproduces_the_measured_steps(tmp_path):
+    for trace in (gpu_bound(tmp_path), host_bound(tmp_path)):
+        timeline = trace.timeline
+        assert timeline.baseline.total_us == pytest.approx(timeline.measured.total_us, abs=1e-6)
+        assert timeline.error_pct == pytest.approx(0.0, abs=1e-9)
+
+
+def test_gpu_bound_step_shortens_with_its_kernels(tmp_path):
+    trace = gpu_bound(tmp_path)
+    timeline = trace.timeline
+    assert timeline.measured.total_us == pytest.approx(1010.0)  # first kernel starts at 10, ten of 100 µs
+    halved = Change(durations={k: 50.0 for k in kernels_of(trace)})
+    assert timeline.replay(halved).total_us == pytest.approx(510.0)
+    # host time is not what bounds it: removing every op's host time changes nothing
+    no_host = Change(host_removed=[(0.0, 60.0)])
+    assert timeline.replay(no_host).total_us == pytest.approx(1010.0, abs=6.0)
+    s = sensitivity(timeline)
+    assert s["gpu"] > 0.9 and s["host"] < 0.1
+
+
+def test_host_bound_step_ignores_faster_kernels(tmp_path):
+    trace = host_bound(tmp_path)
+    timeline = trace.timeline
+    assert timeline.measured.total_us == pytest.approx(500.0)
+    faster = Change(durations={k: 0.5 for k in kernels_of(trace)})
+    assert timeline.replay(faster).total_us == pytest.approx(500.0)
+    # ...but shortens when the host's work between launches goes: 5 of the 10 ops' 10 µs and the
+    # 40 µs of Python after each, so 5 x 50 µs
+    removed = Change(host_removed=[(i * 50.0, i * 50.0 + 50.0) for i in range(5)])
+    assert timeline.replay(removed).total_us == pytest.approx(250.0, abs=1.0)
+
+
+def test_cuda_graphs_remove_launch_overhead(tmp_path):
+    trace = host_bound(tmp_path)
+    after = trace.timeline.replay(Change(graphs=True)).total_us
+    assert after < 100.0  # 10 kernels of 2 µs back to back, plus the graph's launch
+
+
+def test_fused_kernels_run_once(tmp_path):
+    trace = gpu_bound(tmp_path)
+    rows = kernels_of(trace)
+    fused = Change(durations={rows[0]: 300.0}, removed=set(rows[1:5]))  # k0-k4 (500 µs) become one of 300
+    assert trace.timeline.replay(fused).total_us == pytest.approx(1010.0 - 500.0 + 300.0)
+
+
+def test_a_sync_that_no_longer_blocks_lets_the_host_run_ahead(tmp_path):
+    """A 1 ms kernel, then the host blocks in a synchronize, then launches 20 short kernels 50 µs apart."""
+    w = TraceWriter()
+    w.step(1, 0, 2100)
+    ext = w.op("aten::mm", 0, 5)
+    w.kernel("long", 10, 1000, ext, launch_ts=2)
+    w.runtime("cudaStreamSynchronize", 6, 1010)  # returns at 1016, 6 µs after the kernel ended
+    for i in range(20):
+        ext = w.op("aten::mul", 1020 + i * 50, 10)
+        w.kernel(f"k{i}", 1028 + i * 50, 2, ext, launch_ts=1022 + i * 50)
+    trace = load_trace(w.write(tmp_path / "sync.json"))
+    timeline = trace.timeline
+    assert timeline.baseline.total_us == pytest.approx(timeline.measured.total_us)
+    sync_row = int(trace.runtime.index[trace.runtime["name"] == "cudaStreamSynchronize"][0])
+    after = timeline.replay(Change(unblocked={sync_row}))
+    # the call returned 6 µs after the kernel's end at 1010 and cost 6 µs itself: unblocked it returns at
+    # 12, and everything the host does after it moves 1004 µs earlier; the short kernels queue behind the
+    # long one (done by about 1050), so the host's own end bounds the step
+    assert after.total_us == pytest.approx(2100.0 - 1004.0, abs=1.0)
+
+
+def test_calibration_finds_the_host_scale(tmp_path):
+    trace = host_bound(tmp_path)
+    timeline = trace.timeline
+    scale = calibrate(timeline, 250.0)  # the unprofiled step took half as long
+    assert scale == pytest.approx(0.5, abs=0.02)
+    assert calibrate(gpu_bound(tmp_path).timeline, 2000.0) == 1.0  # profiled was not slower

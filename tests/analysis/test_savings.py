@@ -1,0 +1,70 @@
+"""What every bundled real trace's savings must satisfy: the replay reproduces the measured steps, no saving
+exceeds the step, the combined prediction neither, and no kernel's time is claimed twice."""
+import bisect
+import gzip
+import json
+import math
+
+import pytest
+
+from profiler_svc.recommendations import recommend
+from tests.conftest import DATA
+
+GPU_FIXTURES = sorted(p for p in DATA.glob("**/*.json.gz") if "cpu_" not in p.name)
+_reports = {}
+
+
+def report(path):
+    if path not in _reports:
+        _reports[path] = recommend(path)
+    return _reports[path]
+
+
+def raw_step_times(path):
+    """Step times straight from the JSON: a step starts when both its ProfilerStep range has begun and the
+    GPU has finished the work launched in the step before; the last ends when both host and GPU are done."""
+    with gzip.open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    steps = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                   if e.get("cat") == "user_annotation" and e["name"].startswith("ProfilerStep#"))
+    starts = [s for s, _ in steps]
+    launched_at = {e["args"]["correlation"]: e["ts"] for e in events
+                   if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    gpu_end = [-math.inf] * len(steps)
+    for e in events:
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            t = launched_at.get(e.get("args", {}).get("correlation"), e["ts"])
+            i = bisect.bisect_right(starts, t) - 1
+            if 0 <= i < len(steps):
+                gpu_end[i] = max(gpu_end[i], e["ts"] + e["dur"])
+    bounds = [starts[0]] + [max(starts[i], gpu_end[i - 1]) for i in range(1, len(steps))]
+    bounds.append(max(steps[-1][1], gpu_end[-1]))
+    return [b - a for a, b in zip(bounds, bounds[1:])]
+
+
+@pytest.mark.parametrize("path", GPU_FIXTURES, ids=lambda p: p.name)
+def test_steps_and_replay(path):
+    r = report(path)
+    expected = raw_step_times(path)
+    assert r.steps["count"] == len(expected) == 2
+    assert r.steps["step_us"]["values"] == pytest.approx(expected, rel=0.01)
+    assert abs(r.steps["replay_error_pct"]) < 5.0
+
+
+@pytest.mark.parametrize("path", GPU_FIXTURES, ids=lambda p: p.name)
+def test_savings_are_bounded_and_claims_disjoint(path):
+    r = report(path)
+    step = r.prediction["step_us"]
+    for f in r.findings:
+        assert f.saving_us_per_step <= step, f.title
+        assert f.gpu_time_saved_us_per_step <= step + 1e-6, f.title
+    p = r.prediction
+    assert 0.0 <= p["saving_us_per_step"] <= step and p["step_us_after"] >= 0.0
+    best = max([f.saving_us_per_step for f in r.findings] + [0.0])
+    assert p["saving_us_per_step"] >= best - 1.0  # together never less than the best one alone
+    claimed = set()
+    for f in r.findings:
+        kernels = f.change.kernels
+        assert not (kernels & claimed), f.title
+        claimed |= kernels
+    assert "total_estimated_savings_us" not in r.to_dict()["summary"]
