@@ -5,6 +5,7 @@ from typing import Optional
 
 import pandas as pd
 
+from ..formats import fmt_us  # noqa: F401
 from ..trace.model import OpInputs, Trace, element_bytes
 
 # A GEMM dimension this large is a vocabulary (or class count): pad it to a multiple of 64.
@@ -142,14 +143,6 @@ def module_class(module: Optional[str]) -> Optional[str]:
     if not module or not module.endswith(")"):
         return None
     return module[module.rfind("(") + 1:-1]
-
-
-def fmt_us(us: float) -> str:
-    if us >= 1e6:
-        return f"{us / 1e6:.2f} s"
-    if us >= 1e3:
-        return f"{us / 1e3:.2f} ms"
-    return f"{us:.1f} µs"
 
 
 def plural(n: int, noun: str, nouns: str = None) -> str:

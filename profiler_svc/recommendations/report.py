@@ -4,10 +4,9 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-import numpy as np
-
 from ..detectors.common import window_kernels
 from ..detectors import CATEGORIES, Finding, run_detectors, top_kernels, top_ops
+from ..formats import plain_json
 from ..trace import Trace, load_traces
 
 from .severity import SEVERITIES, severity_for
@@ -28,7 +27,7 @@ class Report:
         by_category = {c: 0 for c in CATEGORIES}
         for f in self.findings:
             by_category[f.category] += 1
-        return _plain({
+        return plain_json({
             "schema": SCHEMA,
             "source": self.source,
             "trace": self.trace,
@@ -63,21 +62,6 @@ def _finding_dict(f: Finding) -> dict:
     order = ["id", "category", "severity", "title", "detail", "evidence", "estimated_savings_us", "rank",
              "recommendation"]
     return {k: d[k] for k in order}
-
-
-def _plain(value):
-    """numpy scalars/arrays -> Python, so json.dumps never meets them."""
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
-        return None
-    return value
 
 
 def build_report(traces: list[Trace], path: str, top: int = 20) -> Report:
