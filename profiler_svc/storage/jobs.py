@@ -106,8 +106,7 @@ def save_ab_result(result: dict, *, workload: str, params: dict | None = None, r
     """
     import socket
 
-    from .commands import ready_engine
-    from .db import session_scope
+    from .db import ready_engine, session_scope
     from .ingest import _get_or_create_run
     from .models import Run
     from .queries import get

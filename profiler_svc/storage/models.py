@@ -58,7 +58,7 @@ class Trace(Base):
     kernel_time_us: Mapped[float] = mapped_column(Float, default=0.0)
     event_count: Mapped[int] = mapped_column(Integer, default=0)
     summary: Mapped[dict] = mapped_column(default=dict)   # the report's "trace" section
-    timeline: Mapped[dict] = mapped_column(default=dict)  # see storage.timeline
+    timeline: Mapped[dict] = mapped_column(default=dict)  # see trace.timeline
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
     run: Mapped[Run] = relationship(back_populates="traces")

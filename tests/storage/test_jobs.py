@@ -8,7 +8,8 @@ from sqlalchemy.orm import selectinload
 
 from dbfixtures import SMALL_TRACE
 from profiler_svc.errors import UserError
-from profiler_svc.storage import jobs, worker
+from profiler_svc.service import worker
+from profiler_svc.storage import jobs
 from profiler_svc.storage.db import session_scope
 from profiler_svc.storage.ingest import ingest_path
 from profiler_svc.storage.models import ABJob, Finding, Run, utcnow
