@@ -23,7 +23,7 @@ from ..trace.timeline import build_timeline
 from ..workload_spec import check_workload_spec
 from .blobs import BlobStore
 from .db import home, session_scope
-from .models import Finding, KernelSummary, Run, Trace, utcnow
+from .models import FindingRecord, KernelSummary, Run, TraceRecord, utcnow
 
 log = logging.getLogger(__name__)
 
@@ -119,13 +119,13 @@ def _remove(engine, blobs, results) -> None:
     if not results:
         return
     with session_scope(engine) as session:
-        traces = session.scalars(select(Trace).where(Trace.id.in_([r.trace_id for r in results]))).all()
+        traces = session.scalars(select(TraceRecord).where(TraceRecord.id.in_([r.trace_id for r in results]))).all()
         paths = [t.blob_path for t in traces]
         for trace in traces:
             session.delete(trace)
         session.flush()
         for run_id in {r.run_id for r in results}:
-            if session.scalar(select(Trace.id).where(Trace.run_id == run_id).limit(1)) is None:
+            if session.scalar(select(TraceRecord.id).where(TraceRecord.run_id == run_id).limit(1)) is None:
                 session.delete(session.get(Run, run_id))
     for path in paths:
         blobs.delete(path)
@@ -133,8 +133,8 @@ def _remove(engine, blobs, results) -> None:
 
 def _find_trace(engine, sha256) -> IngestResult | None:
     with session_scope(engine) as session:
-        row = session.execute(select(Trace.id, Trace.run_id)
-                              .where(Trace.content_sha256 == sha256)).first()
+        row = session.execute(select(TraceRecord.id, TraceRecord.run_id)
+                              .where(TraceRecord.content_sha256 == sha256)).first()
     return IngestResult(run_id=row.run_id, trace_id=row.id, duplicate=True) if row else None
 
 
@@ -155,7 +155,7 @@ def _store(engine, blobs, received, report, *, filename, name, group_key, host, 
     with Session(engine, expire_on_commit=False) as session:
         run = _get_or_create_run(session, group_key=group_key, name=name or _default_name(filename),
                                  host=host or ours.get("host"), workload=workload, meta=_run_meta(meta))
-        trace = Trace(
+        trace = TraceRecord(
             run_id=run.id, rank=rank, filename=Path(filename).name[:255],
             content_sha256=received.sha256, size_bytes=received.size_bytes,
             stored_bytes=received.stored_bytes, blob_path=blobs.relpath(received.sha256),
@@ -232,7 +232,7 @@ def _kernel_rows(top_kernels, trace_id, run_id):
 def _finding_rows(findings, trace_id, run_id, rank):
     for f in findings:
         rec = f.get("recommendation") or {}
-        yield Finding(
+        yield FindingRecord(
             trace_id=trace_id, run_id=run_id, finding_key=str(f.get("id", ""))[:255],
             category=str(f.get("category", ""))[:32], severity=str(f.get("severity", "info"))[:16],
             title=str(f.get("title", "")), detail=str(f.get("detail", "")),
