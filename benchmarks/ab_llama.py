@@ -108,7 +108,7 @@ def stage_recommend(args) -> dict:
     recommended = list(dict.fromkeys(f["recommendation"]["swap"] for f in findings if f["recommendation"]["swap"]))
     return {"recommended": recommended, "available": available_swaps(),
             "findings": [f"{f['category']}: {f['title']} (swap {f['recommendation']['swap']}, "
-                         f"~{f['estimated_savings_us']:.0f} us)" for f in findings[:8]]}
+                         f"{f['saving_us_per_step']:.0f} us per step)" for f in findings[:8]]}
 
 
 def stage_measure(args) -> dict:

@@ -14,7 +14,7 @@ from .errors import UserError
 COMMAND_MODULES = (
     "profiler_svc.recommendations.commands",
     "profiler_svc.ab.commands",
-    "profiler_svc.storage.commands",
+    "profiler_svc.service.commands",
 )
 
 

@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session
 from werkzeug.exceptions import HTTPException
 
 from ..errors import UserError
+from ..formats import fmt_us
 from ..storage.db import database_url, get_engine, home
 from ..storage.blobs import BlobStore
 from ..storage.ingest import default_blob_store
@@ -54,7 +55,7 @@ def create_app(config: dict | None = None) -> Flask:
     app.register_error_handler(CSRFError, _csrf_error)
     app.register_error_handler(NotFound, lambda exc: _error(404, str(exc)))
     app.register_error_handler(UserError, lambda exc: _error(400, str(exc)))
-    app.jinja_env.filters["us"] = format_us
+    app.jinja_env.filters["us"] = fmt_us
     return app
 
 
@@ -110,15 +111,3 @@ def _http_error(exc: HTTPException):
 
 def _csrf_error(exc: CSRFError):
     return _error(400, f"refused: {exc.description}")
-
-
-def format_us(value) -> str:
-    """Microseconds for people: 950 µs, 12.3 ms, 4.56 s."""
-    if value is None:
-        return "–"
-    value = float(value)
-    if abs(value) >= 1e6:
-        return f"{value / 1e6:.2f} s"
-    if abs(value) >= 1e3:
-        return f"{value / 1e3:.2f} ms"
-    return f"{value:.1f} µs"

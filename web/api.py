@@ -5,7 +5,7 @@ from flask import Blueprint, abort, current_app, jsonify, request, send_file
 
 from ..errors import UserError
 from ..storage import ingest, jobs, queries
-from ..storage.models import Run, Trace
+from ..storage.models import Run, TraceRecord
 from . import db
 
 bp = Blueprint("api", __name__, url_prefix="/api/v1")
@@ -56,7 +56,7 @@ def job(job_id):
 @bp.get("/traces/<int:trace_id>/download")
 def download_trace(trace_id):
     """The stored trace, gzip-compressed as kept (opens in Perfetto or chrome://tracing)."""
-    trace = queries.get(db(), Trace, trace_id)
+    trace = queries.get(db(), TraceRecord, trace_id)
     path = current_app.extensions["profiler_svc.blobs"].path(trace.blob_path)
     if not path.is_file():
         abort(404, f"the file of trace {trace_id} is missing from the blob store")

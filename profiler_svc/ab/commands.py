@@ -8,9 +8,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from ..errors import UserError
-from .workload import one_line
-
-REPORT_SCHEMA = "profiler_svc.report/1"
+from ..formats import one_line
 
 
 def add_commands(subparsers) -> None:
@@ -64,15 +62,17 @@ def run_ab(args) -> int:
 
 def swaps_from_report(path: Path) -> list[str]:
     """Every bundled swap a `recommend` JSON report recommends, in findings order, once each."""
+    from ..recommendations.report import SCHEMA  # here, not at the top: the analyser loads pandas
+
     try:
         report = json.loads(Path(path).read_text())
     except FileNotFoundError:
         raise UserError(f"report {path} does not exist") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise UserError(f"cannot read report {path}: {err}") from None
-    if not isinstance(report, dict) or report.get("schema") != REPORT_SCHEMA:
+    if not isinstance(report, dict) or report.get("schema") != SCHEMA:
         raise UserError(f"{path} is not a `profiler_svc recommend --format json` report "
-                        f"(no schema {REPORT_SCHEMA!r})")
+                        f"(no schema {SCHEMA!r})")
     findings = report.get("findings")
     if not isinstance(findings, list):
         raise UserError(f"report {path} has no findings list")

@@ -20,7 +20,7 @@ from torch.nn.modules.dropout import _DropoutNd
 from ..errors import UserError
 from . import parity, stats
 from .result import ABResult, Timing
-from .workload import one_line
+from ..formats import one_line
 
 
 def ab_test(model: nn.Module, inputs, swaps, *, train: bool = False, loss_fn=None, rounds: int = 30,

@@ -7,6 +7,8 @@ import sys
 from dataclasses import dataclass
 
 from ..errors import UserError
+from ..formats import one_line
+from ..workload_spec import split_workload_spec
 
 
 @dataclass
@@ -18,9 +20,7 @@ class Workload:
 
 def load_workload(spec: str) -> Workload:
     """Import `pkg.module`, call `factory()`; it returns (model, inputs) or (model, inputs, loss_fn)."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise UserError(f"workload must look like 'pkg.module:factory', got {spec!r}")
+    module_name, attr = split_workload_spec(spec)
     # Like `python -m` and `flask --app`: a module in the current folder is importable.
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
@@ -49,8 +49,3 @@ def load_workload(spec: str) -> Workload:
         raise UserError(f"workload factory {spec} returned a {type(made[0]).__name__} as its model, "
                         "not a torch.nn.Module")
     return Workload(*made)
-
-
-def one_line(err: BaseException) -> str:
-    """`TypeError: first line of the message`: an exception as one line for the user."""
-    return f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"

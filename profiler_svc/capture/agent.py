@@ -24,7 +24,9 @@ import torch
 from torch.profiler import ProfilerAction, ProfilerActivity
 
 from ..errors import UserError
+from ..formats import one_line
 from ..trace.labels import METADATA_KEY
+from ..workload_spec import check_workload_spec
 from .hooks import ModuleLabels, class_name
 from .metadata import numerics, rank_and_world_size, static_metadata
 from .step_timer import StepTimer
@@ -34,7 +36,6 @@ DEFAULT_OUT = "profiler_svc_traces"
 URL_ENV = "PROFILER_SVC_URL"
 # Two wait steps: the second runs unprofiled after a warm-up step and is timed to calibrate the analysis.
 DEFAULT_SCHEDULE = {"wait": 2, "warmup": 1, "active": 3}
-WORKLOAD_PATTERN = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")  # "pkg.module:factory"
 RECORDING = (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE)
 
 
@@ -70,8 +71,8 @@ class Capture:
         if label_modules is not None and not callable(label_modules):
             raise UserError(f"label_modules must be a function (name, module) -> bool, got {type(label_modules).__name__}")
         self.schedule = _schedule(wait, warmup, active, repeat)
-        if workload is not None and not (isinstance(workload, str) and WORKLOAD_PATTERN.match(workload)):
-            raise UserError(f"workload must look like 'pkg.module:factory', got {workload!r}")
+        if workload is not None:
+            check_workload_spec(workload)
         self.upload_url = os.environ.get(URL_ENV) if upload is None else (upload or None)
         if self.upload_url and not re.match(r"^https?://", self.upload_url):
             raise UserError(f"upload URL must start with http:// or https://, got {self.upload_url!r}")
@@ -91,7 +92,7 @@ class Capture:
         except Exception as exc:
             if label_modules is None:
                 raise
-            raise UserError(f"label_modules raised {type(exc).__name__}: {exc}") from None
+            raise UserError(f"label_modules raised {one_line(exc)}") from None
         self.labels.on_root_call = self._on_model_call
         settings = {**(self.schedule or {}), "record_shapes": record_shapes, "nvtx": nvtx,
                     "labelled_modules": len(self.labels.targets), "label_filter": label_modules is not None,

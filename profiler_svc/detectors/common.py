@@ -5,6 +5,7 @@ from typing import Optional
 
 import pandas as pd
 
+from ..formats import fmt_us  # noqa: F401
 from ..trace.model import OpInputs, Trace, element_bytes
 from ..trace.replay import Change
 
@@ -198,14 +199,6 @@ def size_root_cause(sizes) -> tuple:
     label = ", ".join(f"{v} → {p}" for v, p in sizes)
     return (f"size:{','.join(str(v) for v, _ in sizes)}",
             f"misaligned size{'s' if len(sizes) > 1 else ''}: pad {label}")
-
-
-def fmt_us(us: float) -> str:
-    if us >= 1e6:
-        return f"{us / 1e6:.2f} s"
-    if us >= 1e3:
-        return f"{us / 1e3:.2f} ms"
-    return f"{us:.1f} µs"
 
 
 def plural(n: int, noun: str, nouns: str = None) -> str:

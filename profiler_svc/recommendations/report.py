@@ -5,9 +5,8 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-import numpy as np
-
 from ..detectors import CATEGORIES, Finding, top_kernels, top_ops
+from ..formats import fmt_us, plain_json
 from ..trace import Trace, load_traces
 
 from .analysis import Analysis, analyse
@@ -32,7 +31,7 @@ class Report:
         by_category = {c: 0 for c in CATEGORIES}
         for f in self.findings:
             by_category[f.category] += 1
-        return _plain({
+        return plain_json({
             "schema": SCHEMA,
             "source": self.source,
             "trace": self.trace,
@@ -71,21 +70,6 @@ def _finding_dict(f: Finding) -> dict:
     order = ["id", "category", "severity", "title", "detail", "evidence", "saving_us_per_step",
              "gpu_time_saved_us_per_step", "share_of_step_pct", "rank", "recommendation"]
     return {k: d[k] for k in order}
-
-
-def _plain(value):
-    """numpy scalars/arrays -> Python, so json.dumps never meets them."""
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, np.generic):
-        return _plain(value.item())
-    if isinstance(value, np.ndarray):
-        return _plain(value.tolist())
-    if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
-        return None
-    return value
 
 
 def build_report(traces: list[Trace], path: str, top: int = 20) -> Report:
@@ -174,11 +158,6 @@ def clean(text) -> str:
     return _CONTROL.sub("?", str(text))
 
 
-def _us(us: float) -> str:
-    from ..detectors.common import fmt_us
-    return fmt_us(us)
-
-
 def _headline(report: Report) -> list[str]:
     """The step, what bounds it, and what every recommended fix together would make of it."""
     steps, prediction = report.steps, report.prediction
@@ -186,19 +165,19 @@ def _headline(report: Report) -> list[str]:
     if steps.get("step_us"):
         s = steps["step_us"]
         where = {"profiler": "ProfilerStep ranges", "root module": "model calls", "none": "no steps found: the window"}
-        lines.append(f"step {_us(s['median'])} (median of {max(steps['count'], 1)}, {_us(s['min'])}-{_us(s['max'])}; "
+        lines.append(f"step {fmt_us(s['median'])} (median of {max(steps['count'], 1)}, {fmt_us(s['min'])}-{fmt_us(s['max'])}; "
                      f"{where.get(steps['source'], steps['source'])})")
     b = steps.get("bottleneck")
     if b:
         lines.append(f"bound by {b['kind']}: {b['detail']}")
     calibration = steps.get("calibration") or {}
     if calibration.get("measured"):
-        lines.append(f"unprofiled step {_us(calibration['unprofiled_step_us'])}: the profiler inflated it by "
+        lines.append(f"unprofiled step {fmt_us(calibration['unprofiled_step_us'])}: the profiler inflated it by "
                      f"{calibration['profiler_inflation_pct']:.0f}%; host time scaled by {calibration['host_scale']:.2f}")
     elif calibration:
         lines.append("host figures are upper bounds: " + calibration["note"].split(": ", 1)[-1])
     if prediction:
-        lines.append(f"all recommended fixes together: {_us(prediction['step_us'])} -> {_us(prediction['step_us_after'])} "
+        lines.append(f"all recommended fixes together: {fmt_us(prediction['step_us'])} -> {fmt_us(prediction['step_us_after'])} "
                      f"per step ({prediction['saving_pct']:.1f}% faster, one replay; replay error "
                      f"{steps.get('replay_error_pct', 0):+.1f}%)")
     phases = steps.get("phases")
@@ -215,26 +194,26 @@ def render_text(report: Report, top: int = 10) -> str:
     t = report.trace
     dev = t["device"]
     lines = [f"profiler_svc report: {clean(report.source['path'])}",
-             f"device {clean(dev.get('name') or 'unknown')}  window {_us(t['span_us'])}  steps {t['steps']}  "
-             f"GPU busy {t['gpu_busy_pct']:.1f}%  kernels {t['kernel_count']} ({_us(t['kernel_time_us'])})"]
+             f"device {clean(dev.get('name') or 'unknown')}  window {fmt_us(t['span_us'])}  steps {t['steps']}  "
+             f"GPU busy {t['gpu_busy_pct']:.1f}%  kernels {t['kernel_count']} ({fmt_us(t['kernel_time_us'])})"]
     if len(report.source["ranks"]) > 1:
         lines.append(f"ranks {report.source['ranks']} (step and prediction below: rank {report.source['ranks'][0]}; "
                      "findings: the worst rank's figures)")
     lines += _headline(report)
     for r in report.ranks:
-        lines.append(f"  rank {r['rank']}: step {_us(r['step_us']['median'])}, bound by {r['bottleneck']}")
+        lines.append(f"  rank {r['rank']}: step {fmt_us(r['step_us']['median'])}, bound by {r['bottleneck']}")
     lines.append("")
     findings = report.findings[:top]
     if findings:
         lines.append(f"{'#':>2}  {'severity':8}  {'category':15}  {'saves/step':>11}  finding")
         for i, f in enumerate(findings, 1):
-            lines.append(f"{i:>2}  {f.severity:8}  {f.category:15}  {_us(f.saving_us_per_step):>11}  {clean(f.title)}")
+            lines.append(f"{i:>2}  {f.severity:8}  {f.category:15}  {fmt_us(f.saving_us_per_step):>11}  {clean(f.title)}")
         lines.append("")
         for i, f in enumerate(findings, 1):
             lines.append(f"[{i}] {f.id}: {clean(f.title)}")
             lines.append(f"    {clean(f.detail)}")
-            lines.append(f"    saves {_us(f.saving_us_per_step)} per step ({f.share_of_step_pct:.1f}% of the step), "
-                         f"frees {_us(f.gpu_time_saved_us_per_step)} of GPU time per step"
+            lines.append(f"    saves {fmt_us(f.saving_us_per_step)} per step ({f.share_of_step_pct:.1f}% of the step), "
+                         f"frees {fmt_us(f.gpu_time_saved_us_per_step)} of GPU time per step"
                          + (f"; rank {f.rank}" if len(report.source["ranks"]) > 1 and f.rank is not None else ""))
             modules = f.evidence.get("modules")
             if modules:
@@ -251,13 +230,13 @@ def render_text(report: Report, top: int = 10) -> str:
         lines.append("Top kernels")
         lines.append(f"{'share':>6}  {'per step':>9}  {'calls':>6}  {'rate':>22}  kernel  (op · module)")
         for k in report.top_kernels[:top]:
-            lines.append(f"{k['share_pct']:5.1f}%  {_us(k['us_per_step']):>9}  {k['count']:>6}  {_rate(k):>22}  "
+            lines.append(f"{k['share_pct']:5.1f}%  {fmt_us(k['us_per_step']):>9}  {k['count']:>6}  {_rate(k):>22}  "
                          f"{_truncate(clean(k['short_name']), 70)}  ({_where(k)})")
     elif report.top_ops:
         lines.append("No GPU kernels in this trace. Top CPU ops (outermost, host time)")
         lines.append(f"{'share':>6}  {'total':>9}  {'calls':>6}  op")
         for o in report.top_ops[:top]:
-            lines.append(f"{o['share_pct']:5.1f}%  {_us(o['total_us']):>9}  {o['count']:>6}  {clean(o['name'])}")
+            lines.append(f"{o['share_pct']:5.1f}%  {fmt_us(o['total_us']):>9}  {o['count']:>6}  {clean(o['name'])}")
     return "\n".join(lines) + "\n"
 
 
@@ -290,19 +269,19 @@ def render_markdown(report: Report, top: int = 10) -> str:
     t = report.trace
     fence = "`" * 3
     out = [f"## profiler_svc report: {_code(report.source['path'], 200)}", "",
-           f"**{_md(t['device'].get('name') or 'unknown device')}** · window {_us(t['span_us'])} · "
+           f"**{_md(t['device'].get('name') or 'unknown device')}** · window {fmt_us(t['span_us'])} · "
            f"{t['steps']} steps · GPU busy {t['gpu_busy_pct']:.1f}% · {t['kernel_count']} kernels", ""]
     out += [f"- {_md(line)}" for line in _headline(report)] + [""]
     if report.findings:
         out += ["| # | severity | category | saves per step | finding | swap |", "|---|---|---|---|---|---|"]
         for i, f in enumerate(report.findings[:top], 1):
-            out.append(f"| {i} | {f.severity} | {f.category} | {_us(f.saving_us_per_step)} | {_md(f.title)} | "
+            out.append(f"| {i} | {f.severity} | {f.category} | {fmt_us(f.saving_us_per_step)} | {_md(f.title)} | "
                        f"{_code(f.recommendation.swap) if f.recommendation.swap else ''} |")
         out.append("")
         for i, f in enumerate(report.findings[:top], 1):
             out += [f"<details><summary>{i}. {_md(f.title)}</summary>", "", _md(f.detail), "",
-                    f"Saves {_us(f.saving_us_per_step)} per step ({f.share_of_step_pct:.1f}% of the step); frees "
-                    f"{_us(f.gpu_time_saved_us_per_step)} of GPU time per step.", "",
+                    f"Saves {fmt_us(f.saving_us_per_step)} per step ({f.share_of_step_pct:.1f}% of the step); frees "
+                    f"{fmt_us(f.gpu_time_saved_us_per_step)} of GPU time per step.", "",
                     f"**Fix:** {_md(f.recommendation.summary)}", ""]
             if f.recommendation.snippet:
                 out += [fence + "python", clean(f.recommendation.snippet).replace(fence, "'''"), fence, ""]
@@ -313,6 +292,6 @@ def render_markdown(report: Report, top: int = 10) -> str:
         out += ["### Top kernels", "", "| share | per step | calls | rate | kernel | op | module |",
                 "|---|---|---|---|---|---|---|"]
         for k in report.top_kernels[:top]:
-            out.append(f"| {k['share_pct']:.1f}% | {_us(k['us_per_step'])} | {k['count']} | {_rate(k)} | "
+            out.append(f"| {k['share_pct']:.1f}% | {fmt_us(k['us_per_step'])} | {k['count']} | {_rate(k)} | "
                        f"{_code(k['short_name'])} | {_md(k['top_op'] or k['op'] or '')} | {_md(k['module'] or '')} |")
     return "\n".join(out) + "\n"

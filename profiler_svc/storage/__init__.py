@@ -1,7 +1,8 @@
-"""Storage and service back end: the database (models, engine, migrations), the blob store for
-compressed traces, ingest, the read queries behind the dashboard, the A/B job queue and its worker.
+"""Persistence: the database (models, engine, migrations), the blob store for compressed traces,
+ingest, the read queries behind the dashboard and the A/B job queue.
 
-See docs/service.md. The web app lives in ``profiler_svc.web``; the CLI in ``commands.py``.
+See docs/service.md. Nothing here imports the web app, A/B, capture or the service commands
+(``profiler_svc.service``), which sit above it.
 """
 
 

@@ -6,6 +6,7 @@
   Default: ``~/.local/share/profiler_svc``.
 """
 import functools
+import importlib.resources
 import os
 from contextlib import contextmanager
 from pathlib import Path
@@ -15,6 +16,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from ..errors import UserError
+from ..formats import one_line
 
 DATABASE_URL_ENV = "PROFILER_SVC_DATABASE_URL"
 HOME_ENV = "PROFILER_SVC_HOME"
@@ -105,11 +107,10 @@ def upgrade(engine: Engine | None = None, revision: str = "head") -> None:
     from alembic import command
     from alembic.config import Config
 
-    from .. import migrations
-
     engine = engine or get_engine()
     config = Config()
-    config.set_main_option("script_location", str(Path(migrations.__file__).parent))
+    # The folder, not the module: Alembic runs migrations/env.py, which imports the models from here.
+    config.set_main_option("script_location", str(importlib.resources.files("profiler_svc.migrations")))
     with engine.begin() as connection:
         config.attributes["connection"] = connection
         command.upgrade(config, revision)
@@ -119,3 +120,18 @@ def require_schema(engine: Engine) -> None:
     """A clear error instead of 'no such table' when `db upgrade` was never run."""
     if not inspect(engine).has_table("alembic_version"):
         raise UserError(f"database {_redact(str(engine.url))} is not initialised: run `profiler_svc db upgrade`")
+
+
+def ready_engine() -> Engine:
+    """The configured database, migrated when it is the zero-set-up SQLite file."""
+    engine = get_engine()
+    try:
+        if engine.dialect.name == "sqlite":
+            upgrade(engine)
+        else:
+            require_schema(engine)
+    except UserError:
+        raise
+    except Exception as exc:
+        raise UserError(f"cannot open the database: {one_line(exc)}") from None
+    return engine

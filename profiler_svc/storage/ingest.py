@@ -5,9 +5,7 @@ answer says ``duplicate``). Transactional: the rows are written in one transacti
 is moved into place inside it, so a failure at any step leaves no rows and no file.
 """
 import logging
-import math
 import os
-import re
 import socket
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -19,18 +17,19 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from ..errors import TraceError, UserError
+from ..formats import one_line, plain_json
 from ..trace.load import MAX_TRACE_BYTES
+from ..trace.timeline import build_timeline
+from ..workload_spec import check_workload_spec
 from .blobs import BlobStore
 from .db import home, session_scope
-from .models import Finding, KernelSummary, Run, Trace, utcnow
-from .timeline import build_timeline
+from .models import FindingRecord, KernelSummary, Run, TraceRecord, utcnow
 
 log = logging.getLogger(__name__)
 
 BLOB_DIR_ENV = "PROFILER_SVC_BLOB_DIR"
 # Uncompressed, checked while receiving (a gzip bomb stops early); the analyser's own limit.
 DEFAULT_MAX_TRACE_BYTES = MAX_TRACE_BYTES
-WORKLOAD_PATTERN = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")  # "pkg.module:factory", as capture writes it
 
 
 def default_blob_store() -> BlobStore:
@@ -47,11 +46,6 @@ class IngestResult:
         return asdict(self)
 
 
-def check_workload(workload: str | None) -> None:
-    if workload is not None and not WORKLOAD_PATTERN.match(workload):
-        raise UserError(f"workload must look like 'pkg.module:factory', got {workload!r}")
-
-
 def analyse(path: Path):
     """The analyser (a module-level name, so tests can replace it)."""
     from ..recommendations import recommend
@@ -62,7 +56,8 @@ def ingest_stream(engine: Engine, stream, *, filename: str, blobs: BlobStore | N
                   name: str | None = None, group_key: str | None = None, host: str | None = None,
                   workload: str | None = None, max_bytes: int | None = DEFAULT_MAX_TRACE_BYTES) -> IngestResult:
     """Store one trace read from a binary stream (plain or gzip JSON)."""
-    check_workload(workload)
+    if workload is not None:
+        check_workload_spec(workload)
     blobs = blobs or default_blob_store()
     received = blobs.receive(stream, max_bytes=max_bytes)
     try:
@@ -75,7 +70,7 @@ def ingest_stream(engine: Engine, stream, *, filename: str, blobs: BlobStore | N
             raise
         except Exception as exc:  # an analyser bug must not leave a half-ingested trace either
             log.exception("analysis failed for %s", filename)
-            raise TraceError(f"{filename}: analysis failed: {type(exc).__name__}: {exc}") from None
+            raise TraceError(f"{filename}: analysis failed: {one_line(exc)}") from None
         try:
             return _store(engine, blobs, received, report, filename=filename, name=name,
                           group_key=group_key, host=host, workload=workload)
@@ -124,13 +119,13 @@ def _remove(engine, blobs, results) -> None:
     if not results:
         return
     with session_scope(engine) as session:
-        traces = session.scalars(select(Trace).where(Trace.id.in_([r.trace_id for r in results]))).all()
+        traces = session.scalars(select(TraceRecord).where(TraceRecord.id.in_([r.trace_id for r in results]))).all()
         paths = [t.blob_path for t in traces]
         for trace in traces:
             session.delete(trace)
         session.flush()
         for run_id in {r.run_id for r in results}:
-            if session.scalar(select(Trace.id).where(Trace.run_id == run_id).limit(1)) is None:
+            if session.scalar(select(TraceRecord.id).where(TraceRecord.run_id == run_id).limit(1)) is None:
                 session.delete(session.get(Run, run_id))
     for path in paths:
         blobs.delete(path)
@@ -138,7 +133,8 @@ def _remove(engine, blobs, results) -> None:
 
 def _find_trace(engine, sha256) -> IngestResult | None:
     with session_scope(engine) as session:
-        row = session.execute(select(Trace.id, Trace.run_id).where(Trace.content_sha256 == sha256)).first()
+        row = session.execute(select(TraceRecord.id, TraceRecord.run_id)
+                              .where(TraceRecord.content_sha256 == sha256)).first()
     return IngestResult(run_id=row.run_id, trace_id=row.id, duplicate=True) if row else None
 
 
@@ -147,7 +143,7 @@ def _store(engine, blobs, received, report, *, filename, name, group_key, host, 
     loaded = report.traces[0] if getattr(report, "traces", None) else None
     meta = _trace_metadata(loaded)
     ours = meta.get("profiler_svc") or {}
-    rank = _rank(loaded, meta)
+    rank = getattr(loaded, "rank", None) or 0  # the loader reads it from the trace's metadata
     workload = workload or ours.get("workload")
     # The ranks of one captured job share the capture's run id: group them without being told.
     if group_key is None and ours.get("run"):
@@ -159,7 +155,7 @@ def _store(engine, blobs, received, report, *, filename, name, group_key, host, 
     with Session(engine, expire_on_commit=False) as session:
         run = _get_or_create_run(session, group_key=group_key, name=name or _default_name(filename),
                                  host=host or ours.get("host"), workload=workload, meta=_run_meta(meta))
-        trace = Trace(
+        trace = TraceRecord(
             run_id=run.id, rank=rank, filename=Path(filename).name[:255],
             content_sha256=received.sha256, size_bytes=received.size_bytes,
             stored_bytes=received.stored_bytes, blob_path=blobs.relpath(received.sha256),
@@ -167,7 +163,8 @@ def _store(engine, blobs, received, report, *, filename, name, group_key, host, 
             gpu_busy_pct=float(summary.get("gpu_busy_pct") or 0),
             kernel_count=int(summary.get("kernel_count") or 0),
             kernel_time_us=float(summary.get("kernel_time_us") or 0),
-            event_count=int(summary.get("event_count") or 0), summary=_jsonable(summary),
+            event_count=int(summary.get("event_count") or 0), summary=plain_json(summary),
+            steps=plain_json(data.get("steps") or {}), prediction=plain_json(data.get("prediction") or {}),
             timeline=timeline)
         session.add(trace)
         session.flush()  # the unique content hash is checked here, before the blob moves
@@ -207,37 +204,13 @@ def _trace_metadata(loaded) -> dict:
     return meta if isinstance(meta, dict) else {}
 
 
-def _rank(loaded, meta) -> int:
-    for value in (getattr(loaded, "rank", None), (meta.get("profiler_svc") or {}).get("rank"),
-                  (meta.get("distributedInfo") or {}).get("rank")):
-        if isinstance(value, int):
-            return value
-    return 0
-
-
 def _run_meta(meta) -> dict:
     """The run-level metadata worth keeping (small): ours and the distributed info."""
     keep = {}
     for key in ("profiler_svc", "distributedInfo", "deviceProperties", "cuda_runtime_version", "traceName"):
         if key in meta:
             keep[key] = meta[key]
-    return _jsonable(keep)
-
-
-def _jsonable(value):
-    """Plain JSON for a JSON column: unknown types as strings, NaN and infinities as null
-    (PostgreSQL's json type refuses them)."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {str(key): _jsonable(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(item) for item in value]
-    if value is None or isinstance(value, (str, int, bool)):
-        return value
-    if hasattr(value, "item"):  # numpy scalars
-        return _jsonable(value.item())
-    return str(value)
+    return plain_json(keep)
 
 
 def _default_name(filename: str) -> str:
@@ -253,18 +226,19 @@ def _kernel_rows(top_kernels, trace_id, run_id):
             trace_id=trace_id, run_id=run_id, name=str(k.get("name", "")), count=int(k.get("count") or 0),
             total_us=float(k.get("total_us") or 0), mean_us=float(k.get("mean_us") or 0),
             share_pct=float(k.get("share_pct") or 0), op=k.get("op"), module=k.get("module"),
-            input_shapes=_jsonable(k.get("input_shapes") or []), dtypes=_jsonable(k.get("dtypes") or []),
+            input_shapes=plain_json(k.get("input_shapes") or []), dtypes=plain_json(k.get("dtypes") or []),
             achieved_gbps=k.get("achieved_gbps"), achieved_tflops=k.get("achieved_tflops"))
 
 
 def _finding_rows(findings, trace_id, run_id, rank):
     for f in findings:
         rec = f.get("recommendation") or {}
-        yield Finding(
+        yield FindingRecord(
             trace_id=trace_id, run_id=run_id, finding_key=str(f.get("id", ""))[:255],
             category=str(f.get("category", ""))[:32], severity=str(f.get("severity", "info"))[:16],
             title=str(f.get("title", "")), detail=str(f.get("detail", "")),
-            evidence=_jsonable(f.get("evidence") or {}),
-            estimated_savings_us=float(f.get("estimated_savings_us") or 0),
+            evidence=plain_json(f.get("evidence") or {}),
+            saving_us_per_step=float(f.get("saving_us_per_step") or 0),
+            gpu_time_saved_us_per_step=float(f.get("gpu_time_saved_us_per_step") or 0),
             rank=f.get("rank") if f.get("rank") is not None else rank,
             summary=str(rec.get("summary") or ""), swap=rec.get("swap"), snippet=rec.get("snippet"))

@@ -10,7 +10,7 @@ from sqlalchemy import select, update
 
 from ..errors import UserError
 
-from .models import ABJob, ABResultRow, Finding, utcnow
+from .models import ABJob, ABResultRow, FindingRecord, utcnow
 from .queries import NotFound
 
 MAX_ATTEMPTS = 3
@@ -22,7 +22,7 @@ def enqueue(session, run, *, swap: str | None = None, finding_id: int | None = N
     """Queue an A/B test of `swap` (or of the finding's recommended swap) on the run's workload."""
     finding = None
     if finding_id is not None:
-        finding = session.get(Finding, finding_id) if 0 < finding_id < 2**31 else None
+        finding = session.get(FindingRecord, finding_id) if 0 < finding_id < 2**31 else None
         if finding is None or finding.run_id != run.id:
             raise NotFound(f"run {run.id} has no finding with id {finding_id}")
         swap = swap or finding.swap
@@ -106,8 +106,7 @@ def save_ab_result(result: dict, *, workload: str, params: dict | None = None, r
     """
     import socket
 
-    from .commands import ready_engine
-    from .db import session_scope
+    from .db import ready_engine, session_scope
     from .ingest import _get_or_create_run
     from .models import Run
     from .queries import get

@@ -1,7 +1,7 @@
 """SQLAlchemy 2 models: runs, their per-rank traces, the precomputed aggregates, A/B jobs.
 
 Everything a page shows is stored at ingest (kernel summaries, findings, the timeline), so no
-page ever re-reads a trace. The trace itself lives compressed in the blob store; `Trace.blob_path`
+page ever re-reads a trace. The trace itself lives compressed in the blob store; `TraceRecord.blob_path`
 is its location relative to the blob root.
 """
 from datetime import datetime, timezone
@@ -31,15 +31,15 @@ class Run(Base):
     meta: Mapped[dict] = mapped_column("metadata", default=dict)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
 
-    traces: Mapped[list["Trace"]] = relationship(back_populates="run", order_by="Trace.rank",
+    traces: Mapped[list["TraceRecord"]] = relationship(back_populates="run", order_by="TraceRecord.rank",
                                                  cascade="all, delete-orphan")
-    findings: Mapped[list["Finding"]] = relationship(
-        back_populates="run", order_by="Finding.estimated_savings_us.desc()", cascade="all, delete-orphan")
+    findings: Mapped[list["FindingRecord"]] = relationship(
+        back_populates="run", order_by="FindingRecord.saving_us_per_step.desc()", cascade="all, delete-orphan")
     jobs: Mapped[list["ABJob"]] = relationship(back_populates="run", order_by="ABJob.id.desc()",
                                                cascade="all, delete-orphan")
 
 
-class Trace(Base):
+class TraceRecord(Base):
     """One trace file (one rank), stored compressed outside the database."""
     __tablename__ = "traces"
 
@@ -58,7 +58,9 @@ class Trace(Base):
     kernel_time_us: Mapped[float] = mapped_column(Float, default=0.0)
     event_count: Mapped[int] = mapped_column(Integer, default=0)
     summary: Mapped[dict] = mapped_column(default=dict)   # the report's "trace" section
-    timeline: Mapped[dict] = mapped_column(default=dict)  # see storage.timeline
+    steps: Mapped[dict] = mapped_column(default=dict, server_default="{}")  # the report's "steps" section
+    prediction: Mapped[dict] = mapped_column(default=dict, server_default="{}")  # all fixes together
+    timeline: Mapped[dict] = mapped_column(default=dict)  # see trace.timeline
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
     run: Mapped[Run] = relationship(back_populates="traces")
@@ -86,7 +88,7 @@ class KernelSummary(Base):
     achieved_tflops: Mapped[float | None] = mapped_column(Float)
 
 
-class Finding(Base):
+class FindingRecord(Base):
     """One detector finding with its recommendation."""
     __tablename__ = "findings"
 
@@ -99,7 +101,8 @@ class Finding(Base):
     title: Mapped[str] = mapped_column(Text)
     detail: Mapped[str] = mapped_column(Text, default="")
     evidence: Mapped[dict] = mapped_column(default=dict)
-    estimated_savings_us: Mapped[float] = mapped_column(Float, default=0.0)
+    saving_us_per_step: Mapped[float] = mapped_column(Float, default=0.0)  # what the step gets shorter
+    gpu_time_saved_us_per_step: Mapped[float] = mapped_column(Float, default=0.0, server_default="0")
     rank: Mapped[int | None] = mapped_column(Integer)
     summary: Mapped[str] = mapped_column(Text, default="")  # recommendation summary
     swap: Mapped[str | None] = mapped_column(String(255))
@@ -128,7 +131,7 @@ class ABJob(Base):
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
     run: Mapped[Run] = relationship(back_populates="jobs")
-    finding: Mapped[Finding | None] = relationship()
+    finding: Mapped[FindingRecord | None] = relationship()
     result: Mapped["ABResultRow | None"] = relationship(back_populates="job", cascade="all, delete-orphan")
 
 

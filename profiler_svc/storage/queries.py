@@ -2,7 +2,7 @@
 from sqlalchemy import func, or_, select
 
 from ..errors import UserError
-from .models import ABJob, Finding, KernelSummary, Run, Trace
+from .models import ABJob, FindingRecord, KernelSummary, Run, TraceRecord
 
 TOP_KERNELS = 30
 
@@ -13,9 +13,9 @@ class NotFound(UserError):
 
 def list_runs(session, q: str | None = None, limit: int = 100, offset: int = 0) -> dict:
     stmt = (select(Run.id, Run.name, Run.host, Run.workload, Run.created_at,
-                   func.count(Trace.id).label("traces"), func.max(Trace.span_us).label("span_us"),
-                   func.avg(Trace.gpu_busy_pct).label("gpu_busy_pct"))
-            .outerjoin(Trace, Trace.run_id == Run.id).group_by(Run.id))
+                   func.count(TraceRecord.id).label("traces"), func.max(TraceRecord.span_us).label("span_us"),
+                   func.avg(TraceRecord.gpu_busy_pct).label("gpu_busy_pct"))
+            .outerjoin(TraceRecord, TraceRecord.run_id == Run.id).group_by(Run.id))
     if q:
         pattern = f"%{q.strip()}%"
         stmt = stmt.where(or_(Run.name.ilike(pattern), Run.host.ilike(pattern), Run.workload.ilike(pattern)))
@@ -36,7 +36,7 @@ def get(session, model, id_):
 
 def run_summary(session, run_id: int) -> dict:
     run = get(session, Run, run_id)
-    traces = session.scalars(select(Trace).where(Trace.run_id == run_id).order_by(Trace.rank)).all()
+    traces = session.scalars(select(TraceRecord).where(TraceRecord.run_id == run_id).order_by(TraceRecord.rank)).all()
     kernel_time = sum(t.kernel_time_us for t in traces)
     return {
         "id": run.id, "name": run.name, "host": run.host, "workload": run.workload,
@@ -60,7 +60,8 @@ def run_summary(session, run_id: int) -> dict:
 
 def top_kernels(session, run_id: int, limit: int = TOP_KERNELS) -> list[dict]:
     """Kernels summed over the run's ranks, by (name, op, module)."""
-    kernel_time = session.scalar(select(func.sum(Trace.kernel_time_us)).where(Trace.run_id == run_id)) or 0.0
+    kernel_time = session.scalar(select(func.sum(TraceRecord.kernel_time_us))
+                                 .where(TraceRecord.run_id == run_id)) or 0.0
     total = func.sum(KernelSummary.total_us)
     rows = session.execute(
         select(KernelSummary.name, KernelSummary.op, KernelSummary.module,
@@ -73,16 +74,17 @@ def top_kernels(session, run_id: int, limit: int = TOP_KERNELS) -> list[dict]:
              "share_pct": round(100.0 * r.total_us / kernel_time, 2) if kernel_time else 0.0} for r in rows]
 
 
-def finding_dict(f: Finding) -> dict:
+def finding_dict(f: FindingRecord) -> dict:
     return {"id": f.id, "key": f.finding_key, "category": f.category, "severity": f.severity,
             "title": f.title, "detail": f.detail, "evidence": f.evidence,
-            "estimated_savings_us": f.estimated_savings_us, "rank": f.rank,
+            "saving_us_per_step": f.saving_us_per_step,
+            "gpu_time_saved_us_per_step": f.gpu_time_saved_us_per_step, "rank": f.rank,
             "recommendation": {"summary": f.summary, "swap": f.swap, "snippet": f.snippet}}
 
 
 def findings(session, run_id: int) -> list[dict]:
-    rows = session.scalars(select(Finding).where(Finding.run_id == run_id)
-                           .order_by(Finding.estimated_savings_us.desc(), Finding.id)).all()
+    rows = session.scalars(select(FindingRecord).where(FindingRecord.run_id == run_id)
+                           .order_by(FindingRecord.saving_us_per_step.desc(), FindingRecord.id)).all()
     return [finding_dict(f) for f in rows]
 
 
@@ -109,8 +111,8 @@ def run_page(session, run_id: int, rank: int | None = None) -> dict:
 
 
 def timeline(session, run_id: int, rank: int | None = None) -> dict:
-    stmt = select(Trace.rank, Trace.timeline).where(Trace.run_id == run_id)
-    stmt = stmt.where(Trace.rank == rank) if rank is not None else stmt.order_by(Trace.rank)
+    stmt = select(TraceRecord.rank, TraceRecord.timeline).where(TraceRecord.run_id == run_id)
+    stmt = stmt.where(TraceRecord.rank == rank) if rank is not None else stmt.order_by(TraceRecord.rank)
     row = session.execute(stmt.limit(1)).first()
     if row is None:
         if rank is not None:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, text
 
+from profiler_svc.formats import one_line
 from profiler_svc.storage import db as storage_db
 from profiler_svc.storage.blobs import BlobStore
 from profiler_svc.storage.models import Base
@@ -34,7 +35,7 @@ def postgres_url():
         admin = create_engine(storage_db.with_driver(POSTGRES_ADMIN_URL), isolation_level="AUTOCOMMIT")
         admin.connect().close()
     except Exception as exc:
-        pytest.skip(f"PostgreSQL not reachable at {POSTGRES_ADMIN_URL}: {str(exc).splitlines()[0]}")
+        pytest.skip(f"PostgreSQL not reachable at {POSTGRES_ADMIN_URL}: {one_line(exc)}")
     name = f"profiler_svc_test_{uuid.uuid4().hex[:12]}"
     with admin.connect() as conn:
         conn.execute(text(f'CREATE DATABASE "{name}"'))

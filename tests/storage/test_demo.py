@@ -4,7 +4,7 @@ import pytest
 
 from profiler_svc.cli import main
 from profiler_svc.storage import db as storage_db
-from profiler_svc.storage.demo import SAMPLES, WORKLOAD, demo_config
+from profiler_svc.service.demo import SAMPLES, WORKLOAD, demo_config
 
 
 def test_demo_ingests_samples_and_a_live_capture(capsys):

@@ -8,7 +8,7 @@ from dbfixtures import DATA, SMALL_TRACE, stored_files, trace_variant
 from profiler_svc.errors import UserError
 from profiler_svc.storage import db as storage_db
 from profiler_svc.storage import ingest
-from profiler_svc.storage.models import Finding, KernelSummary, Run, Trace
+from profiler_svc.storage.models import FindingRecord, KernelSummary, Run, TraceRecord
 
 
 def count(engine, model):
@@ -22,7 +22,43 @@ def test_upgrade_creates_every_table_and_is_repeatable(engine):
     assert {"runs", "traces", "kernel_summaries", "findings", "ab_jobs", "ab_results", "alembic_version"} <= tables
     with engine.connect() as conn:
         from sqlalchemy import text
-        assert conn.execute(text("select version_num from alembic_version")).scalar() == "0001"
+        assert conn.execute(text("select version_num from alembic_version")).scalar() == "0002"
+
+
+def test_savings_migration_keeps_stored_findings(engine):
+    """0001 -> 0002: a stored finding's saving moves to saving_us_per_step; new columns get defaults."""
+    from sqlalchemy import text
+    storage_db.upgrade(engine, "0001")
+    with engine.begin() as conn:
+        conn.execute(text("delete from alembic_version"))
+        conn.execute(text("insert into alembic_version values ('0001')"))
+    with engine.begin() as conn:
+        from alembic.migration import MigrationContext
+        from alembic.operations import Operations
+        ops = Operations(MigrationContext.configure(conn))
+        columns = {c["name"] for c in inspect(conn).get_columns("findings")}
+        if "saving_us_per_step" in columns:  # the fixture's schema is at head: step it back to 0001's
+            with ops.batch_alter_table("findings") as batch:
+                batch.drop_column("gpu_time_saved_us_per_step")
+                batch.alter_column("saving_us_per_step", new_column_name="estimated_savings_us")
+            with ops.batch_alter_table("traces") as batch:
+                batch.drop_column("prediction")
+                batch.drop_column("steps")
+        conn.execute(text("insert into runs (name, metadata, created_at) values ('r', '{}', '2026-11-24')"))
+        run = conn.execute(text("select max(id) from runs")).scalar()
+        conn.execute(text(
+            "insert into traces (run_id, rank, filename, content_sha256, size_bytes, stored_bytes, blob_path, span_us,"
+            " gpu_busy_pct, kernel_count, kernel_time_us, event_count, summary, timeline, created_at) values "
+            f"({run}, 0, 't', '{'a' * 64}', 1, 1, 'x', 1, 1, 1, 1, 1, '{{}}', '{{}}', '2026-11-24')"))
+        trace = conn.execute(text("select max(id) from traces")).scalar()
+        conn.execute(text(
+            "insert into findings (trace_id, run_id, finding_key, category, severity, title, detail, evidence,"
+            f" estimated_savings_us, summary) values ({trace}, {run}, 'k', 'c', 'low', 't', '', '{{}}', 123.5, '')"))
+    storage_db.upgrade(engine)
+    with engine.connect() as conn:
+        row = conn.execute(text("select saving_us_per_step, gpu_time_saved_us_per_step from findings")).one()
+        assert tuple(row) == (123.5, 0.0)
+        assert conn.execute(text("select steps, prediction from traces")).one() is not None
 
 
 def test_ingest_stores_aggregates_and_the_compressed_trace(engine, blobs):
@@ -30,14 +66,15 @@ def test_ingest_stores_aggregates_and_the_compressed_trace(engine, blobs):
     assert not result.duplicate
     report = ingest.analyse(SMALL_TRACE).to_dict()
     with storage_db.session_scope(engine) as s:
-        trace = s.get(Trace, result.trace_id)
+        trace = s.get(TraceRecord, result.trace_id)
         assert trace.run.name == "llama_bf16_compiled_infer"
         assert trace.run.workload == "pkg.mod:make"
         assert trace.kernel_count == report["trace"]["kernel_count"] > 0
         assert trace.gpu_busy_pct == pytest.approx(report["trace"]["gpu_busy_pct"])
         assert s.scalar(select(func.count(KernelSummary.id)).where(KernelSummary.trace_id == trace.id)) \
             == len(report["top_kernels"])
-        assert s.scalar(select(func.count(Finding.id)).where(Finding.trace_id == trace.id)) == len(report["findings"])
+        findings = select(func.count(FindingRecord.id)).where(FindingRecord.trace_id == trace.id)
+        assert s.scalar(findings) == len(report["findings"])
         # The timeline accounts for every kernel.
         assert sum(st["kernels"] for st in trace.timeline["streams"]) == trace.kernel_count
         with blobs.open(trace.blob_path) as f:
@@ -53,7 +90,7 @@ def test_ingest_is_idempotent_by_content_gzip_or_not(engine, blobs, tmp_path):
     [as_plain] = ingest.ingest_path(engine, plain, blobs=blobs)
     assert again.duplicate and as_plain.duplicate
     assert (again.run_id, again.trace_id) == (as_plain.run_id, as_plain.trace_id) == (first.run_id, first.trace_id)
-    assert count(engine, Trace) == 1 and count(engine, Run) == 1
+    assert count(engine, TraceRecord) == 1 and count(engine, Run) == 1
     assert len(stored_files(blobs)) == 1
 
 
@@ -80,7 +117,7 @@ def test_failed_analysis_leaves_no_rows_and_no_files(engine, blobs, monkeypatch)
     monkeypatch.setattr(ingest, "analyse", broken)
     with pytest.raises(UserError, match="analysis failed: RuntimeError: detector crashed"):
         ingest.ingest_path(engine, SMALL_TRACE, blobs=blobs)
-    assert count(engine, Run) == count(engine, Trace) == 0
+    assert count(engine, Run) == count(engine, TraceRecord) == 0
     assert stored_files(blobs) == []
 
 
@@ -93,7 +130,7 @@ def test_failure_after_the_blob_moved_rolls_back_rows_and_file(engine, blobs, mo
     monkeypatch.setattr(blobs, "commit", commit_then_fail)
     with pytest.raises(OSError):
         ingest.ingest_path(engine, SMALL_TRACE, blobs=blobs)
-    assert count(engine, Run) == count(engine, Trace) == count(engine, KernelSummary) == 0
+    assert count(engine, Run) == count(engine, TraceRecord) == count(engine, KernelSummary) == 0
     assert stored_files(blobs) == []  # moved in, then removed again
 
 
@@ -102,14 +139,14 @@ def test_failed_database_commit_removes_the_blob(engine, blobs, monkeypatch):
     real_commit = Session.commit
 
     def failing_commit(self):
-        if self.new or self.dirty or any(isinstance(o, Trace) for o in self.identity_map.values()):
+        if self.new or self.dirty or any(isinstance(o, TraceRecord) for o in self.identity_map.values()):
             raise RuntimeError("connection lost")
         return real_commit(self)
     monkeypatch.setattr(Session, "commit", failing_commit)
     with pytest.raises(RuntimeError, match="connection lost"):
         ingest.ingest_path(engine, SMALL_TRACE, blobs=blobs)
     monkeypatch.setattr(Session, "commit", real_commit)
-    assert count(engine, Run) == count(engine, Trace) == 0
+    assert count(engine, Run) == count(engine, TraceRecord) == 0
     assert stored_files(blobs) == []
 
 
@@ -123,7 +160,7 @@ def test_unreadable_uploads_are_refused_cleanly(engine, blobs, tmp_path, content
     bad.write_bytes(content)
     with pytest.raises(UserError, match=message):
         ingest.ingest_path(engine, bad, blobs=blobs)
-    assert count(engine, Trace) == 0 and stored_files(blobs) == []
+    assert count(engine, TraceRecord) == 0 and stored_files(blobs) == []
 
 
 def test_not_a_trace_is_a_trace_error(engine, blobs, tmp_path):
@@ -131,7 +168,7 @@ def test_not_a_trace_is_a_trace_error(engine, blobs, tmp_path):
     bad.write_text(json.dumps({"hello": "world"}))
     with pytest.raises(UserError):
         ingest.ingest_path(engine, bad, blobs=blobs)
-    assert count(engine, Trace) == 0 and stored_files(blobs) == []
+    assert count(engine, TraceRecord) == 0 and stored_files(blobs) == []
 
 
 def test_decompressed_size_limit_stops_gzip_bombs(engine, blobs, tmp_path):
@@ -173,9 +210,9 @@ def test_non_finite_numbers_in_a_report_are_stored_as_null(engine, blobs, monkey
     monkeypatch.setattr(ingest, "analyse", with_nan)
     [result] = ingest.ingest_path(engine, SMALL_TRACE, blobs=blobs)
     with storage_db.session_scope(engine) as s:
-        finding = s.scalars(select(Finding).where(Finding.trace_id == result.trace_id)).one()
+        finding = s.scalars(select(FindingRecord).where(FindingRecord.trace_id == result.trace_id)).one()
         assert finding.evidence == {"ratio": None, "ok": 1.5}
-        assert s.get(Trace, result.trace_id).summary["gpu_busy_ratio_debug"] is None
+        assert s.get(TraceRecord, result.trace_id).summary["gpu_busy_ratio_debug"] is None
 
 
 def test_a_folder_is_all_or_nothing(engine, blobs, tmp_path):
@@ -186,10 +223,11 @@ def test_a_folder_is_all_or_nothing(engine, blobs, tmp_path):
     (folder / "rank1.json.gz").write_bytes(gzip.compress(b'{"traceEvents": "not a list"}'))
     with pytest.raises(UserError):
         ingest.ingest_path(engine, folder, blobs=blobs)
-    assert count(engine, Run) == count(engine, Trace) == count(engine, KernelSummary) == count(engine, Finding) == 0
+    assert count(engine, Run) == count(engine, TraceRecord) == count(engine, KernelSummary) == 0
+    assert count(engine, FindingRecord) == 0
     assert stored_files(blobs) == []
     # A rank stored before by itself stays stored.
     ingest.ingest_path(engine, folder / "rank0.json.gz", blobs=blobs)
     with pytest.raises(UserError):
         ingest.ingest_path(engine, folder, blobs=blobs)
-    assert count(engine, Trace) == 1 and len(stored_files(blobs)) == 1
+    assert count(engine, TraceRecord) == 1 and len(stored_files(blobs)) == 1

@@ -8,10 +8,11 @@ from sqlalchemy.orm import selectinload
 
 from dbfixtures import SMALL_TRACE
 from profiler_svc.errors import UserError
-from profiler_svc.storage import jobs, worker
+from profiler_svc.service import worker
+from profiler_svc.storage import jobs
 from profiler_svc.storage.db import session_scope
 from profiler_svc.storage.ingest import ingest_path
-from profiler_svc.storage.models import ABJob, Finding, Run, utcnow
+from profiler_svc.storage.models import ABJob, FindingRecord, Run, utcnow
 
 
 @pytest.fixture
@@ -40,7 +41,8 @@ def test_enqueue_needs_a_workload_and_a_swap(engine, blobs, run_id):
             jobs.enqueue(s, s.get(Run, run_id))
         with pytest.raises(UserError, match="no finding with id 999999"):
             jobs.enqueue(s, s.get(Run, run_id), finding_id=999999)
-        finding = s.scalars(select(Finding).where(Finding.run_id == run_id, Finding.swap.is_not(None))).first()
+        finding = s.scalars(select(FindingRecord).where(FindingRecord.run_id == run_id,
+                                                        FindingRecord.swap.is_not(None))).first()
         if finding is not None:  # a finding's own swap is used when none is named
             assert jobs.enqueue(s, s.get(Run, run_id), finding_id=finding.id).swap == finding.swap
 

@@ -8,7 +8,7 @@ from dbfixtures import SMALL_TRACE
 from profiler_svc.storage import db as storage_db
 from profiler_svc.storage.blobs import BlobStore
 from profiler_svc.storage.ingest import ingest_path
-from profiler_svc.storage.worker import run_worker
+from profiler_svc.service.worker import run_worker
 from profiler_svc.web import create_app
 
 torch = pytest.importorskip("torch")
@@ -21,7 +21,7 @@ def test_api_request_worker_result_page(tmp_path):
     engine = storage_db.get_engine(url)
     storage_db.upgrade(engine)
     blobs = BlobStore(tmp_path / "blobs")
-    [run] = ingest_path(engine, SMALL_TRACE, blobs=blobs, workload="profiler_svc.storage.demo:tiny_llama")
+    [run] = ingest_path(engine, SMALL_TRACE, blobs=blobs, workload="profiler_svc.service.demo:tiny_llama")
     client = create_app({"DATABASE_URL": url, "BLOB_DIR": str(blobs.root), "API_TOKEN": "t",
                          "SECRET_KEY": "s"}).test_client()
     queued = client.post(f"/api/v1/runs/{run.run_id}/ab", headers={"Authorization": "Bearer t"},

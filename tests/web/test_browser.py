@@ -25,7 +25,7 @@ def server(tmp_path):
     storage_db.upgrade(engine)
     blobs = BlobStore(tmp_path / "blobs")
     [run] = ingest_path(engine, DATA / "llama_bf16_train.json.gz", blobs=blobs, name="llama train",
-                        workload="profiler_svc.storage.demo:tiny_llama")
+                        workload="profiler_svc.service.demo:tiny_llama")
     [hostile] = ingest_path(engine, trace_variant(tmp_path, "hostile", kernel_name=HOSTILE), blobs=blobs,
                             name=HOSTILE)
     app = create_app({"DATABASE_URL": url, "BLOB_DIR": str(blobs.root), "SECRET_KEY": "browser-test"})

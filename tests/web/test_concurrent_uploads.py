@@ -12,7 +12,7 @@ from sqlalchemy import func, select
 
 from dbfixtures import stored_files, trace_variant
 from profiler_svc.storage.db import session_scope
-from profiler_svc.storage.models import Run, Trace
+from profiler_svc.storage.models import Run, TraceRecord
 from profiler_svc.web import create_app
 
 UPLOADERS, TRACES, GROUPS = 8, 50, 10
@@ -62,8 +62,8 @@ def test_eight_uploaders_fifty_traces_each(postgres_url, blobs, tmp_path):
         assert len({(run, trace) for run, trace, _ in got}) == 1, f"trace {i} stored as {got}"
         assert [dup for _, _, dup in got].count(False) == 1  # exactly one upload stored it
     with session_scope(engine) as s:
-        assert s.scalar(select(func.count(Trace.id))) == TRACES
+        assert s.scalar(select(func.count(TraceRecord.id))) == TRACES
         assert s.scalar(select(func.count(Run.id))) == GROUPS
-        per_run = s.execute(select(Trace.run_id, func.count(Trace.id)).group_by(Trace.run_id)).all()
+        per_run = s.execute(select(TraceRecord.run_id, func.count(TraceRecord.id)).group_by(TraceRecord.run_id)).all()
         assert sorted(n for _, n in per_run) == [TRACES // GROUPS] * GROUPS
     assert len(stored_files(blobs)) == TRACES  # and no leftovers in blobs/tmp

@@ -3,6 +3,7 @@ import logging
 import sys
 
 from ..errors import UserError
+from ..formats import one_line
 
 
 def _port(text: str) -> int:
@@ -59,35 +60,20 @@ def add_commands(subparsers) -> None:
     p.set_defaults(func=cmd_demo)
 
 
-def ready_engine():
-    """The configured database, migrated when it is the zero-set-up SQLite file."""
-    from .db import get_engine, require_schema, upgrade
-    engine = get_engine()
-    try:
-        if engine.dialect.name == "sqlite":
-            upgrade(engine)
-        else:
-            require_schema(engine)
-    except UserError:
-        raise
-    except Exception as exc:
-        raise UserError(f"cannot open the database: {str(exc).splitlines()[0]}") from None
-    return engine
-
-
 def cmd_db_upgrade(args) -> int:
-    from .db import _redact, get_engine, upgrade
+    from ..storage.db import _redact, get_engine, upgrade
     engine = get_engine()
     try:
         upgrade(engine)
     except Exception as exc:
-        raise UserError(f"cannot migrate {_redact(str(engine.url))}: {str(exc).splitlines()[0]}") from None
+        raise UserError(f"cannot migrate {_redact(str(engine.url))}: {one_line(exc)}") from None
     print(f"database {_redact(str(engine.url))} is at the latest schema")
     return 0
 
 
 def cmd_ingest(args) -> int:
-    from .ingest import ingest_path
+    from ..storage.db import ready_engine
+    from ..storage.ingest import ingest_path
     results = ingest_path(ready_engine(), args.trace, name=args.name, group_key=args.group,
                           workload=args.workload)
     for r in results:
@@ -97,6 +83,7 @@ def cmd_ingest(args) -> int:
 
 
 def cmd_worker(args) -> int:
+    from ..storage.db import ready_engine
     from .worker import default_worker_id, run_worker, use_triton_interpreter_without_gpu
     use_triton_interpreter_without_gpu()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
@@ -109,6 +96,7 @@ def cmd_worker(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    from ..storage.db import ready_engine
     ready_engine()
     _check_can_listen(args.host, args.port)
     from ..web import create_app
@@ -146,7 +134,7 @@ def _check_can_listen(host: str, port: int) -> None:
 
 def serve(app, host: str, port: int, workers: int = 2) -> None:
     """gunicorn when available (a production server), else Werkzeug's threaded server."""
-    from .db import after_fork
+    from ..storage.db import after_fork
     try:
         from gunicorn.app.base import BaseApplication
     except ImportError:

@@ -1,7 +1,7 @@
 import numpy as np
 import pandas as pd
 
-from profiler_svc.storage.timeline import build_timeline
+from profiler_svc.trace.timeline import build_timeline
 
 
 def kernels(seed=0, n=5000, streams=(7, 13)):

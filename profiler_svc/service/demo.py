@@ -11,7 +11,7 @@ import threading
 from pathlib import Path
 
 SAMPLES = Path(__file__).resolve().parents[1] / "samples"
-WORKLOAD = "profiler_svc.storage.demo:tiny_llama"
+WORKLOAD = "profiler_svc.service.demo:tiny_llama"
 
 
 def tiny_llama():
@@ -65,7 +65,7 @@ def tiny_llama():
 
 def demo_config() -> dict:
     """The demo's own database and blob folder, under $PROFILER_SVC_HOME/demo."""
-    from .db import home
+    from ..storage.db import home
     folder = home() / "demo"
     folder.mkdir(parents=True, exist_ok=True)
     return {"DATABASE_URL": f"sqlite:///{folder / 'demo.sqlite3'}", "BLOB_DIR": str(folder / "blobs"),
@@ -90,9 +90,9 @@ def live_capture(folder: Path) -> Path:
 def prepare_demo(print_fn=print, live: bool = True):
     """Ingest the samples (ranks of one job grouped) and a live capture; returns the Flask app."""
     from ..web import create_app
-    from .blobs import BlobStore
-    from .db import get_engine, upgrade
-    from .ingest import ingest_path
+    from ..storage.blobs import BlobStore
+    from ..storage.db import get_engine, upgrade
+    from ..storage.ingest import ingest_path
 
     config = demo_config()
     engine = get_engine(config["DATABASE_URL"])
@@ -115,7 +115,7 @@ def prepare_demo(print_fn=print, live: bool = True):
 
 def start_background_worker(database_url: str) -> threading.Thread:
     """Run the demo's A/B jobs in this process, so the dashboard's A/B button works without a second shell."""
-    from .db import get_engine
+    from ..storage.db import get_engine
     from .worker import run_worker
     thread = threading.Thread(target=run_worker, args=(get_engine(database_url),), kwargs={"poll_s": 1.0},
                               daemon=True, name="demo-worker")

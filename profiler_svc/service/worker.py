@@ -7,9 +7,10 @@ import time
 
 from sqlalchemy.engine import Engine
 
-from . import jobs
-from .db import session_scope
-from .queries import job_dict
+from ..formats import one_line
+from ..storage import jobs
+from ..storage.db import session_scope
+from ..storage.queries import job_dict
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ def work_once(engine: Engine, *, worker: str | None = None, runner=run_ab_job,
         error = None
     except Exception as exc:  # the job failed, not the worker: record why and go on
         log.exception("job %s failed", spec["id"])
-        result, error = None, f"{type(exc).__name__}: {exc}".splitlines()[0]
+        result, error = None, one_line(exc)
     finally:
         beat.stopped.set()
         beat.join()

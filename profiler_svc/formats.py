@@ -1,0 +1,41 @@
+"""How values are shown to people and written as JSON: one home for each format.
+
+Imports nothing of profiler_svc, so every layer (detectors, storage, the web app) can use it.
+"""
+import math
+
+
+def fmt_us(us) -> str:
+    """Microseconds for people: 950.0 µs, 12.30 ms, 4.56 s ("–" for no value)."""
+    if us is None:
+        return "–"
+    us = float(us)
+    if abs(us) < 0.05:
+        us = 0.0  # no "-0.0 µs"
+    if abs(us) >= 1e6:
+        return f"{us / 1e6:.2f} s"
+    if abs(us) >= 1e3:
+        return f"{us / 1e3:.2f} ms"
+    return f"{us:.1f} µs"
+
+
+def one_line(exc: BaseException) -> str:
+    """`TypeError: first line of the message`: an exception as one line for the user."""
+    return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
+
+
+def plain_json(value):
+    """Plain JSON data: numpy scalars and arrays as Python values, NaN and infinities as null
+    (JSON has none; PostgreSQL's json type refuses them), dict keys as strings, tuples as lists,
+    anything else unknown as its string."""
+    if isinstance(value, dict):
+        return {str(key): plain_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain_json(item) for item in value]
+    if isinstance(value, float):  # numpy's float64 too, a float subclass
+        return float(value) if math.isfinite(value) else None
+    if value is None or isinstance(value, (str, int, bool)):
+        return value
+    if hasattr(value, "tolist"):  # numpy scalars and arrays
+        return plain_json(value.tolist())
+    return str(value)
