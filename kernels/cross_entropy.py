@@ -21,7 +21,8 @@ import triton.language as tl
 from torch import nn
 
 from ._launch import device_pipeline_stages, kernel_op, launch, persistent_programs, require_triton, round_to
-from .swap import SwapEntry, place
+from .parity import place
+from .swap import SwapEntry
 
 BLOCK_V = 4096  # columns per step of the online pass
 REDUCTIONS = ("mean", "sum", "none")

@@ -15,7 +15,8 @@ import triton.language as tl
 from torch import nn
 
 from ._launch import as_rows, kernel_op, launch, persistent_programs, require_triton, round_to, row_tiles
-from .swap import SwapEntry, behaves_like, place
+from .parity import place
+from .swap import SwapEntry, behaves_like
 
 MAX_TILE_N = 32768
 LOG2E = tl.constexpr(1.4426950408889634)
