@@ -89,7 +89,7 @@ def _resolve(names) -> list[SwapEntry]:
     return [item if isinstance(item, SwapEntry) else registry[item] for item in items]
 
 
-@dataclass
+@dataclass(eq=False)
 class SwapPlan:
     """Replacements for module instances of `model`, built but not yet installed.
 
@@ -98,10 +98,10 @@ class SwapPlan:
     original, whose own child attribute never changed); `with plan.installed():` does both.
     """
 
-    model: nn.Module
+    model: nn.Module = field(repr=False)
     swaps: list  # names of the swaps asked for, in order
     report: SwapReport
-    changes: list = field(default_factory=list)  # (qualified_name, original, replacement), in install order
+    changes: list = field(default_factory=list, repr=False)  # (qualified_name, original, replacement), in install order
     is_installed: bool = False
 
     def install(self) -> None:
