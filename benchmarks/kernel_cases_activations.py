@@ -218,7 +218,7 @@ def sweep():
 
     from profiler_svc.kernels import gelu_tanh, swiglu
 
-    G = importlib.import_module("profiler_svc.kernels.gelu_tanh")  # the file: the package's name is the op
+    G = importlib.import_module("profiler_svc.kernels._elementwise")  # where the flat launch reads its settings
     default = (G.ELEMENTWISE_BLOCK, G.ELEMENTWISE_WARPS)
     lines = []
     n = 4096
@@ -311,7 +311,7 @@ def main(argv=None):
         section("Elementwise launch sweep", sweep)
         # the fastest swiglu fwd+bwd launch (the first row) for what follows in this run
         if len(sections[-1][1]) > 2:
-            G = importlib.import_module("profiler_svc.kernels.gelu_tanh")
+            G = importlib.import_module("profiler_svc.kernels._elementwise")
             G.ELEMENTWISE_BLOCK, G.ELEMENTWISE_WARPS = (int(v) for v in sections[-1][1][2].split("|")[2:4])
             print(f"using BLOCK={G.ELEMENTWISE_BLOCK}, num_warps={G.ELEMENTWISE_WARPS}", flush=True)
     if args.bench:

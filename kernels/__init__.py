@@ -7,7 +7,9 @@ import importlib
 import sys
 import types
 
-from .swap import SwapEntry, SwapReport, available_swaps, swap, swapped, unswap
+from .swap import (
+    SwapEntry, SwapPlan, SwapReport, UnknownSwapError, available_swaps, plan_swaps, swap, swapped, unswap,
+)
 
 # functional op name -> the file (module) that defines it
 _OPS = {
@@ -22,7 +24,10 @@ _OPS = {
     "rope": "rope",
 }
 
-__all__ = sorted(_OPS) + ["SwapEntry", "SwapReport", "available_swaps", "swap", "swapped", "unswap"]
+__all__ = sorted(_OPS) + [
+    "SwapEntry", "SwapPlan", "SwapReport", "UnknownSwapError", "available_swaps", "plan_swaps", "swap", "swapped",
+    "unswap",
+]
 
 
 def __getattr__(name):

@@ -8,8 +8,9 @@ import triton.language as tl
 from torch._subclasses.fake_tensor import is_fake
 from torch.library import triton_op, wrap_triton
 
-# Widest row kept whole in registers; wider rows are processed in chunks of CHUNK_N columns.
-MAX_TILE_N = 16384
+# Widest row row_tiles keeps whole in registers where the kernel names no limit of its own (the norms;
+# softmax has its own); wider rows are processed in chunks of CHUNK_N columns.
+DEFAULT_MAX_TILE_N = 16384
 CHUNK_N = 4096
 # Tuning knobs, read at launch time (benchmarks/kernels.py --tune sweeps them on the GPU):
 WARP_ELEMENTS = 512  # tile elements per warp in the row kernels (16 per thread): bounds registers per thread
@@ -18,7 +19,8 @@ PROGRAMS_PER_SM = 4  # programs per SM of the grid-stride backward kernels (extr
 # The norms' grid-stride backward on short rows (n <= BWD_SMALL_N) has its own three knobs: it also
 # carries per-program partial sums, and short rows need more rows in flight per SM.
 BWD_SMALL_N = 2048
-# H100 sweep at 1024 columns (bf16, 16384 rows): 4 rows of 1024 per program, 4 warps, 2 programs per SM.
+# 4 rows of 1024 per program, 4 warps, 2 programs per SM: the best of a sweep at 1024 columns
+# (benchmarks/results/kernel_settings.md, "Norms' short rows").
 BWD_WARP_ELEMENTS = 1024
 BWD_ROW_BLOCK_ELEMENTS = 4096
 BWD_SMALL_PROGRAMS_PER_SM = 2
@@ -43,7 +45,7 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
-def row_tiles(n: int, max_tile_n: int = MAX_TILE_N, backward: bool = False) -> tuple[int, int, int, bool]:
+def row_tiles(n: int, max_tile_n: int = DEFAULT_MAX_TILE_N, backward: bool = False) -> tuple[int, int, int, bool]:
     """(BLOCK_M, BLOCK_N, num_warps, one_tile) for a kernel that reduces rows of n columns (the
     backward's grid-stride kernels have their own knobs: they also carry per-program partial sums)."""
     if backward and n <= BWD_SMALL_N:

@@ -15,24 +15,23 @@ from . import _launch
 from ._launch import as_rows, kernel_op, launch, persistent_programs, require_triton, round_to, row_tiles
 
 # Backward on whole rows wider than _launch.BWD_SMALL_N: programs per SM = this // the row's tile width,
-# at least 1 (H100 sweep, bf16, 16384 rows: 1 per SM at 8192 columns, 2 at 4096, instead of 4). Those
-# programs hold a whole row in registers, so only 1-2 fit on an SM anyway; extra ones only added
-# per-program partial rows of dw/db to write and sum (LayerNorm 8192 fwd+bwd 545 -> 505 µs).
+# at least 1. Those programs hold a whole row in registers, so only 1-2 fit on an SM anyway; more would
+# only add per-program partial rows of dw/db to write and sum (benchmarks/results/kernel_settings.md,
+# "Norms' wide-row backward").
 BWD_WIDE_ELEMENTS_PER_SM = 8192
 # Columns per program of the partial sums' reduction: 16 (64 B per row) gives enough programs to cover
-# the SMs at 1024 columns (H100: 5.5 -> 1.9 µs for 264 x 1024 partials; 7.6 -> 4.0 µs for 528 x 8192).
+# the SMs at 1024 columns (kernel_settings.md, "Norms' partial sums").
 COLUMN_SUM_BLOCK_N = 16
 
 
-# Forward rows of up to this many columns keep w and b in L2 (evict_last) while the rows stream past (H100,
-# LayerNorm 16384 x 1024: ~24.6 -> 24.1 µs). Not wider ones: at 8192 columns the policy's registers took
-# the forward from 40 to 52 registers a thread, one program per SM fewer, and 180 to 214 µs.
+# Forward rows of up to this many columns keep w and b in L2 (evict_last) while the rows stream past.
+# Not wider ones: there the policy's registers cost a program per SM (kernel_settings.md, "Norms' weight policy").
 WEIGHT_POLICY_MAX_N = 2048
 
 
 def _tiles(n: int, backward: bool = False) -> tuple[int, int, int, bool]:
     """row_tiles for the norms. Short rows (n <= BWD_SMALL_N) take the short-row backward's tiles in the
-    forward too (4 rows of 1024 per program, 4 warps): H100 sweep, RMSNorm 1024 fwd 24.4 -> 23.9 µs."""
+    forward too (4 rows of 1024 per program, 4 warps; kernel_settings.md, "Norms' short rows")."""
     return row_tiles(n, backward=backward or n <= _launch.BWD_SMALL_N)
 
 

@@ -21,7 +21,8 @@ import triton.language as tl
 from torch import nn
 
 from ._launch import device_pipeline_stages, kernel_op, launch, persistent_programs, require_triton, round_to
-from .swap import SwapEntry, place
+from .parity import place
+from .swap import SwapEntry
 
 BLOCK_V = 4096  # columns per step of the online pass
 REDUCTIONS = ("mean", "sum", "none")
@@ -195,19 +196,16 @@ def _acc_type(x: torch.Tensor):
 
 # Rows of up to ONE_TILE_V logits (and shorter rows that fit one step) are read once, whole, into registers.
 ONE_TILE_V = 32768
-# Launch settings from H100 sweeps (bf16, 16384 rows; benchmarks/results/kernels.md, "wide rows" and
-# "pipelined rows"). PROGRAMS_PER_SM 0: one program per row; PREFETCH, REVERSE, KEEP, LAST, OUT: see the
-# kernel. STAGES: the row loop's software pipeline (tl.range num_stages): with 3, the next two rows'
-# logits are on their way into shared memory while a program works on its row.
-# - The loss alone, rows of 1k-8k logits: the whole row, 4 warps (4k: 51.6 -> 45.3 µs, 8k: 101.7 ->
-#   87.9 µs); wider rows: WIDE_FWD, one read in steps with the next step's loads in flight (32k: 443.6 ->
-#   350.2 µs, 128k: 1374 µs, ~100% of copy bandwidth).
+# Launch settings, each the best of a sweep (benchmarks/results/kernel_settings.md, "Cross-entropy rows").
+# PROGRAMS_PER_SM 0: one program per row; PREFETCH, REVERSE, KEEP, LAST, OUT: see the kernel. STAGES: the
+# row loop's software pipeline (tl.range num_stages): with 3, the next two rows' logits are on their way
+# into shared memory while a program works on its row, so its loads, reductions and stores overlap.
+# - The loss alone: rows of 1k-8k logits whole, 4 warps; wider rows WIDE_FWD, one read in steps with the
+#   next step's loads in flight.
 # - The loss and its gradient, rows of 8k-32k logits: TILE, the whole row in registers (read once), 16
-#   warps, one program per SM looping over rows, pipelined (32k: 920.8 -> 757.7 µs; without the pipeline
-#   its loads, reductions and stores did not overlap). fp32 logits (fp64 math; two rows would not fit in
-#   shared memory) keep TILE_FP64, the earlier setting: 32 warps, no pipeline, the row's sum always
-#   computed (without it that kernel spilled). Wider rows: WIDE, two reads of each row, the second from L2
-#   (128k: 4362 -> 3661 µs).
+#   warps, one program per SM looping over rows, pipelined. fp32 logits (fp64 math; two rows would not
+#   fit in shared memory) keep TILE_FP64: 32 warps, no pipeline, the row's sum always computed (without
+#   it that kernel spilled). Wider rows: WIDE, two reads of each row, the second from L2.
 TILE = dict(num_warps=16, PROGRAMS_PER_SM=1.0, STAGES=3, ROW_SUM=False)
 TILE_FP64 = dict(num_warps=32, PROGRAMS_PER_SM=1.0, STAGES=1, ROW_SUM=True)
 WIDE = dict(BLOCK_N=16384, num_warps=16, PROGRAMS_PER_SM=0, PREFETCH=False, REVERSE=True, KEEP="evict_last",
@@ -219,7 +217,7 @@ SHORT_V = 8192  # rows up to this many logits: one program per row, whole or in 
 @functools.lru_cache(maxsize=None)
 def _row_launch(v: int, write_grad: bool, fp64: bool = False) -> tuple[float, dict]:
     """(programs per SM, 0 for one per row; kernel launch keywords) for rows of v logits, fp64 math or
-    not. Up to 1k logits, and the gradient up to 8k: the best of an earlier H100 sweep."""
+    not. Up to 1k logits, and the gradient up to 8k: the best of an earlier sweep (kernel_settings.md)."""
     kw = dict(PREFETCH=False, REVERSE=False, KEEP="", LAST="", OUT="", ROW_SUM=False, STAGES=1)
     if v > ONE_TILE_V or (v > SHORT_V and not write_grad):
         wide = WIDE if write_grad else WIDE_FWD
@@ -425,9 +423,8 @@ class CrossEntropyLoss(nn.Module):
 # ---- fused linear + cross-entropy -----------------------------------------------------------------
 
 
-# Rows per chunk (H100, 16384 x 4096 hidden states, bf16; benchmarks/results/kernels.md): each chunk's
-# weight-gradient matmul also writes (and after the first, reads) the fp32 (V, H) sum, so fewer, bigger
-# chunks are faster: 2048 -> 4096 rows cut fwd+bwd 6% (32k vocab) / 3% (128k), 8192 ~1-2% more.
+# Rows per chunk: each chunk's weight-gradient matmul also writes (and after the first, reads) the fp32
+# (V, H) sum, so fewer, bigger chunks are faster (benchmarks/results/kernel_settings.md, "Fused linear CE chunks").
 MIN_CHUNK_ROWS = 8192
 ACCUMULATE_IN_PLACE = True  # the weight gradient's fp32 accumulator updated in place by the matmul (knob for the sweep)
 
@@ -490,8 +487,8 @@ def _scale_kernel(X, G, Y, n, SKIP_IF_ONE: tl.constexpr, BLOCK: tl.constexpr):
 
 
 def _scale_launch(x, g, y, skip_if_one):
-    # 1024 elements per program, 4 warps: 3.05 TB/s on the H100 for fp32 -> bf16, where torch.mul by a
-    # 0-dim CUDA tensor takes its unvectorized broadcast path (1.3-1.5 TB/s; 0.9 TB/s in place on bf16).
+    # Not torch.mul by a 0-dim CUDA tensor, which takes PyTorch's unvectorized broadcast path at a fraction
+    # of this pass's bandwidth (kernel_settings.md, "Fused linear CE scale-and-cast").
     assert x.is_contiguous() and y.is_contiguous()  # the gradients this scales are all fresh, dense buffers
     n = x.numel()
     launch(_scale_kernel, (triton.cdiv(n, 1024),), x, g, y, n, SKIP_IF_ONE=skip_if_one, BLOCK=1024, num_warps=4)
@@ -562,7 +559,7 @@ def _chunked_pass(hidden, weight, bias, target, scale, ignore_index, smoothing, 
         else:
             loss_rows[start:stop] = cross_entropy_fwd(logits, t, ignore_index, smoothing)[0]
         # Freed before the next chunk's logits are allocated, so two chunks' buffers are never held
-        # at once (measured on the H100: one chunk's logits less at the peak).
+        # at once (one chunk's logits less at the peak).
         logits = grad_logits = None
     if need_grads and grad_weight is None:  # no rows
         grad_weight = torch.zeros(weight.shape, dtype=weight.dtype if low_memory else torch.float32,
@@ -637,13 +634,12 @@ def fused_linear_cross_entropy(
     hidden (..., H), weight (V, H) (an lm_head's), target (...). chunk_rows: rows per chunk (default:
     enough that a chunk's logits are about the size of `hidden`, and unless low_memory at least
     MIN_CHUNK_ROWS = 8192 but at most half the rows, down to 4096; see _chunk_rows).
-    Memory and speed of the default: the fp32 weight and hidden gradients plus one chunk's logits. At
-    16384 rows x 4096 hidden (H100, bf16, fwd+bwd) that peaked at 1.63 GiB (32k vocab) / 5.38 GiB (128k)
-    against torch.compile's 1.75 / 6.25 GiB, in the same time or less (benchmarks/results/kernels.md).
-    low_memory: keep the gradients in hidden's and weight's dtypes from the forward on, with Liger's
-    chunk rule, as Liger does: about half the memory (0.88 / 2.38 GiB there, as Liger), at the price
-    of rounding the weight gradient once per chunk (and once more for an incoming gradient other than
-    1) instead of once, and of more, smaller chunks (slower at large vocabularies: 101 vs 78 ms at 128k).
+    Memory of the default: the fp32 weight and hidden gradients plus one chunk's logits, which peaks
+    below torch.compile in the same time or less (benchmarks/results/kernel_settings.md, "Fused linear
+    CE memory"). low_memory: keep the gradients in hidden's and weight's dtypes from the forward on,
+    with Liger's chunk rule, as Liger does: about half the memory, at the price of rounding the weight
+    gradient once per chunk (and once more for an incoming gradient other than 1) instead of once, and
+    of more, smaller chunks (slower at large vocabularies).
     """
     _check(hidden, target, reduction, label_smoothing, what="hidden")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:

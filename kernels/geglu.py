@@ -5,9 +5,11 @@ The fused kernels are swiglu.py's, with the GELU flavour as the gate activation.
 import torch
 from torch import nn
 
-from .gelu_tanh import APPROXIMATE, GELU_ERF, GELU_TANH
+from ._elementwise import GELU_ERF, GELU_TANH
 from .swap import SwapEntry
 from .swiglu import gated_act, gated_mlp_act, mlp_example_inputs, replace_gated_mlp
+
+APPROXIMATE = {"none": GELU_ERF, "tanh": GELU_TANH}  # F.gelu's `approximate` -> the kernels' ACT
 
 
 def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:

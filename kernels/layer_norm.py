@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._norm import check_norm_args, normalize
-from .swap import SwapEntry, behaves_like, place
+from .parity import place
+from .swap import SwapEntry, behaves_like
 
 
 def layer_norm(x, weight=None, bias=None, eps: float = 1e-5, *, residual=None):

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from ._norm import check_norm_args, normalize
-from .swap import SwapEntry, behaves_like, place
+from .parity import place
+from .swap import SwapEntry, behaves_like
 
 
 def rms_norm(x, weight=None, eps: float = 1e-6, *, offset: float = 0.0, residual=None):

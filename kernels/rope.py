@@ -24,9 +24,10 @@ import triton
 import triton.language as tl
 from torch import nn
 
+from ._elementwise import check_float, needs_grad
 from ._launch import kernel_op, launch, round_to
-from .gelu_tanh import check_float, needs_grad
-from .swap import SwapEntry, place
+from .parity import place
+from .swap import SwapEntry
 
 
 @triton.jit

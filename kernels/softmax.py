@@ -6,8 +6,8 @@ so that the second read of a row finds it in L2 (see WIDE). Math in fp32
 (fp64 for fp32 inputs, so the result is never less accurate than eager's), one rounding.
 Backward: dx = y * (dy - sum(y * dy)), with y = exp(x - lse) recomputed in fp32 from x and the row's saved
 logsumexp (same bytes as reading a saved y, but y unrounded: as accurate as softmax in fp32 then cast).
-The forward stores lse only when a gradient is wanted: on the H100 each per-row statistic stored cost the
-32k-column forward ~1% (benchmarks/results/kernels.md, "softmax statistics").
+The forward stores lse only when a gradient is wanted: each per-row statistic stored slows the forward
+(benchmarks/results/kernel_settings.md, "Softmax statistics").
 """
 import torch
 import triton
@@ -15,9 +15,12 @@ import triton.language as tl
 from torch import nn
 
 from ._launch import as_rows, kernel_op, launch, persistent_programs, require_triton, round_to, row_tiles
-from .swap import SwapEntry, behaves_like, place
+from .parity import place
+from .swap import SwapEntry, behaves_like
 
-MAX_TILE_N = 32768
+# Widest row the forward keeps whole in registers (one read); wider rows take two reads (WIDE). Two-pass
+# backward rows up to this width take MID_BWD, wider ones WIDE_BWD.
+FWD_MAX_TILE_N = 32768
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
@@ -41,9 +44,7 @@ def _softmax_fwd_kernel(X, Y, LSE, stride_x, stride_y, M, N, BLOCK_M: tl.constex
                         ONE_TILE: tl.constexpr, PREFETCH: tl.constexpr, REVERSE: tl.constexpr, KEEP: tl.constexpr,
                         LAST: tl.constexpr, OUT: tl.constexpr, ACC: tl.constexpr, STATS: tl.constexpr):
     # One tile (the whole row in registers): one program per row block, no loop (a loop costs a barrier
-    # and registers per program; this way the one-tile code is the earlier, measured one). Wider rows:
-    # grid-stride over rows, with
-    # one program per row or (PROGRAMS_PER_SM) a few per SM, so that the rows in flight fit in L2 and the
+    # and registers per program). Wider rows: grid-stride over rows, with one program per row or (PROGRAMS_PER_SM) a few per SM, so that the rows in flight fit in L2 and the
     # second read of each row hits it. PREFETCH: each step loads the next step's columns before it works
     # on its own (two steps of loads in flight per program). REVERSE: the second pass goes last chunk
     # first, while those are the likeliest still in L2. KEEP, LAST, OUT: eviction policies of a read that
@@ -63,7 +64,7 @@ def _softmax_fwd_kernel(X, Y, LSE, stride_x, stride_y, M, N, BLOCK_M: tl.constex
             total = tl.sum(e, axis=1)
             y = e * (1.0 / total)[:, None]  # a division per element costs two more multiplies each
             tl.store(Y + rows * stride_y + cols, round_to(y, Y.dtype.element_ty), mask=mask)
-            if STATS:  # after y's stores: stored before them, it held them up (32k columns: 730 -> 723 µs)
+            if STATS:  # after y's stores: stored before them, it held them up (kernel_settings.md)
                 tl.store(LSE + rows, (row_max + tl.log(total))[:, None], mask=row_mask)
         else:
             # Online pass: running max and the sum of exponentials rescaled to it, one exp per element.
@@ -201,33 +202,29 @@ def _acc_type(x: torch.Tensor):
     return tl.float64 if _acc_dtype(x) == torch.float64 else tl.float32
 
 
-# Rows wider than MAX_TILE_N take two reads each (forward: the online pass, then the write pass;
+# Rows wider than FWD_MAX_TILE_N take two reads each (forward: the online pass, then the write pass;
 # backward: the dot product, then the write pass), in steps of BLOCK_N columns. The second read hits L2
 # only if few rows are in flight: one program per row (PROGRAMS_PER_SM 0) of many warps, each step's
 # loads issued a step ahead (PREFETCH), or a grid of PROGRAMS_PER_SM programs per SM looping over rows.
-# REVERSE, KEEP, LAST, OUT: see the kernel. H100 sweep, bf16, 16384 rows, 131072 columns
-# (benchmarks/results/kernels.md, "wide rows"): forward 4376 -> 3134 µs (91% of copy bandwidth),
-# forward+backward 11508 -> 8761 µs. PROGRAMS_PER_SM=2 with 32 warps: only one fits on an SM (64
-# registers per thread); the others start as the first ones finish their rows.
+# REVERSE, KEEP, LAST, OUT: see the kernel. PROGRAMS_PER_SM=2 with 32 warps: only one fits on an SM (64
+# registers per thread); the others start as the first ones finish their rows. The sweep that chose
+# these: benchmarks/results/kernel_settings.md, "Softmax wide rows".
 WIDE = dict(BLOCK_N=32768, num_warps=32, PROGRAMS_PER_SM=2.0, PREFETCH=True, REVERSE=False, KEEP="evict_last",
             LAST="evict_first", OUT="evict_first")
 WIDE_BWD = dict(BLOCK_N=16384, num_warps=32, PROGRAMS_PER_SM=0, PREFETCH=True, REVERSE=True, KEEP="evict_last",
                 LAST="evict_first", OUT="evict_first")
 # Backward rows up to BWD_MAX_TILE_N are read once, whole (fp32 inputs, whose math is fp64: up to
-# BWD_MAX_TILE_N_FP64). Wider ones, up to MAX_TILE_N, take the two-pass kernel, with MID_BWD: one program
-# per SM looping over rows, so that the second reads hit L2. H100, bf16, 32768 columns (kernels.md,
-# "Softmax at 32k columns"): two-pass 1080 µs (ncu: DRAM bytes as Liger's, every second read an L2 hit); the
-# whole row at 16 warps, 1068 µs (a few registers spill); the two passes with their loads pipelined
-# through shared memory, 1157 µs or more; Liger's whole-row bf16 kernel 1055 µs, at a larger error.
+# BWD_MAX_TILE_N_FP64). Wider ones, up to FWD_MAX_TILE_N, take the two-pass kernel, with MID_BWD: one
+# program per SM looping over rows, so that the second reads hit L2. What was tried at 32k columns:
+# kernel_settings.md, "Softmax backward at 16k-32k columns".
 BWD_MAX_TILE_N = 32768
 BWD_MAX_TILE_N_FP64 = 16384
 MID_BWD = dict(WIDE_BWD, PROGRAMS_PER_SM=1.0)
-# Whole rows of 16-bit inputs wider than WIDEST_TILE_N columns:
-# - take WIDEST_TILE_WARPS, not 32: H100, bf16, 32768 columns, forward 729 -> 723 µs (fewer warps meet at
-#   each of the two reductions' barriers);
+# Whole rows of 16-bit inputs wider than WIDEST_TILE_N columns (kernel_settings.md, "Softmax's widest rows"):
+# - take WIDEST_TILE_WARPS, not 32: fewer warps meet at each of the two reductions' barriers;
 # - in the backward, at even widths and strides, take _softmax_bwd_pairs_kernel: x and dy loaded as int32
 #   words of two values, which the compiler keeps packed (loaded as bf16, each value takes a 32-bit
-#   register). H100, bf16, 32768 columns: 1073 -> 1068 µs.
+#   register).
 WIDEST_TILE_N = 16384
 WIDEST_TILE_WARPS = 16
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -241,15 +238,15 @@ def _pairs_fit(*tensors: torch.Tensor) -> bool:
 
 def _settings(m: int, n: int, device: torch.device, backward: bool, fp64: bool) -> tuple[int, dict]:
     """(programs, kernel launch keywords) for m rows of n columns; fp64: the math is fp64 (fp32 inputs)."""
-    max_tile_n = (BWD_MAX_TILE_N_FP64 if fp64 else BWD_MAX_TILE_N) if backward else MAX_TILE_N
-    block_m, block_n, num_warps, one_tile = row_tiles(n, min(max_tile_n, MAX_TILE_N))
+    max_tile_n = (BWD_MAX_TILE_N_FP64 if fp64 else BWD_MAX_TILE_N) if backward else FWD_MAX_TILE_N
+    block_m, block_n, num_warps, one_tile = row_tiles(n, min(max_tile_n, FWD_MAX_TILE_N))
     if one_tile:
         if block_n > WIDEST_TILE_N and not fp64:
             num_warps = WIDEST_TILE_WARPS
         kw = dict(BLOCK_M=block_m, BLOCK_N=block_n, ONE_TILE=True, PREFETCH=False, REVERSE=False, KEEP="", LAST="",
                   OUT="", num_warps=num_warps)
         return triton.cdiv(m, block_m), kw
-    wide = (MID_BWD if n <= MAX_TILE_N else WIDE_BWD) if backward else WIDE
+    wide = (MID_BWD if n <= FWD_MAX_TILE_N else WIDE_BWD) if backward else WIDE
     kw = dict(BLOCK_M=1, BLOCK_N=min(wide["BLOCK_N"], triton.next_power_of_2(n)), ONE_TILE=False,
               PREFETCH=wide["PREFETCH"], REVERSE=wide["REVERSE"], KEEP=wide["KEEP"], LAST=wide["LAST"], OUT=wide["OUT"],
               num_warps=wide["num_warps"])

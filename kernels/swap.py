@@ -1,9 +1,11 @@
 """The swap registry: replace module *instances* by fused-kernel modules, parity-checked and reversible.
 
 Each op file in this package ends with `SWAP = SwapEntry(...)` (or `SWAPS = [...]`); the registry
-collects them lazily, so a missing or broken op file never breaks the others. A swap sets the new
-module on its parent (`setattr(parent, child_name, new)`), never rebinds module globals, and
-remembers the original on the model so `unswap` puts back the very same object.
+collects them lazily, so a missing or broken op file never breaks the others. This file is the one
+owner of swapping: `plan_swaps` resolves names, matches instances and builds their replacements;
+the plan installs them (`setattr(parent, child_name, new)`, never rebinding module globals) and
+removes them again, putting back the very same original objects. `swap`/`unswap`/`swapped` are
+that plan kept on the model; ab_test toggles a plan of its own.
 """
 from __future__ import annotations
 
@@ -15,16 +17,18 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
+from .parity import cast_floats, module_parity, place
+
 # Op files that may define swap entries, in the order they are tried on a module. Whole-block swaps
 # (the gated MLPs) come before the activation swaps that would otherwise match their children.
 _OP_FILES = ("rms_norm", "layer_norm", "swiglu", "geglu", "gelu_tanh", "softmax", "cross_entropy", "rope")
 
-# Where the originals live on the swapped model: {qualified_name: original_module}.
-_ORIGINALS_ATTR = "_profiler_svc_swapped_originals"
+# The plans `swap` installed on a model, oldest first: `unswap` removes them newest first.
+_PLANS_ATTR = "_profiler_svc_swap_plans"
 
-# A replacement passes the parity check when its error against fp64 is at most this factor of the
-# original's own error, plus one unit of rounding in the output dtype at the output's scale.
-PARITY_FACTOR = 2.0
+
+class UnknownSwapError(ValueError):
+    """A swap name the registry does not have."""
 
 
 @dataclass(frozen=True)
@@ -78,114 +82,66 @@ def _resolve(names) -> list[SwapEntry]:
         return list(registry.values())
     if isinstance(names, (str, SwapEntry)):
         names = [names]
-    resolved = []
-    for item in names:
-        if isinstance(item, SwapEntry):
-            resolved.append(item)
-        elif item in registry:
-            resolved.append(registry[item])
-        else:
-            raise ValueError(f"unknown swap {item!r}; available: {', '.join(registry)}")
-    return resolved
+    items = list(names)
+    unknown = [item for item in items if not isinstance(item, SwapEntry) and item not in registry]
+    if unknown:
+        raise UnknownSwapError(f"unknown swap {', '.join(map(repr, unknown))}; available: {', '.join(registry)}")
+    return [item if isinstance(item, SwapEntry) else registry[item] for item in items]
 
 
-# ---- parity check -------------------------------------------------------------------------------
+@dataclass(eq=False)
+class SwapPlan:
+    """Replacements for module instances of `model`, built but not yet installed.
+
+    install() sets each replacement on its parent, remove() puts the originals back (newest first:
+    a child swapped inside a replacement that shares children goes back before that parent's
+    original, whose own child attribute never changed); `with plan.installed():` does both.
+    """
+
+    model: nn.Module = field(repr=False)
+    swaps: list  # names of the swaps asked for, in order
+    report: SwapReport
+    changes: list = field(default_factory=list, repr=False)  # (qualified_name, original, replacement), in install order
+    is_installed: bool = False
+
+    def install(self) -> None:
+        if not self.is_installed:
+            for qualified_name, _, replacement in self.changes:
+                _set_child(self.model, qualified_name, replacement)
+            self.is_installed = True
+
+    def remove(self) -> None:
+        if self.is_installed:
+            for qualified_name, original, _ in reversed(self.changes):
+                _set_child(self.model, qualified_name, original)
+            self.is_installed = False
+
+    @contextmanager
+    def installed(self):
+        """Replacements in on enter, the originals back on exit (also on exceptions)."""
+        self.install()
+        try:
+            yield self
+        finally:
+            self.remove()
 
 
-def _tensors(out) -> list[torch.Tensor]:
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, (tuple, list)):
-        return [t for item in out for t in _tensors(item)]
-    if isinstance(out, dict):
-        return [t for item in out.values() for t in _tensors(item)]
-    return []
+def plan_swaps(model: nn.Module, names: Iterable | str | SwapEntry | None = None, *, check: bool = True) -> SwapPlan:
+    """Match every module instance of `model` that a chosen swap (all if names is None) applies to and
+    build its replacement, parity-checked against fp64 when `check`; nothing is installed yet.
 
-
-def _cast_floats(x, dtype: torch.dtype):
-    """x with every floating tensor in it (also inside tuples and lists) cast to dtype."""
-    if isinstance(x, torch.Tensor) and x.is_floating_point():
-        return x.to(dtype)
-    if isinstance(x, (tuple, list)):
-        return type(x)(_cast_floats(item, dtype) for item in x)
-    return x
-
-
-def _errors(outs, refs) -> tuple[float, float, float]:
-    """Largest absolute error, that over the reference's scale, and one rounding unit at that scale."""
-    max_abs, max_rel, ulp = 0.0, 0.0, 0.0
-    for out, ref in zip(outs, refs):
-        if not out.is_floating_point():
-            continue
-        if not torch.isfinite(out).all() and torch.isfinite(ref).all():
-            return float("inf"), float("inf"), 0.0
-        diff = (out.double() - ref).abs().max().item() if out.numel() else 0.0
-        scale = ref.abs().max().item() if ref.numel() else 0.0
-        max_abs = max(max_abs, diff)
-        max_rel = max(max_rel, diff / scale if scale > 0 else diff)
-        ulp = max(ulp, torch.finfo(out.dtype).eps * scale)
-    return max_abs, max_rel, ulp
-
-
-def _reference(original: nn.Module, inputs: tuple) -> list[torch.Tensor]:
-    """The original module run in float64 on the same inputs (its parameters upcast, not modified)."""
-    state = {k: _cast_floats(v, torch.float64) for k, v in list(original.named_parameters()) + list(original.named_buffers())}
-    with torch.no_grad():
-        return [t.double() for t in _tensors(torch.func.functional_call(original, state, _cast_floats(inputs, torch.float64)))]
-
-
-def parity(original: nn.Module, replacement: nn.Module, inputs: tuple) -> tuple[float, float, str | None]:
-    """(max_abs_err, max_rel_err, reason-or-None) of the replacement against fp64, vs the original's."""
-    with torch.no_grad():
-        ref = _reference(original, inputs)
-        orig_out = _tensors(original(*inputs))
-        new_out = _tensors(replacement(*inputs))
-    if len(new_out) != len(orig_out) or any(a.shape != b.shape for a, b in zip(new_out, orig_out)):
-        return float("inf"), float("inf"), "output structure or shape differs from the original's"
-    orig_abs, _, _ = _errors(orig_out, ref)
-    new_abs, new_rel, ulp = _errors(new_out, ref)
-    if new_abs > PARITY_FACTOR * orig_abs + ulp:
-        return new_abs, new_rel, f"parity: max abs error {new_abs:.3g} vs fp64, original's is {orig_abs:.3g}"
-    return new_abs, new_rel, None
-
-
-# ---- swap / unswap ------------------------------------------------------------------------------
-
-
-def _where(model: nn.Module) -> tuple[torch.device, torch.dtype]:
-    for t in list(model.parameters()) + list(model.buffers()):
-        if t.is_floating_point():
-            return t.device, t.dtype
-    return torch.device("cpu"), torch.float32
-
-
-def _set_child(model: nn.Module, qualified_name: str, new: nn.Module) -> None:
-    parent_name, _, child = qualified_name.rpartition(".")
-    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
-
-
-def _with_parameterless_fix(module: nn.Module, model: nn.Module, inputs: tuple) -> tuple:
-    # A module without parameters (nn.Softmax, a GELU) cannot tell where it runs: use the model's place.
-    if any(True for _ in module.parameters()) or any(True for _ in module.buffers()):
-        return inputs
-    device, dtype = _where(model)
-    return tuple(
-        t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype) if isinstance(t, torch.Tensor) else t
-        for t in inputs
-    )
-
-
-def swap(model: nn.Module, names: Iterable | str | SwapEntry | None = None, *, check: bool = True) -> SwapReport:
-    """Replace every module instance of `model` that a chosen swap matches; see the module docstring."""
+    Raises UnknownSwapError for a name the registry does not have. A module a swap cannot handle
+    (or whose replacement fails the check) is skipped with the reason in `plan.report.skipped`.
+    """
     entries = _resolve(names)
-    report = SwapReport()
-    originals = model.__dict__.setdefault(_ORIGINALS_ATTR, {})
+    plan = SwapPlan(model, [entry.name for entry in entries], SwapReport())
+    ours = {name for installed in model.__dict__.get(_PLANS_ATTR, ()) for name, _, _ in installed.changes}
     done_prefixes: list[str] = []  # replaced subtrees: their children are not visited
     for qualified_name, module in list(model.named_modules()):
         if not qualified_name or any(qualified_name.startswith(p + ".") for p in done_prefixes):
             continue  # the model itself is never replaced (it has no parent to set it on)
-        if qualified_name in originals:
-            continue  # already ours
+        if qualified_name in ours:
+            continue  # already swapped by `swap`
         for entry in entries:
             try:
                 if not entry.matches(module):
@@ -193,30 +149,54 @@ def swap(model: nn.Module, names: Iterable | str | SwapEntry | None = None, *, c
                 replacement = entry.replace(module)
                 abs_err = rel_err = float("nan")
                 if check:
-                    inputs = _with_parameterless_fix(module, model, entry.example_inputs(module))
-                    abs_err, rel_err, reason = parity(module, replacement, inputs)
+                    inputs = _on_model_place(module, model, entry.example_inputs(module))
+                    abs_err, rel_err, reason = module_parity(module, replacement, inputs)
                     if reason:
-                        report.skipped.append((qualified_name, entry.name, reason))
+                        plan.report.skipped.append((qualified_name, entry.name, reason))
                         continue
             except Exception as err:  # a module we cannot handle is skipped with the reason, never fatal
-                report.skipped.append((qualified_name, entry.name, f"{type(err).__name__}: {err}".splitlines()[0]))
+                plan.report.skipped.append((qualified_name, entry.name, f"{type(err).__name__}: {err}".splitlines()[0]))
                 continue
-            _set_child(model, qualified_name, replacement)
-            originals[qualified_name] = module
+            plan.changes.append((qualified_name, module, replacement))
             if not entry.shares_children:
                 done_prefixes.append(qualified_name)
-            report.swapped.append((qualified_name, type(module).__name__, entry.name, abs_err, rel_err))
+            plan.report.swapped.append((qualified_name, type(module).__name__, entry.name, abs_err, rel_err))
             break
-    return report
+    return plan
+
+
+def _set_child(model: nn.Module, qualified_name: str, new: nn.Module) -> None:
+    parent_name, _, child = qualified_name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+
+
+def _on_model_place(module: nn.Module, model: nn.Module, inputs: tuple) -> tuple:
+    # A module without parameters (nn.Softmax, a GELU) cannot tell where it runs: use the model's place.
+    if any(True for _ in module.parameters()) or any(True for _ in module.buffers()):
+        return inputs
+    device, dtype = place(model)
+    return tuple(
+        t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype) if isinstance(t, torch.Tensor) else t
+        for t in inputs
+    )
+
+
+# ---- swap / unswap: a plan kept on the model ---------------------------------------------------
+
+
+def swap(model: nn.Module, names: Iterable | str | SwapEntry | None = None, *, check: bool = True) -> SwapReport:
+    """Replace every module instance of `model` that a chosen swap matches; `unswap` puts them back."""
+    plan = plan_swaps(model, names, check=check)
+    if plan.changes:
+        plan.install()
+        model.__dict__.setdefault(_PLANS_ATTR, []).append(plan)
+    return plan.report
 
 
 def unswap(model: nn.Module) -> None:
     """Put back every original module instance that `swap` replaced in `model`."""
-    originals = model.__dict__.pop(_ORIGINALS_ATTR, {})
-    # Reverse order: a child swapped inside a replacement that shares children (recorded after its
-    # parent) goes back first, then the parent's original, whose own child attribute never changed.
-    for qualified_name, module in reversed(list(originals.items())):
-        _set_child(model, qualified_name, module)
+    for plan in reversed(model.__dict__.pop(_PLANS_ATTR, [])):
+        plan.remove()
 
 
 @contextmanager
@@ -232,17 +212,12 @@ def swapped(model: nn.Module, names=None, *, check: bool = True):
 # ---- helpers for the op files' `matches` ------------------------------------------------------
 
 
-def place(module: nn.Module) -> tuple[torch.device, torch.dtype]:
-    """Device and floating dtype of a module's first floating parameter/buffer (CPU fp32 if none)."""
-    return _where(module)
-
-
 def behaves_like(module: nn.Module, expected: Callable, inputs: tuple, rtol: float | None = None) -> bool:
     """Does `module(*inputs)` agree with `expected(*inputs)` (computed in fp32) to a few output ulps?"""
     try:
         with torch.no_grad():
             out = module(*inputs)
-            ref = expected(*_cast_floats(inputs, torch.float32))
+            ref = expected(*cast_floats(inputs, torch.float32))
     except Exception:
         return False
     if not isinstance(out, torch.Tensor) or out.shape != ref.shape:

@@ -10,13 +10,12 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from ._launch import kernel_op, round_to
-from .gelu_tanh import (
-    GELU_ERF, GELU_TANH, SILU, _act, _act_value, _upcast, check_float, gelu_flavour, launch_elementwise, needs_grad,
+from ._elementwise import (
+    ACT_NAMES, SILU, act_and_derivative, act_value, activation_kind, check_float, launch_elementwise, needs_grad, upcast,
 )
-from .swap import SwapEntry, behaves_like, place
-
-ACT_NAMES = {GELU_ERF: "gelu", GELU_TANH: "gelu_tanh", SILU: "silu"}
+from ._launch import kernel_op, round_to
+from .parity import place
+from .swap import SwapEntry, behaves_like
 
 
 @triton.jit
@@ -24,9 +23,9 @@ def _gated_fwd_kernel(GATE, UP, OUT, n, ACT: tl.constexpr, SHORT: tl.constexpr, 
     start = tl.program_id(0).to(tl.int64) * BLOCK  # 64-bit: tensors may exceed 2**31 elements
     offs = tl.arange(0, BLOCK)
     mask = offs < n - start
-    gate = _upcast(tl.load(GATE + start + offs, mask=mask))
-    up = _upcast(tl.load(UP + start + offs, mask=mask))
-    act = _act_value(gate, ACT, SHORT)
+    gate = upcast(tl.load(GATE + start + offs, mask=mask))
+    up = upcast(tl.load(UP + start + offs, mask=mask))
+    act = act_value(gate, ACT, SHORT)
     tl.store(OUT + start + offs, round_to(act * up, OUT.dtype.element_ty), mask=mask)
 
 
@@ -35,10 +34,10 @@ def _gated_bwd_kernel(DOUT, GATE, UP, DGATE, DUP, n, ACT: tl.constexpr, BLOCK: t
     start = tl.program_id(0).to(tl.int64) * BLOCK
     offs = tl.arange(0, BLOCK)
     mask = offs < n - start
-    dout = _upcast(tl.load(DOUT + start + offs, mask=mask))
-    gate = _upcast(tl.load(GATE + start + offs, mask=mask))
-    up = _upcast(tl.load(UP + start + offs, mask=mask))
-    act, dact = _act(gate, ACT)
+    dout = upcast(tl.load(DOUT + start + offs, mask=mask))
+    gate = upcast(tl.load(GATE + start + offs, mask=mask))
+    up = upcast(tl.load(UP + start + offs, mask=mask))
+    act, dact = act_and_derivative(gate, ACT)
     tl.store(DGATE + start + offs, round_to(dout * up * dact, DGATE.dtype.element_ty), mask=mask)
     tl.store(DUP + start + offs, round_to(dout * act, DUP.dtype.element_ty), mask=mask)
 
@@ -162,16 +161,6 @@ def _recompute_when_saved(hidden, gate, up, act):
 # ---- swap: gated MLP instances, matched by structure and by behaviour ---------------------------
 
 
-def act_kind(module: nn.Module):
-    """SILU, GELU_TANH or GELU_ERF if `module` is one of these parameter-free activations, else None."""
-    if isinstance(module, nn.SiLU) or "silu" in type(module).__name__.lower() or "swish" in type(module).__name__.lower():
-        x = torch.linspace(-8.0, 8.0, 65, device=place(module)[0])
-        if not any(True for _ in module.parameters()) and behaves_like(module, torch.nn.functional.silu, (x,), rtol=2e-6):
-            return SILU
-        return None
-    return gelu_flavour(module)
-
-
 def gated_mlp_act(module: nn.Module):
     """The gate activation if `module` computes down_proj(act_fn(gate_proj(x)) * up_proj(x)), else None.
 
@@ -183,7 +172,7 @@ def gated_mlp_act(module: nn.Module):
     if not all(isinstance(layer, nn.Module) for layer in layers):
         return None
     gate_proj, up_proj, down_proj, act_fn = layers
-    act = act_kind(act_fn)
+    act = activation_kind(act_fn)
     in_features = getattr(gate_proj, "in_features", None)
     if act is None or not isinstance(in_features, int):
         return None

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from .parity import TensorParity, worst
+from ..kernels.parity import TensorParity, worst
 
 SCHEMA = "profiler_svc.ab/1"
 

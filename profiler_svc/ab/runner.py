@@ -1,16 +1,16 @@
 """ab_test: the user's model as given (A) against the same model with swaps applied (B).
 
-B is the very same model object: the swap registry replaces module instances (sharing their
-parameters), and the replacements are toggled in and out between rounds. Everything ab_test
-touches (module modes, gradients, parameter and buffer values, the RNG) is put back on exit,
-exceptions included, so the caller's model is exactly as it was.
+B is the very same model object: the swap registry plans replacements for module instances
+(sharing their parameters), and the plan installs them for B's runs and removes them after each.
+Everything ab_test touches (module modes, gradients, parameter and buffer values, the RNG) is put
+back on exit, exceptions included, so the caller's model is exactly as it was.
 """
 from __future__ import annotations
 
 import copy
 import gc
 import itertools
-from contextlib import contextmanager
+from contextlib import nullcontext
 
 import numpy as np
 import torch
@@ -18,13 +18,14 @@ from torch import nn
 from torch.nn.modules.dropout import _DropoutNd
 
 from ..errors import UserError
-from . import parity, stats
+from ..kernels import UnknownSwapError, available_swaps, parity, plan_swaps
+from . import stats
 from .result import ABResult, Timing
 from ..formats import one_line
 
 
 def ab_test(model: nn.Module, inputs, swaps, *, train: bool = False, loss_fn=None, rounds: int = 30,
-            warmup: int = 5, seed: int = 0, parity_factor: float = parity.PARITY_FACTOR) -> ABResult:
+            warmup: int = 5, seed: int = 0, parity_factor: float = parity.MODEL_FACTOR) -> ABResult:
     """A/B-test `swaps` on `model`: parity against fp64 first, then interleaved timed rounds.
 
     inputs: an args tuple, a kwargs dict, a single tensor, or a callable `step(model)` that runs
@@ -33,34 +34,22 @@ def ab_test(model: nn.Module, inputs, swaps, *, train: bool = False, loss_fn=Non
     given labels); the timed step is forward + loss + backward (no optimizer step: the model's
     parameters must stay as given).
     """
-    from ..kernels import swapped  # Triton loads only when an A/B test actually runs
-
-    names = _swap_names(swaps)
     if rounds < 2 or warmup < 0:
         raise UserError(f"need rounds >= 2 and warmup >= 0, got rounds={rounds}, warmup={warmup}")
     call = _caller(inputs)
-    device = _device(model)
+    device, _ = parity.place(model)
     named_params = list(model.named_parameters())  # B shares these tensors, so A's names serve both
 
     state = _Preserved(model)
     rng_devices = [device] if device.type == "cuda" else []
     try:
         with torch.random.fork_rng(devices=rng_devices):
-            with swapped(model, swaps, check=False) as report:  # our own parity below is the gate
-                replacements = {row[0]: model.get_submodule(row[0]) for row in report.swapped}
-            if not replacements:
-                why = "; ".join(f"{m}: {reason}" for m, _, reason in report.skipped[:3])
-                raise UserError(f"no module of {type(model).__name__} was swapped by {', '.join(names)}"
-                                + (f" ({why})" if why else ""))
-            variants = {"A": {qn: model.get_submodule(qn) for qn in replacements}, "B": replacements}
-            toggle = _Toggle(model, variants)
-
-            checks = _parity(model, call, inputs, train, loss_fn, named_params, toggle, state, seed, parity_factor)
+            plan = _plan(model, swaps)  # matching probes modules: inside _Preserved, like the runs
+            checks = _parity(model, call, inputs, train, loss_fn, named_params, plan, state, seed, parity_factor)
             passed = all(t.passed for t in checks)
             timing, peaks = None, {"A": None, "B": None}
             if passed:
-                times, peaks = _timed_rounds(model, call, train, loss_fn, named_params, toggle, device,
-                                             rounds, warmup)
+                times, peaks = _timed_rounds(model, call, train, loss_fn, named_params, plan, device, rounds, warmup)
                 speedup, low, high = stats.speedup_ci(times["A"], times["B"], seed)
                 timing = Timing(timer=stats.timer_name(device), rounds=rounds, warmup=warmup,
                                 a_ms=times["A"], b_ms=times["B"],
@@ -70,26 +59,45 @@ def ab_test(model: nn.Module, inputs, swaps, *, train: bool = False, loss_fn=Non
         state.restore()
 
     return ABResult(
-        swaps=names, train=train, device=_describe(device),
+        swaps=plan.swaps, train=train, device=_describe(device),
         verdict=stats.verdict(passed, timing and timing.ci_low, timing and timing.ci_high),
-        swapped=[{"module": m, "class": c, "swap": s} for m, c, s, *_ in report.swapped],
-        skipped=[{"module": m, "swap": s, "reason": r} for m, s, r in report.skipped],
+        swapped=[{"module": m, "class": c, "swap": s} for m, c, s, *_ in plan.report.swapped],
+        skipped=[{"module": m, "swap": s, "reason": r} for m, s, r in plan.report.skipped],
         parity_passed=passed, parity_factor=parity_factor, parity=checks, timing=timing,
         peak_memory_a_bytes=peaks["A"], peak_memory_b_bytes=peaks["B"],
         memory_method="torch.cuda.max_memory_allocated" if device.type == "cuda" else None,
     )
 
 
+def _plan(model: nn.Module, swaps):
+    """The swaps' replacements for `model`, built but not installed; a bad name is the user's error."""
+    try:
+        plan = plan_swaps(model, swaps or [], check=False)  # our own parity below is the gate
+    except UnknownSwapError as err:
+        raise UserError(str(err)) from None
+    if not plan.swaps:
+        raise UserError("no swap to test: name at least one (available: " + ", ".join(available_swaps()) + ")")
+    if not plan.changes:
+        why = "; ".join(f"{m}: {reason}" for m, _, reason in plan.report.skipped[:3])
+        raise UserError(f"no module of {type(model).__name__} was swapped by {', '.join(plan.swaps)}"
+                        + (f" ({why})" if why else ""))
+    return plan
+
+
+def _variant(plan, name: str):
+    """A: the model as given; B: the plan's replacements installed until the block ends."""
+    return plan.installed() if name == "B" else nullcontext()
+
+
 # ---- parity ---------------------------------------------------------------------------------------
 
 
-def _parity(model, call, inputs, train, loss_fn, named_params, toggle, state, seed, factor):
+def _parity(model, call, inputs, train, loss_fn, named_params, plan, state, seed, factor):
     """Run fp64 (A upcast), A and B on the same inputs and seed; judge B against A, tensor by tensor."""
     # The fp64 reference is run first and kept; A and B are reduced to their error numbers at once,
     # so at most one low-precision set of outputs and gradients is alive next to it.
-    with toggle.variant("A"):
-        _set_modes(model, train, for_parity=True)
-        reference_model = copy.deepcopy(model).double()  # user's grads were set aside by _Preserved
+    _set_modes(model, train, for_parity=True)
+    reference_model = copy.deepcopy(model).double()  # A's modules; the user's grads were set aside by _Preserved
     reference_call = call if callable(inputs) else _caller(parity.to_double(inputs))
     try:
         ref = _run_once(reference_model, reference_call, train, loss_fn,
@@ -103,7 +111,7 @@ def _parity(model, call, inputs, train, loss_fn, named_params, toggle, state, se
 
     errors, dtypes = {}, {}
     for name in ("A", "B"):
-        with toggle.variant(name):
+        with _variant(plan, name):
             _set_modes(model, train, for_parity=True)
             got = _run_once(model, call, train, loss_fn, named_params, seed)
             errors[name] = {key: parity.errors(t, ref[key]) for key, t in got.items() if key in ref}
@@ -155,7 +163,7 @@ def _loss(out, loss_fn) -> torch.Tensor:
 # ---- timing ---------------------------------------------------------------------------------------
 
 
-def _timed_rounds(model, call, train, loss_fn, named_params, toggle, device, rounds, warmup):
+def _timed_rounds(model, call, train, loss_fn, named_params, plan, device, rounds, warmup):
     """Interleaved rounds, each A B B A (B A A B on odd rounds): a variant's time in a round is the
     mean of its two runs, one in each position, because on a busy host the position within a
     round alone can move a step's time by 10%."""
@@ -167,7 +175,7 @@ def _timed_rounds(model, call, train, loss_fn, named_params, toggle, device, rou
         for i in range(warmup + rounds):
             runs = {"A": [], "B": []}
             for name in "ABBA" if i % 2 == 0 else "BAAB":
-                with toggle.variant(name):
+                with _variant(plan, name):
                     _set_modes(model, train, for_parity=False)
                     for _, p in named_params:  # the previous step's gradients are not this step's memory
                         p.grad = None
@@ -210,26 +218,6 @@ class _Preserved:
             m.training = mode
 
 
-class _Toggle:
-    """Installs variant A (the original instances) or B (the replacements) on the model."""
-
-    def __init__(self, model: nn.Module, variants: dict[str, dict[str, nn.Module]]):
-        self.model, self.variants = model, variants
-
-    @contextmanager
-    def variant(self, name: str):
-        self._install(self.variants[name])
-        try:
-            yield
-        finally:
-            self._install(self.variants["A"])  # the originals go back, whatever happened
-
-    def _install(self, modules: dict[str, nn.Module]) -> None:
-        for qualified_name, module in modules.items():
-            parent, _, child = qualified_name.rpartition(".")
-            setattr(self.model.get_submodule(parent) if parent else self.model, child, module)
-
-
 def _set_modes(model: nn.Module, train: bool, for_parity: bool) -> None:
     model.train(train)
     if for_parity:  # dropout masks would differ between dtypes; parity compares the arithmetic
@@ -239,19 +227,6 @@ def _set_modes(model: nn.Module, train: bool, for_parity: bool) -> None:
 
 
 # ---- arguments ------------------------------------------------------------------------------------
-
-
-def _swap_names(swaps) -> list[str]:
-    from ..kernels import SwapEntry, available_swaps
-
-    items = [swaps] if isinstance(swaps, (str, SwapEntry)) else list(swaps or [])
-    if not items:
-        raise UserError("no swap to test: name at least one (available: " + ", ".join(available_swaps()) + ")")
-    names = [item.name if isinstance(item, SwapEntry) else item for item in items]
-    unknown = [n for n, item in zip(names, items) if isinstance(item, str) and n not in available_swaps()]
-    if unknown:
-        raise UserError(f"unknown swap {', '.join(unknown)}; available: {', '.join(available_swaps())}")
-    return names
 
 
 def _caller(inputs):
@@ -265,12 +240,6 @@ def _caller(inputs):
         return inputs
     raise UserError(f"inputs must be an args tuple, a kwargs dict, a tensor or a callable step(model), "
                     f"not {type(inputs).__name__}")
-
-
-def _device(model: nn.Module) -> torch.device:
-    for t in itertools.chain(model.parameters(), model.buffers()):
-        return t.device
-    return torch.device("cpu")
 
 
 def _describe(device: torch.device) -> str:

@@ -1,33 +1,26 @@
 """Per-module attribution: a profiler label and an NVTX range around every submodule call.
 
-Forward: the module's ``forward`` is wrapped, for the capture only, by an instance attribute that
-opens a profiler label named by ``module_label`` and pushes an NVTX range around the class's
-forward (closed in ``finally``, so also when forward raises). A wrapper, not forward hooks: any hook
-sends every call of the module down ``Module._call_impl``'s slow path, which costs more than the
-label itself (benchmarks/results/capture_overhead.md). The wrapper is a method bound to its module,
-so ``copy.deepcopy`` rebinds it to the copy, and it carries the class forward as ``__wrapped__``, so
-``inspect.signature`` sees the real parameters. Modules whose ``forward`` is already an instance
-attribute (``torch.compile``'s wrapper, accelerate's hooks) and models under ``DataParallel`` (whose
-replicas are shallow copies that would call the original) get a pre-hook and a post-hook
-(``always_call``) instead. The label is a
-``torch._C._profiler._RecordFunctionFast`` range, the cheapest a profiler records: about 0.5 us per
-pair, against 2 us for ``_record_function_with_args_enter`` (which builds a script object per call)
-and 20 us for ``torch.ops.profiler._record_function_enter_new``. It is written to the trace as a
-``cpu_op``, not a ``user_annotation``, which also spares the profiler a user correlation id per
-kernel launched inside it; the trace loader reads ``module::`` events as labels whatever their
-category.
+Forward: for the capture only, the module's ``forward`` becomes an instance attribute, a method bound
+to the module (so ``copy.deepcopy`` rebinds it, and ``__wrapped__`` shows ``inspect.signature`` the
+real one), that opens a ``module_label`` profiler label and an NVTX range around the class's forward,
+closed in ``finally``. Not forward hooks: any hook sends every call down ``Module._call_impl``'s slow
+path, which costs more than the label. Modules whose ``forward`` is already an instance attribute
+(``torch.compile``'s wrapper, accelerate's hooks) and models under ``DataParallel`` (whose replicas
+would call the original) get a pre-hook and an ``always_call`` post-hook instead. The label is a
+``_RecordFunctionFast`` range, the cheapest the profiler records; it lands in the trace as a
+``cpu_op`` (sparing the profiler a user correlation id per kernel launched inside it), which the
+loader reads as a label by its ``module::`` name. Costs of each mechanism:
+benchmarks/results/capture_overhead.md, "Per-call costs behind capture/hooks.py".
 
-Backward (only while an NVTX tool such as Nsight Systems listens: the ranges are invisible
-otherwise, and the hooks cost about 60 us per module call on the H100 host): when a module's
-output gradient arrives an NVTX range ``backward::<name> (<Class>)`` starts, and it ends once the gradients of all
-its inputs are computed. Start/end ranges, not push/pop, because autograd runs them on its own
-thread and does not nest them strictly. Modules whose inputs need no gradient (a token
-embedding) get no backward range. The Kineto trace needs no backward hooks: the analyser links
-backward kernels to forward ops by autograd sequence number.
+Backward, only while an NVTX tool such as Nsight Systems listens (the ranges are invisible otherwise,
+and the hooks are costly): a range ``backward::<name> (<Class>)`` starts when a module's output
+gradient arrives and ends once its inputs' gradients are computed; start/end, not push/pop, because
+autograd runs them on its own thread without strict nesting. Modules whose inputs need no gradient
+get none. The Kineto trace needs no backward hooks: the analyser links backward kernels to forward
+ops by autograd sequence number.
 
-Wrappers and hooks are attached only while the profiler warms up or records, so outside that window
-the model runs at full speed, and ``detach`` leaves the model's ``__dict__`` and hook dictionaries as
-they were.
+Wrappers and hooks are attached only while the profiler warms up or records, and ``detach`` leaves
+the model's ``__dict__`` and hook dictionaries as they were.
 """
 import functools
 import inspect

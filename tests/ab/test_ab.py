@@ -167,7 +167,7 @@ def test_input_forms_are_equivalent():
 @pytest.mark.parametrize("call, message", [
     (lambda m, x: ab_test(m, [x], [NOOP]), "inputs must be"),
     (lambda m, x: ab_test(m, (x,), []), "no swap to test"),
-    (lambda m, x: ab_test(m, (x,), ["no_such_swap"]), "unknown swap no_such_swap"),
+    (lambda m, x: ab_test(m, (x,), ["no_such_swap"]), "unknown swap 'no_such_swap'; available: .*rms_norm"),
     (lambda m, x: ab_test(m, (x,), [NOOP], rounds=1), "rounds >= 2"),
     (lambda m, x: ab_test(nn.Sequential(nn.ReLU()), (x,), [NOOP]), "no module of Sequential was swapped"),
     (lambda m, x: ab_test(m, (x,), [NOOP], train=True), "train=True needs a scalar loss"),
@@ -197,7 +197,7 @@ def test_bootstrap_ci_and_verdicts():
 
 def test_parity_floor_is_the_models_precision():
     """A float32 loss from a bf16 model is judged at bf16 rounding, not at float32's."""
-    from profiler_svc.ab.parity import judge
+    from profiler_svc.kernels.parity import judge
 
     ref = torch.tensor(10.8, dtype=torch.float64)
     a_err, b_err = (4.5e-5, 4e-6), (4.2e-4, 4e-5)  # the H100 run's loss errors
@@ -206,3 +206,37 @@ def test_parity_floor_is_the_models_precision():
     floored = judge("loss", ref, torch.float32, a_err, b_err, 4.0, model_eps=bf16)
     assert floored.passed and floored.allowed_abs == pytest.approx(4 * bf16 * 10.8)
     assert not judge("loss", ref, torch.float32, a_err, (0.5, 0.05), 4.0, model_eps=bf16).passed
+
+
+def test_module_check_and_model_check_are_one_measure(monkeypatch):
+    """swap's check of one module and ab_test's check of a model measure errors the same way: on a
+    one-layer model and the same inputs they report the same numbers, through kernels.parity.errors."""
+    from profiler_svc.kernels import SwapEntry, parity, swap, unswap
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32))
+    x = torch.randn(16, 64)
+
+    class Fp64Linear(nn.Module):  # more exact than eager: B's error is below A's, not equal to it
+        def __init__(self, linear):
+            super().__init__()
+            self.linear = linear
+
+        def forward(self, x):
+            return nn.functional.linear(x.double(), self.linear.weight.double(), self.linear.bias.double()).float()
+
+    entry = SwapEntry(name="test_fp64_linear", summary="nn.Linear computed in fp64",
+                      matches=lambda m: type(m) is nn.Linear, replace=Fp64Linear, example_inputs=lambda m: (x,))
+    calls = []
+    real_errors = parity.errors
+    monkeypatch.setattr(parity, "errors", lambda out, ref: calls.append(1) or real_errors(out, ref))
+
+    (row,) = swap(model, [entry]).swapped
+    unswap(model)
+    module_calls = len(calls)
+    result = ab_test(model, (x,), [entry], rounds=2, warmup=0)
+
+    assert module_calls > 0 and len(calls) > module_calls
+    output = next(t for t in result.parity if t.name == "output")
+    assert 0 < output.b_max_abs < output.a_max_abs
+    assert (row[3], row[4]) == (output.b_max_abs, output.b_max_rel)

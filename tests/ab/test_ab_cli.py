@@ -79,7 +79,7 @@ def _write(tmp_path, name, text):
     (["--workload", "ab_workloads:nothing", "--swap", "rms_norm"], "has no callable 'nothing'"),
     (["--workload", "ab_workloads:not_a_workload", "--swap", "rms_norm"], "must return (model, inputs)"),
     (["--workload", "ab_workloads:mlp"], "nothing to test"),
-    (["--workload", "ab_workloads:mlp", "--swap", "no_such_swap"], "unknown swap no_such_swap"),
+    (["--workload", "ab_workloads:mlp", "--swap", "no_such_swap"], "unknown swap 'no_such_swap'; available: "),
     (["--workload", "ab_workloads:mlp", "--swap", "rms_norm", "--rounds", "1"], "rounds >= 2"),
     (["--workload", "ab_workloads:mlp", "--from-report", "/no/such/report.json"], "does not exist"),
     (["--workload", "ab_workloads:mlp", "--from-report", "{tmp}/bad.json"], "cannot read report"),

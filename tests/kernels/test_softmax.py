@@ -60,7 +60,7 @@ def test_wide_row_settings(monkeypatch, reverse, prefetch, per_sm):
     runs: the thresholds are lowered."""
     sm = importlib.import_module("profiler_svc.kernels.softmax")  # the module, not the function
 
-    monkeypatch.setattr(sm, "MAX_TILE_N", 256)
+    monkeypatch.setattr(sm, "FWD_MAX_TILE_N", 256)
     monkeypatch.setattr(sm, "BWD_MAX_TILE_N_FP64", 256)
     for settings in (sm.WIDE, sm.WIDE_BWD):
         monkeypatch.setitem(settings, "BLOCK_N", 64)
@@ -78,7 +78,7 @@ def test_wide_row_settings(monkeypatch, reverse, prefetch, per_sm):
 
 
 def test_two_pass_backward_under_one_tile_forward(monkeypatch):
-    """Backward rows of fp32 inputs wider than BWD_MAX_TILE_N_FP64 but within MAX_TILE_N: one-tile forward,
+    """Backward rows of fp32 inputs wider than BWD_MAX_TILE_N_FP64 but within FWD_MAX_TILE_N: one-tile forward,
     two-pass backward (MID_BWD settings); 16-bit inputs keep the whole row up to BWD_MAX_TILE_N."""
     sm = importlib.import_module("profiler_svc.kernels.softmax")
     monkeypatch.setattr(sm, "BWD_MAX_TILE_N_FP64", 256)

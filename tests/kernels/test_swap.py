@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch import nn
 
-from profiler_svc.kernels import SwapEntry, available_swaps, swap, swapped, unswap
+from profiler_svc.kernels import SwapEntry, UnknownSwapError, available_swaps, plan_swaps, swap, swapped, unswap
 from profiler_svc.kernels.layer_norm import LayerNorm
 from profiler_svc.kernels.rms_norm import RMSNorm
 
@@ -26,11 +26,18 @@ def randomize_norm_weights(model):
                 p.normal_(1.0, 0.2)
 
 
-def test_registry_lists_my_swaps():
+def test_registry_lists_my_swaps_and_names_the_unknown_ones():
     names = available_swaps()
     assert {"rms_norm", "layer_norm"} <= set(names)
-    with pytest.raises(ValueError, match="unknown swap 'nope'"):
-        swap(nn.Linear(2, 2), ["nope"])
+    model = nn.Sequential(nn.LayerNorm(4))
+    ln = model[0]
+    with pytest.raises(UnknownSwapError) as raised:
+        swap(model, ["nope", "layer_norm", "nor_this"])
+    message = str(raised.value)
+    assert isinstance(raised.value, ValueError) and "\n" not in message
+    assert message.startswith("unknown swap 'nope', 'nor_this'; available: ")
+    assert set(message.split("available: ")[1].split(", ")) == set(names)
+    assert model[0] is ln and set(model.__dict__) == set(nn.Sequential(nn.LayerNorm(4)).__dict__)  # nothing done
 
 
 def test_llama_norms_swapped_checked_shared_and_restored():
@@ -170,3 +177,60 @@ def test_without_gpu_or_interpreter_the_error_is_clear_and_swap_skips(monkeypatc
     report = swap(parent, ["rms_norm"])
     assert report.swapped == [] and parent[0] is norm
     assert "need CUDA tensors" in report.skipped[0][2]
+
+
+def _qwen3():
+    """Attention with head norms (rope shares them with its replacement), RMSNorms and SiLU MLPs."""
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=128, head_dim=16,
+    )
+    return transformers.Qwen3ForCausalLM(cfg)
+
+
+def test_plan_installs_toggles_and_removes_the_very_same_objects():
+    model = _qwen3()
+    before = list(model.named_modules())
+    keys = set(model.__dict__)
+    attn = model.model.layers[0].self_attn
+    q_norm = attn.q_norm
+
+    plan = plan_swaps(model, ["rope", "rms_norm", "swiglu"], check=False)
+
+    assert plan.swaps == ["rope", "rms_norm", "swiglu"] and not plan.is_installed
+    assert [row[0] for row in plan.report.swapped] == [name for name, _, _ in plan.changes]
+    kinds = {row[2] for row in plan.report.swapped}
+    assert kinds == {"rope", "rms_norm", "swiglu"}
+    assert "model.layers.0.self_attn.q_norm" in {name for name, _, _ in plan.changes}  # inside rope's replacement
+    assert all(m is m0 for (_, m), (_, m0) in zip(model.named_modules(), before))  # planned, not installed
+    for _ in range(2):  # toggled in and out, as ab_test does between rounds
+        plan.install()
+        plan.install()  # idempotent
+        new_attn = model.model.layers[0].self_attn
+        assert type(new_attn).__name__ == "RopeAttention" and type(new_attn.q_norm).__name__ == "RMSNorm"
+        assert all(model.get_submodule(name) is new for name, _, new in plan.changes)
+        assert attn.q_norm is q_norm  # the original attention's own child never changes
+        plan.remove()
+        plan.remove()
+        assert [n for n, _ in model.named_modules()] == [n for n, _ in before]
+        assert all(m is m0 for (_, m), (_, m0) in zip(model.named_modules(), before))
+    with pytest.raises(RuntimeError, match="boom"):
+        with plan.installed():
+            assert model.model.layers[0].self_attn is not attn
+            raise RuntimeError("boom")
+    assert all(m is m0 for (_, m), (_, m0) in zip(model.named_modules(), before))
+    assert set(model.__dict__) == keys  # a plan keeps no bookkeeping on the model
+
+
+def test_swaps_accumulate_skip_their_own_modules_and_unswap_restores_all():
+    model = _qwen3()
+    before = list(model.named_modules())
+    first = swap(model, ["rms_norm"], check=False)
+    second = swap(model, ["rms_norm", "swiglu"], check=False)
+    assert first.swapped and {row[2] for row in second.swapped} == {"swiglu"}  # our RMSNorms are not re-swapped
+    assert type(model.model.norm).__name__ == "RMSNorm" and type(model.model.layers[1].mlp).__name__ == "GatedMLP"
+    unswap(model)
+    assert all(m is m0 for (_, m), (_, m0) in zip(model.named_modules(), before))
+    unswap(model)  # nothing left to undo
+    assert all(m is m0 for (_, m), (_, m0) in zip(model.named_modules(), before))

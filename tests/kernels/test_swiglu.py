@@ -5,7 +5,7 @@ from kernel_numerics import assert_no_worse
 from torch import nn
 
 from profiler_svc.kernels import geglu, swap, swapped, swiglu, unswap
-from profiler_svc.kernels.gelu_tanh import SILU
+from profiler_svc.kernels._elementwise import SILU
 from profiler_svc.kernels.swiglu import SWAP, GatedMLP
 
 transformers = pytest.importorskip("transformers")
