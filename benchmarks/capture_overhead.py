@@ -41,7 +41,7 @@ import warnings
 import torch
 
 import profiler_svc
-from profiler_svc.capture import hooks as capture_hooks
+from profiler_svc.agent import hooks as capture_hooks
 
 WAIT, WARMUP = 1, 1
 PROFILED = ("profiler", "capture", "capture_nolabels")

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from profiler_svc.capture.hooks import ModuleLabels
+from profiler_svc.agent.hooks import ModuleLabels
 
 
 class Tiny(torch.nn.Module):

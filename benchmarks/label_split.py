@@ -14,7 +14,7 @@ import sys, statistics, types, argparse
 sys.path.insert(0, ".")
 import torch
 import capture_overhead as C
-from profiler_svc.capture.hooks import ModuleLabels, LABEL_RANGE
+from profiler_svc.agent.hooks import ModuleLabels, LABEL_RANGE
 from profiler_svc.trace.labels import module_label
 
 p = argparse.ArgumentParser()

@@ -1,14 +1,25 @@
 """profiler_svc: find why a PyTorch workload is slow, recommend fused kernels, prove the swap.
 
 The public entry points are imported lazily so that `import profiler_svc` stays cheap and an
-area's heavy dependencies (torch, flask, sqlalchemy) load only when that area is used.
+area's heavy dependencies (torch, flask, sqlalchemy) load only when that area is used; the
+TYPE_CHECKING imports show the same names to IDEs and type checkers.
 """
 import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
+if TYPE_CHECKING:
+    from .ab import ABResult, ab_test
+    from .agent import Capture, capture
+    from .errors import TraceError, UserError
+    from .kernels import available_swaps, swap, swapped, unswap
+    from .recommendations import Report, recommend
+    from .trace import load_trace
+
 _EXPORTS = {
-    "capture": "profiler_svc.capture",
+    "capture": "profiler_svc.agent",
+    "Capture": "profiler_svc.agent",
     "recommend": "profiler_svc.recommendations",
     "Report": "profiler_svc.recommendations",
     "load_trace": "profiler_svc.trace",
@@ -25,10 +36,9 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name):
+def __getattr__(name: str):
     if name not in _EXPORTS:
         raise AttributeError(f"module 'profiler_svc' has no attribute {name!r}")
     value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    # bind it here: importing a same-named subpackage (profiler_svc.capture) would otherwise shadow the function
     globals()[name] = value
     return value

@@ -6,7 +6,6 @@ workload, so the dashboard's "A/B test this swap" works on this machine (on CPU 
 Triton's interpreter when there is no GPU).
 """
 import os
-import re
 import threading
 from pathlib import Path
 
@@ -75,7 +74,7 @@ def demo_config() -> dict:
 def live_capture(folder: Path) -> Path:
     """Profile a few inference steps of tiny_llama on this machine; returns the trace path."""
     import torch
-    from ..capture import capture
+    from ..agent import capture
     model, inputs = tiny_llama()
     out = folder / "live" / "tiny_llama_live.json.gz"
     out.unlink(missing_ok=True)
@@ -98,12 +97,13 @@ def prepare_demo(print_fn=print, live: bool = True):
     engine = get_engine(config["DATABASE_URL"])
     upgrade(engine)
     blobs = BlobStore(config["BLOB_DIR"])
-    for path in sorted(SAMPLES.glob("*.json.gz")):
-        match = re.match(r"(.+)_rank\d+$", path.name.removesuffix(".json.gz"))
-        group = f"sample:{match.group(1)}" if match else None
-        [result] = ingest_path(engine, path, blobs=blobs, name=match.group(1) if match else None,
-                               group_key=group, host="H200 (bundled sample)")
-        print_fn(f"sample {path.name}: run {result.run_id}{' (already stored)' if result.duplicate else ''}")
+    # a sample is a trace file, or a folder of one job's per-rank traces (one run)
+    for path in sorted(p for p in SAMPLES.iterdir() if p.is_dir() or p.name.endswith(".json.gz")):
+        name = path.name.removesuffix(".json.gz")
+        results = ingest_path(engine, path, blobs=blobs, name=name, group_key=f"sample:{name}",
+                              host="H200 (bundled sample)")
+        stored = "already stored" if all(r.duplicate for r in results) else f"{len(results)} trace(s)"
+        print_fn(f"sample {path.name}: run {results[0].run_id} ({stored})")
     if live:
         trace = live_capture(config["folder"])
         [result] = ingest_path(engine, trace, blobs=blobs, name="tiny_llama (live capture)", workload=WORKLOAD)

@@ -1,14 +1,14 @@
 """`profiler_svc ab`: a tiny workload with a real bundled swap, swaps from a real report, bad input."""
 import json
-from pathlib import Path
 
 import pytest
 
 from ab_swaps import needs_kernels
 from profiler_svc.ab.commands import swaps_from_report
 from profiler_svc.cli import main
+from tests.plugins.traces import fixture_path
 
-DATA = Path(__file__).parent.parent / "data"
+
 QUICK = ["--rounds", "3", "--warmup", "1"]
 
 
@@ -43,7 +43,7 @@ def test_ab_text_summary(capsys):
 
 def test_swaps_from_a_real_report(tmp_path, capsys):
     """`recommend --format json` on a real H100 trace of a Llama training step, then its swaps."""
-    assert main(["recommend", str(DATA / "llama_bf16_train.json.gz"), "--format", "json"]) == 0
+    assert main(["recommend", str(fixture_path("llama_bf16_train")), "--format", "json"]) == 0
     report = json.loads(capsys.readouterr().out)
     path = tmp_path / "report.json"
     path.write_text(json.dumps(report))

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from profiler_svc.recommendations import recommend
-from tests.conftest import DATA, fixture_path
+from tests.plugins.traces import DDP, fixture_path
 
 _cache = {}
 SEVERITY = ["info", "low", "medium", "high"]
@@ -15,7 +15,7 @@ SEVERITY = ["info", "low", "medium", "high"]
 
 def report(name):
     if name not in _cache:
-        _cache[name] = recommend(DATA / name if name == "ddp" else fixture_path(name))
+        _cache[name] = recommend(DDP if name == "ddp" else fixture_path(name))
     return _cache[name]
 
 
@@ -268,7 +268,7 @@ def test_every_finding_has_evidence_and_rank_order():
 def unseen(name):
     key = f"unseen/{name}"
     if key not in _cache:
-        _cache[key] = recommend(DATA / "unseen" / f"{name}.json.gz")
+        _cache[key] = recommend(fixture_path(name))
     return _cache[key]
 
 

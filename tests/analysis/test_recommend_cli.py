@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from profiler_svc.cli import main
-from tests.conftest import fixture_path
+from tests.plugins.traces import fixture_path
 
 
 def run(capsys, *argv):

@@ -8,9 +8,9 @@ import math
 import pytest
 
 from profiler_svc.recommendations import recommend
-from tests.conftest import DATA
+from tests.plugins.traces import gpu_fixtures
 
-GPU_FIXTURES = sorted(p for p in DATA.glob("**/*.json.gz") if "cpu_" not in p.name)
+GPU_FIXTURES = gpu_fixtures()
 _reports = {}
 
 

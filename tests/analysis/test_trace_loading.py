@@ -6,7 +6,7 @@ import shutil
 import pytest
 
 from profiler_svc.trace import load_trace, load_traces
-from tests.conftest import DATA, fixture_path
+from tests.plugins.traces import DDP, fixture_path
 
 
 def test_llama_trace_tables_and_links():
@@ -46,7 +46,7 @@ def test_gzip_is_detected_by_content_not_name(tmp_path):
 
 
 def test_folder_of_rank_traces():
-    traces = load_traces(DATA / "ddp")
+    traces = load_traces(DDP)
     assert [t.rank for t in traces] == [0, 1]
     assert all(len(t.kernels) > 0 for t in traces)
 

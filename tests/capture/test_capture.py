@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 import profiler_svc
-from profiler_svc.capture import hooks as capture_hooks
+from profiler_svc.agent import hooks as capture_hooks
 from profiler_svc.errors import UserError
 from profiler_svc.trace.labels import METADATA_KEY, METADATA_SCHEMA, module_label, parse_module_label
 
@@ -136,7 +136,7 @@ def test_recommend_analyses_the_trace(model, x, tmp_path):
 
 
 def test_tf32_read_through_the_new_precision_api():
-    from profiler_svc.capture.metadata import numerics
+    from profiler_svc.agent.metadata import numerics
     matmul = torch.backends.cuda.matmul
     if not hasattr(matmul, "fp32_precision"):
         pytest.skip("torch < 2.9 has no fp32_precision API")

@@ -2,7 +2,7 @@
 import pytest
 from sqlalchemy import func, select
 
-from dbfixtures import SMALL_TRACE
+from tests.plugins.traces import SMALL_TRACE
 from profiler_svc.ab.result import ABResult, Timing
 from profiler_svc.errors import UserError
 from profiler_svc.storage import queries, save_ab_result

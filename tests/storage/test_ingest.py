@@ -4,7 +4,8 @@ import json
 import pytest
 from sqlalchemy import func, inspect, select
 
-from dbfixtures import DATA, SMALL_TRACE, stored_files, trace_variant
+from tests.plugins.database import stored_files, trace_variant
+from tests.plugins.traces import SMALL_TRACE, DDP
 from profiler_svc.errors import UserError
 from profiler_svc.storage import db as storage_db
 from profiler_svc.storage import ingest
@@ -95,12 +96,12 @@ def test_ingest_is_idempotent_by_content_gzip_or_not(engine, blobs, tmp_path):
 
 
 def test_a_folder_of_ranks_is_one_run(engine, blobs):
-    results = ingest.ingest_path(engine, DATA / "ddp", blobs=blobs)
+    results = ingest.ingest_path(engine, DDP, blobs=blobs)
     assert len(results) == 2 and len({r.run_id for r in results}) == 1
     with storage_db.session_scope(engine) as s:
         run = s.get(Run, results[0].run_id)
         assert [t.rank for t in run.traces] == [0, 1]
-        assert run.name == "ddp"
+        assert run.name == DDP.name
 
 
 def test_uploads_sharing_a_group_key_join_one_run(engine, blobs, tmp_path):
@@ -219,7 +220,7 @@ def test_a_folder_is_all_or_nothing(engine, blobs, tmp_path):
     import shutil
     folder = tmp_path / "job"
     folder.mkdir()
-    shutil.copy(DATA / "ddp" / "gpt2_ddp_rank0.json.gz", folder / "rank0.json.gz")
+    shutil.copy(DDP / "gpt2_ddp_rank0.json.gz", folder / "rank0.json.gz")
     (folder / "rank1.json.gz").write_bytes(gzip.compress(b'{"traceEvents": "not a list"}'))
     with pytest.raises(UserError):
         ingest.ingest_path(engine, folder, blobs=blobs)

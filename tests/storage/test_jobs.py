@@ -6,7 +6,7 @@ import pytest
 from sqlalchemy import select, update
 from sqlalchemy.orm import selectinload
 
-from dbfixtures import SMALL_TRACE
+from tests.plugins.traces import DDP, SMALL_TRACE
 from profiler_svc.errors import UserError
 from profiler_svc.service import worker
 from profiler_svc.storage import jobs
@@ -33,7 +33,7 @@ def job(engine, job_id) -> ABJob:
 
 
 def test_enqueue_needs_a_workload_and_a_swap(engine, blobs, run_id):
-    [other] = ingest_path(engine, SMALL_TRACE.parent / "ddp" / "gpt2_ddp_rank0.json.gz", blobs=blobs)
+    [other] = ingest_path(engine, DDP / "gpt2_ddp_rank0.json.gz", blobs=blobs)
     with session_scope(engine) as s:
         with pytest.raises(UserError, match="no workload"):
             jobs.enqueue(s, s.get(Run, other.run_id), swap="rms_norm")

@@ -2,7 +2,7 @@
 import subprocess
 import sys
 
-ABOVE = ("profiler_svc.web", "profiler_svc.ab", "profiler_svc.capture", "profiler_svc.service")
+ABOVE = ("profiler_svc.web", "profiler_svc.ab", "profiler_svc.agent", "profiler_svc.service")
 
 
 def test_storage_loads_nothing_above_it():

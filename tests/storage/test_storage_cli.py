@@ -2,7 +2,7 @@ import logging
 
 import pytest
 
-from dbfixtures import DATA, SMALL_TRACE
+from tests.plugins.traces import DATA, SMALL_TRACE, DDP
 from profiler_svc.cli import main
 
 
@@ -40,7 +40,7 @@ def test_db_upgrade_ingest_and_worker(sqlite_env, capsys):
     assert capsys.readouterr().out.strip() == "run 1 trace 1: stored"
     assert main(["ingest", str(SMALL_TRACE)]) == 0
     assert capsys.readouterr().out.strip() == "run 1 trace 1: already stored"
-    assert main(["ingest", str(DATA / "ddp")]) == 0
+    assert main(["ingest", str(DDP)]) == 0
     assert capsys.readouterr().out.split("\n")[:2] == ["run 2 trace 2: stored", "run 2 trace 3: stored"]
     assert main(["worker", "--once"]) == 0
 

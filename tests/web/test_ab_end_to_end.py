@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from dbfixtures import SMALL_TRACE
+from tests.plugins.traces import SMALL_TRACE
 from profiler_svc.storage import db as storage_db
 from profiler_svc.storage.blobs import BlobStore
 from profiler_svc.storage.ingest import ingest_path

@@ -6,7 +6,8 @@ import threading
 
 import pytest
 
-from dbfixtures import DATA, trace_variant
+from tests.plugins.database import trace_variant
+from tests.plugins.traces import fixture_path
 from profiler_svc.storage import db as storage_db
 from profiler_svc.storage.blobs import BlobStore
 from profiler_svc.storage.ingest import ingest_path
@@ -24,7 +25,7 @@ def server(tmp_path):
     engine = storage_db.get_engine(url)
     storage_db.upgrade(engine)
     blobs = BlobStore(tmp_path / "blobs")
-    [run] = ingest_path(engine, DATA / "llama_bf16_train.json.gz", blobs=blobs, name="llama train",
+    [run] = ingest_path(engine, fixture_path("llama_bf16_train"), blobs=blobs, name="llama train",
                         workload="profiler_svc.service.demo:tiny_llama")
     [hostile] = ingest_path(engine, trace_variant(tmp_path, "hostile", kernel_name=HOSTILE), blobs=blobs,
                             name=HOSTILE)

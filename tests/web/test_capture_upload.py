@@ -3,11 +3,11 @@ import threading
 
 import pytest
 
-from dbfixtures import DATA
+from tests.plugins.traces import DDP
 from profiler_svc.storage import db as storage_db
 from profiler_svc.web import create_app
 
-upload = pytest.importorskip("profiler_svc.capture.upload")
+upload = pytest.importorskip("profiler_svc.agent.upload")
 
 
 @pytest.fixture
@@ -26,7 +26,7 @@ def service(tmp_path):
 
 def test_uploaded_ranks_form_one_run_with_host_and_workload(service):
     base, client = service
-    replies = [upload.upload_trace(base, str(DATA / "ddp" / f"gpt2_ddp_rank{rank}.json.gz"), name="gpt2 ddp",
+    replies = [upload.upload_trace(base, str(DDP / f"gpt2_ddp_rank{rank}.json.gz"), name="gpt2 ddp",
                                    run="20261122-ddp", host="gpu-node-3", workload="train.gpt2:make", token="tok")
                for rank in (0, 1)]
     assert [r["duplicate"] for r in replies] == [False, False]
@@ -34,12 +34,12 @@ def test_uploaded_ranks_form_one_run_with_host_and_workload(service):
     run = client.get(f"/api/v1/runs/{replies[0]['run_id']}").get_json()
     assert (run["name"], run["host"], run["workload"], run["ranks"]) == \
         ("gpt2 ddp", "gpu-node-3", "train.gpt2:make", [0, 1])
-    again = upload.upload_trace(base, str(DATA / "ddp" / "gpt2_ddp_rank0.json.gz"), name="x", run="y", token="tok")
+    again = upload.upload_trace(base, str(DDP / "gpt2_ddp_rank0.json.gz"), name="x", run="y", token="tok")
     assert again["duplicate"] is True and again["trace_id"] == replies[0]["trace_id"]
 
 
 def test_a_wrong_token_is_a_one_line_upload_error(service):
     base, _ = service
     with pytest.raises(upload.UploadError, match="HTTP 401") as err:
-        upload.upload_trace(base, str(DATA / "ddp" / "gpt2_ddp_rank0.json.gz"), name="x", run="y", token="bad")
+        upload.upload_trace(base, str(DDP / "gpt2_ddp_rank0.json.gz"), name="x", run="y", token="bad")
     assert "\n" not in str(err.value)

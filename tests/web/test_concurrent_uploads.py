@@ -10,7 +10,7 @@ from collections import defaultdict
 import pytest
 from sqlalchemy import func, select
 
-from dbfixtures import stored_files, trace_variant
+from tests.plugins.database import stored_files, trace_variant
 from profiler_svc.storage.db import session_scope
 from profiler_svc.storage.models import Run, TraceRecord
 from profiler_svc.web import create_app

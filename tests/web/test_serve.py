@@ -8,7 +8,7 @@ import sys
 import time
 import urllib.request
 
-from dbfixtures import SMALL_TRACE
+from tests.plugins.traces import SMALL_TRACE
 
 
 def free_port() -> int:

@@ -3,7 +3,8 @@ import re
 
 import pytest
 
-from dbfixtures import DATA, SMALL_TRACE, stored_files, trace_variant
+from tests.plugins.database import stored_files, trace_variant
+from tests.plugins.traces import SMALL_TRACE, DDP
 from profiler_svc.errors import UserError
 from profiler_svc.web import create_app
 
@@ -65,7 +66,7 @@ def test_upload_then_every_page_and_its_json_mirror(client):
 
 
 def test_ranks_uploaded_separately_form_one_run(client):
-    ids = [upload(client, DATA / "ddp" / f"gpt2_ddp_rank{r}.json.gz", run="ddp-job-1").get_json() for r in (1, 0)]
+    ids = [upload(client, DDP / f"gpt2_ddp_rank{r}.json.gz", run="ddp-job-1").get_json() for r in (1, 0)]
     assert ids[0]["run_id"] == ids[1]["run_id"]
     run = client.get(f"/api/v1/runs/{ids[0]['run_id']}").get_json()
     assert run["ranks"] == [0, 1]
@@ -77,7 +78,7 @@ def test_ranks_uploaded_separately_form_one_run(client):
 
 def test_compare_two_runs(client, tmp_path):
     a = upload(client, SMALL_TRACE).get_json()["run_id"]
-    b = upload(client, DATA / "ddp" / "gpt2_ddp_rank0.json.gz").get_json()["run_id"]
+    b = upload(client, DDP / "gpt2_ddp_rank0.json.gz").get_json()["run_id"]
     cmp = client.get(f"/api/v1/compare?a={a}&b={b}").get_json()
     run_a, run_b = (client.get(f"/api/v1/runs/{i}").get_json() for i in (a, b))
     assert cmp["total_delta_us"] == pytest.approx(

@@ -1,4 +1,4 @@
-"""Database fixtures shared by tests/storage and tests/web: every DB test runs on SQLite and on the
+"""Database fixtures (a pytest plugin, tests/conftest.py loads it): every DB test runs on SQLite and on the
 real PostgreSQL server (a database of its own per test session, dropped at the end)."""
 import gzip
 import json
@@ -13,9 +13,8 @@ from profiler_svc.formats import one_line
 from profiler_svc.storage import db as storage_db
 from profiler_svc.storage.blobs import BlobStore
 from profiler_svc.storage.models import Base
+from tests.plugins.traces import SMALL_TRACE
 
-DATA = Path(__file__).resolve().parents[1] / "data"
-SMALL_TRACE = DATA / "llama_bf16_compiled_infer.json.gz"  # 533 events, real H200 capture
 POSTGRES_ADMIN_URL = os.environ.get("PROFILER_SVC_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432/test")
 
 

@@ -19,6 +19,7 @@ import shutil
 import tempfile
 import uuid
 import warnings
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
 from torch.profiler import ProfilerAction, ProfilerActivity
@@ -38,13 +39,8 @@ URL_ENV = "PROFILER_SVC_URL"
 DEFAULT_SCHEDULE = {"wait": 2, "warmup": 1, "active": 3}
 RECORDING = (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE)
 
-
-def capture(model, out=None, *, wait=None, warmup=None, active=None, repeat=1, nvtx=True,
-            record_shapes=True, upload=None, workload=None, name=None, label_modules=None, **profile_kwargs):
-    """Profile ``model`` inside a ``with`` block; see :class:`Capture`."""
-    return Capture(model, out, wait=wait, warmup=warmup, active=active, repeat=repeat, nvtx=nvtx,
-                   record_shapes=record_shapes, upload=upload, workload=workload, name=name,
-                   label_modules=label_modules, **profile_kwargs)
+if TYPE_CHECKING:
+    from ..recommendations.report import Report
 
 
 class Capture:
@@ -52,7 +48,9 @@ class Capture:
 
     out: a folder (default ``profiler_svc_traces``) or a ``.json.gz`` file path.
     wait/warmup/active/repeat: the profiler schedule, counted in ``cap.step()`` calls. Give none
-        of them to record the whole block; missing ones default to wait=1, warmup=1, active=3.
+        of them to record the whole block; missing ones default to wait=2, warmup=1, active=3. The wait
+        steps after the first run unprofiled and are timed, so the analysis can take the profiler's
+        own cost out of its figures.
     nvtx: NVTX ranges per module call (domain ``profiler_svc``) when Nsight Systems listens.
     upload: service URL to POST traces to (default ``$PROFILER_SVC_URL``; False: never).
     workload: ``"pkg.module:factory"`` that rebuilds the workload, for the A/B service.
@@ -64,8 +62,12 @@ class Capture:
     profile_kwargs: passed on to ``torch.profiler.profile`` (``with_stack``, ``profile_memory``...).
     """
 
-    def __init__(self, model, out=None, *, wait=None, warmup=None, active=None, repeat=1, nvtx=True,
-                 record_shapes=True, upload=None, workload=None, name=None, label_modules=None, **profile_kwargs):
+    def __init__(self, model: torch.nn.Module, out: Optional[Union[str, os.PathLike]] = None, *,
+                 wait: Optional[int] = None, warmup: Optional[int] = None, active: Optional[int] = None,
+                 repeat: int = 1, nvtx: bool = True, record_shapes: bool = True,
+                 upload: Optional[Union[str, bool]] = None, workload: Optional[str] = None,
+                 name: Optional[str] = None, label_modules: Optional[Callable[[str, torch.nn.Module], bool]] = None,
+                 **profile_kwargs: Any) -> None:
         if not isinstance(model, torch.nn.Module):
             raise UserError(f"capture() needs a torch.nn.Module, got {type(model).__name__}")
         if label_modules is not None and not callable(label_modules):
@@ -111,7 +113,7 @@ class Capture:
 
     # ---- the with block --------------------------------------------------------------------
 
-    def __enter__(self):
+    def __enter__(self) -> "Capture":
         activities = [ProfilerActivity.CPU]
         if torch.cuda.is_available():
             activities.append(ProfilerActivity.CUDA)
@@ -124,7 +126,7 @@ class Capture:
         self.timer.begin(profiled=self._profiler.current_action != ProfilerAction.NONE)
         return self
 
-    def step(self):
+    def step(self) -> None:
         """Mark the end of one training or inference step (drives the schedule)."""
         profiler = self._profiler
         if profiler is None:
@@ -138,7 +140,7 @@ class Capture:
         self._sync_labels()
         self.timer.begin(profiled=profiler.current_action != ProfilerAction.NONE)
 
-    def __exit__(self, exc_type, exc, tb):
+    def __exit__(self, exc_type, exc, tb) -> bool:
         profiler, self._profiler = self._profiler, None
         # A cycle cut short by an exception is dropped, not saved half-way through a step.
         self._discard = exc_type is not None
@@ -164,11 +166,11 @@ class Capture:
     # ---- results ---------------------------------------------------------------------------
 
     @property
-    def trace_path(self):
+    def trace_path(self) -> Optional[str]:
         """The last trace written (one per schedule cycle), or None."""
         return self.trace_paths[-1] if self.trace_paths else None
 
-    def recommend(self, **kwargs):
+    def recommend(self, **kwargs: Any) -> "Report":
         """Analyse the last trace written: ``profiler_svc.recommend(cap.trace_path, **kwargs)``."""
         if self.trace_path is None:
             raise UserError("capture wrote no trace to analyse")
@@ -250,6 +252,10 @@ class Capture:
             except (UploadError, OSError) as exc:
                 warnings.warn(f"profiler_svc.capture: upload failed, trace kept at {path}: {exc}",
                               stacklevel=3)
+
+
+# `with profiler_svc.capture(model) as cap:` reads as a function call; the class is the one signature.
+capture = Capture
 
 
 def _schedule(wait, warmup, active, repeat):

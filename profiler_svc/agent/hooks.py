@@ -10,7 +10,7 @@ would call the original) get a pre-hook and an ``always_call`` post-hook instead
 ``_RecordFunctionFast`` range, the cheapest the profiler records; it lands in the trace as a
 ``cpu_op`` (sparing the profiler a user correlation id per kernel launched inside it), which the
 loader reads as a label by its ``module::`` name. Costs of each mechanism:
-benchmarks/results/capture_overhead.md, "Per-call costs behind capture/hooks.py".
+benchmarks/results/capture_overhead.md, "Per-call costs behind agent/hooks.py".
 
 Backward, only while an NVTX tool such as Nsight Systems listens (the ranges are invisible otherwise,
 and the hooks are costly): a range ``backward::<name> (<Class>)`` starts when a module's output
