@@ -2,7 +2,7 @@
 
 Adding a detector is one file and one line in DETECTORS.
 """
-from . import fallback, host_sync, launch_gaps, misalignment, unfused
+from . import communication, fallback, host_sync, launch_gaps, misalignment, unfused
 from .common import CATEGORIES, Finding, Recommendation
 from .top_kernels import top_kernels, top_ops
 
@@ -12,6 +12,7 @@ DETECTORS = (
     misalignment.detect,
     launch_gaps.detect,
     host_sync.detect,
+    communication.detect,
 )
 
 

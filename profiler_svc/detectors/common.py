@@ -12,7 +12,7 @@ from ..trace.replay import Change
 # A GEMM dimension this large is a vocabulary (or class count): pad it to a multiple of 64.
 VOCAB_MIN = 8192
 
-CATEGORIES = ("fallback_kernel", "unfused_chain", "misalignment", "launch_gaps", "host_sync")
+CATEGORIES = ("fallback_kernel", "unfused_chain", "misalignment", "launch_gaps", "host_sync", "communication")
 
 
 @dataclass

@@ -3,6 +3,7 @@
 - host-wait: the activity that ended the gap was launched after the GPU went idle (the CPU was late:
   Python, dispatcher, launch overhead)
 - sync: the host was blocked in a synchronization just before (priced by host_sync)
+- collective: a gloo/NCCL collective was in flight (priced by the communication detector)
 - kernel-to-kernel: work was queued but the GPU still idled (dependencies, stream waits, tiny kernels)
 
 The idle before the first GPU activity of the window is the profiler starting up, not the step: not counted.
@@ -10,7 +11,7 @@ The idle before the first GPU activity of the window is the profiler starting up
 import numpy as np
 
 from ..trace.model import Trace
-from ..trace.replay import Change
+from ..trace.replay import Change, time_covered_by
 from .common import Finding, Recommendation, name_mask, per_step, per_step_note, short_kernel_name
 from .gpu_idle import blocking_calls, idle_gaps, launch_times
 
@@ -21,7 +22,7 @@ _MIN_SHARE = 0.03
 # An op whose input shapes take this many distinct values in the window runs with dynamic shapes (a growing
 # KV cache): CUDA graphs replay fixed shapes only.
 _DYNAMIC_SHAPES = 8
-CAUSES = ("host_wait", "sync", "kernel_to_kernel")
+CAUSES = ("host_wait", "sync", "collective", "kernel_to_kernel")
 
 
 def classify_gaps(trace: Trace):
@@ -41,6 +42,11 @@ def classify_gaps(trace: Trace):
         returned = sync_end[i]
         limit = np.where(np.isnan(launched), gaps.end, launched)
         kind[late & (returned >= gaps.start - 1.0) & (returned <= limit)] = "sync"
+    if trace.collectives:
+        # the host waited for a collective in flight (communication finding), not late launches
+        in_flight = time_covered_by(trace.collectives)
+        waiting = (in_flight(gaps.end) - in_flight(gaps.start)) > 0.5 * gaps.dur
+        kind[waiting & (kind != "sync")] = "collective"
     kind[gaps.dur < _MIN_GAP_US] = "short"
     return gaps, kind
 

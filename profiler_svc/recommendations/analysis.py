@@ -18,6 +18,8 @@ from ..trace.replay import Change, Timeline, calibrate, sensitivity
 
 # Which finding keeps a kernel two fixes both change: the specific root cause first, generic fusion last.
 _CLAIM_ORDER = ("fallback_kernel", "misalignment", "unfused_chain", "host_sync", "launch_gaps")
+# A decode loop reads at least this many tokens per step.
+_MIN_DECODE_TOKENS = 4
 # The step is bound by the host (or the GPU) when halving its time shortens the step this much more than
 # halving the other's does.
 _BOUND_MARGIN = 0.15
@@ -247,25 +249,33 @@ def _breakdown(trace: Trace) -> dict:
 
 
 def _phases(trace: Trace) -> Optional[dict]:
-    """Generation: the prefill (first forward of a step) and the decode tokens after it, which the host
-    reads one at a time (a blocking call per token splits them)."""
+    """Generation: the prefill (the step's first forward) and the decode tokens after it, which the host reads
+    one at a time. A blocking call per token splits the step into segments; they are a decode loop when the
+    tokens repeat one forward (about the same number of kernels each)."""
     from ..trace.replay import BLOCKING_CALLS
     steps = trace.steps
     if not len(steps):
         return None
     runtime = trace.runtime
-    syncs = runtime[runtime["name"].isin(BLOCKING_CALLS).to_numpy()]
     first = steps.iloc[0]
-    inside = syncs[(syncs["ts"] >= first["ts"]) & (syncs["ts"] <= first["end"])].sort_values("ts")
-    if len(inside) < 4:
+    syncs = runtime[runtime["name"].isin(BLOCKING_CALLS).to_numpy() & (runtime["ts"] >= first["ts"]).to_numpy()
+                    & (runtime["ts"] <= first["end"]).to_numpy()].sort_values("ts")
+    if len(syncs) < _MIN_DECODE_TOKENS:
         return None
-    bounds = np.r_[first["ts"], inside["end"].to_numpy()]
+    bounds = np.r_[first["ts"], syncs["end"].to_numpy()]
+    launches = runtime[runtime["name"].str.contains("Launch").to_numpy()]["ts"].to_numpy()
+    kernels = np.diff(np.searchsorted(np.sort(launches), bounds))
+    tokens = kernels[1:]
+    typical = float(np.median(tokens))
+    alike = np.abs(tokens - typical) <= 0.1 * typical
+    if typical < 10 or alike.mean() < 0.75 or kernels[0] < 0.8 * typical:
+        return None
     spans = np.diff(bounds)
-    prefill, tokens = float(spans[0]), spans[1:]
+    prefill, per_token = float(spans[0]), float(np.median(spans[1:]))
     return {"prefill_us": round(prefill, 2), "decode_tokens": int(len(tokens)),
-            "decode_us_per_token": round(float(np.median(tokens)), 2),
-            "note": f"first step: prefill {fmt_us(prefill)}, then {len(tokens)} tokens at "
-                    f"{fmt_us(float(np.median(tokens)))} each (median)"}
+            "decode_us_per_token": round(per_token, 2),
+            "note": f"first step: prefill {fmt_us(prefill)}, then {len(tokens)} tokens at {fmt_us(per_token)} each "
+                    "(median)"}
 
 
 __all__ = ["Analysis", "Finding", "analyse", "unprofiled_step_us"]

@@ -5,7 +5,9 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from ..detectors import CATEGORIES, Finding, top_kernels, top_ops
+import numpy as np
+
+from ..detectors import CATEGORIES, Finding, Recommendation, top_kernels, top_ops
 from ..formats import fmt_us, plain_json
 from ..trace import Trace, load_traces
 
@@ -81,7 +83,7 @@ def build_report(traces: list[Trace], path: str, top: int = 20) -> Report:
             f.share_of_step_pct = round(100 * f.saving_us_per_step / step, 2) if step else 0.0
             f.severity = severity_for(f.saving_us_per_step, step)
     main = analyses[0]
-    findings = _merge_ranks(analyses) if len(analyses) > 1 else main.findings
+    findings = _merge_ranks(analyses) + _straggler(analyses) if len(analyses) > 1 else main.findings
     findings.sort(key=lambda f: (-f.saving_us_per_step, f.category, f.title))
     counters = {}
     for f in findings:
@@ -141,6 +143,43 @@ def _merge_ranks(analyses: list[Analysis]) -> list[Finding]:
             worst.evidence["spread_us_per_step"] = round(max(values) - min(values), 2)
         out.append(worst)
     return out
+
+
+# A rank is a straggler when its own work per step exceeds the median rank's by this share of the step.
+_STRAGGLER_SHARE = 0.05
+
+
+def _straggler(analyses: list[Analysis]) -> list[Finding]:
+    """The rank the others wait for: the most work per step (its step less its own wait on collectives);
+    what it costs per step is what the median rank spends waiting for it."""
+    work = {}
+    for a in analyses:
+        if not a.trace.has_gpu:
+            return []
+        timeline = a.trace.timeline
+        n = timeline.measured.steps
+        work[a.trace.rank] = (timeline.measured.total_us - float(timeline.gap_wait.sum())) / n
+    if len(work) < 2:
+        return []
+    slowest = max(work, key=work.get)
+    median = float(np.median(list(work.values())))
+    cost = work[slowest] - median
+    step = float(np.median([a.prediction["step_us"] for a in analyses]))
+    if cost < _STRAGGLER_SHARE * step:
+        return []
+    return [Finding(
+        category="communication", title=f"rank {slowest} straggles: {fmt_us(cost)} more work per step than the median rank",
+        detail=(f"Without its waits on collectives, rank {slowest}'s step takes {fmt_us(work[slowest])} against the "
+                f"median rank's {fmt_us(median)}; every collective waits for it, so the other ranks idle about "
+                f"{fmt_us(cost)} per step. Balance the work (uneven batches or sequence lengths, a rank doing extra "
+                "logging or evaluation) or look at that rank's host and GPU."),
+        evidence={"rank": slowest, "work_us_per_step_by_rank": {str(r): round(v, 2) for r, v in work.items()},
+                  "median_work_us_per_step": round(median, 2), "ranks": sorted(work)},
+        recommendation=Recommendation("Balance the work across ranks; see what the slowest rank does that others "
+                                      "do not (its findings, its host ops).", None, None),
+        key="communication:straggler", rank=slowest, saving_us_per_step=cost,
+        share_of_step_pct=round(100 * cost / step, 2) if step else 0.0,
+        severity=severity_for(cost, step))]
 
 
 def recommend(path, top: int = 20, progress=None) -> Report:

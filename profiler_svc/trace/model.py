@@ -16,11 +16,14 @@ import pandas as pd
 
 from . import labels
 from .device import DeviceInfo
+from .kernel_names import name_mask
 from .steps import find_steps
 
 if TYPE_CHECKING:
     from .replay import Timeline
 
+# Host ops that run a collective (gloo's and NCCL's own ranges, and c10d's ops that issue them).
+COLLECTIVE_OP_PREFIXES = ("gloo:", "nccl:", "c10d::")
 # A long trace is replayed over this many steps from its middle: per-step figures need no more.
 MAX_REPLAY_STEPS = 8
 
@@ -174,6 +177,16 @@ class Trace:
             return False
         i = np.searchsorted(starts, start, side="right")
         return bool(i < len(starts) and starts[i] < end)
+
+    @cached_property
+    def collectives(self) -> list:
+        """(start, end) of every collective in flight: gloo/NCCL ops on the host, NCCL kernels on the GPU."""
+        cpu = self.cpu
+        ops = cpu[name_mask(cpu, lambda n: n.startswith(COLLECTIVE_OP_PREFIXES))]
+        k = self.kernels
+        comm = k[(k["kind"] == "communication").to_numpy()]
+        return sorted(zip(np.r_[ops["ts"].to_numpy(), comm["ts"].to_numpy()].tolist(),
+                          np.r_[ops["end"].to_numpy(), comm["end"].to_numpy()].tolist()))
 
     @cached_property
     def timeline(self) -> "Timeline":

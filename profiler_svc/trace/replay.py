@@ -52,6 +52,7 @@ class Change:
     unblocked: trace.runtime index of blocking calls that no longer wait for the GPU.
     tightened: trace.kernels index of queued kernels that no longer idle after their predecessor.
     graphs: the steps run as captured CUDA graphs: host time between launches and launch latency vanish.
+    no_collective_wait: the host no longer waits for collectives (communication fully overlapped).
     """
     durations: dict = field(default_factory=dict)
     removed: set = field(default_factory=set)
@@ -60,13 +61,15 @@ class Change:
     unblocked: set = field(default_factory=set)
     tightened: set = field(default_factory=set)
     graphs: bool = False
+    no_collective_wait: bool = False
 
     def merged(self, other: "Change") -> "Change":
         return Change(durations={**self.durations, **other.durations}, removed=self.removed | other.removed,
                       host_removed=self.host_removed + other.host_removed,
                       host_added=self.host_added + other.host_added,
                       unblocked=self.unblocked | other.unblocked, tightened=self.tightened | other.tightened,
-                      graphs=self.graphs or other.graphs)
+                      graphs=self.graphs or other.graphs,
+                      no_collective_wait=self.no_collective_wait or other.no_collective_wait)
 
     @property
     def kernels(self) -> set:
@@ -77,12 +80,13 @@ class Change:
         """The same change, leaving these kernels (claimed by another fix) as they are."""
         return Change(durations={k: v for k, v in self.durations.items() if k not in kernels},
                       removed=self.removed - kernels, host_removed=self.host_removed, host_added=self.host_added,
-                      unblocked=self.unblocked, tightened=self.tightened, graphs=self.graphs)
+                      unblocked=self.unblocked, tightened=self.tightened, graphs=self.graphs,
+                      no_collective_wait=self.no_collective_wait)
 
     @property
     def empty(self) -> bool:
         return not (self.durations or self.removed or self.host_removed or self.host_added or self.unblocked
-                    or self.tightened or self.graphs)
+                    or self.tightened or self.graphs or self.no_collective_wait)
 
 
 @dataclass
@@ -133,6 +137,7 @@ class Timeline:
         self._build_gpu(trace, chain)
         self._build_steps()
         self._measure_syncs()
+        self._measure_collective_waits(trace.collectives)
 
 
     # -- the GPU side --------------------------------------------------------------------------------
@@ -221,6 +226,17 @@ class Timeline:
                 self.sync_pre[i] = end - start
                 self.sync_post[i] = 0.0
 
+    def _measure_collective_waits(self, collectives: list) -> None:
+        """The part of each host gap spent with a collective in flight: waiting for it, not CPU work (the
+        profiler does not inflate it, and no host-side fix removes it)."""
+        n = len(self.host_ts)
+        self.gap_wait = np.zeros(n)
+        if not collectives or not n:
+            return
+        in_flight = time_covered_by(collectives)
+        before = np.r_[self.start, self.host_end_ts[:-1]]
+        self.gap_wait = np.maximum(in_flight(self.host_ts) - in_flight(before), 0.0)
+
     # -- the replay ----------------------------------------------------------------------------------
     def replay(self, change: Optional[Change] = None, host_scale: float = 1.0) -> Result:
         change = change or Change()
@@ -243,11 +259,14 @@ class Timeline:
             gaps[1:] = self.host_ts[1:] - self.host_end_ts[:-1]
         own = self.host_end_ts - self.host_ts
         own = np.where(self.is_sync, self.sync_pre, own)
-        gaps = np.maximum(gaps, 0.0) * host_scale
+        gaps = np.maximum(gaps, 0.0)
+        wait = np.minimum(self.gap_wait, gaps) if not change.no_collective_wait else np.zeros(n)
+        cpu_time = gaps - np.minimum(self.gap_wait, gaps)
+        gaps = cpu_time * host_scale
         own = own * host_scale
         if change.host_removed:
             # the removed CPU time inside each gap and each call, from the measure of the removed intervals
-            removed_until = _measure_function(change.host_removed)
+            removed_until = time_covered_by(change.host_removed)
             before = np.r_[self.start, self.host_end_ts[:-1]] if n else np.zeros(0)
             gaps -= (removed_until(self.host_ts) - removed_until(before)) * host_scale
             own -= np.where(self.is_sync, 0.0, removed_until(self.host_end_ts) - removed_until(self.host_ts)) * host_scale
@@ -266,7 +285,7 @@ class Timeline:
             offset = np.where(alive, 0.0, offset)
             dur = np.where(alive, dur + GRAPH_KERNEL_GAP_US, dur)
             tail_gap = 0.0
-        gaps = np.maximum(gaps, 0.0)  # removed host time never makes a call happen before the previous one
+        gaps = np.maximum(gaps, 0.0) + wait  # removed host time never moves a call before the previous one
         blocking = self.is_sync.copy()
         if change.unblocked:
             blocking &= ~np.isin(self.host_rows, np.fromiter(change.unblocked, dtype=np.int64))
@@ -303,9 +322,10 @@ class Timeline:
                 clock = returned
             else:
                 clock = host[last] + own[last]
-        # activities without a launch we can see keep their measured start as their arrival
+        # activities without a launch we can see (another thread's: gloo's copies) keep their measured start,
+        # unless the collectives they serve no longer hold anything up
         rest = ~computed
-        arrival[rest & ~launched] = self.gpu_start[rest & ~launched]
+        arrival[rest & ~launched] = -np.inf if change.no_collective_wait else self.gpu_start[rest & ~launched]
         self._run_streams(rest, arrival, dur, gpu_gap, ends, free)
         host_end = clock + tail_gap
         return self._result(host, ends, dur, alive, host_end, wait_total)
@@ -396,8 +416,8 @@ class Timeline:
         return found[~np.isnan(found)].astype(np.int64)
 
 
-def _measure_function(intervals):
-    """t -> total length of the union of INTERVALS before t (vectorized, by interpolation)."""
+def time_covered_by(intervals):
+    """t -> how much of the time before t the union of INTERVALS covers (vectorized, by interpolation)."""
     spans = np.array(sorted(intervals), dtype=float).reshape(-1, 2)
     starts, ends = spans[:, 0], np.maximum.accumulate(spans[:, 1])
     # merge overlaps: an interval starting inside the running union only extends it
