@@ -35,8 +35,9 @@ from .upload import UploadError, upload_trace
 
 DEFAULT_OUT = "profiler_svc_traces"
 URL_ENV = "PROFILER_SVC_URL"
-# Two wait steps: the second runs unprofiled after a warm-up step and is timed to calibrate the analysis.
-DEFAULT_SCHEDULE = {"wait": 2, "warmup": 1, "active": 3}
+# The wait steps run unprofiled and all but the first (warm-up) are timed to calibrate the analysis: one
+# timed step is at the mercy of a noisy host, four give a median.
+DEFAULT_SCHEDULE = {"wait": 5, "warmup": 1, "active": 3}
 RECORDING = (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE)
 
 if TYPE_CHECKING:
@@ -48,7 +49,7 @@ class Capture:
 
     out: a folder (default ``profiler_svc_traces``) or a ``.json.gz`` file path.
     wait/warmup/active/repeat: the profiler schedule, counted in ``cap.step()`` calls. Give none
-        of them to record the whole block; missing ones default to wait=2, warmup=1, active=3. The wait
+        of them to record the whole block; missing ones default to wait=5, warmup=1, active=3. The wait
         steps after the first run unprofiled and are timed, so the analysis can take the profiler's
         own cost out of its figures.
     nvtx: NVTX ranges per module call (domain ``profiler_svc``) when Nsight Systems listens.

@@ -12,6 +12,11 @@ from .common import (GEMM_OPS, GRANULE, VOCAB_MIN, Finding, GemmReference, Recom
 
 
 
+# A GEMM whose arithmetic intensity is this many times below the ridge point is bound by bandwidth: tile
+# alignment does not decide its speed.
+_RIDGE_MARGIN = 8
+
+
 def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
@@ -44,6 +49,8 @@ def _gemm_dims(trace, gemms, reference):
         granule = GRANULE.get(g.dtype)
         if not granule or is_simt_matmul(row.name):
             continue
+        if _bandwidth_bound(trace, g):
+            continue  # a matrix-vector product (decode's LM head): padding adds bytes and buys nothing
         low_align = is_low_alignment(row.name) or is_old_arch(row.name)
         off = []
         for dim, value in (("M", g.m), ("N", g.n), ("K", g.k)):
@@ -97,6 +104,15 @@ def _gemm_dims(trace, gemms, reference):
             root_cause=size_root_cause([p for p in sizes if p[0] < VOCAB_MIN] or sizes),
         ))
     return findings
+
+
+def _bandwidth_bound(trace, g) -> bool:
+    """Is the GEMM far below the device's ridge point (FLOPs per byte where compute and bandwidth meet)?"""
+    peak = trace.device.peak_tflops.get("tf32" if g.dtype == "fp32" else g.dtype)
+    if not peak or not g.bytes:
+        return False
+    ridge = peak * 1e12 / (trace.device.memory_bandwidth_gbps * 1e9)
+    return g.flops / g.bytes < ridge / _RIDGE_MARGIN
 
 
 def _head_dim(trace, kernels):

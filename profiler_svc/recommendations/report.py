@@ -151,7 +151,7 @@ _STRAGGLER_SHARE = 0.05
 
 def _straggler(analyses: list[Analysis]) -> list[Finding]:
     """The rank the others wait for: the most work per step (its step less its own wait on collectives);
-    what it costs per step is what the median rank spends waiting for it."""
+    what it costs per step is how much less work the other ranks' median has: what they wait for it."""
     work = {}
     for a in analyses:
         if not a.trace.has_gpu:
@@ -162,7 +162,7 @@ def _straggler(analyses: list[Analysis]) -> list[Finding]:
     if len(work) < 2:
         return []
     slowest = max(work, key=work.get)
-    median = float(np.median(list(work.values())))
+    median = float(np.median([w for r, w in work.items() if r != slowest]))
     cost = work[slowest] - median
     step = float(np.median([a.prediction["step_us"] for a in analyses]))
     if cost < _STRAGGLER_SHARE * step:
@@ -170,11 +170,11 @@ def _straggler(analyses: list[Analysis]) -> list[Finding]:
     return [Finding(
         category="communication", title=f"rank {slowest} straggles: {fmt_us(cost)} more work per step than the median rank",
         detail=(f"Without its waits on collectives, rank {slowest}'s step takes {fmt_us(work[slowest])} against the "
-                f"median rank's {fmt_us(median)}; every collective waits for it, so the other ranks idle about "
+                f"other ranks' {fmt_us(median)} (median); every collective waits for it, so they idle about "
                 f"{fmt_us(cost)} per step. Balance the work (uneven batches or sequence lengths, a rank doing extra "
                 "logging or evaluation) or look at that rank's host and GPU."),
         evidence={"rank": slowest, "work_us_per_step_by_rank": {str(r): round(v, 2) for r, v in work.items()},
-                  "median_work_us_per_step": round(median, 2), "ranks": sorted(work)},
+                  "others_median_work_us_per_step": round(median, 2), "ranks": sorted(work)},
         recommendation=Recommendation("Balance the work across ranks; see what the slowest rank does that others "
                                       "do not (its findings, its host ops).", None, None),
         key="communication:straggler", rank=slowest, saving_us_per_step=cost,

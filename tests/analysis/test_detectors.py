@@ -7,7 +7,7 @@ import json
 import pytest
 
 from profiler_svc.recommendations import recommend
-from tests.plugins.traces import DDP, fixture_path
+from tests.plugins.traces import DDP, fixture_dir, fixture_path
 
 _cache = {}
 SEVERITY = ["info", "low", "medium", "high"]
@@ -310,3 +310,51 @@ def test_unseen_distilbert_ffma_and_eager_attention():
     assert "fallback_kernel:simt:matmul:fp32" in keys(r)
     assert [k for k in keys(r) if "eager_attention" in k]
     assert not [k for k in keys(r) if "waves" in k]  # the FFMA kernels are priced whole, once
+
+
+# -- the third set: captured (H100, 2026-11-24) for the savings issue's pricing defects -------------
+
+def test_decode_lm_head_matrix_vector_is_not_called_misaligned():
+    # batch-1 decode: the LM head is [1, 1024] x [1024, 50257], bound by reading the weight; padding
+    # 50257 to 50304 would only add bytes
+    r = report("gpt2_fp16_decode_b1")
+    assert not [f for f in r.findings if f.category == "misalignment"]
+    assert r.steps["bottleneck"]["kind"] == "launch overhead"
+    gaps = one("gpt2_fp16_decode_b1", "launch_gaps:host_wait")
+    assert "static" in gaps.detail  # its KV cache grows every token too
+
+
+def test_calibrated_capture_takes_the_profiler_out():
+    """Captured with capture's default schedule: the second wait step ran unprofiled and was timed."""
+    r = report("llama8_bf16_1x512_train_calibrated")
+    calibration = r.steps["calibration"]
+    with gzip.open(fixture_path("llama8_bf16_1x512_train_calibrated")) as f:
+        unprofiled = json.load(f)["profiler_svc"]["unprofiled"]
+    assert calibration["measured"] and calibration["unprofiled_step_us"] == pytest.approx(unprofiled["step_us"])
+    # the profiled step is twice the unprofiled one here; host time is what the profiler inflates
+    assert calibration["profiler_inflation_pct"] > 50 and 0.05 < calibration["host_scale"] < 1.0
+    # the calibrated replay takes as long as the unprofiled step, and the prediction starts from it
+    assert r.prediction["step_us"] == pytest.approx(calibration["unprofiled_step_us"], rel=0.02)
+    assert abs(r.steps["replay_error_pct"]) < 5.0
+    # still host-bound once calibrated: the GPU-only fixes buy nothing, launch overhead is the finding
+    assert r.steps["bottleneck"]["kind"] == "launch overhead" and r.findings[0].category == "launch_gaps"
+
+
+def test_calibrated_gpu_bound_capture_prices_the_fusions():
+    r = report("llama8_bf16_4x1024_train_calibrated")
+    assert r.steps["calibration"]["measured"] and r.steps["bottleneck"]["kind"] in ("memory bandwidth", "compute")
+    rms = one("llama8_bf16_4x1024_train_calibrated", "unfused_chain:rms_norm")
+    # GPU-bound: what the fused kernels free on the GPU is what the step saves, give or take host effects
+    assert rms.severity == "high"
+    assert rms.saving_us_per_step == pytest.approx(rms.gpu_time_saved_us_per_step, rel=0.15)
+    assert r.prediction["step_us"] == pytest.approx(r.steps["calibration"]["unprofiled_step_us"], rel=0.05)
+
+
+def test_straggler_rank_and_its_cost():
+    # rank 1 slept 30 ms at the start of every step (STRAGGLER_MS=30): the others wait that long for it
+    r = recommend(fixture_dir("gpt2_ddp_straggler"))
+    [straggler] = [f for f in r.findings if f.key == "communication:straggler"]
+    assert straggler.evidence["rank"] == 1 and straggler.rank == 1
+    assert straggler.saving_us_per_step == pytest.approx(30_000, rel=0.2)
+    assert r.steps["bottleneck"]["kind"] == "communication"
+    assert not [f for f in r.findings if f.category == "launch_gaps" and f.severity in ("medium", "high")]

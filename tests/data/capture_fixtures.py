@@ -311,6 +311,37 @@ def distilbert_fp32_notf32_train():
     return lambda: train_step(model, {"input_ids": ids, "labels": labels}, opt)
 
 
+# ---- the third set: one fixture per pricing defect the savings issue (#14) found ----------------
+
+@fixture("gpt2_fp16_decode_b1", model="GPT2LMHeadModel", dtype="fp16", mode="greedy decode, 16 tokens per step, KV cache",
+         batch="1 (prompt 32)", attn="sdpa",
+         plants="the LM head is a memory-bound matrix-vector product (M=1) over vocab 50257: padding N buys nothing",
+         third=True)
+def gpt2_fp16_decode_b1():
+    model = hf("GPT2LMHeadModel", "GPT2Config", dtype=torch.float16, n_layer=4, n_embd=1024, n_head=16).eval()
+    prompt = torch.randint(0, 50257, (1, 32), device=DEVICE)
+
+    @torch.no_grad()
+    def step():
+        out = model(input_ids=prompt, use_cache=True)
+        past, tok = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        for _ in range(16):
+            out = model(input_ids=tok, past_key_values=past, use_cache=True)
+            past, tok = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    return step
+
+
+@fixture("llama_hidden1020_bf16_infer", model="LlamaForCausalLM", dtype="bf16", mode="inference", batch="4x512",
+         attn="sdpa", plants="hidden 1020 / 12 heads: head_dim 85 (SDPA pads q/k/v for its kernels), GEMM dims "
+                             "1020 not multiples of 8: one root cause behind several symptoms", third=True)
+def llama_hidden1020_bf16_infer():
+    model = hf("LlamaForCausalLM", "LlamaConfig", dtype=torch.bfloat16,
+               **llama_cfg(hidden_size=1020, num_attention_heads=12, num_key_value_heads=12,
+                           intermediate_size=2752)).eval()
+    ids = torch.randint(0, 32000, (4, 512), device=DEVICE)
+    return torch.no_grad()(lambda: model(input_ids=ids).logits)
+
+
 # ---- driver -------------------------------------------------------------------------------
 
 def sync():
@@ -364,9 +395,16 @@ def capture_ddp(out_dir):
     ddp = DDP(model)
     ids = torch.randint(0, 50304, (4, 256), device=DEVICE)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-    step = lambda: train_step(ddp, {"input_ids": ids, "labels": ids}, opt)
+    straggler = os.environ.get("STRAGGLER_RANK")
+    delay_s = float(os.environ.get("STRAGGLER_MS", "0")) / 1e3
+
+    def step():
+        if straggler is not None and rank == int(straggler):
+            time.sleep(delay_s)  # a rank with extra host work each step, so the test knows the answer
+        train_step(ddp, {"input_ids": ids, "labels": ids}, opt)
     step()
-    path = os.path.join(out_dir, f"gpt2_ddp_rank{rank}.json")
+    stem = "gpt2_ddp_straggler" if straggler is not None else "gpt2_ddp"
+    path = os.path.join(out_dir, f"{stem}_rank{rank}.json")
     sched = torch.profiler.schedule(wait=1, warmup=1, active=2, repeat=1)
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts, schedule=sched, record_shapes=True,
@@ -387,7 +425,7 @@ def main():
         return capture_ddp(out_dir)
     on_gpu = torch.cuda.is_available()
     names = sys.argv[2:] or [n for n, (_, info) in FIXTURES.items()
-                             if info.get("cpu", False) != on_gpu and not info.get("unseen")]
+                             if info.get("cpu", False) != on_gpu and not info.get("unseen") and not info.get("third")]
     os.makedirs(out_dir, exist_ok=True)
     env = {"torch": torch.__version__, "cuda": torch.version.cuda,
            "gpu": torch.cuda.get_device_name() if on_gpu else None, "captured": time.strftime("%Y-%m-%d")}

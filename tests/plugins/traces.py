@@ -23,10 +23,20 @@ def fixture_path(name: str) -> Path:
     raise FileNotFoundError(f"no fixture trace {name!r} in {', '.join(str(p) for p in _PLACES)}")
 
 
+def fixture_dir(name: str) -> Path:
+    """A folder of one job's per-rank traces, by name."""
+    for place in _PLACES:
+        if (place / name).is_dir():
+            return place / name
+    raise FileNotFoundError(f"no fixture folder {name!r} in {', '.join(str(p) for p in _PLACES)}")
+
+
 def gpu_fixtures() -> list[Path]:
-    """Every real GPU trace file (one per rank for the DDP folder)."""
-    found = [p for place in _PLACES for p in place.glob("*.json.gz")] + sorted(DDP.glob("*.json.gz"))
-    return sorted(p for p in found if not p.name.startswith("cpu_"))
+    """Every real GPU trace file (each rank of the per-rank folders too)."""
+    found = [p for place in _PLACES for p in place.glob("*.json.gz")]
+    found += [p for place in _PLACES for folder in place.iterdir() if folder.is_dir() for p in folder.glob("*.json.gz")
+              if folder.name not in ("unseen", "agent")]
+    return sorted(set(p for p in found if not p.name.startswith("cpu_")))
 
 
 @pytest.fixture(scope="session")

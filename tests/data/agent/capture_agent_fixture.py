@@ -19,6 +19,9 @@ import torch
 LLAMA = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=2,
              num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=4096)
 GPT2 = dict(n_layer=2, n_embd=768, n_head=12)
+# The savings issue's host-bound case: 8 layers, hidden 2048, training at 1x512 tokens.
+LLAMA8 = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
+              num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=4096)
 LLAMA_BATCH, GPT2_BATCH = (4, 512), (8, 256)
 DEVICE = "cuda"
 
@@ -46,6 +49,20 @@ def gpt2_fp32_notf32_infer_agent():
     return model, {"input_ids": ids}
 
 
+def llama8_bf16_1x512_train_calibrated():
+    """Llama 8 x 2048, bf16, SDPA, training at 1x512: host-bound, where the profiler's cost shows most."""
+    model = _build("LlamaForCausalLM", "LlamaConfig", LLAMA8, "sdpa", torch.bfloat16)
+    ids = torch.randint(0, LLAMA8["vocab_size"], (1, 512), device=DEVICE)
+    return model, {"input_ids": ids, "labels": ids}, lambda out: out.loss
+
+
+def llama8_bf16_4x1024_train_calibrated():
+    """The same model at 4x1024: GPU-bound."""
+    model = _build("LlamaForCausalLM", "LlamaConfig", LLAMA8, "sdpa", torch.bfloat16)
+    ids = torch.randint(0, LLAMA8["vocab_size"], (4, 1024), device=DEVICE)
+    return model, {"input_ids": ids, "labels": ids}, lambda out: out.loss
+
+
 FIXTURES = {
     "llama_bf16_train_agent": dict(
         factory=llama_bf16_train_agent, model="LlamaForCausalLM", config=LLAMA, dtype="bf16", attn="sdpa",
@@ -53,6 +70,14 @@ FIXTURES = {
     "gpt2_fp32_notf32_infer_agent": dict(
         factory=gpt2_fp32_notf32_infer_agent, model="GPT2LMHeadModel", config=GPT2, dtype="fp32", attn="eager",
         batch="x".join(map(str, GPT2_BATCH)), mode="inference (no_grad)", numerics="allow_tf32 off (matmul, cudnn), precision highest"),
+    # calibrated: capture's default schedule (wait 2: the second wait step is timed unprofiled), no sync per
+    # step, and the step also timed unprofiled over 20 steps before the capture, to check the calibration
+    "llama8_bf16_1x512_train_calibrated": dict(
+        factory=llama8_bf16_1x512_train_calibrated, model="LlamaForCausalLM", config=LLAMA8, dtype="bf16",
+        attn="sdpa", batch="1x512", mode="train (fwd+bwd+AdamW foreach)", numerics="defaults", calibrated=True),
+    "llama8_bf16_4x1024_train_calibrated": dict(
+        factory=llama8_bf16_4x1024_train_calibrated, model="LlamaForCausalLM", config=LLAMA8, dtype="bf16",
+        attn="sdpa", batch="4x1024", mode="train (fwd+bwd+AdamW foreach)", numerics="defaults", calibrated=True),
 }
 
 
@@ -87,25 +112,55 @@ def capture(name, out_dir):
     step()  # outside the profiler: cuBLAS handles, autotuning
     sync()
     path = os.path.join(out_dir, name + ".json.gz")
+    if info.get("calibrated"):
+        return info_of(info) | calibrated_capture(name, model, step, path)
     with profiler_svc.capture(model, out=path, wait=1, warmup=1, active=2,
                               workload=f"capture_agent_fixture:{name}") as cap:
         for _ in range(4):
             step()
             sync()
             cap.step()
-    return {k: v for k, v in info.items() if k != "factory"} | {
+    return info_of(info) | {
         "capture": "profiler_svc.capture(model, wait=1, warmup=1, active=2); cap.step() after each step",
         "workload": f"capture_agent_fixture:{name}", "gz_bytes": os.path.getsize(cap.trace_path)}
 
 
-def main(out_dir):
+def info_of(info):
+    return {k: v for k, v in info.items() if k != "factory"}
+
+
+def calibrated_capture(name, model, step, path):
+    """The step timed unprofiled (20 steps, CUDA events, after 5 warm-up ones), then captured with capture's
+    default schedule and no sync per step, as a training loop runs."""
+    import statistics
+    import profiler_svc
+    for _ in range(5):
+        step()
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(21)]
+    events[0].record()
+    for i in range(20):
+        step()
+        events[i + 1].record()
+    sync()
+    reference = statistics.median(a.elapsed_time(b) * 1e3 for a, b in zip(events, events[1:]))
+    with profiler_svc.capture(model, out=path, active=2, workload=f"capture_agent_fixture:{name}") as cap:
+        for _ in range(6):
+            step()
+            cap.step()
+    return {"capture": "profiler_svc.capture(model, active=2) (wait 2, warmup 1 by default); cap.step() after "
+                       "each of 6 steps, no synchronize",
+            "workload": f"capture_agent_fixture:{name}", "gz_bytes": os.path.getsize(cap.trace_path),
+            "reference_unprofiled_step_us": round(reference, 2)}
+
+
+def main(out_dir, names=None):
     import transformers
     os.makedirs(out_dir, exist_ok=True)
     manifest = {"environment": {"torch": torch.__version__, "transformers": transformers.__version__,
                                 "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
                                 "captured": time.strftime("%Y-%m-%d")},
                 "fixtures": {}}
-    for name in FIXTURES:
+    for name in names or [n for n, info in FIXTURES.items() if not info.get("calibrated")]:
         manifest["fixtures"][name] = capture(name, out_dir)
         print("ok", name, manifest["fixtures"][name]["gz_bytes"], flush=True)
     with open(os.path.join(out_dir, "manifest.json"), "w") as f:
@@ -113,4 +168,4 @@ def main(out_dir):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2:])
