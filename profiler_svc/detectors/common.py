@@ -18,8 +18,9 @@ CATEGORIES = ("fallback_kernel", "unfused_chain", "misalignment", "launch_gaps",
 @dataclass
 class Recommendation:
     summary: str
-    swap: Optional[str] = None
+    swap: Optional[str] = None    # a bundled kernel swap (profiler_svc.kernels), A/B-testable
     snippet: Optional[str] = None
+    fix: Optional[str] = None     # a configuration fix of the A/B fix registry (tf32, sdpa, pad_vocab, ...)
 
 
 @dataclass

@@ -99,6 +99,7 @@ def _simt_matmuls(trace, kernels):
                    "fine for most training), or run the model in bf16 autocast.")
             snippet = ('torch.backends.cuda.matmul.allow_tf32 = True   # or torch.set_float32_matmul_precision("high")\n'
                        "torch.backends.cudnn.allow_tf32 = True")
+            fix_name = "tf32"
         else:
             worst_shapes = groups[0]["shapes"]
             channels = _channels(worst_shapes)
@@ -107,12 +108,14 @@ def _simt_matmuls(trace, kernels):
                 why = f"{dtype} channel counts ({listed}) that tensor-core kernels refuse (not multiples of 8)"
                 fix = "Pad the channel/feature dimensions to multiples of 8 so tensor-core kernels apply."
                 snippet = None
+                fix_name = None
             else:
                 bench = trace.numerics.get("cudnn_benchmark")
                 why = (f"{dtype} with aligned channels: cuDNN's heuristic chose a CUDA-core kernel"
                        + (" (cudnn.benchmark is off)" if bench is False else ""))
                 fix = "Let cuDNN time its candidates (cudnn.benchmark) so it picks a tensor-core kernel for these shapes."
                 snippet = "torch.backends.cudnn.benchmark = True  # input shapes must be static"
+                fix_name = "cudnn_benchmark"
         worst = groups[0]
         findings.append(Finding(
             category="fallback_kernel",
@@ -128,7 +131,7 @@ def _simt_matmuls(trace, kernels):
                 "flops": sum(g["flops"] for g in groups), "expected_us": round(expected, 2),
                 "shapes": [{"op": g["op"], "input_shapes": g["shapes"], "calls": len(g["rows"]),
                             "time_us": round(g["time"], 2), "flops": g["flops"]} for g in groups[:12]]}),
-            recommendation=Recommendation(fix, None, snippet),
+            recommendation=Recommendation(fix, None, snippet, fix_name),
             change=_scaled_groups(groups),
             key=f"fallback_kernel:simt:{label}:{dtype}",
         ))
@@ -356,7 +359,7 @@ def _eager_attention(trace, kernels):
                 "(or \"flash_attention_2\"); in your own code replace matmul/softmax/matmul by F.scaled_dot_product_attention.",
                 None,
                 'model = AutoModel.from_config(config, attn_implementation="sdpa")\n'
-                "# or: out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)"),
+                "# or: out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)", "sdpa"),
             key=f"fallback_kernel:eager_attention:{cls}:{shape}",
         ))
     return findings

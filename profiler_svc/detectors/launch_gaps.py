@@ -113,7 +113,7 @@ def detect(trace: Trace) -> list[Finding]:
                 rec = Recommendation(
                     "Remove per-kernel launch cost: capture the step in a CUDA graph (torch.compile "
                     "mode=\"reduce-overhead\" does it), fuse small ops, or give each launch more work (larger batch).",
-                    None, 'model = torch.compile(model, mode="reduce-overhead")  # CUDA graphs')
+                    None, 'model = torch.compile(model, mode="reduce-overhead")  # CUDA graphs', "cuda_graphs")
             change = Change(graphs=True)
         else:
             title = f"GPU idle between queued kernels: {per_step_note(trace, idle)}"

@@ -99,6 +99,7 @@ def _gemm_dims(trace, gemms, reference):
                 None,
                 (f"model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)  # {pads}" if vocab else
                  f"# e.g. choose sizes that are multiples of {GRANULE[dtype]}: {pads}"),
+                "pad_vocab" if vocab else None,
             ),
             key=f"misalignment:gemm:{dtype}:{sizes}",
             root_cause=size_root_cause([p for p in sizes if p[0] < VOCAB_MIN] or sizes),

@@ -334,7 +334,8 @@ def _finding(trace, kind, cls, group, bandwidth) -> Finding:
                   "fused_us_per_step": round(per_step(trace, fused_time), 2),
                   "directions": _directions(group, fused_bytes_each),
                   **({"modules": instances[:32], "module_class": cls} if instances else {})},
-        recommendation=Recommendation(summary, pattern.swap, pattern.snippet),
+        recommendation=Recommendation(summary, pattern.swap, pattern.snippet,
+                                      "fused_optimizer" if kind == "optimizer" else None),
         change=change,
         key=f"unfused_chain:{kind}:{cls or ''}",
     )

@@ -31,6 +31,22 @@ class Analysis:
     findings: list
     steps: dict
     prediction: dict
+    host_scale: float = 1.0
+
+    def predict(self, findings: list) -> dict:
+        """The replayed step with these findings' fixes applied together (one replay, never a sum)."""
+        if not self.trace.has_gpu:
+            return {}
+        change = Change()
+        for f in findings:
+            change = change.merged(f.change)
+        timeline = self.trace.timeline
+        before = timeline.replay(host_scale=self.host_scale)
+        after = timeline.replay(change, host_scale=self.host_scale)
+        n = before.steps
+        return {"step_us": round(before.total_us / n, 2), "step_us_after": round(after.total_us / n, 2),
+                "saving_us_per_step": round((before.total_us - after.total_us) / n, 2),
+                "findings": [f.key for f in findings]}
 
 
 def analyse(trace: Trace) -> Analysis:
@@ -58,7 +74,7 @@ def analyse(trace: Trace) -> Analysis:
         "saving_pct": round(100 * (base.total_us - after.total_us) / base.total_us, 2) if base.total_us else 0.0,
         "findings": [f.key for f in helpful],
     }
-    return Analysis(trace, findings, _steps_summary(trace, timeline, base, scale, calibration), prediction)
+    return Analysis(trace, findings, _steps_summary(trace, timeline, base, scale, calibration), prediction, scale)
 
 
 # -- one finding per root cause ------------------------------------------------------------------------

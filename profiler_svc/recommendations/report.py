@@ -28,6 +28,7 @@ class Report:
     ranks: list = field(default_factory=list)
     top_ops: list = field(default_factory=list)
     traces: list = field(default_factory=list, repr=False)
+    analyses: list = field(default_factory=list, repr=False)
 
     def to_dict(self) -> dict:
         by_category = {c: 0 for c in CATEGORIES}
@@ -53,6 +54,13 @@ class Report:
         if not self.findings:
             return None
         return max((f.severity for f in self.findings), key=SEVERITIES.index)
+
+    def predict(self, swaps=(), fixes=()) -> dict:
+        """The first rank's step replayed with the fixes of every finding that recommends one of SWAPS or FIXES
+        applied together: what an A/B of exactly those should measure."""
+        chosen = [f for f in self.analyses[0].findings
+                  if f.recommendation.swap in swaps or getattr(f.recommendation, "fix", None) in fixes]
+        return self.analyses[0].predict(chosen) if self.analyses else {}
 
     def swaps(self) -> list[str]:
         """Bundled swaps the findings recommend, most valuable first."""
@@ -99,6 +107,7 @@ def build_report(traces: list[Trace], path: str, top: int = 20) -> Report:
         findings=findings,
         top_ops=top_ops(main.trace, top),
         traces=traces,
+        analyses=analyses,
     )
 
 

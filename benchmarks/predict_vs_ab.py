@@ -1,0 +1,198 @@
+"""Is a prediction what the A/B then measures? capture -> recommend -> ab_test, on several model families.
+
+For each Hugging Face family (built from a config, random weights, bf16), size and mode:
+  1. the step ab_test times (forward, or forward + loss + backward) is captured with profiler_svc.capture
+     (its default schedule: unprofiled wait steps timed for calibration);
+  2. `recommend` names swaps (and fixes); `Report.predict` replays the step with exactly those applied;
+  3. `ab_test` applies them to the same model and measures the step change (interleaved rounds, CUDA events).
+Recorded per case: the swaps named and how many modules each replaced, the predicted and measured change per
+step, the verdict. Summary: median absolute error of the prediction as a share of the measured change, and
+whether the direction was right (never a saving predicted where the A/B says slower or no difference).
+
+    python benchmarks/predict_vs_ab.py --out DIR [--families llama,gemma] [--sizes gpu,host] [--modes train,infer]
+    python benchmarks/predict_vs_ab.py --smoke --out DIR      # CPU: tiny configs, one case, proves the script
+"""
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+import traceback
+
+import torch
+
+# family -> (model class, config class, config); sizes chosen so each step runs well under a second
+FAMILIES = {
+    "llama": ("LlamaForCausalLM", "LlamaConfig",
+              dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                   num_attention_heads=16, num_key_value_heads=8)),
+    "gemma": ("GemmaForCausalLM", "GemmaConfig",
+              dict(vocab_size=32000, hidden_size=1024, intermediate_size=4096, num_hidden_layers=4,
+                   num_attention_heads=8, num_key_value_heads=1, head_dim=128)),
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config",
+              dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                   num_attention_heads=16, num_key_value_heads=2)),
+    "phi3": ("Phi3ForCausalLM", "Phi3Config",
+             dict(vocab_size=32064, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                  num_attention_heads=16, num_key_value_heads=16, pad_token_id=0)),
+    "mixtral": ("MixtralForCausalLM", "MixtralConfig",
+                dict(vocab_size=32000, hidden_size=1024, intermediate_size=1408, num_hidden_layers=4,
+                     num_attention_heads=16, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2)),
+}
+SIZES = {"gpu": (4, 1024), "host": (1, 256)}
+SMOKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, vocab_size=512)
+
+
+def build(family, smoke, device, dtype):
+    import transformers
+    model_class, config_class, config = FAMILIES[family]
+    config = dict(config)
+    if smoke:
+        config.update(SMOKE)
+        config["num_key_value_heads"] = min(config["num_key_value_heads"], 4)
+        config.pop("head_dim", None)
+    torch.manual_seed(0)
+    cfg = getattr(transformers, config_class)(**config)
+    cfg._attn_implementation = "sdpa"
+    with torch.device(device):
+        model = getattr(transformers, model_class)(cfg).to(dtype)
+    return model, cfg.vocab_size
+
+
+def step_function(model, inputs, train):
+    """Exactly what ab_test times: a forward without autograd, or forward + loss + backward."""
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def step():
+        if not train:
+            with torch.no_grad():
+                model(**inputs)
+            return
+        for p in params:
+            p.grad = None
+        model(**inputs).loss.backward()
+    return step
+
+
+def run_case(family, size, mode, args):
+    import profiler_svc
+    from profiler_svc.recommendations import recommend
+    device = "cpu" if args.smoke else "cuda"
+    train = mode == "train"
+    model, vocab = build(family, args.smoke, device, torch.float32 if args.smoke else torch.bfloat16)
+    model.train(train)
+    batch, seq = (1, 16) if args.smoke else SIZES[size]
+    ids = torch.randint(0, vocab, (batch, seq), device=device)
+    inputs = {"input_ids": ids, **({"labels": ids} if train else {})}
+    step = step_function(model, inputs, train)
+    for _ in range(3):
+        step()
+    case = {"family": family, "size": size, "tokens": f"{batch}x{seq}", "mode": mode}
+    with tempfile.TemporaryDirectory() as tmp:
+        with profiler_svc.capture(model, out=os.path.join(tmp, "t.json.gz"), active=2, upload=False) as cap:
+            for _ in range(8):
+                step()
+                cap.step()
+        report = recommend(cap.trace_path)
+    swaps = report.swaps() or (["rms_norm"] if args.smoke else [])  # a CPU trace has no kernels to name swaps
+    fixes = [f.recommendation.fix for f in report.findings if getattr(f.recommendation, "fix", None)]
+    predicted = report.predict(swaps=swaps)
+    case.update(swaps=swaps, fixes_named=sorted(set(fixes)), predicted=predicted,
+                bottleneck=report.steps.get("bottleneck", {}).get("kind"), calibration=report.steps.get("calibration"))
+    if not swaps:
+        return case
+    result = profiler_svc.ab_test(model, inputs, swaps, train=train, loss_fn=(lambda out: out.loss) if train else None,
+                                  rounds=args.rounds, warmup=args.warmup)
+    d = result.to_dict()
+    counts = {}
+    for row in d["swapped"]:
+        counts[row["swap"]] = counts.get(row["swap"], 0) + 1
+    case.update(swapped=counts, not_applied=[s for s in swaps if not counts.get(s)], verdict=d["verdict"],
+                parity_passed=d["parity_passed"])
+    timing = d.get("timing")
+    if timing:
+        measured = (timing["median_a_ms"] - timing["median_b_ms"]) * 1e3
+        case.update(measured_us=round(measured, 2), a_ms=timing["median_a_ms"], b_ms=timing["median_b_ms"],
+                    speedup=timing["speedup"], ci=[timing["ci_low"], timing["ci_high"]])
+        pred = predicted.get("saving_us_per_step", 0.0)
+        case["error_share"] = round(abs(pred - measured) / abs(measured), 3) if measured else None
+        # right direction: a saving predicted only where the A/B says faster, none where it says slower
+        case["direction_right"] = (pred > 0) == (d["verdict"] == "faster") or (
+            d["verdict"] == "no_difference" and abs(pred) < 0.02 * predicted.get("step_us", 1.0))
+    return case
+
+
+def summarize(cases):
+    timed = [c for c in cases if "measured_us" in c]
+    errors = [c["error_share"] for c in timed if c.get("error_share") is not None]
+    lines = ["| family | tokens | mode | bound | swaps (modules) | predicted | measured | verdict | error |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for c in cases:
+        swapped = ", ".join(f"{s} {c.get('swapped', {}).get(s, 0)}" for s in c.get("swaps", [])) or "none named"
+        pred = c.get("predicted", {}).get("saving_us_per_step")
+        measured = c.get("measured_us")
+        lines.append(f"| {c['family']} | {c['tokens']} | {c['mode']} | {c.get('bottleneck', '')} | {swapped} | "
+                     f"{'' if pred is None else f'{pred / 1e3:.2f} ms'} | "
+                     f"{'' if measured is None else f'{measured / 1e3:.2f} ms'} | "
+                     f"{c.get('verdict', c.get('error', ''))} | {c.get('error_share', '')} |")
+    summary = {"cases": len(cases), "timed": len(timed),
+               "median_abs_error_share": statistics.median(errors) if errors else None,
+               "direction_right": sum(bool(c.get("direction_right")) for c in timed),
+               "slower_verdicts": sum(c.get("verdict") == "slower" for c in timed),
+               "swaps_not_applied": sum(bool(c.get("not_applied")) for c in cases)}
+    return summary, "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--families", default=",".join(FAMILIES))
+    parser.add_argument("--sizes", default="gpu,host")
+    parser.add_argument("--modes", default="train,infer")
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--budget-s", type=float, default=540.0, help="stop starting cases after this long")
+    parser.add_argument("--smoke", action="store_true")
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    env = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+    try:
+        import transformers
+        import triton
+        env.update(transformers=transformers.__version__, triton=triton.__version__)
+    except ImportError:
+        pass
+    cases, start = [], time.time()
+    plan = [(f, s, m) for f in args.families.split(",") for s in args.sizes.split(",") for m in args.modes.split(",")]
+    if args.smoke:
+        plan = plan[:1]
+    for family, size, mode in plan:
+        if time.time() - start > args.budget_s:
+            cases.append({"family": family, "size": size, "tokens": "", "mode": mode, "error": "not run: budget"})
+            continue
+        t0 = time.time()
+        try:
+            case = run_case(family, size, mode, args)
+        except Exception as exc:
+            traceback.print_exc()
+            case = {"family": family, "size": size, "tokens": "", "mode": mode,
+                    "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]}
+        case["seconds"] = round(time.time() - t0, 1)
+        cases.append(case)
+        print(json.dumps(case), flush=True)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        with open(os.path.join(args.out, "predict_vs_ab.json"), "w") as f:
+            json.dump({"environment": env, "cases": cases}, f, indent=1)
+    summary, table = summarize(cases)
+    with open(os.path.join(args.out, "predict_vs_ab.json"), "w") as f:
+        json.dump({"environment": env, "summary": summary, "cases": cases}, f, indent=1)
+    with open(os.path.join(args.out, "predict_vs_ab.md"), "w") as f:
+        f.write(table + "\n\n" + json.dumps(summary) + "\n")
+    print(table)
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
