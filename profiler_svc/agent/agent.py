@@ -19,7 +19,7 @@ import shutil
 import tempfile
 import uuid
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union
 
 import torch
 from torch.profiler import ProfilerAction, ProfilerActivity
@@ -76,7 +76,8 @@ class Capture:
         self.schedule = _schedule(wait, warmup, active, repeat)
         if workload is not None:
             check_workload_spec(workload)
-        self.upload_url = os.environ.get(URL_ENV) if upload is None else (upload or None)
+        self.upload_url: Optional[str] = os.environ.get(URL_ENV) if upload is None else (
+            upload if isinstance(upload, str) and upload else None)
         if self.upload_url and not re.match(r"^https?://", self.upload_url):
             raise UserError(f"upload URL must start with http:// or https://, got {self.upload_url!r}")
         for key in ("activities", "schedule", "on_trace_ready"):
@@ -102,13 +103,13 @@ class Capture:
                     **{k: v for k, v in profile_kwargs.items() if isinstance(v, (bool, int, str))}}
         self.metadata = static_metadata(model, rank=self.rank, world_size=self.world_size,
                                         workload=workload, run=self.run, name=self.name, settings=settings)
-        self.trace_paths = []
-        self.uploads = []  # the service's replies, one per uploaded trace
+        self.trace_paths: list[str] = []
+        self.uploads: list[dict] = []  # the service's replies, one per uploaded trace
         self.steps = 0
         self.timer = StepTimer()
         self._step_range = None  # this step's ProfilerStep#N range, when capture marks steps itself
         self._numerics = None
-        self._profiler = None
+        self._profiler: Optional[torch.profiler.profile] = None
         self._discard = False
         self._cycles_saved = 0
 
@@ -141,8 +142,10 @@ class Capture:
         self._sync_labels()
         self.timer.begin(profiled=profiler.current_action != ProfilerAction.NONE)
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type, exc, tb) -> Literal[False]:
         profiler, self._profiler = self._profiler, None
+        if profiler is None:  # __exit__ without __enter__, or twice
+            return False
         # A cycle cut short by an exception is dropped, not saved half-way through a step.
         self._discard = exc_type is not None
         self._end_step_mark()

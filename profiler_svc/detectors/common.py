@@ -202,7 +202,7 @@ def size_root_cause(sizes) -> tuple:
             f"misaligned size{'s' if len(sizes) > 1 else ''}: pad {label}")
 
 
-def plural(n: int, noun: str, nouns: str = None) -> str:
+def plural(n: int, noun: str, nouns: Optional[str] = None) -> str:
     return f"{n} {noun if n == 1 else (nouns or noun + 's')}"
 
 
@@ -301,15 +301,17 @@ class GemmReference:
 
     def __init__(self, trace: Trace, kernels: pd.DataFrame):
         self.trace = trace
-        self.samples = {}  # dtype -> list of (flops, µs)
+        self.samples: dict[str, list[tuple[float, float]]] = {}  # dtype -> [(flops, µs)]
         aligned = kernels[name_mask(kernels, lambda n: is_gemm(n) and not (is_low_alignment(n) or is_old_arch(n)
                                                                              or is_simt_matmul(n)))]
-        shapes = {}
+        shapes: dict[int, Optional[GemmShape]] = {}
         for op, op_name, dur in zip(aligned["op"].tolist(), aligned["op_name"].tolist(), aligned["dur"].tolist()):
             if op not in shapes:
                 shapes[op] = gemm_shape(op_name, trace.op_inputs(op))
             g = shapes[op]
-            granule = GRANULE.get(g.dtype) if g else None
+            if g is None:
+                continue
+            granule = GRANULE.get(g.dtype)
             if granule and dur > 0 and not (g.m % granule or g.n % granule or g.k % granule):
                 self.samples.setdefault(g.dtype, []).append((g.flops, dur))
 

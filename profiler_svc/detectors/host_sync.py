@@ -67,7 +67,7 @@ def detect(trace: Trace) -> list[Finding]:
         idle = sum(i for _, i, _ in calls)
         blocked = sum(c.dur for c, _, _ in calls)
         per_step = len(calls) / trace.step_count
-        fix, snippet = _FIXES.get(cause) or _COPY_FIXES.get(direction) or _FIXES.get(inner) or (
+        fix, snippet = _FIXES.get(cause) or _COPY_FIXES.get(direction or "") or _FIXES.get(inner) or (
             "Move the synchronization out of the step, or make the dependent host work asynchronous.", None)
         modules = sorted({m for _, _, m in calls if isinstance(m, str)})
         copy = direction if cause not in _FIXES else None  # .item() and the like: the op is the point

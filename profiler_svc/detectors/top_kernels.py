@@ -46,7 +46,8 @@ def top_kernels(trace: Trace, n: int = 20) -> list[dict]:
             flops += g.flops if g else 0.0
             moved += nbytes
             timed += dur
-        dtype = gemm_shape(op, inputs).dtype if op and gemm_shape(op, inputs) else None
+        shape = gemm_shape(op, inputs) if op else None
+        dtype = shape.dtype if shape else None
         if moved and timed:
             gbps = moved / timed / 1e3
             item["achieved_gbps"] = round(gbps, 1)

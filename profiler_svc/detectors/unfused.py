@@ -8,6 +8,7 @@ minimum at the device's copy bandwidth.
 import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from typing import Optional
 
 from ..trace.model import Trace, element_bytes
 from ..trace.replay import Change
@@ -24,7 +25,7 @@ _FUSED_FLOOR_US = 2.0
 
 @dataclass
 class Pattern:
-    swap: str
+    swap: Optional[str]
     label: str
     # fused minimum traffic as a multiple of the tensor at the chain's ends (its input read + output written)
     passes: float
@@ -110,10 +111,10 @@ class Chain:
     def end_bytes(self) -> int:
         """The tensor a fused kernel reads or writes: the chain's input or output, not an fp32 upcast inside."""
         return max(self.first_bytes, self.last_bytes) or self.largest
-    shape: list = None
+    shape: Optional[list] = None
     dtype: str = ""
     kind: str = ""                                 # a PATTERNS key, once classified
-    module: str = None                             # the module instance the chain runs in
+    module: Optional[str] = None                   # the module instance the chain runs in
     ops_seen: set = field(default_factory=set)     # op rows whose bytes are counted
 
     @property
@@ -186,7 +187,7 @@ def _chain_info(op_name, inputs, list_dtype):
 
 def _parameter_dtype(trace: Trace) -> str:
     """The dtype the model's weights most likely have: that of the most common GEMM weight in the window."""
-    counts = Counter()
+    counts: Counter = Counter()
     k = trace.window_kernels
     for op in k.loc[k["kind"] == "gemm", "op"].drop_duplicates().head(200).tolist():
         tensors = trace.op_inputs(op).tensors()
@@ -343,7 +344,7 @@ def _finding(trace, kind, cls, group, bandwidth) -> Finding:
 
 def _directions(group, fused_bytes_each) -> dict:
     """Chains, kernels, time and fused minimum bytes, forward and backward apart."""
-    out = {}
+    out: dict = {}
     for chain, fused_bytes in zip(group, fused_bytes_each):
         d = out.setdefault("backward" if chain.backward else "forward",
                            {"chains": 0, "kernels": 0, "time_us": 0.0, "bytes_moved": 0, "fused_min_bytes": 0})

@@ -93,7 +93,7 @@ def build_report(traces: list[Trace], path: str, top: int = 20) -> Report:
     main = analyses[0]
     findings = _merge_ranks(analyses) + _straggler(analyses) if len(analyses) > 1 else main.findings
     findings.sort(key=lambda f: (-f.saving_us_per_step, f.category, f.title))
-    counters = {}
+    counters: dict[str, int] = {}
     for f in findings:
         counters[f.category] = counters.get(f.category, 0) + 1
         f.id = f"{f.category}-{counters[f.category]}"
@@ -161,7 +161,7 @@ _STRAGGLER_SHARE = 0.05
 def _straggler(analyses: list[Analysis]) -> list[Finding]:
     """The rank the others wait for: the most work per step (its step less its own wait on collectives);
     what it costs per step is how much less work the other ranks' median has: what they wait for it."""
-    work = {}
+    work: dict = {}
     for a in analyses:
         if not a.trace.has_gpu:
             return []
@@ -170,7 +170,7 @@ def _straggler(analyses: list[Analysis]) -> list[Finding]:
         work[a.trace.rank] = (timeline.measured.total_us - float(timeline.gap_wait.sum())) / n
     if len(work) < 2:
         return []
-    slowest = max(work, key=work.get)
+    slowest = max(work, key=lambda rank: work[rank])
     median = float(np.median([w for r, w in work.items() if r != slowest]))
     cost = work[slowest] - median
     step = float(np.median([a.prediction["step_us"] for a in analyses]))
