@@ -4,7 +4,7 @@ Adding a detector is one file and one line in DETECTORS.
 """
 from . import communication, fallback, host_sync, launch_gaps, misalignment, unfused
 from .common import CATEGORIES, Finding, Recommendation
-from .top_kernels import top_kernels, top_ops
+from .top_kernels import module_times, top_kernels, top_ops
 
 DETECTORS = (
     fallback.detect,
@@ -25,4 +25,5 @@ def run_detectors(trace) -> list[Finding]:
     return findings
 
 
-__all__ = ["CATEGORIES", "DETECTORS", "Finding", "Recommendation", "run_detectors", "top_kernels", "top_ops"]
+__all__ = ["CATEGORIES", "DETECTORS", "Finding", "Recommendation", "module_times", "run_detectors", "top_kernels",
+           "top_ops"]

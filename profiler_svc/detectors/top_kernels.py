@@ -87,3 +87,33 @@ def top_ops(trace: Trace, n: int = 20) -> list[dict]:
     return [{"name": name, "count": int(s["count"]), "total_us": round(float(s["sum"]), 3),
              "mean_us": round(float(s["mean"]), 3), "share_pct": round(100.0 * float(s["sum"]) / total, 2)}
             for name, s in grouped.head(n).iterrows()]
+
+
+def module_times(trace: Trace, n: int = 500) -> list[dict]:
+    """Per module instance (capture's labels): kernel time per step in its own code (not its children's),
+    forward and backward apart, and the host time of its forward calls (inclusive). Nested names make the
+    tree: `model.layers.3.mlp` is under `model.layers.3`."""
+    kernels = trace.window_kernels
+    labelled = kernels[kernels["module"].notna().to_numpy()]
+    if not len(labelled):
+        return []
+    steps = trace.step_count
+    time = labelled.groupby(["module", "backward"])["dur"].agg(["sum", "count"])
+    cpu = trace.cpu
+    start, end = trace.window
+    labels = cpu[(cpu["cat"] == "user_annotation").to_numpy() & cpu["name"].str.startswith("module::").to_numpy()
+                 & (cpu["ts"] >= start).to_numpy() & (cpu["ts"] <= end).to_numpy()]
+    host = labels.groupby("module")["dur"].sum()
+    out = {}
+    for (module, backward), row in time.iterrows():
+        item = out.setdefault(module, {"module": module, "name": module.rsplit(" (", 1)[0],
+                                       "class": module.rsplit(" (", 1)[-1].rstrip(")"),
+                                       "forward_us_per_step": 0.0, "backward_us_per_step": 0.0,
+                                       "kernels_per_step": 0.0, "host_us_per_step": None})
+        item["backward_us_per_step" if backward else "forward_us_per_step"] = round(float(row["sum"]) / steps, 2)
+        item["kernels_per_step"] = round(item["kernels_per_step"] + float(row["count"]) / steps, 1)
+    for module, item in out.items():
+        if module in host.index:
+            item["host_us_per_step"] = round(float(host[module]) / steps, 2)
+    ranked = sorted(out.values(), key=lambda m: -(m["forward_us_per_step"] + m["backward_us_per_step"]))
+    return ranked[:n]

@@ -62,17 +62,23 @@ def analyse(trace: Trace) -> Analysis:
         after = timeline.replay(f.change, host_scale=scale)
         f.saving_us_per_step = (base.total_us - after.total_us) / n
         f.gpu_time_saved_us_per_step = _gpu_time_saved(trace, f.change)
-    helpful = [f for f in findings if f.saving_us_per_step > 0]
-    combined = Change()
+    helpful = sorted((f for f in findings if f.saving_us_per_step > 0), key=lambda f: -f.saving_us_per_step)
+    # the waterfall: the fixes applied one after another, largest first; each bar is what that fix buys on
+    # top of the ones before it, and the last step is the combined prediction
+    combined, waterfall, step = Change(), [], base.total_us / n
     for f in helpful:
         combined = combined.merged(f.change)
-    after = timeline.replay(combined, host_scale=scale)
+        after_us = timeline.replay(combined, host_scale=scale).total_us / n
+        waterfall.append({"finding": f.key, "title": f.title, "saving_us_per_step": round(step - after_us, 2),
+                          "step_us_after": round(after_us, 2)})
+        step = after_us
     prediction = {
         "step_us": round(base.total_us / n, 2),
-        "step_us_after": round(after.total_us / n, 2),
-        "saving_us_per_step": round((base.total_us - after.total_us) / n, 2),
-        "saving_pct": round(100 * (base.total_us - after.total_us) / base.total_us, 2) if base.total_us else 0.0,
+        "step_us_after": round(step, 2),
+        "saving_us_per_step": round(base.total_us / n - step, 2),
+        "saving_pct": round(100 * (1 - step * n / base.total_us), 2) if base.total_us else 0.0,
         "findings": [f.key for f in helpful],
+        "waterfall": waterfall,
     }
     return Analysis(trace, findings, _steps_summary(trace, timeline, base, scale, calibration), prediction, scale)
 

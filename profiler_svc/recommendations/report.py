@@ -7,7 +7,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..detectors import CATEGORIES, Finding, Recommendation, top_kernels, top_ops
+from ..detectors import CATEGORIES, Finding, Recommendation, module_times, top_kernels, top_ops
 from ..formats import fmt_us, plain_json
 from ..trace import Trace, load_traces
 
@@ -27,6 +27,7 @@ class Report:
     prediction: dict = field(default_factory=dict)
     ranks: list = field(default_factory=list)
     top_ops: list = field(default_factory=list)
+    modules: list = field(default_factory=list)
     traces: list = field(default_factory=list, repr=False)
     analyses: list = field(default_factory=list, repr=False)
 
@@ -43,6 +44,7 @@ class Report:
             "ranks": self.ranks,
             "top_kernels": self.top_kernels,
             "top_ops": self.top_ops,
+            "modules": self.modules,
             "findings": [_finding_dict(f) for f in self.findings],
             "summary": {"findings_by_category": by_category},
         })
@@ -106,6 +108,7 @@ def build_report(traces: list[Trace], path: str, top: int = 20) -> Report:
         top_kernels=top_kernels(main.trace, top),
         findings=findings,
         top_ops=top_ops(main.trace, top),
+        modules=module_times(main.trace),
         traces=traces,
         analyses=analyses,
     )
