@@ -5,6 +5,7 @@ import shutil
 
 import pytest
 
+from profiler_svc.cli import main
 from profiler_svc.trace import load_trace, load_traces
 from tests.conftest import DATA, fixture_path
 
@@ -72,3 +73,38 @@ def test_kernels_link_to_ops(name):
     trace = load_trace(fixture_path(name))
     linked = (trace.kernels["op"] >= 0).mean()
     assert linked > 0.99, linked
+
+
+def _detach_some_kernels(source, out):
+    """SOURCE with some kernels' launch links removed (no op: as a kernel launched straight from Python
+    code) and others pointed at a module label's External id (as Triton kernels from a module are)."""
+    doc = json.loads(gzip.decompress(source.read_bytes()))
+    events = doc["traceEvents"]
+    label_ids = [e["args"]["External id"] for e in events
+                 if e.get("name", "").startswith("module::") and "External id" in e.get("args", {})]
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    detached = {k["args"]["correlation"]: i for i, k in enumerate(kernels) if i % 3 == 0}
+    for i, k in enumerate(kernels):
+        if i in detached.values():
+            k["args"]["External id"] = label_ids[i % len(label_ids)] if i % 2 else 10**9 + i
+    for e in events:  # the launches of detached kernels lose their op too
+        if e.get("cat") == "cuda_runtime" and e.get("args", {}).get("correlation") in detached:
+            e["args"].pop("External id", None)
+    out.write_text(json.dumps(doc))
+    return out
+
+
+@pytest.mark.parametrize("name", ["gpt2_fp32_notf32_infer_agent", "llama_bf16_train_agent"])
+def test_missing_module_labels_are_none_not_nan(tmp_path, name, capsys):
+    path = _detach_some_kernels(DATA / "agent" / f"{name}.json.gz", tmp_path / f"{name}.json")
+    trace = load_trace(path)
+    kernels = trace.kernels
+    assert (kernels["op"] < 0).any() and (kernels["op"] >= 0).any()
+    assert kernels["module"].isna().any() and kernels["module"].notna().any()
+    for table, column in [(kernels, "module"), (kernels, "op_name"), (kernels, "top_op_name"),
+                          (trace.memory, "module"), (trace.cpu, "module")]:
+        assert not any(isinstance(v, float) for v in table[column]), column  # None, never NaN
+        assert all(v is None or isinstance(v, str) for v in table[column]), column
+    # the detectors and the report run on it (a NaN module once crashed the FFMA detector's sort)
+    assert main(["recommend", str(path), "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["findings"]
