@@ -230,10 +230,11 @@ def _read_kineto_layout(path, progress, builder) -> dict:
     if buf[:end.start() + 1].strip(_JSON_SPACE):
         builder.add(_decode_kineto_batch(buf[:end.start() + 1]))
     tail = bytes(buf[end.end() - 1:])
-    if _EVENTS_KEY.search(tail):
-        raise _OtherLayout  # a second traceEvents
+    fields = head + tail
+    if _EVENTS_KEY.search(tail) or _brackets(fields)[2].max() > _MAX_DEPTH:
+        raise _OtherLayout  # a second traceEvents, or too deep: _Cutter says so
     try:
-        return _top_level_fields(head + tail, path)
+        return _top_level_fields(fields, path)
     except (TraceError, *_DECODE_ERRORS):
         raise _OtherLayout from None
 
@@ -451,35 +452,70 @@ class _Cutter:
         return TraceError(f"{self.path}: malformed or truncated JSON: {message}")
 
     def _is_events_key(self, data, pos) -> bool:
-        """Whether the '[' at POS opens the value of the top-level key "traceEvents"."""
-        before = data[max(pos - 256, 0):pos]
-        if pos < 256:
-            before = bytes(self.fields[-(256 - pos):]) + before
-        before = before.rstrip(_JSON_SPACE)
-        if not before.endswith(b":"):
+        """Whether the '[' at DATA[POS] opens the value of the top-level key "traceEvents"."""
+        behind = _Behind(self.fields, data, pos)
+        behind.skip_space()
+        if behind.take(1) != b":":
             return False
-        before = before[:-1].rstrip(_JSON_SPACE)
-        return before.endswith(b'"traceEvents"') and not before.endswith(b'\\"traceEvents"')
+        behind.skip_space()
+        return behind.take(13) == b'"traceEvents"' and behind.take(1) != b"\\"
 
     def _scan(self, data):
         """Positions, bytes and depths after of the brackets outside strings in DATA, and the nesting
         state after DATA (not yet adopted: a step may read only part of DATA)."""
-        a = np.frombuffer(data, np.uint8)
-        quotes = np.flatnonzero(a == ord('"'))
-        escape = False
-        if self.escape or (a == ord("\\")).any():
-            escaped, escape = _escaped(np.flatnonzero(a == ord("\\")), len(a), self.escape)
-            quotes = _remove(quotes, escaped)
-        folded = a | 0x20  # '[' -> '{', ']' -> '}'
-        pos = np.flatnonzero((folded == ord("{")) | (folded == ord("}")))
-        pos = pos[(np.searchsorted(quotes, pos) + self.in_string) % 2 == 0]
-        char = a[pos]
-        depth = self.depth + np.cumsum(np.where((char | 0x20) == ord("{"), 1, -1))
+        pos, char, depth, state = _brackets(data, self.depth, self.in_string, self.escape)
         if len(depth) and depth.max() > _MAX_DEPTH:
             at = self.offset + int(pos[np.argmax(depth > _MAX_DEPTH)])
             raise TraceError(f"{self.path}: nested deeper than {_MAX_DEPTH} levels at byte {at}, which no trace is")
-        state = (int(depth[-1]) if len(depth) else self.depth, bool((self.in_string + len(quotes)) % 2), escape)
         return pos, char, depth, state
+
+
+def _brackets(data, depth=0, in_string=False, escape=False):
+    """(positions, bytes, depth after) of each bracket outside strings in DATA, given the nesting state
+    before it, and the state after it: (depth, inside a string, the next byte escaped)."""
+    a = np.frombuffer(data, np.uint8)
+    quotes = np.flatnonzero(a == ord('"'))
+    escape_after = False
+    if escape or (a == ord("\\")).any():
+        escaped, escape_after = _escaped(np.flatnonzero(a == ord("\\")), len(a), escape)
+        quotes = _remove(quotes, escaped)
+    folded = a | 0x20  # '[' -> '{', ']' -> '}'
+    pos = np.flatnonzero((folded == ord("{")) | (folded == ord("}")))
+    pos = pos[(np.searchsorted(quotes, pos) + in_string) % 2 == 0]
+    char = a[pos]
+    depths = depth + np.cumsum(np.where((char | 0x20) == ord("{"), 1, -1))
+    state = (int(depths[-1]) if len(depths) else depth, bool((in_string + len(quotes)) % 2), escape_after)
+    return pos, char, depths, state
+
+
+class _Behind:
+    """Reads backwards from FIRST + SECOND[:end] (the kept fields, then the chunk) without joining them;
+    skipping whitespace costs what the whitespace is long, however long."""
+
+    def __init__(self, first, second, end):
+        self.first, self.second, self.end = first, second, len(first) + end
+
+    def skip_space(self) -> None:
+        while self.end > 0:
+            start = max(self.end - 256, 0)
+            piece = self._slice(start, self.end).rstrip(_JSON_SPACE)
+            if piece:
+                self.end = start + len(piece)
+                return
+            self.end = start
+
+    def take(self, n) -> bytes:
+        out = self._slice(max(self.end - n, 0), self.end)
+        self.end -= len(out)
+        return out
+
+    def _slice(self, start, end) -> bytes:
+        n = len(self.first)
+        if end <= n:
+            return bytes(self.first[start:end])
+        if start >= n:
+            return self.second[start - n:end - n]
+        return bytes(self.first[start:]) + self.second[:end - n]
 
 
 def _escaped(slashes: np.ndarray, size: int, carried: bool) -> tuple[np.ndarray, bool]:
@@ -527,7 +563,7 @@ class TableBuilder:
         self.thread_names = {}
         self.event_count = 0
         self.open_slices = {}    # (pid, tid) -> stack of "B" events waiting for their "E"
-        self.ignored = {"ids": 0, "bytes": 0, "unopened": 0}
+        self.ignored = {"ids": 0, "bytes": 0, "inputs": 0, "unopened": 0}
 
     def add(self, events) -> None:
         self.event_count += len(events)
@@ -642,24 +678,29 @@ class TableBuilder:
         return out
 
     def _keep_inputs(self, evs) -> None:
-        """The ops' recorded inputs as raw JSON bytes, deduplicated (shapes repeat every step)."""
+        """The ops' recorded inputs as raw JSON bytes, deduplicated (shapes repeat every step); records with
+        numbers no tensor has are dropped, with a warning, before any detector multiplies them."""
         seen = self.raw_seen
-        for field, column in (("input_dims", self.raw.dims), ("input_types", self.raw.types),
-                              ("input_strides", self.raw.strides), ("concrete_inputs", self.raw.concrete)):
+        for field, column, sane in (("input_dims", self.raw.dims, _sane_dims),
+                                    ("input_types", self.raw.types, None),
+                                    ("input_strides", self.raw.strides, _sane_strides),
+                                    ("concrete_inputs", self.raw.concrete, None)):
             for e in evs:
                 raw = getattr(e.args, field) if e.args is not None else None
                 if raw is None or not len(raw):
                     column.append(None)
                     continue
                 key = bytes(raw)
-                kept = seen.get(key)
-                if kept is None:
+                kept = seen.get(key, _UNSEEN)
+                if kept is _UNSEEN:
                     try:
                         key.decode()  # msgspec skips raw JSON without checking its strings
                     except UnicodeDecodeError:
                         raise TraceError(f"{self.path}: invalid UTF-8 in the recorded inputs of "
                                          f"{e.name[:80]!r}") from None
-                    kept = seen[key] = key
+                    kept = seen[key] = key if sane is None or sane(key) else None
+                if kept is None:
+                    self.ignored["inputs"] += 1
                 column.append(kept)
 
     def warnings(self) -> list[str]:
@@ -667,6 +708,7 @@ class TableBuilder:
         found = {
             "ids": "ids (External id, correlation, Sequence number, stream, device) beyond 64 bits ignored",
             "bytes": "memcpy/memset byte counts out of range ignored",
+            "inputs": "ops' recorded shapes or strides with numbers no tensor has ignored",
             "unopened": "'E' events without a 'B' on their thread ignored",
         }
         out = [f"{count} {found[key]}" for key, count in self.ignored.items() if count]
@@ -715,6 +757,37 @@ class TableBuilder:
                      kernels=kernels, memory=memory, cpu=cpu, runtime=runtime, raw_inputs=self.raw,
                      event_count=self.event_count, threads=self.threads, thread_names=names,
                      warnings=self.warnings())
+
+
+_UNSEEN = object()
+_MAX_ELEMENTS = 1 << 62
+
+
+def _sane_dims(raw: bytes) -> bool:
+    """Input Dims: every tensor's sizes non-negative, its element count within 2**62."""
+    return _all_int_lists(raw, lambda ints: min(ints) >= 0 and math.prod(ints) <= _MAX_ELEMENTS)
+
+
+def _sane_strides(raw: bytes) -> bool:
+    return _all_int_lists(raw, lambda ints: max(abs(min(ints)), abs(max(ints))) <= _MAX_ELEMENTS)
+
+
+def _all_int_lists(raw: bytes, check) -> bool:
+    """Whether CHECK holds for every list of integers nested in the JSON RAW (floats and strings pass:
+    the model reads only integer lists as shapes)."""
+    try:
+        stack = [ANY_DECODER.decode(raw)]
+    except (msgspec.DecodeError, RecursionError):
+        return False
+    while stack:
+        value = stack.pop()
+        if not isinstance(value, list):
+            continue
+        ints = [v for v in value if type(v) is int]
+        if ints and not check(ints):
+            return False
+        stack.extend(v for v in value if isinstance(v, list))
+    return True
 
 
 def _float(value) -> float:
@@ -886,7 +959,7 @@ def _module_by_label_id(cpu: pd.DataFrame, external_ids: np.ndarray) -> np.ndarr
 def _none_where_missing(column: pd.Series) -> np.ndarray:
     """An object column's values with None, never NaN (truthy, and unorderable against str), where absent:
     reindex() and friends fill with NaN."""
-    values = column.to_numpy(dtype=object)
+    values = column.to_numpy(dtype=object, copy=True)
     values[column.isna().to_numpy()] = None
     return values
 

@@ -4,12 +4,14 @@ msgspec decodes straight into these slotted structs and skips every field not na
 keeps a million-event trace to a few hundred bytes an event. Argument lists that only a few
 detectors need (input shapes, dtypes, strides) stay as raw JSON until asked for.
 """
-from typing import Optional, Union
+from typing import Annotated, Optional, Union
 
 import msgspec
-from msgspec import Raw, field
+from msgspec import Meta, Raw, field
 
 Number = Union[int, float]
+# Real kernel names reach ~2 kB; a longer one is hostile, and every detector's regex would read it.
+Name = Annotated[str, Meta(max_length=16384)]
 EMPTY = Raw()  # absent raw field (msgspec cannot put Raw in a union with None)
 
 
@@ -25,13 +27,13 @@ class EventArgs(msgspec.Struct, gc=False):
     input_strides: Raw = field(name="Input Strides", default=EMPTY)
     concrete_inputs: Raw = field(name="Concrete Inputs", default=EMPTY)
     # Kineto writes thread/process names in "M" events' args
-    name: Optional[str] = None
+    name: Optional[Name] = None
 
 
 class TraceEvent(msgspec.Struct, gc=False):
     ph: str = ""
     cat: str = ""
-    name: str = ""
+    name: Name = ""
     pid: Union[int, str] = 0
     tid: Union[int, str] = 0
     ts: Number = 0.0
