@@ -320,10 +320,13 @@ def test_caps_on_one_event_and_the_top_level_fields(tmp_path, monkeypatch):
     big_fields.write_bytes(_doc(_kernel(), junk=" " * (2 << 20)))
     with pytest.raises(TraceError, match="top-level fields besides traceEvents are over 1 MB"):
         load_trace(big_fields)
-    # whitespace between events is no event's: any amount loads
+    # whitespace between events or top-level fields is no event's or field's: any amount loads
     spaced = tmp_path / "spaced.json"
-    spaced.write_bytes(GOOD.replace(b"}]}", b"}" + b" " * (3 << 20) + b", " + json.dumps(_kernel()).encode() + b"]}"))
-    assert len(load_trace(spaced).kernels) == 2
+    space = b" " * (3 << 20)
+    spaced.write_bytes(b"{" + space + b'"a": 1,' + space + GOOD[1:].replace(
+        b"}]}", b"}" + space + b"," + space + json.dumps(_kernel()).encode() + space + b"]" + space + b"}" + space))
+    trace = load_trace(spaced)
+    assert len(trace.kernels) == 2 and trace.metadata == {"a": 1}
 
 
 def test_size_limit_counts_decompressed_bytes(tmp_path, monkeypatch):
