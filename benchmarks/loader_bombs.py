@@ -57,9 +57,12 @@ def run(path: Path, pythonpath: str | None) -> tuple[int, float, float, str]:
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
     with tempfile.NamedTemporaryFile("r", suffix=".time") as out:
+        # run outside the checkout: `python -m` puts the working folder before PYTHONPATH
         proc = subprocess.run(["/usr/bin/time", "-f", "%e %M", "-o", out.name, sys.executable, "-m",
-                               "profiler_svc.cli", "recommend", str(path), "--format", "json", "-o", os.devnull],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+                               "profiler_svc.cli", "recommend", str(path.resolve()), "--format", "json",
+                               "-o", os.devnull],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+                              cwd=tempfile.gettempdir())
         lines = out.read().split("\n")
     wall, rss_kb = next(line for line in lines if line and line[0].isdigit()).split()
     said = [line for line in proc.stderr.splitlines() if line.strip()]
@@ -90,7 +93,7 @@ def main():
                 if not path.exists():
                     write(path, kind, size * MIB, packed)
                 code, wall, rss, said = run(path, args.pythonpath)
-                said = said.replace(str(path), "FILE").replace("|", "\\|")[:110]
+                said = said.replace(str(path.resolve()), "FILE").replace("|", "\\|")[:110]
                 print(f"| {kind} | {'gzip' if packed else 'plain'} | {size} | {path.stat().st_size / MIB:.2f} | "
                       f"{code} | {wall:.2f} | {rss:.0f} | {said} |", flush=True)
 

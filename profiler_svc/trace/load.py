@@ -542,7 +542,8 @@ class TableBuilder:
                 continue
             if e.ph == "M":
                 if e.name == "thread_name" and e.args is not None and e.args.name:
-                    self.thread_names[(e.pid, e.tid)] = e.args.name
+                    # Kineto's are "thread 711 (pt_gloo_runner)"; shown in findings, never keyed on
+                    self.thread_names[(e.pid, e.tid)] = e.args.name[:256]
             elif e.ph == "B":
                 self.open_slices.setdefault((e.pid, e.tid), []).append(e)
             elif stack := self.open_slices.get((e.pid, e.tid)):
