@@ -53,16 +53,6 @@ _MEMORY_CATS = {"gpu_memcpy", "gpu_memset", "Memcpy", "Memset"}
 _NAME_OR_SLICE = frozenset("MBE")  # phases besides "X" that the tables use: thread names, B/E slices
 
 
-def _lstrip_space(data: bytes) -> bytes:
-    """DATA without its leading JSON whitespace. bytes.lstrip() runs ~8x faster than lstrip(chars) but
-    also takes \\v and \\f, which JSON does not: where it took one, strip again the strict way."""
-    rest = data.lstrip()
-    n = len(data) - len(rest)
-    if n and (data.find(b"\x0b", 0, n) >= 0 or data.find(b"\x0c", 0, n) >= 0):
-        return data.lstrip(_JSON_SPACE)
-    return rest
-
-
 def trace_files(path) -> list[Path]:
     """The trace files behind PATH: the file itself, or every trace file in a folder (per-rank traces)."""
     p = Path(path)
@@ -490,6 +480,7 @@ def _escaped(slashes: np.ndarray, size: int, carried: bool) -> tuple[np.ndarray,
 
 
 def _remove(sorted_positions: np.ndarray, drop: np.ndarray) -> np.ndarray:
+    """SORTED_POSITIONS without those in DROP (sorted too)."""
     i = np.searchsorted(sorted_positions, drop)
     inside = i < len(sorted_positions)
     i, drop = i[inside], drop[inside]
@@ -497,6 +488,16 @@ def _remove(sorted_positions: np.ndarray, drop: np.ndarray) -> np.ndarray:
     keep = np.ones(len(sorted_positions), dtype=bool)
     keep[hit] = False
     return sorted_positions[keep]
+
+
+def _lstrip_space(data: bytes) -> bytes:
+    """DATA without its leading JSON whitespace. bytes.lstrip() runs ~8x faster than lstrip(chars) but
+    also takes \\v and \\f, which JSON does not: where it took one, strip again the strict way."""
+    rest = data.lstrip()
+    n = len(data) - len(rest)
+    if n and (data.find(b"\x0b", 0, n) >= 0 or data.find(b"\x0c", 0, n) >= 0):
+        return data.lstrip(_JSON_SPACE)
+    return rest
 
 
 # -- tables ---------------------------------------------------------------------------------------
