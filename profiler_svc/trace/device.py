@@ -50,15 +50,20 @@ def device_from_properties(props: Optional[list]) -> DeviceInfo:
         return DeviceInfo()
     p = props[0]
     name = p.get("name") if isinstance(p.get("name"), str) else None
+    major, minor = _whole(p.get("computeMajor"), 1, 99), _whole(p.get("computeMinor"), 0, 99)
     info = DeviceInfo(
         name=name,
-        sm_count=p.get("numSms") if isinstance(p.get("numSms"), int) else None,
-        compute_capability=(f"{p['computeMajor']}.{p['computeMinor']}"
-                            if isinstance(p.get("computeMajor"), int) and isinstance(p.get("computeMinor"), int) else None),
-        memory_bytes=p.get("totalGlobalMem") if isinstance(p.get("totalGlobalMem"), int) else None,
+        sm_count=_whole(p.get("numSms"), 1, 1 << 16),
+        compute_capability=f"{major}.{minor}" if major is not None and minor is not None else None,
+        memory_bytes=_whole(p.get("totalGlobalMem"), 1, 1 << 60),
     )
     for fragment, bandwidth, measured, peaks in _KNOWN:
         if name and fragment in name:
             info.memory_bandwidth_gbps, info.bandwidth_measured, info.peak_tflops = float(bandwidth), measured, dict(peaks)
             break
     return info
+
+
+def _whole(value, low, high) -> Optional[int]:
+    """An integer property within what a GPU can have, else unknown (a damaged trace must not divide by 0)."""
+    return value if type(value) is int and low <= value <= high else None

@@ -15,7 +15,8 @@ _CONV = re.compile(r"conv|fprop|dgrad|wgrad|implicit_gemm|winograd|fft2d|nchwkcr
 _ATTN = re.compile(r"flash|fmha|attention|sdpa|_attn_|mha_", re.I)
 _COMM = re.compile(r"nccl|allreduce|all_reduce|allgather|reducescatter|sendrecv", re.I)
 # CUDA-core paths: FFMA xmma kernels, CUTLASS simt, cuDNN's non-tensor-op convolve_*gemm and scudnn kernels
-_SIMT = re.compile(r"ffma|simt|convolve_\w*gemm|scudnn|(?<![a-z])sgemm|gemmSN|dgemm", re.I)
+# (bounded repeats: an unbounded \w* after a prefix that repeats is quadratic in a hostile name)
+_SIMT = re.compile(r"ffma|simt|convolve_\w{0,64}gemm|scudnn|(?<![a-z])sgemm|gemmSN|dgemm", re.I)
 _LOW_ALIGN = re.compile(r"align[12](?!\d)", re.I)
 _OLD_ARCH = re.compile(r"(?:sm|cutlass_)(?:50|52|60|61|70|75)[_a-z]|volta_|turing_|maxwell_", re.I)
 
@@ -71,7 +72,7 @@ def short_kernel_name(name: str, width: int = 90) -> str:
     -> `vectorized_elementwise_kernel<4, CUDAFunctor_add<float>, ...>`, trimmed to width."""
     s = re.sub(r"^void\s+", "", name)
     s = s.replace("(anonymous namespace)::", "")
-    s = re.sub(r"\(.*$", "", s) if not s.startswith("(") else s
+    s = s[:s.find("(")] if s.find("(") > 0 else s  # the argument list
     s = re.sub(r"\b(?:at::native::|at::|c10::|std::|cutlass::)", "", s)
     return s if len(s) <= width else s[: width - 1] + "…"
 

@@ -1,12 +1,15 @@
 """Load Kineto/Chrome traces into columnar tables linked kernel -> launch -> op -> parent -> module.
 
-Kineto writes one event per block, each starting with a newline and a two-space indent. We stream the
-(gunzipped) bytes, cut them at those event starts into batches of tens of MB, and decode each batch with
-msgspec straight into typed structs (unknown fields skipped), which become numpy columns before the next
-batch arrives: memory stays at the size of the tables, not of the JSON. Any other layout (minified JSON,
-the Chrome array format) is decoded whole, the same way. The only Python loop over events afterwards is
-the per-thread stack sweep that finds each CPU event's parent.
+Reading streams, whatever the layout (Kineto's indented one, minified JSON, the Chrome array format):
+_Cutter follows the JSON nesting of each (gunzipped) ~4 MB chunk with a few numpy passes, strings and
+escapes included, and cuts it at the last event's end; msgspec decodes each batch of whole events straight
+into typed structs (unknown fields skipped), which become numpy columns before the next chunk arrives. So
+memory holds the tables of the events kept, never the document, and whitespace between events is skipped
+for free. Bad input of any kind is a one-line TraceError; caps on one event, the top-level fields, nesting
+depth, names and the gzip ratio bound both the memory and the work per input byte.
+The only Python loop over events afterwards is the per-thread stack sweep that finds each CPU event's parent.
 """
+import math
 import os
 import re
 import sys
@@ -22,13 +25,24 @@ from . import labels
 from .device import device_from_properties
 from .kernel_names import kernel_kinds, name_mask
 from .model import RawInputs, Trace
-from .schema import ANY_DECODER, ARRAY_DECODER, EVENTS_DECODER, TOP_LEVEL_DECODER
+from .schema import ANY_DECODER, ARRAY_DECODER, TOP_LEVEL_DECODER
 
-# A decompressed trace above this is refused before it can exhaust memory (gzip bombs included).
+# A decompressed trace above this is refused while it is read (gzip bombs included).
 MAX_TRACE_BYTES = int(os.environ.get("PROFILER_SVC_MAX_TRACE_BYTES", 8 << 30))
 TRACE_SUFFIXES = (".json", ".json.gz", ".pt.trace.json", ".pt.trace.json.gz")
-_CHUNK = 16 << 20
+_CHUNK = 4 << 20  # decompressed bytes per batch; the scan's numpy temporaries are a few times this
 _PROGRESS_MIN_BYTES = 64 << 20
+# Kineto's events are under a few hundred kB and its other top-level fields a few MB: anything far
+# bigger is hostile, and refusing it keeps memory flat whatever the file holds.
+_MAX_EVENT_BYTES = 16 << 20
+_MAX_FIELDS_BYTES = 16 << 20
+_MAX_DEPTH = 64             # Kineto nests 7 deep; msgspec would raise RecursionError near 1000
+# Real traces gunzip 12-20x (tests/data, tiled ones too); a deflate bomb reaches ~1000x.
+_MAX_GZIP_RATIO = 100
+_GZIP_RATIO_AFTER = 16 << 20
+_MAX_DURATION_US = 86400e6  # a day: no profiled event lasts longer, and no trace spans more
+_JSON_SPACE = b" \t\r\n"
+_BOM = b"\xef\xbb\xbf"
 # Category names across Kineto versions (PyTorch 1.8 wrote "Kernel", "Runtime", "Operator", ...),
 # mapped to the names the tables use.
 _KERNEL_CATS = {"kernel": "kernel", "Kernel": "kernel"}
@@ -36,13 +50,7 @@ _CPU_CATS = {"cpu_op": "cpu_op", "Operator": "cpu_op", "user_annotation": "user_
              "python_function": "python_function"}
 _RUNTIME_CATS = {"cuda_runtime", "cuda_driver", "runtime", "Runtime"}
 _MEMORY_CATS = {"gpu_memcpy", "gpu_memset", "Memcpy", "Memset"}
-_EVENTS_KEY = re.compile(rb'"traceEvents"\s*:\s*\[')
-_EVENT_START = b"\n  {"                      # Kineto's layout: each event opens at a two-space indent
-_EVENTS_END = re.compile(rb"\}\s*\n  \]")   # the last event's brace, then the array's bracket
-
-
-class _OtherLayout(Exception):
-    """The bytes are not in Kineto's layout: decode the document whole instead."""
+_NAME_OR_SLICE = frozenset("MBE")  # phases besides "X" that the tables use: thread names, B/E slices
 
 
 def trace_files(path) -> list[Path]:
@@ -69,29 +77,26 @@ def load_traces(path, progress=None) -> list[Trace]:
 
 def load_trace(path, progress=None) -> Trace:
     builder = TableBuilder(str(path))
-    try:
-        metadata = _stream_batches(path, progress, builder)
-    except _OtherLayout:
-        builder = TableBuilder(str(path))
-        events, metadata = decode(read_bytes(path, progress), path)
-        builder.add(events)
-    return builder.finish(metadata)
+    cutter = _Cutter(str(path), builder)
+    for chunk in byte_chunks(path, progress):
+        cutter.feed(chunk)
+    return builder.finish(cutter.finish())
 
 
 # -- bytes ----------------------------------------------------------------------------------------
 
 def byte_chunks(path, progress=None):
-    """The file's JSON bytes in chunks, gunzipped when the content (not the name) says gzip."""
+    """The file's JSON bytes in chunks, gunzipped when the content (not the name) says gzip, BOM removed."""
     p = Path(path)
     try:
+        if not p.is_file():
+            raise TraceError(f"{path}: not a regular file")
         size = p.stat().st_size
         if size == 0:
             raise TraceError(f"{path}: file is empty")
         f = open(p, "rb")
     except TraceError:
         raise
-    except IsADirectoryError:
-        raise TraceError(f"{path}: is a folder, not a trace file") from None
     except PermissionError:
         raise TraceError(f"{path}: permission denied") from None
     except OSError as exc:
@@ -102,49 +107,73 @@ def byte_chunks(path, progress=None):
             is_gzip = f.read(2) == b"\x1f\x8b"
             f.seek(0)
             if is_gzip:
-                yield from _gunzip_chunks(f, path, bar)
-                return
-            if size > MAX_TRACE_BYTES:
-                raise TraceError(f"{path}: {size / 1e9:.1f} GB is over the {MAX_TRACE_BYTES / 1e9:.1f} GB limit "
-                                 "(PROFILER_SVC_MAX_TRACE_BYTES)")
-            while chunk := f.read(_CHUNK):
-                if bar:
-                    bar.update(len(chunk))
-                yield chunk
+                chunks = _gunzip_chunks(f, path, bar)
+            else:
+                if size > MAX_TRACE_BYTES:
+                    raise TraceError(f"{path}: {size / 1e9:.1f} GB is over the {MAX_TRACE_BYTES / 1e9:.1f} GB "
+                                     "limit (PROFILER_SVC_MAX_TRACE_BYTES)")
+                chunks = _file_chunks(f, bar)
+            first = True
+            for chunk in chunks:
+                if first and chunk.startswith(_BOM):  # UTF-8 BOM (Windows tools write one)
+                    chunk = chunk[len(_BOM):]
+                first = False
+                if chunk:
+                    yield chunk
     finally:
         if bar:
             bar.close()
 
 
+def _file_chunks(f, bar):
+    while chunk := f.read(_CHUNK):
+        if bar:
+            bar.update(len(chunk))
+        yield chunk
+
+
 def _gunzip_chunks(f, path, bar):
+    """Decompressed chunks of at most _CHUNK bytes: memory stays flat and the limits act mid-stream."""
     decompressor = zlib.decompressobj(16 + zlib.MAX_WBITS)
-    total = 0
+    total = consumed = 0
     try:
-        while chunk := f.read(_CHUNK // 4):
+        while not decompressor.eof and (chunk := f.read(_CHUNK // 4)):
             if bar:
                 bar.update(len(chunk))
-            while chunk:
+            while chunk and not decompressor.eof:
                 out = decompressor.decompress(chunk, _CHUNK)
+                consumed += len(chunk) - len(decompressor.unconsumed_tail) - len(decompressor.unused_data)
                 total += len(out)
-                if total > MAX_TRACE_BYTES:
-                    raise TraceError(f"{path}: decompresses to over the {MAX_TRACE_BYTES / 1e9:.1f} GB limit "
-                                     "(PROFILER_SVC_MAX_TRACE_BYTES)")
+                _check_gunzipped(path, total, consumed)
                 if out:
                     yield out
                 chunk = decompressor.unconsumed_tail
-        tail = decompressor.flush()
-        if tail:
-            yield tail
+        if not decompressor.eof:
+            tail = decompressor.flush()
+            total += len(tail)
+            _check_gunzipped(path, total, consumed)
+            if tail:
+                yield tail
     except zlib.error as exc:
         raise TraceError(f"{path}: broken gzip data ({exc})") from None
     if not decompressor.eof:
         raise TraceError(f"{path}: gzip stream is truncated")
+    after = decompressor.unused_data + f.read(2)
+    if after.startswith(b"\x1f\x8b"):
+        raise TraceError(f"{path}: holds more than one gzip member (concatenated files are not one trace)")
+    if after:
+        raise TraceError(f"{path}: has data after the end of its gzip stream")
     if total == 0:
         raise TraceError(f"{path}: gzip holds an empty file")
 
 
-def read_bytes(path, progress=None) -> bytes:
-    return b"".join(byte_chunks(path, progress))
+def _check_gunzipped(path, total, consumed):
+    if total > MAX_TRACE_BYTES:
+        raise TraceError(f"{path}: decompresses to over the {MAX_TRACE_BYTES / 1e9:.1f} GB limit "
+                         "(PROFILER_SVC_MAX_TRACE_BYTES)")
+    if total > _GZIP_RATIO_AFTER and total > _MAX_GZIP_RATIO * consumed:
+        raise TraceError(f"{path}: decompresses to over {_MAX_GZIP_RATIO}x its compressed size, which no trace "
+                         "does (a decompression bomb?)")
 
 
 def _progress_bar(progress, total, desc):
@@ -156,67 +185,319 @@ def _progress_bar(progress, total, desc):
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, leave=False, file=sys.stderr)
 
 
-# -- JSON -----------------------------------------------------------------------------------------
+# -- JSON ------------------------------------------------------------------------------------------
 
-def _stream_batches(path, progress, builder) -> dict:
-    """Feed Kineto-layout events to BUILDER batch by batch; return the top-level metadata."""
-    buf = bytearray()
-    prefix = None
-    for chunk in byte_chunks(path, progress):
-        buf += chunk
-        if prefix is None:
-            m = _EVENTS_KEY.search(buf)
-            if not m:
-                if len(buf) > 4 * _CHUNK or buf.lstrip()[:1] not in (b"", b"{"):
-                    raise _OtherLayout
-                continue
-            prefix = bytes(buf[:m.end() - 1])
-            del buf[:m.end()]
-        cut = buf.rfind(_EVENT_START)
-        if cut > 0:
-            builder.add(_decode_events(buf[:cut]))
-            del buf[:cut]
-    if prefix is None:
-        raise _OtherLayout
-    end = _EVENTS_END.search(buf)
-    if not end:
-        raise _OtherLayout  # truncated or unusual: the whole-document path says which
-    if buf[:end.start() + 1].strip():
-        builder.add(_decode_events(buf[:end.start() + 1]))
-    return _decode_metadata(prefix + b"[]" + bytes(buf[end.end():]))
+_DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError)
 
 
-def _decode_events(body) -> list:
-    try:
-        return ARRAY_DECODER.decode(b"[" + bytes(body).strip().rstrip(b",") + b"]")
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        raise _OtherLayout from None  # the whole-document decode gives the error with its position
+class _Cutter:
+    """Cuts a trace document of any layout, fed in chunks, into batches of whole events for TableBuilder,
+    keeping the other top-level fields aside. It follows the nesting (strings and escapes included) with
+    a few numpy passes per chunk; msgspec still validates every byte that is not whitespace."""
+
+    def __init__(self, path: str, builder):
+        self.path, self.builder = path, builder
+        self.depth, self.in_string, self.escape = 0, False, False  # nesting state after the bytes read
+        self.step = self._start
+        self.level = 0               # depth inside the events array: 1 (array format) or 2 (in an object)
+        self.fields = bytearray()    # the document without its events, for the top-level fields
+        self.pending = bytearray()   # the start of an event whose end has not arrived yet
+        self.offset = 0              # document offset of the data being read
+        self.batch_at = 0            # document offset of the batch being gathered
+        self.events = 0              # events decoded so far
+        self.after_event = False     # an event has ended: a comma, then another event or the array's end
+        self.comma = False
+        self.found_events = False
+
+    def feed(self, data: bytes) -> None:
+        while data:
+            data = self.step(data)
+
+    def finish(self) -> dict:
+        if self.step == self._start:
+            raise TraceError(f"{self.path}: holds only whitespace, not JSON")
+        if self.step == self._events and self.level == 1 and not self.pending:
+            pass  # Chrome's array format may leave out the closing bracket (and keep a trailing comma)
+        elif self.step != self._done:
+            where = "inside traceEvents" if self.step == self._events else "before its end"
+            raise TraceError(f"{self.path}: truncated JSON: the document stops at byte {self.offset}, {where}")
+        if self.level == 1:
+            return {}
+        try:
+            top = TOP_LEVEL_DECODER.decode(self.fields)  # the document, its traceEvents blanked to []
+            if "traceEvents" not in top:
+                raise TraceError(f"{self.path}: not a Kineto/Chrome trace: it has no traceEvents")
+            if bytes(top["traceEvents"]) != b"[]":
+                raise TraceError(f"{self.path}: not a Kineto/Chrome trace: traceEvents is not a list")
+            return {key: ANY_DECODER.decode(raw) for key, raw in top.items() if key != "traceEvents"}
+        except _DECODE_ERRORS as exc:
+            raise self._error(exc) from None
+
+    # -- steps: each reads a prefix of DATA and returns the rest --
+
+    def _start(self, data):
+        rest = _lstrip_space(data)
+        self.offset += len(data) - len(rest)
+        if not rest:
+            return rest
+        if rest[:1] == b"{":
+            self.step, self.level = self._fields, 2
+            return rest
+        if rest[:1] == b"[":
+            self.step, self.level, self.depth = self._events, 1, 1
+            self.offset += 1
+            return rest[1:]
+        raise TraceError(f"{self.path}: not JSON (a trace starts with '{{' or '[')")
+
+    def _fields(self, data):
+        """Top-level fields of the object format, up to traceEvents' '[' or the document's end."""
+        if not self.in_string:  # whitespace that opens a chunk is between tokens: skip it for free
+            rest = _lstrip_space(data)
+            self.offset += len(data) - len(rest)
+            data = rest
+            if not data:
+                return data
+        pos, char, depth, state = self._scan(data)
+        ends = np.flatnonzero(depth == 0)
+        stop = int(pos[ends[0]]) + 1 if len(ends) else len(data)
+        for i in np.flatnonzero((char == ord("[")) & (depth == 2)).tolist():
+            p = int(pos[i])
+            if p >= stop:
+                break
+            if self._is_events_key(data, p):
+                if self.found_events:
+                    raise TraceError(f"{self.path}: traceEvents appears twice")
+                self.found_events = True
+                self._keep_fields(data[:p + 1])
+                self.offset += p + 1
+                self.step, (self.depth, self.in_string, self.escape) = self._events, (2, False, False)
+                return data[p + 1:]
+        self._keep_fields(data[:stop])
+        self.offset += stop
+        if len(ends):
+            self.step, (self.depth, self.in_string, self.escape) = self._done, (0, False, False)
+        else:
+            self.depth, self.in_string, self.escape = state
+        return data[stop:]
+
+    def _events(self, data):
+        if not self.pending:
+            data = self._between_events(data)
+            if not data:
+                return data
+        pos, char, depth, state = self._scan(data)
+        closed = np.flatnonzero(depth < self.level)
+        k = int(closed[0]) if len(closed) else len(pos)
+        ends = np.flatnonzero((char[:k] == ord("}")) & (depth[:k] == self.level))
+        if len(ends):
+            if self.pending and len(self.pending) + int(pos[ends[0]]) >= _MAX_EVENT_BYTES:
+                self._hold(data[:int(pos[ends[0]]) + 1])  # refuses the event whose start was held
+            cut = int(pos[ends[-1]]) + 1
+            self._decode(data[:cut])
+            self.offset += cut
+            self.depth, self.in_string, self.escape = self.level, False, False
+            return data[cut:]
+        if k == len(pos):
+            self._hold(data)
+            self.offset += len(data)
+            self.depth, self.in_string, self.escape = state
+            return b""
+        stop = int(pos[k])  # the events array closes here
+        if char[k] != ord("]"):
+            raise TraceError(f"{self.path}: malformed JSON: unbalanced '}}' at byte {self.offset + stop}")
+        self._hold(data[:stop])
+        if self.pending.strip(_JSON_SPACE):
+            self._decode(b"")  # not an event (a number, a list...): msgspec says what is wrong
+        elif self.comma:
+            raise TraceError(f"{self.path}: malformed JSON: a comma before traceEvents' ']' at byte {self.offset}")
+        self.pending.clear()
+        self.offset += stop
+        self.depth, self.in_string, self.escape = self.level, False, False
+        if self.level == 2:
+            self.step = self._fields
+            return data[stop:]
+        self.step, self.depth = self._done, 0
+        self.offset += 1
+        return data[stop + 1:]
+
+    def _done(self, data):
+        rest = _lstrip_space(data)
+        if rest:
+            raise TraceError(f"{self.path}: data after the end of the JSON document at byte "
+                             f"{self.offset + len(data) - len(rest)}")
+        self.offset += len(data)
+        return rest
+
+    # -- helpers --
+
+    def _between_events(self, data):
+        """Skip whitespace (any amount, for free) and the comma between two events."""
+        rest = _lstrip_space(data)
+        if self.after_event and not self.comma and rest[:1] == b",":
+            self.comma = True
+            rest = _lstrip_space(rest[1:])
+        elif self.after_event and not self.comma and rest and rest[:1] != b"]":
+            raise TraceError(f"{self.path}: malformed JSON: no comma between two events at byte "
+                             f"{self.offset + len(data) - len(rest)}")
+        self.offset += len(data) - len(rest)
+        self.batch_at = self.offset
+        return rest
+
+    def _hold(self, data):
+        self.pending += data
+        if len(self.pending) > _MAX_EVENT_BYTES:
+            raise TraceError(f"{self.path}: the event at byte {self.batch_at} is over "
+                             f"{_MAX_EVENT_BYTES >> 20} MB, which no trace event is")
+
+    def _keep_fields(self, data):
+        self.fields += data
+        if len(self.fields) > _MAX_FIELDS_BYTES:
+            raise TraceError(f"{self.path}: its top-level fields besides traceEvents are over "
+                             f"{_MAX_FIELDS_BYTES >> 20} MB, which no trace's are")
+
+    def _decode(self, tail):
+        batch = bytearray(b"[")
+        batch += self.pending
+        batch += tail
+        batch += b"]"
+        self.pending.clear()
+        try:
+            events = ARRAY_DECODER.decode(batch)
+        except UnicodeDecodeError:
+            try:
+                batch.decode()
+            except UnicodeDecodeError as exc:
+                at = self.batch_at - 1 + exc.start
+                raise TraceError(f"{self.path}: invalid UTF-8 at byte {at}") from None
+            raise TraceError(f"{self.path}: invalid UTF-8 in the events from byte {self.batch_at}") from None
+        except _DECODE_ERRORS as exc:
+            raise self._error(exc, self.batch_at - 1) from None
+        self.builder.add(events)
+        self.events += len(events)
+        self.after_event, self.comma = True, False
+
+    def _error(self, exc, offset=None) -> TraceError:
+        """One line for a msgspec error on a batch at document OFFSET (None: on the top-level fields),
+        its positions made the document's: byte offsets and event indexes."""
+        if isinstance(exc, UnicodeDecodeError):
+            return TraceError(f"{self.path}: invalid UTF-8 in a string of the top-level fields")
+        message = str(exc)
+        if offset is None:
+            message = re.sub(r" \(byte \d+\)", "", message) + " (in the top-level fields)"
+        else:
+            message = re.sub(r"\(byte (\d+)\)", lambda m: f"(byte {offset + int(m.group(1))})", message)
+            events = "traceEvents" if self.level == 2 else "$"
+            message = re.sub(r"`\$\[(\d+)\]", lambda m: f"`{events}[{self.events + int(m.group(1))}]", message)
+        if isinstance(exc, msgspec.ValidationError):
+            return TraceError(f"{self.path}: not a Kineto/Chrome trace: {message}")
+        return TraceError(f"{self.path}: malformed JSON: {message}")
+
+    def _is_events_key(self, data, pos) -> bool:
+        """Whether the '[' at DATA[POS] opens the value of the top-level key "traceEvents"."""
+        behind = _Behind(self.fields, data, pos)
+        behind.skip_space()
+        if behind.take(1) != b":":
+            return False
+        behind.skip_space()
+        return behind.take(13) == b'"traceEvents"' and behind.take(1) != b"\\"
+
+    def _scan(self, data):
+        """Positions, bytes and depths after of the brackets outside strings in DATA, and the nesting
+        state after DATA (not yet adopted: a step may read only part of DATA)."""
+        pos, char, depth, state = _brackets(data, self.depth, self.in_string, self.escape)
+        if len(depth) and depth.max() > _MAX_DEPTH:
+            at = self.offset + int(pos[np.argmax(depth > _MAX_DEPTH)])
+            raise TraceError(f"{self.path}: nested deeper than {_MAX_DEPTH} levels at byte {at}, which no trace is")
+        return pos, char, depth, state
 
 
-def _decode_metadata(document: bytes) -> dict:
-    try:
-        top = TOP_LEVEL_DECODER.decode(document)
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        raise _OtherLayout from None
-    return {key: ANY_DECODER.decode(raw) for key, raw in top.items() if key != "traceEvents"}
+def _brackets(data, depth, in_string, escape):
+    """(positions, bytes, depth after) of each bracket outside strings in DATA, given the nesting state
+    before it, and the state after it: (depth, inside a string, the next byte escaped)."""
+    a = np.frombuffer(data, np.uint8)
+    quotes = np.flatnonzero(a == ord('"'))
+    escape_after = False
+    if escape or (a == ord("\\")).any():
+        escaped, escape_after = _escaped(np.flatnonzero(a == ord("\\")), len(a), escape)
+        quotes = _remove(quotes, escaped)
+    folded = a | 0x20  # '[' -> '{', ']' -> '}'
+    pos = np.flatnonzero((folded == ord("{")) | (folded == ord("}")))
+    pos = pos[(np.searchsorted(quotes, pos) + in_string) % 2 == 0]
+    char = a[pos]
+    depths = depth + np.cumsum(np.where((char | 0x20) == ord("{"), 1, -1))
+    state = (int(depths[-1]) if len(depths) else depth, bool((in_string + len(quotes)) % 2), escape_after)
+    return pos, char, depths, state
 
 
-def decode(data: bytes, path="trace"):
-    """(events, top-level metadata) of a whole document; one-line TraceError for anything malformed."""
-    start = data.lstrip()[:1]
-    try:
-        if start == b"[":
-            return ARRAY_DECODER.decode(data), {}
-        if start != b"{":
-            raise TraceError(f"{path}: not JSON (a trace starts with '{{' or '[')")
-        events = EVENTS_DECODER.decode(data).traceEvents
-        top = TOP_LEVEL_DECODER.decode(data)
-    except msgspec.ValidationError as exc:
-        raise TraceError(f"{path}: not a Kineto/Chrome trace: {exc}") from None
-    except msgspec.DecodeError as exc:
-        raise TraceError(f"{path}: malformed or truncated JSON: {exc}") from None
-    metadata = {key: ANY_DECODER.decode(raw) for key, raw in top.items() if key != "traceEvents"}
-    return events, metadata
+class _Behind:
+    """Reads backwards from FIRST + SECOND[:end] (the kept fields, then the chunk) without joining them;
+    skipping whitespace costs what the whitespace is long, however long."""
+
+    def __init__(self, first, second, end):
+        self.first, self.second, self.end = first, second, len(first) + end
+
+    def skip_space(self) -> None:
+        while self.end > 0:
+            start = max(self.end - 256, 0)
+            piece = self._slice(start, self.end).rstrip(_JSON_SPACE)
+            if piece:
+                self.end = start + len(piece)
+                return
+            self.end = start
+
+    def take(self, n) -> bytes:
+        out = self._slice(max(self.end - n, 0), self.end)
+        self.end -= len(out)
+        return out
+
+    def _slice(self, start, end) -> bytes:
+        n = len(self.first)
+        if end <= n:
+            return bytes(self.first[start:end])
+        if start >= n:
+            return self.second[start - n:end - n]
+        return bytes(self.first[start:]) + self.second[:end - n]
+
+
+def _escaped(slashes: np.ndarray, size: int, carried: bool) -> tuple[np.ndarray, bool]:
+    """Positions escaped by the backslash runs at SLASHES (an odd run escapes the next byte; CARRIED: the
+    previous chunk ended on an odd run), and whether the last run escapes the next chunk's first byte."""
+    if not len(slashes):
+        return np.array([0]), False  # carried
+    starts = np.flatnonzero(np.diff(slashes, prepend=-2) != 1)
+    lengths = np.diff(np.append(starts, len(slashes)))
+    after = slashes[starts] + lengths
+    odd = lengths % 2 == 1
+    if carried:
+        if slashes[0] == 0:
+            odd[0] = not odd[0]
+        else:
+            after, odd = np.append(0, after), np.append(True, odd)
+    escaped = after[odd]
+    if len(escaped) and escaped[-1] == size:
+        return escaped[:-1], True
+    return escaped, False
+
+
+def _remove(sorted_positions: np.ndarray, drop: np.ndarray) -> np.ndarray:
+    """SORTED_POSITIONS without those in DROP (sorted too)."""
+    i = np.searchsorted(sorted_positions, drop)
+    inside = i < len(sorted_positions)
+    i, drop = i[inside], drop[inside]
+    hit = i[sorted_positions[i] == drop]
+    keep = np.ones(len(sorted_positions), dtype=bool)
+    keep[hit] = False
+    return sorted_positions[keep]
+
+
+def _lstrip_space(data: bytes) -> bytes:
+    """DATA without its leading JSON whitespace. bytes.lstrip() runs ~8x faster than lstrip(chars) but
+    also takes \\v and \\f, which JSON does not: where it took one, strip again the strict way."""
+    rest = data.lstrip()
+    n = len(data) - len(rest)
+    if n and (data.find(b"\x0b", 0, n) >= 0 or data.find(b"\x0c", 0, n) >= 0):
+        return data.lstrip(_JSON_SPACE)
+    return rest
 
 
 # -- tables ---------------------------------------------------------------------------------------
@@ -233,26 +514,55 @@ class TableBuilder:
         self.thread_index = {}   # (pid, tid) -> code
         self.thread_names = {}
         self.event_count = 0
+        self.open_slices = {}    # (pid, tid) -> stack of "B" events waiting for their "E"
+        self.ignored = {"ids": 0, "bytes": 0, "inputs": 0, "unopened": 0}
 
     def add(self, events) -> None:
         self.event_count += len(events)
         complete = [e for e in events if e.ph == "X"]
-        if any(e.dur < 0 for e in complete):
-            raise TraceError(f"{self.path}: negative event duration")
-        self.parts["kernels"].append(_gpu_columns([e for e in complete if e.cat in _KERNEL_CATS]))
+        complete += self._other_events(events)
+        self.parts["kernels"].append(self._gpu_columns([e for e in complete if e.cat in _KERNEL_CATS]))
         memory = [e for e in complete if e.cat in _MEMORY_CATS]
-        cols = _gpu_columns(memory)
-        cols["bytes"] = np.array([e.args.bytes if e.args and e.args.bytes is not None else np.nan for e in memory],
-                                 dtype=float)
+        cols = self._gpu_columns(memory)
+        cols["bytes"] = self._bytes([e.args.bytes if e.args else None for e in memory])
         self.parts["memory"].append(cols)
         cpu = [e for e in complete if e.cat in _CPU_CATS]
         self.parts["cpu"].append(self._cpu_columns(cpu))
         self._keep_inputs(cpu)
         runtime = [e for e in complete if e.cat in _RUNTIME_CATS]
         self.parts["runtime"].append(self._runtime_columns(runtime))
+        for part in self.parts.values():
+            self._check_times(part[-1])
+
+    def _other_events(self, events) -> list:
+        """Thread names from "M" events; Chrome's duration events paired: each "E" closes the latest
+        open "B" of its thread into a complete event, returned."""
+        paired = []
         for e in events:
-            if e.ph == "M" and e.name == "thread_name" and e.args is not None and e.args.name:
-                self.thread_names[(e.pid, e.tid)] = e.args.name
+            if e.ph not in _NAME_OR_SLICE:
+                continue
+            if e.ph == "M":
+                if e.name == "thread_name" and e.args is not None and e.args.name:
+                    # Kineto's are "thread 711 (pt_gloo_runner)"; shown in findings, never keyed on
+                    self.thread_names[(e.pid, e.tid)] = e.args.name[:256]
+            elif e.ph == "B":
+                self.open_slices.setdefault((e.pid, e.tid), []).append(e)
+            elif stack := self.open_slices.get((e.pid, e.tid)):
+                begin = stack.pop()
+                paired.append(msgspec.structs.replace(begin, ph="X", dur=_float(e.ts) - _float(begin.ts),
+                                                      args=begin.args or e.args))
+            else:
+                self.ignored["unopened"] += 1
+        return paired
+
+    def _check_times(self, cols) -> None:
+        ts, dur = cols["ts"], cols["dur"]
+        if not (np.isfinite(ts).all() and np.isfinite(dur).all()):
+            raise TraceError(f"{self.path}: an event's ts or dur is not a finite number of microseconds")
+        if len(dur) and dur.min() < 0:
+            raise TraceError(f"{self.path}: negative event duration ({dur.min():g} us)")
+        if len(dur) and dur.max() > _MAX_DURATION_US:
+            raise TraceError(f"{self.path}: an event lasts {dur.max():.3g} us, over a day: a corrupt duration")
 
     def _thread_codes(self, evs) -> np.ndarray:
         index, threads = self.thread_index, self.threads
@@ -266,6 +576,20 @@ class TableBuilder:
             out[i] = code
         return out
 
+    def _gpu_columns(self, evs) -> dict:
+        args = [e.args for e in evs]
+        return {
+            "name": _names([e.name for e in evs]),
+            "ts": _num([e.ts for e in evs]),
+            "dur": _num([e.dur for e in evs]),
+            "stream": self._ids([a.stream if a else (e.tid if isinstance(e.tid, int) else None)
+                                 for e, a in zip(evs, args)]),
+            "device": self._ids([a.device if a else (e.pid if isinstance(e.pid, int) else None)
+                                 for e, a in zip(evs, args)]),
+            "correlation": self._ids([a.correlation if a else None for a in args]),
+            "external_id": self._ids([a.external_id if a else None for a in args]),
+        }
+
     def _cpu_columns(self, evs) -> dict:
         args = [e.args for e in evs]
         return {
@@ -274,8 +598,8 @@ class TableBuilder:
             "ts": _num([e.ts for e in evs]),
             "dur": _num([e.dur for e in evs]),
             "thread": self._thread_codes(evs),
-            "external_id": _ids([a.external_id if a else None for a in args]),
-            "seq": _ids([a.sequence_number if a else None for a in args]),
+            "external_id": self._ids([a.external_id if a else None for a in args]),
+            "seq": self._ids([a.sequence_number if a else None for a in args]),
         }
 
     def _runtime_columns(self, evs) -> dict:
@@ -285,31 +609,83 @@ class TableBuilder:
             "ts": _num([e.ts for e in evs]),
             "dur": _num([e.dur for e in evs]),
             "thread": self._thread_codes(evs),
-            "correlation": _ids([a.correlation if a else None for a in args]),
-            "external_id": _ids([a.external_id if a else None for a in args]),
+            "correlation": self._ids([a.correlation if a else None for a in args]),
+            "external_id": self._ids([a.external_id if a else None for a in args]),
         }
 
+    def _ids(self, values) -> np.ndarray:
+        """Integer ids, -1 where absent; ids beyond 64 bits (corrupt) count as absent, with a warning."""
+        try:
+            return np.array([-1 if v is None else v for v in values], dtype=np.int64)
+        except OverflowError:
+            kept = [-1 if v is None or not -(1 << 63) <= v < (1 << 63) else v for v in values]
+            self.ignored["ids"] += sum(v is not None and k == -1 for v, k in zip(values, kept))
+            return np.array(kept, dtype=np.int64)
+
+    def _bytes(self, values) -> np.ndarray:
+        """A copy's byte count, NaN where absent; negative or beyond 2**53 (corrupt) too, with a warning."""
+        out = _num([np.nan if v is None else v for v in values])
+        bad = ~((out >= 0) & (out < 2.0 ** 53)) & ~np.isnan(out)
+        self.ignored["bytes"] += int(bad.sum())
+        out[bad] = np.nan
+        return out
+
     def _keep_inputs(self, evs) -> None:
-        """The ops' recorded inputs as raw JSON bytes, deduplicated (shapes repeat every step)."""
+        """The ops' recorded inputs as raw JSON bytes, deduplicated (shapes repeat every step); records with
+        numbers no tensor has are dropped, with a warning, before any detector multiplies them."""
         seen = self.raw_seen
-        for field, column in (("input_dims", self.raw.dims), ("input_types", self.raw.types),
-                              ("input_strides", self.raw.strides), ("concrete_inputs", self.raw.concrete)):
+        for field, column, sane in (("input_dims", self.raw.dims, _sane_dims),
+                                    ("input_types", self.raw.types, None),
+                                    ("input_strides", self.raw.strides, _sane_strides),
+                                    ("concrete_inputs", self.raw.concrete, None)):
             for e in evs:
                 raw = getattr(e.args, field) if e.args is not None else None
                 if raw is None or not len(raw):
                     column.append(None)
                     continue
                 key = bytes(raw)
-                column.append(seen.setdefault(key, key))
+                kept = seen.get(key, _UNSEEN)
+                if kept is _UNSEEN:
+                    try:
+                        key.decode()  # msgspec skips raw JSON without checking its strings
+                    except UnicodeDecodeError:
+                        raise TraceError(f"{self.path}: invalid UTF-8 in the recorded inputs of "
+                                         f"{e.name[:80]!r}") from None
+                    kept = seen[key] = key if sane is None or sane(key) else None
+                if kept is None:
+                    self.ignored["inputs"] += 1
+                column.append(kept)
+
+    def warnings(self) -> list[str]:
+        unclosed = sum(len(stack) for stack in self.open_slices.values())
+        found = {
+            "ids": "ids (External id, correlation, Sequence number, stream, device) beyond 64 bits ignored",
+            "bytes": "memcpy/memset byte counts out of range ignored",
+            "inputs": "ops' recorded shapes or strides with numbers no tensor has ignored",
+            "unopened": "'E' events without a 'B' on their thread ignored",
+        }
+        out = [f"{count} {found[key]}" for key, count in self.ignored.items() if count]
+        if unclosed:
+            out.append(f"{unclosed} 'B' events without an 'E' on their thread ignored")
+        return out
 
     def finish(self, metadata: dict) -> Trace:
+        if not self.event_count:
+            raise TraceError(f"{self.path}: holds no events")
         kernels, memory, cpu, runtime = (_frame(self.parts[name]) for name in ("kernels", "memory", "cpu", "runtime"))
         self.parts = None
+        if not (len(kernels) or len(memory) or len(cpu) or len(runtime)):
+            raise TraceError(f"{self.path}: none of its {self.event_count} events is a torch.profiler event "
+                             "(complete or B/E events of category kernel, cpu_op, cuda_runtime, ...)")
         kernels["kind"] = pd.Series(kernel_kinds(kernels["name"].to_numpy()), dtype=object)
         origin = _origin(kernels, memory, cpu, runtime)
         for table in (kernels, memory, cpu, runtime):
             table["ts"] -= origin
             table["end"] = table["ts"] + table["dur"]
+        span = max(float(t["end"].max()) for t in (kernels, memory, cpu, runtime) if len(t))
+        if span > _MAX_DURATION_US:
+            raise TraceError(f"{self.path}: its events span {span / 86400e6:.3g} days, which no profile does: "
+                             "a corrupt timestamp")
         # The capture agent writes its module labels as cheap cpu_op ranges; they are annotations.
         if len(cpu):
             is_label = name_mask(cpu, lambda n: n.startswith(labels.MODULE_PREFIX))
@@ -332,20 +708,46 @@ class TableBuilder:
         return Trace(path=self.path, rank=_rank(metadata), metadata=metadata,
                      device=device_from_properties(metadata.get("deviceProperties")),
                      kernels=kernels, memory=memory, cpu=cpu, runtime=runtime, raw_inputs=self.raw,
-                     event_count=self.event_count, threads=self.threads, thread_names=names)
+                     event_count=self.event_count, threads=self.threads, thread_names=names,
+                     warnings=self.warnings())
 
 
-def _gpu_columns(evs) -> dict:
-    args = [e.args for e in evs]
-    return {
-        "name": _names([e.name for e in evs]),
-        "ts": _num([e.ts for e in evs]),
-        "dur": _num([e.dur for e in evs]),
-        "stream": _ids([a.stream if a else (e.tid if isinstance(e.tid, int) else None) for e, a in zip(evs, args)]),
-        "device": _ids([a.device if a else (e.pid if isinstance(e.pid, int) else None) for e, a in zip(evs, args)]),
-        "correlation": _ids([a.correlation if a else None for a in args]),
-        "external_id": _ids([a.external_id if a else None for a in args]),
-    }
+_UNSEEN = object()
+_MAX_ELEMENTS = 1 << 62
+
+
+def _sane_dims(raw: bytes) -> bool:
+    """Input Dims: every tensor's sizes non-negative, its element count within 2**62."""
+    return _all_int_lists(raw, lambda ints: min(ints) >= 0 and math.prod(ints) <= _MAX_ELEMENTS)
+
+
+def _sane_strides(raw: bytes) -> bool:
+    return _all_int_lists(raw, lambda ints: max(abs(min(ints)), abs(max(ints))) <= _MAX_ELEMENTS)
+
+
+def _all_int_lists(raw: bytes, check) -> bool:
+    """Whether CHECK holds for every list of integers nested in the JSON RAW (floats and strings pass:
+    the model reads only integer lists as shapes)."""
+    try:
+        stack = [ANY_DECODER.decode(raw)]
+    except (msgspec.DecodeError, RecursionError):
+        return False
+    while stack:
+        value = stack.pop()
+        if not isinstance(value, list):
+            continue
+        ints = [v for v in value if type(v) is int]
+        if ints and not check(ints):
+            return False
+        stack.extend(v for v in value if isinstance(v, list))
+    return True
+
+
+def _float(value) -> float:
+    try:
+        return float(value)
+    except OverflowError:  # an integer beyond float range: infinity, which the range checks refuse
+        return math.inf if value > 0 else -math.inf
 
 
 def _frame(parts: list) -> pd.DataFrame:
@@ -358,11 +760,10 @@ def _frame(parts: list) -> pd.DataFrame:
 
 
 def _num(values) -> np.ndarray:
-    return np.array(values, dtype=np.float64)
-
-
-def _ids(values) -> np.ndarray:
-    return np.array([-1 if v is None else v for v in values], dtype=np.int64)
+    try:
+        return np.array(values, dtype=np.float64)
+    except OverflowError:
+        return np.array([_float(v) for v in values], dtype=np.float64)
 
 
 def _names(values) -> np.ndarray:
@@ -505,7 +906,15 @@ def _module_by_label_id(cpu: pd.DataFrame, external_ids: np.ndarray) -> np.ndarr
         & (cpu["external_id"] >= 0).to_numpy()
     by_id = pd.Series(cpu["module"].to_numpy()[is_label], index=cpu["external_id"].to_numpy()[is_label])
     by_id = by_id[~by_id.index.duplicated()]
-    return by_id.reindex(external_ids).to_numpy(dtype=object)
+    return _none_where_missing(by_id.reindex(external_ids))
+
+
+def _none_where_missing(column: pd.Series) -> np.ndarray:
+    """An object column's values with None, never NaN (truthy, and unorderable against str), where absent:
+    reindex() and friends fill with NaN."""
+    values = column.to_numpy(dtype=object, copy=True)
+    values[column.isna().to_numpy()] = None
+    return values
 
 
 def _rank(metadata):

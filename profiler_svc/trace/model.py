@@ -94,6 +94,7 @@ class Trace:
     raw_inputs: RawInputs = None
     threads: dict = field(default_factory=dict)        # thread code -> (pid, tid)
     thread_names: dict = field(default_factory=dict)   # thread code -> name
+    warnings: list = field(default_factory=list)       # what the loader ignored in a damaged trace, one line each
     _inputs_cache: dict = field(default_factory=dict, repr=False)
 
     # -- op inputs ---------------------------------------------------------------------------

@@ -4,12 +4,14 @@ msgspec decodes straight into these slotted structs and skips every field not na
 keeps a million-event trace to a few hundred bytes an event. Argument lists that only a few
 detectors need (input shapes, dtypes, strides) stay as raw JSON until asked for.
 """
-from typing import Optional, Union
+from typing import Annotated, Optional, Union
 
 import msgspec
-from msgspec import Raw, field
+from msgspec import Meta, Raw, field
 
 Number = Union[int, float]
+# Real kernel names reach ~2 kB; a longer one is hostile, and every detector's regex would read it.
+Name = Annotated[str, Meta(max_length=16384)]
 EMPTY = Raw()  # absent raw field (msgspec cannot put Raw in a union with None)
 
 
@@ -20,21 +22,18 @@ class EventArgs(msgspec.Struct, gc=False):
     device: Optional[int] = None
     bytes: Optional[Number] = None
     sequence_number: Optional[int] = field(name="Sequence number", default=None)
-    fwd_thread_id: Optional[int] = field(name="Fwd thread id", default=None)
     input_dims: Raw = field(name="Input Dims", default=EMPTY)
     input_types: Raw = field(name="Input type", default=EMPTY)
     input_strides: Raw = field(name="Input Strides", default=EMPTY)
     concrete_inputs: Raw = field(name="Concrete Inputs", default=EMPTY)
-    grid: Optional[list[int]] = None
-    block: Optional[list[int]] = None
     # Kineto writes thread/process names in "M" events' args
-    name: Optional[str] = None
+    name: Optional[Name] = None
 
 
 class TraceEvent(msgspec.Struct, gc=False):
     ph: str = ""
     cat: str = ""
-    name: str = ""
+    name: Name = ""
     pid: Union[int, str] = 0
     tid: Union[int, str] = 0
     ts: Number = 0.0
@@ -42,13 +41,8 @@ class TraceEvent(msgspec.Struct, gc=False):
     args: Optional[EventArgs] = None
 
 
-class TraceDocument(msgspec.Struct, gc=False):
-    """Kineto's JSON object format. The Chrome "JSON array format" decodes as list[TraceEvent]."""
-    traceEvents: list[TraceEvent]
-
-
-EVENTS_DECODER = msgspec.json.Decoder(TraceDocument)
+# A batch of events: the Chrome "JSON array format", or a slice of Kineto's traceEvents.
 ARRAY_DECODER = msgspec.json.Decoder(list[TraceEvent])
-# Top-level keys other than traceEvents (deviceProperties, distributedInfo, our metadata, ...).
+# Top-level keys (deviceProperties, distributedInfo, our metadata, ...), traceEvents blanked to [].
 TOP_LEVEL_DECODER = msgspec.json.Decoder(dict[str, Raw])
 ANY_DECODER = msgspec.json.Decoder()
