@@ -112,7 +112,7 @@ def _bare_sync_cause(trace, call) -> str:
     if _is_main_thread(trace, call.thread):
         return _EXPLICIT if call.name in ("cudaDeviceSynchronize", "cuCtxSynchronize") else "synchronize outside any op (main thread)"
     name = trace.thread_names.get(call.thread, "")
-    inner = re.search(r"\((.+)\)", name)  # Kineto names threads "thread 711 (pt_gloo_runner)"
+    inner = re.search(r"\(([^()]+)\)", name)  # Kineto names threads "thread 711 (pt_gloo_runner)"
     return f"synchronize outside any op ({inner.group(1) if inner else 'background thread'})"
 
 
