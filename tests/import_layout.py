@@ -1,11 +1,11 @@
-"""import-linter plugin: check the imports of profiler_svc as it installs.
+"""`python -m tests.import_layout`: import-linter on profiler_svc as it installs.
 
 kernels/, web/ and migrations/ sit at the top of the repository and install inside profiler_svc
 (pyproject's package-dir). import-linter's graph builder (grimp) finds a package's modules by
 walking its folder, so from the repository it would never see profiler_svc.web and the others.
-Importing this module (pyproject's ``contract_types`` names it) makes import-linter build its
-graph from a folder of links laid out like the installed package: every module, as named when
-installed, with its real imports.
+This runs lint-imports with a graph builder that walks a folder of links laid out like the
+installed package: every module, as named when installed, with its real imports. The builder is
+set before lint-imports starts (a contract-type plugin is loaded too late in import-linter 2.17).
 """
 import sys
 import tempfile
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from importlinter.adapters.building import GraphBuilder
 from importlinter.application.app_config import settings
-from importlinter.contracts.layers import LayersContract
+from importlinter.cli import lint_imports_command
 
 try:
     import tomllib
@@ -48,7 +48,7 @@ class InstalledLayoutGraphBuilder(GraphBuilder):
             raise ValueError(f"this builder lays out {PACKAGE} only, not {root_package_names}")
         with tempfile.TemporaryDirectory() as folder:
             link_installed_layout(Path(folder))
-            sys.path.insert(0, folder)  # ahead of the repository, which lint-imports puts first
+            sys.path.insert(0, folder)  # ahead of the repository, where python -m starts
             try:
                 # No cache: it is keyed by file paths, and these change with every run.
                 return super().build(root_package_names, None, include_external_packages,
@@ -57,8 +57,6 @@ class InstalledLayoutGraphBuilder(GraphBuilder):
                 sys.path.remove(folder)
 
 
-settings.configure(GRAPH_BUILDER=InstalledLayoutGraphBuilder())
-
-
-class InstalledLayersContract(LayersContract):
-    """The layers contract, on the graph of the installed layout (registering it loads this module)."""
+if __name__ == "__main__":
+    settings.configure(GRAPH_BUILDER=InstalledLayoutGraphBuilder())
+    lint_imports_command()  # a click command: it exits with the contracts' verdict
