@@ -197,6 +197,10 @@ def module_class(module: Optional[str]) -> Optional[str]:
 def size_root_cause(sizes) -> tuple:
     """The root cause of shape findings: sizes (value, padded) that are not multiples of what they need."""
     sizes = sorted(set(sizes))
+    # a multiple of another size that padding the smaller one aligns (3060 = 3 x 1020; 3 x 1024 is aligned)
+    # is a symptom of it: hidden 1020 behind the QKV width 3060
+    sizes = [(v, p) for v, p in sizes if not any(
+        b < v and v % b == 0 and (v // b * pb) % (p & -p) == 0 for b, pb in sizes)]
     label = ", ".join(f"{v} → {p}" for v, p in sizes)
     return (f"size:{','.join(str(v) for v, _ in sizes)}",
             f"misaligned size{'s' if len(sizes) > 1 else ''}: pad {label}")
