@@ -1,4 +1,4 @@
-"""Subcommands: `serve`, `ingest`, `worker`, `db upgrade`, `demo`."""
+"""Subcommands: `serve`, `ingest`, `worker`, `token`, `db upgrade`, `demo`."""
 import logging
 import sys
 
@@ -58,6 +58,17 @@ def add_commands(subparsers) -> None:
     up = db_sub.add_parser("upgrade", help="create or migrate the schema to the latest version")
     up.set_defaults(func=cmd_db_upgrade)
 
+    p = subparsers.add_parser("token", help="API tokens for the service: create, list, revoke")
+    token_sub = p.add_subparsers(dest="token_command", metavar="COMMAND", required=True)
+    t = token_sub.add_parser("create", help="make a token and print it (once: only its hash is stored)")
+    t.add_argument("name", help="who or what uses it, e.g. 'ci' or 'alice'")
+    t.set_defaults(func=cmd_token_create)
+    t = token_sub.add_parser("list", help="the tokens (never the tokens themselves): id, name, created, last used")
+    t.set_defaults(func=cmd_token_list)
+    t = token_sub.add_parser("revoke", help="revoke a token: refused from its next request on")
+    t.add_argument("id", type=_positive(int))
+    t.set_defaults(func=cmd_token_revoke)
+
     p = subparsers.add_parser("demo", help="ingest bundled GPU traces and a live CPU capture, then serve the dashboard")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=_port, default=8000)
@@ -73,6 +84,40 @@ def cmd_db_upgrade(args) -> int:
     except Exception as exc:
         raise UserError(f"cannot migrate {_redact(str(engine.url))}: {one_line(exc)}") from None
     print(f"database {_redact(str(engine.url))} is at the latest schema")
+    return 0
+
+
+def cmd_token_create(args) -> int:
+    from ..storage import tokens
+    from ..storage.db import ready_engine, session_scope
+    with session_scope(ready_engine()) as session:
+        row, token = tokens.create(session, args.name)
+        token_id = row.id
+    print(token)
+    print(f"token {token_id} ({args.name}): shown once, keep it secret; "
+          f"revoke with `profiler_svc token revoke {token_id}`", file=sys.stderr)
+    return 0
+
+
+def cmd_token_list(args) -> int:
+    from ..storage import tokens
+    from ..storage.db import ready_engine, session_scope
+    with session_scope(ready_engine()) as session:
+        rows = tokens.listing(session)
+    print(f"{'id':>4}  {'name':<24} {'created':<20} {'last used':<20} revoked")
+    for t in rows:
+        print(f"{t['id']:>4}  {t['name'][:24]:<24} {t['created_at'][:19]:<20} {(t['last_used_at'] or '-')[:19]:<20} "
+              f"{(t['revoked_at'] or '-')[:19]}")
+    return 0
+
+
+def cmd_token_revoke(args) -> int:
+    from ..storage import tokens
+    from ..storage.db import ready_engine, session_scope
+    with session_scope(ready_engine()) as session:
+        row = tokens.revoke(session, args.id)
+        name = row.name
+    print(f"token {args.id} ({name}) revoked")
     return 0
 
 

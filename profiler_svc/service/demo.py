@@ -6,6 +6,7 @@ workload, so the dashboard's "A/B test this swap" works on this machine (on CPU 
 Triton's interpreter when there is no GPU).
 """
 import os
+import secrets
 import threading
 from pathlib import Path
 
@@ -113,9 +114,12 @@ def prepare_demo(print_fn=print, live: bool = True):
         trace = live_capture(config["folder"])
         [result] = ingest_path(engine, trace, blobs=blobs, name="tiny_llama (live capture)", workload=WORKLOAD)
         print_fn(f"live capture {trace.name}: run {result.run_id}")
-    token = os.environ.get("PROFILER_SVC_TOKEN")
+    # A local try-out: reads are open; the A/B form needs a signed-in session, so say which token signs in.
+    token = os.environ.get("PROFILER_SVC_TOKEN") or secrets.token_urlsafe(16)
+    if live:
+        print_fn(f"sign in (for the A/B button) with the token: {token}")
     return create_app({"DATABASE_URL": config["DATABASE_URL"], "BLOB_DIR": config["BLOB_DIR"],
-                       **({"API_TOKEN": token} if token else {})})
+                       "API_TOKEN": token, "PUBLIC_READ": True})
 
 
 def start_background_worker(database_url: str, blob_dir: str) -> threading.Thread:

@@ -35,7 +35,7 @@ def test_uploaded_ranks_form_one_run_with_host_and_workload(service):
     assert analyse_queued(client.application) == 2
     done = [client.get(r["status_url"], headers={"Authorization": "Bearer tok"}).get_json() for r in replies]
     assert done[0]["run_id"] == done[1]["run_id"]
-    run = client.get(f"/api/v1/runs/{done[0]['run_id']}").get_json()
+    run = client.get(f"/api/v1/runs/{done[0]['run_id']}", headers={"Authorization": "Bearer tok"}).get_json()
     assert (run["name"], run["host"], run["workload"], run["ranks"]) == \
         ("gpt2 ddp", "gpu-node-3", "train.gpt2:make", [0, 1])
     again = upload.upload_trace(base, str(DDP / "gpt2_ddp_rank0.json.gz"), name="x", run="y", token="tok")

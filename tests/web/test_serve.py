@@ -18,6 +18,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def get_json(url):
+    request = urllib.request.Request(url, headers={"Authorization": "Bearer serve-token"})
+    return json.loads(urllib.request.urlopen(request, timeout=10).read())
+
+
 def test_serve(tmp_path):
     port = free_port()
     env = {**os.environ, "PROFILER_SVC_HOME": str(tmp_path), "PROFILER_SVC_TOKEN": "serve-token"}
@@ -42,11 +47,11 @@ def test_serve(tmp_path):
         assert answer.status == 202
         status_url = base + json.loads(answer.read())["status_url"]
         deadline = time.monotonic() + 120
-        while (status := json.loads(urllib.request.urlopen(status_url, timeout=10).read()))["status"] in ("queued", "running"):
+        while (status := get_json(status_url))["status"] in ("queued", "running"):
             assert time.monotonic() < deadline, status
             time.sleep(0.3)
         assert status["status"] == "done", status
-        run = json.loads(urllib.request.urlopen(f"{base}/api/v1/runs/{status['run_id']}", timeout=10).read())
+        run = get_json(f"{base}/api/v1/runs/{status['run_id']}")
         assert run["name"] == "served" and run["summary"]["kernel_count"] > 0
         assert (tmp_path / "profiler_svc.sqlite3").exists()  # the documented default location
     finally:

@@ -5,7 +5,7 @@ import pytest
 
 from tests.plugins.database import stored_files, trace_variant
 from tests.plugins.traces import SMALL_TRACE, DDP
-from tests.web.uploads import analyse_queued, post_trace, stored as _stored
+from tests.web.uploads import analyse_queued, post_trace, sign_in, stored as _stored
 from profiler_svc.errors import UserError
 from profiler_svc.web import create_app
 
@@ -22,7 +22,10 @@ def make_app(engine, blobs, **config):
 
 @pytest.fixture
 def client(engine, blobs):
-    return make_app(engine, blobs).test_client()
+    """Signed in: the pages and the API's reads need it (test_access.py checks the refusals)."""
+    client = make_app(engine, blobs).test_client()
+    assert sign_in(client, TOKEN).status_code == 303
+    return client
 
 
 def upload(client, path, headers=AUTH, **fields):
@@ -125,7 +128,7 @@ def test_api_writes_need_the_token(engine, blobs, client):
         assert upload(client, SMALL_TRACE, headers=headers).status_code == 401
         assert client.post("/api/v1/runs/1/ab", json={"swap": "rms_norm"}, headers=headers).status_code == 401
     no_token = make_app(engine, blobs, API_TOKEN=None).test_client()
-    assert upload(no_token, SMALL_TRACE, headers=AUTH).status_code == 403
+    assert upload(no_token, SMALL_TRACE, headers=AUTH).status_code == 401
     assert client.get("/api/v1/runs").get_json()["runs"] == []
     assert stored_files(blobs) == []
 

@@ -30,3 +30,11 @@ def stored(client, path, headers, **fields) -> dict:
     status = client.get(answer.get_json()["status_url"], headers=headers).get_json()
     assert status["status"] == "done", status
     return {"run_id": status["run_id"], "trace_id": status["trace_id"], "duplicate": False, "note": status["note"]}
+
+
+def sign_in(client, token: str):
+    """Sign the test client in through the sign-in form, as a person would; returns the answer."""
+    import re
+    page = client.get("/signin").get_data(as_text=True)
+    csrf = re.search(r'name="csrf_token" value="([^"]+)"', page).group(1)
+    return client.post("/signin", data={"token": token, "csrf_token": csrf, "next": "/"})
