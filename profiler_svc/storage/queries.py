@@ -2,7 +2,7 @@
 from sqlalchemy import func, or_, select
 
 from ..errors import UserError
-from .models import ABJob, FindingRecord, KernelSummary, Run, TraceRecord
+from .models import ABJob, AnalysisJob, FindingRecord, KernelSummary, Run, TraceRecord
 
 TOP_KERNELS = 30
 
@@ -79,7 +79,7 @@ def finding_dict(f: FindingRecord) -> dict:
             "title": f.title, "detail": f.detail, "evidence": f.evidence,
             "saving_us_per_step": f.saving_us_per_step,
             "gpu_time_saved_us_per_step": f.gpu_time_saved_us_per_step, "rank": f.rank,
-            "recommendation": {"summary": f.summary, "swap": f.swap, "snippet": f.snippet}}
+            "recommendation": {"summary": f.summary, "swap": f.swap, "fix": f.fix, "snippet": f.snippet}}
 
 
 def findings(session, run_id: int) -> list[dict]:
@@ -98,6 +98,19 @@ def job_dict(job: ABJob, with_result: bool = True) -> dict:
     if with_result:
         out["result"] = job.result.result if job.result else None
     return out
+
+
+def upload_dict(job: AnalysisJob) -> dict:
+    """An upload's analysis job: where it stands, and the run and trace it became."""
+    return {"id": job.id, "status": job.status, "filename": job.filename, "size_bytes": job.size_bytes,
+            "blob_path": job.blob_path, "run_id": job.run_id, "trace_id": job.trace_id, "note": job.note,
+            "error": job.error, "attempts": job.attempts, "created_at": job.created_at.isoformat(),
+            "started_at": job.started_at.isoformat() if job.started_at else None,
+            "finished_at": job.finished_at.isoformat() if job.finished_at else None}
+
+
+def upload_page(session, upload_id: int) -> dict:
+    return upload_dict(get(session, AnalysisJob, upload_id))
 
 
 def run_page(session, run_id: int, rank: int | None = None) -> dict:

@@ -17,6 +17,17 @@ CHROMIUM = os.environ.get("PROFILER_SVC_CHROMIUM") or shutil.which("chromium") o
 playwright = pytest.importorskip("playwright.sync_api")
 pytestmark = pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="chromium is not installed")
 HOSTILE = "<img src=x onerror=alert(1)><script>alert(2)</script>"
+TOKEN = "browser-token"
+
+
+def sign_in(page, base):
+    """The dashboard asks for a token first; the sign-in form leads back to the page asked for."""
+    page.goto(base + "/")
+    page.wait_for_selector("input[name=token]")
+    assert "/signin" in page.url
+    page.fill("input[name=token]", TOKEN)
+    page.click("button[type=submit]")
+    page.wait_for_url(base + "/")
 
 
 @pytest.fixture
@@ -29,7 +40,8 @@ def server(tmp_path):
                         workload="profiler_svc.service.demo:tiny_llama")
     [hostile] = ingest_path(engine, trace_variant(tmp_path, "hostile", kernel_name=HOSTILE), blobs=blobs,
                             name=HOSTILE)
-    app = create_app({"DATABASE_URL": url, "BLOB_DIR": str(blobs.root), "SECRET_KEY": "browser-test"})
+    app = create_app({"DATABASE_URL": url, "BLOB_DIR": str(blobs.root), "SECRET_KEY": "browser-test",
+                      "API_TOKEN": TOKEN})
     from werkzeug.serving import make_server
     httpd = make_server("127.0.0.1", 0, app, threaded=True)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
@@ -55,7 +67,7 @@ def page():
 
 def test_run_charts_finding_and_ab_request(server, page):
     base, run_id, _ = server
-    page.goto(base + "/")
+    sign_in(page, base)
     page.click("text=llama train")
     page.wait_for_url(f"**/runs/{run_id}")
     # Plotly drew both charts: bars for the top kernels, one line per stream plus the idle row.
@@ -91,7 +103,7 @@ def test_run_charts_finding_and_ab_request(server, page):
 
 def test_hostile_names_do_not_run_in_the_browser(server, page):
     base, _, hostile_run = server
-    page.goto(base + "/")
+    sign_in(page, base)
     page.goto(f"{base}/runs/{hostile_run}")
     page.wait_for_selector("#top-kernels-chart .main-svg")
     # Hover the hostile kernel's bar (the only one with a count of 1 and the first kernel's time):
