@@ -62,6 +62,17 @@ def test_host_bound_step_ignores_faster_kernels(tmp_path):
     assert timeline.replay(removed).total_us == pytest.approx(250.0, abs=1.0)
 
 
+def test_host_work_a_swap_saves_spans_several_launches(tmp_path):
+    # a swap measured 120 µs cheaper on the host than the module it replaces, called at the first launch:
+    # the host reaches every later launch 120 µs sooner, though no single gap is that long (48 µs)
+    trace = host_bound(tmp_path)
+    timeline = trace.timeline
+    cheaper = Change(host_added=[(0.0, -120.0)])
+    assert timeline.replay(cheaper).total_us == pytest.approx(500.0 - 120.0, abs=1.0)
+    dearer = Change(host_added=[(0.0, 120.0)])
+    assert timeline.replay(dearer).total_us == pytest.approx(500.0 + 120.0, abs=1.0)
+
+
 def test_cuda_graphs_remove_launch_overhead(tmp_path):
     trace = host_bound(tmp_path)
     after = trace.timeline.replay(Change(graphs=True)).total_us
