@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import statistics
-import tempfile
 import time
 import traceback
 
@@ -94,12 +93,15 @@ def run_case(family, size, mode, args):
     for _ in range(3):
         step()
     case = {"family": family, "size": size, "tokens": f"{batch}x{seq}", "mode": mode}
-    with tempfile.TemporaryDirectory() as tmp:
-        with profiler_svc.capture(model, out=os.path.join(tmp, "t.json.gz"), active=2, upload=False) as cap:
-            for _ in range(8):
-                step()
-                cap.step()
-        report = recommend(cap.trace_path)
+    # the trace is kept beside the results: the analyser's prediction can be recomputed from it without a GPU
+    traces = os.path.join(args.out, "traces")
+    os.makedirs(traces, exist_ok=True)
+    with profiler_svc.capture(model, out=os.path.join(traces, f"{family}_{batch}x{seq}_{mode}.json.gz"),
+                              active=2, upload=False) as cap:
+        for _ in range(8):
+            step()
+            cap.step()
+    report = recommend(cap.trace_path)
     swaps = report.swaps() or (["rms_norm"] if args.smoke else [])  # a CPU trace has no kernels to name swaps
     fixes = [f.recommendation.fix for f in report.findings if getattr(f.recommendation, "fix", None)]
     predicted = report.predict(swaps=swaps)
