@@ -118,13 +118,15 @@ def markdown(results: list, argv: list, started: str, load_before: float) -> str
         walls = [r["hta"]["wall"] / r["ours"]["wall"] for r in runs]
         cpus = [r["hta"]["cpu"] / r["ours"]["cpu"] for r in runs]
         mems = [r["ours"]["rss"] / r["hta"]["rss"] for r in runs]
-        met = min(walls) >= SPEED_BAR and max(mems) <= MEMORY_BAR
+        memory_met = max(mems) <= MEMORY_BAR
+        met = {"wall": min(walls) >= SPEED_BAR and memory_met, "CPU": min(cpus) >= SPEED_BAR and memory_met}
         verdicts.append(f"- {res['trace'].name}: speed-up {min(walls):.1f}-{max(walls):.1f}x wall, "
                         f"{min(cpus):.1f}-{max(cpus):.1f}x CPU; memory {min(mems):.2f}-{max(mems):.2f} of HTA's "
                         f"(median ours {_median(runs, 'ours', 'wall'):.1f} s / {_median(runs, 'ours', 'rss'):.0f} MiB, "
-                        f"HTA {_median(runs, 'hta', 'wall'):.1f} s / {_median(runs, 'hta', 'rss'):.0f} MiB): "
-                        ("bar met in every run" if met else "bar NOT met (in at least one run)"))
-    return "\n".join(lines + ["", "Per trace (every run, wall time for the bar):", ""] + verdicts) + "\n"
+                        f"HTA {_median(runs, 'hta', 'wall'):.1f} s / {_median(runs, 'hta', 'rss'):.0f} MiB). Bar "
+                        + "; ".join(f"by {k} time {'met in every run' if v else 'not met'}"
+                                    for k, v in met.items()))
+    return "\n".join(lines + ["", "Per trace (the range over its runs):", ""] + verdicts) + "\n"
 
 
 def main():
