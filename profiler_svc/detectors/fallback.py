@@ -9,6 +9,8 @@
 import math
 from collections import defaultdict
 
+import numpy as np
+
 
 from ..trace.model import Trace
 from ..trace.replay import Change
@@ -295,6 +297,14 @@ def _sdpa_reasons(trace, inp):
     return reasons
 
 
+def _by_cpu_row(per_op, rows: int) -> np.ndarray:
+    """A per-op Series (index: CPU row, -1 for none) as an array over every CPU row, 0 where absent."""
+    out = np.zeros(rows)
+    ops = per_op.index.to_numpy()
+    out[ops[ops >= 0]] = per_op.to_numpy()[ops >= 0]
+    return out
+
+
 def _eager_attention(trace, kernels):
     """softmax over a [.., Sq, Sk] score matrix between two matmuls, outside SDPA."""
     cpu = trace.cpu
@@ -304,9 +314,12 @@ def _eager_attention(trace, kernels):
         return []
     # top-level ops per thread in time order, with their kernel time
     tops = cpu[(cpu["top"] == cpu.index)].sort_values("ts")
-    kernel_time = kernels.groupby("top_op")["dur"].sum()
-    gemm_time = kernels[name_mask(kernels, is_gemm)].groupby("top_op")["dur"].sum()
-    kernels_of = kernels.groupby("top_op").groups  # top op row -> kernel index
+    kernel_time = _by_cpu_row(kernels.groupby("top_op")["dur"].sum(), len(cpu))
+    gemm_time = _by_cpu_row(kernels[name_mask(kernels, is_gemm)].groupby("top_op")["dur"].sum(), len(cpu))
+    # the kernels each top op launched: a slice of them sorted by top op (in their own order within it)
+    by_top = np.argsort(kernels["top_op"].to_numpy(), kind="stable")
+    tops_sorted = kernels["top_op"].to_numpy()[by_top]
+    kernel_rows = kernels.index.to_numpy()[by_top]
     positions = {row: i for i, row in enumerate(tops.index)}
     names = tops["name"].tolist()
     index = tops.index.to_numpy()
@@ -323,10 +336,11 @@ def _eager_attention(trace, kernels):
         if before is None or after is None:
             continue
         rows = index[before:after + 1]
-        time = float(kernel_time.reindex(rows).fillna(0).sum())
-        gemms = float(gemm_time.reindex(rows).fillna(0).sum())
+        time = float(kernel_time[rows].sum())
+        gemms = float(gemm_time[rows].sum())
         module = cpu["module"].iat[row]
-        launched = [k for op in rows for k in kernels_of.get(op, [])]
+        first, last = np.searchsorted(tops_sorted, rows, "left"), np.searchsorted(tops_sorted, rows, "right")
+        launched = [k for lo, hi in zip(first, last) for k in kernel_rows[lo:hi].tolist()]
         groups[(module_class(module) or "", str(t[0][0]), t[0][1])].append((row, time, module, t[0], gemms, launched))
     findings = []
     for (cls, shape, dtype), calls in groups.items():

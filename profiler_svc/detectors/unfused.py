@@ -8,6 +8,7 @@ minimum at the device's copy bandwidth.
 import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Optional
 
 from ..trace.model import Trace, element_bytes
@@ -68,6 +69,7 @@ PATTERNS = {
 _BACKWARD = re.compile(r"^autograd::engine::evaluate_function: (\w+?)Backward\d*$")
 
 
+@lru_cache(maxsize=1 << 14)  # asked per kernel row, of a few hundred op names
 def op_kind(name: str) -> str:
     """'autograd::engine::evaluate_function: PowBackward0' -> 'aten::pow': backward chains classify like forward."""
     m = _BACKWARD.match(name or "")
@@ -133,28 +135,46 @@ def detect(trace: Trace) -> list[Finding]:
     # SDPA's math path is priced whole by the fallback detector; its inner elementwise kernels are not a chain here
     kernels = kernels[kernels["top_op_name"] != "aten::scaled_dot_product_attention"]
     inputs = {}
+    # ops with the same recorded inputs share one OpInputs (trace.op_inputs): each is worked out once; the
+    # entries hold the OpInputs so that its id is not reused while these caches live
+    by_record = {}
 
     list_dtype = _parameter_dtype(trace)
 
     def info(row):
-        if row.op not in inputs:
-            inputs[row.op] = _chain_info(row.op_name or "", trace.op_inputs(row.op), list_dtype)
-        return inputs[row.op]
+        got = inputs.get(row.op)
+        if got is None:
+            inp = trace.op_inputs(row.op)
+            name = row.op_name or ""
+            known = by_record.get((name, id(inp)))
+            if known is None:
+                known = by_record[(name, id(inp))] = (inp, _chain_info(name, inp, list_dtype))
+            got = inputs[row.op] = known[1]
+        return got
 
     def end_bytes(row):
         """The largest input of the user-facing op (aten::to, not the copy_ into its fp32 result)."""
         op = row.top_op if row.top_op >= 0 else row.op
-        if ("top", op) not in inputs:
-            tensors = trace.op_inputs(op).tensors()
-            inputs[("top", op)] = max((tensor_bytes(t[0], t[1]) for t in tensors), default=0)
-        return inputs[("top", op)]
+        got = inputs.get(("top", op))
+        if got is None:
+            inp = trace.op_inputs(op)
+            known = by_record.get(("top", id(inp)))
+            if known is None:
+                largest = max((tensor_bytes(t[0], t[1]) for t in inp.tensors()), default=0)
+                known = by_record[("top", id(inp))] = (inp, largest)
+            got = inputs[("top", op)] = known[1]
+        return got
 
     # without recorded shapes every row is unknown: then only the module and direction delimit a chain
     wildcard = not any(d is not None for d in trace.raw_inputs.dims) if trace.raw_inputs else True
+    rows = list(kernels.itertuples())
+    streams = defaultdict(list)  # in order of each stream's first kernel, as groupby(sort=False)
+    for row in rows:
+        streams[row.stream].append(row)
     chains = []
-    for _, stream in kernels.groupby("stream", sort=False):
+    for stream in streams.values():
         chains += _stream_chains(stream, info, end_bytes, wildcard)
-    chains += _gated_pairs(kernels, info)
+    chains += _gated_pairs(rows, info)
     return _findings(trace, chains)
 
 
@@ -205,7 +225,7 @@ def _tensor_lists(inputs):
 
 def _stream_chains(stream, info, end_bytes, wildcard):
     chains, current, current_key = [], None, object()
-    for row in stream.itertuples():
+    for row in stream:
         # already-fused ops (fused optimizers) and compute kernels end a chain
         if row.kind != "memory" or row.op < 0 or (row.op_name or "").startswith("aten::_fused_"):
             _close(chains, current)
@@ -241,10 +261,9 @@ def _close(chains, chain):
         chains.append(chain)
 
 
-def _gated_pairs(kernels, info):
+def _gated_pairs(rows, info):
     """act(gate) ... GEMM(up) ... act·up: the activation and the product sit on either side of a GEMM."""
     pairs = []
-    rows = list(kernels.itertuples())
     acts = {"aten::silu": "swiglu", "aten::gelu": "geglu"}
     for i, row in enumerate(rows):
         kind = acts.get(row.top_op_name)

@@ -185,7 +185,7 @@ class Timeline:
         self.gpu_start = gpu["ts"].to_numpy(float)
         self.gpu_dur = gpu["dur"].to_numpy(float)
         self.gpu_launch = gpu["launch"].to_numpy()
-        streams = gpu["stream"].to_numpy()
+        streams = self.gpu_stream = gpu["stream"].to_numpy()
         self.stream_bounds = np.flatnonzero(np.r_[True, streams[1:] != streams[:-1], True]) if len(gpu) else np.array([0])
         # Measured busy-until of each stream before the chosen steps: work already queued.
         self.stream_free = {}
@@ -307,8 +307,8 @@ class Timeline:
                 _take_host_time(gaps, own, self.is_sync, int(i), float(amount))
         tail_gap = max(0.0, self.host_end - (self.host_end_ts[-1] if n else self.start)) * host_scale
         if change.graphs:
-            steps_first = set(self.step_first_host.tolist())
-            keep_cost = np.array([GRAPH_LAUNCH_US if i in steps_first else 0.0 for i in range(n)])
+            keep_cost = np.zeros(n)
+            keep_cost[self.step_first_host[self.step_first_host < n]] = GRAPH_LAUNCH_US
             gaps = np.where(self.is_sync, gaps, np.minimum(gaps, keep_cost))
             own = np.where(self.is_sync, own, 0.0)
             offset = np.where(alive, 0.0, offset)
@@ -331,21 +331,30 @@ class Timeline:
         computed = np.zeros(len(dur), dtype=bool)
         clock = self.start
         wait_total = 0.0
+        done = -np.inf            # when all the activities launched so far are finished
         syncs = np.flatnonzero(blocking)
         segment_starts = np.r_[0, syncs + 1]
         segment_ends = np.r_[syncs + 1, n]
+        # the activities each segment launches: a slice of them in launch order (one pass per segment, not
+        # one over all activities, which made a sync-heavy window quadratic)
+        by_launch, launch_sorted = self._launch_order
+        cuts = np.searchsorted(launch_sorted, segment_starts, side="left")
         for seg, (lo, hi) in enumerate(zip(segment_starts, segment_ends)):
             if hi <= lo:
                 continue
             # host calls in this segment run back to back; the last one (if a sync) waits afterwards
-            host[lo:hi] = clock + np.cumsum(gaps[lo:hi]) + np.r_[0.0, np.cumsum(own[lo:hi - 1])]
-            in_seg = launched & (self.gpu_launch >= lo) & (self.gpu_launch < hi)
+            own_before = np.empty(hi - lo)  # the own time of the calls before each in the segment
+            own_before[0] = 0.0
+            np.cumsum(own[lo:hi - 1], out=own_before[1:])
+            host[lo:hi] = clock + np.cumsum(gaps[lo:hi]) + own_before
+            in_seg = np.sort(by_launch[cuts[seg]:np.searchsorted(launch_sorted, hi, side="left")])
             arrival[in_seg] = np.where(alive[in_seg], host[self.gpu_launch[in_seg]] + offset[in_seg], -np.inf)
-            self._run_streams(in_seg & ~computed, arrival, dur, gpu_gap, ends, free)
-            computed |= in_seg
+            self._run_streams(in_seg, arrival, dur, gpu_gap, ends, free)
+            computed[in_seg] = True
+            if len(in_seg):
+                done = max(done, ends[in_seg].max())
             last = hi - 1
             if seg < len(syncs) and last == syncs[seg]:
-                done = max((ends[launched & (self.gpu_launch < hi)]).max(initial=-np.inf), -np.inf)
                 returned = max(host[last] + own[last], done + self.sync_post[last])
                 wait_total += max(0.0, returned - (host[last] + own[last]))
                 clock = returned
@@ -355,20 +364,28 @@ class Timeline:
         # unless the collectives they serve no longer hold anything up
         rest = ~computed
         arrival[rest & ~launched] = -np.inf if change.no_collective_wait else self.gpu_start[rest & ~launched]
-        self._run_streams(rest, arrival, dur, gpu_gap, ends, free)
+        self._run_streams(np.flatnonzero(rest), arrival, dur, gpu_gap, ends, free)
         host_end = clock + tail_gap
         return self._result(host, ends, dur, alive, host_end, wait_total)
 
-    def _run_streams(self, mask, arrival, dur, gaps, ends, free) -> None:
-        """Ends of the masked activities, stream by stream: end = max(arrival, previous end) + duration."""
-        if not mask.any():
+    @cached_property
+    def _launch_order(self) -> tuple:
+        """(the launched activities' rows in launch order, their launch indices in that order)."""
+        launched = np.flatnonzero(self.gpu_launch >= 0)
+        order = launched[np.argsort(self.gpu_launch[launched], kind="stable")]
+        return order, self.gpu_launch[order]
+
+    def _run_streams(self, rows, arrival, dur, gaps, ends, free) -> None:
+        """Ends of the activities at ROWS (sorted), stream by stream: end = max(arrival, previous end) + duration."""
+        if not len(rows):
             return
-        streams = self.gpu["stream"].to_numpy()
-        for lo, hi in zip(self.stream_bounds[:-1], self.stream_bounds[1:]):
-            sel = np.flatnonzero(mask[lo:hi]) + lo
+        streams = self.gpu_stream
+        cuts = np.searchsorted(rows, self.stream_bounds)
+        for lo, hi in zip(cuts[:-1], cuts[1:]):
+            sel = rows[lo:hi]
             if not len(sel):
                 continue
-            s = streams[lo]
+            s = streams[sel[0]]
             # start = max(arrival, previous end + switch gap): with d = gap + duration and a = arrival - gap
             # this is end = prefix(d) + running max of (a - prefix before), one pass
             gap = gaps[sel]
