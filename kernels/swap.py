@@ -18,10 +18,13 @@ import torch
 from torch import nn
 
 from .parity import cast_floats, module_parity, place
+# Which swaps apply to a module, from a capture's module tree alone (classes, parameter shapes): placement.py's
+# rules, re-exported here; the analyser loads that file by path to name only swaps that apply.
+from .placement import REGISTRY_ORDER, swap_applies, swaps_for_module, swaps_for_modules  # noqa: F401
 
-# Op files that may define swap entries, in the order they are tried on a module. Whole-block swaps
-# (the gated MLPs) come before the activation swaps that would otherwise match their children.
-_OP_FILES = ("rms_norm", "layer_norm", "swiglu", "geglu", "gelu_tanh", "softmax", "cross_entropy", "rope")
+# Op files that may define swap entries (each named as its swap), in the order they are tried on a module.
+# Whole-block swaps (the gated MLPs) come before the activation swaps that would otherwise match their children.
+_OP_FILES = REGISTRY_ORDER
 
 # The plans `swap` installed on a model, oldest first: `unswap` removes them newest first.
 _PLANS_ATTR = "_profiler_svc_swap_plans"

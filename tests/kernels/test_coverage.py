@@ -9,8 +9,10 @@ import copy
 import pytest
 import torch
 
+from profiler_svc.agent.metadata import module_tree
 from profiler_svc.kernels import swap, unswap
 from profiler_svc.kernels.parity import module_parity
+from profiler_svc.kernels.swap import swaps_for_modules
 
 transformers = pytest.importorskip("transformers")
 
@@ -76,6 +78,9 @@ def test_family_every_norm_mlp_and_attention_swapped_with_parity(family):
     got = {name: sorted(row[0] for row in report.swapped if row[2] == name) for name in want}
     assert got == want, f"{family}: skipped {report.skipped}"
     assert all(want.values())  # the family has modules of every kind
+    # the trace-side placement rules, on the tree a capture records, name exactly the swaps applied
+    by_rules = {(name, swap_name) for name, swaps in swaps_for_modules(module_tree(model)).items() for swap_name in swaps}
+    assert by_rules == {(row[0], row[2]) for row in report.swapped}
     # kernels.parity on the whole model: the swapped copy's logits no further from fp64 than twice the
     # eager model's (plus a rounding unit)
     ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(1))
