@@ -7,7 +7,7 @@ from torch import nn
 
 from ._elementwise import GELU_ERF, GELU_TANH
 from .swap import SwapEntry
-from .swiglu import gated_act, gated_mlp_act, mlp_example_inputs, replace_gated_mlp
+from .swiglu import eager_experts, gated_act, gated_block_act, gated_block_inputs, replace_gated_block
 
 APPROXIMATE = {"none": GELU_ERF, "tanh": GELU_TANH}  # F.gelu's `approximate` -> the kernels' ACT
 
@@ -33,8 +33,9 @@ class GEGLU(nn.Module):
 
 SWAP = SwapEntry(
     name="geglu",
-    summary="Gated MLP with fused GELU·mul (Gemma's gelu_pytorch_tanh, erf-GELU MLPs): one pass each way, fp32 math",
-    matches=lambda m: gated_mlp_act(m) in (GELU_TANH, GELU_ERF),
-    replace=replace_gated_mlp,
-    example_inputs=mlp_example_inputs,
+    summary="Gated MLPs and experts with fused GELU·mul (Gemma's gelu_pytorch_tanh, erf-GELU MLPs): one pass each way",
+    matches=lambda m: gated_block_act(m) in (GELU_TANH, GELU_ERF),
+    replace=replace_gated_block,
+    example_inputs=gated_block_inputs,
+    check_context=eager_experts,
 )

@@ -368,9 +368,10 @@ class RopeAttention(nn.Module):
 
     def __init__(self, original: nn.Module, forward):
         super().__init__()
+        own = set(vars(self))  # nn.Module's own state (hooks, _parameters...) stays this module's
         for name, value in vars(original).items():
-            if not name.startswith("_") and name != "training":
-                setattr(self, name, value)
+            if name not in own and name != "training":
+                object.__setattr__(self, name, value)
         for name, child in original.named_children():
             self.add_module(name, child)
         for name, param in original.named_parameters(recurse=False):

@@ -10,7 +10,7 @@ that plan kept on the model; ab_test toggles a plan of its own.
 from __future__ import annotations
 
 import importlib
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -18,10 +18,13 @@ import torch
 from torch import nn
 
 from .parity import cast_floats, module_parity, place
+# Which swaps apply to a module, from a capture's module tree alone (classes, parameter shapes): placement.py's
+# rules, re-exported here; the analyser loads that file by path to name only swaps that apply.
+from .placement import REGISTRY_ORDER, swap_applies, swaps_for_module, swaps_for_modules  # noqa: F401
 
-# Op files that may define swap entries, in the order they are tried on a module. Whole-block swaps
-# (the gated MLPs) come before the activation swaps that would otherwise match their children.
-_OP_FILES = ("rms_norm", "layer_norm", "swiglu", "geglu", "gelu_tanh", "softmax", "cross_entropy", "rope")
+# Op files that may define swap entries (each named as its swap), in the order they are tried on a module.
+# Whole-block swaps (the gated MLPs) come before the activation swaps that would otherwise match their children.
+_OP_FILES = REGISTRY_ORDER
 
 # The plans `swap` installed on a model, oldest first: `unswap` removes them newest first.
 _PLANS_ATTR = "_profiler_svc_swap_plans"
@@ -41,6 +44,9 @@ class SwapEntry:
     # The replacement holds the original's children under the same names (rope's attention keeps
     # Qwen3's q_norm/k_norm): they stay visible to the other swaps, which act on them in place.
     shares_children: bool = False
+    # A context the parity check runs original and replacement in, for modules whose usual path has no
+    # float64 kernel for the reference run (MoE experts on grouped_mm: the eager loop has one).
+    check_context: Callable[[nn.Module], object] | None = None
 
 
 @dataclass
@@ -150,7 +156,8 @@ def plan_swaps(model: nn.Module, names: Iterable | str | SwapEntry | None = None
                 abs_err = rel_err = float("nan")
                 if check:
                     inputs = _on_model_place(module, model, entry.example_inputs(module))
-                    abs_err, rel_err, reason = module_parity(module, replacement, inputs)
+                    with entry.check_context(module) if entry.check_context else nullcontext():
+                        abs_err, rel_err, reason = module_parity(module, replacement, inputs)
                     if reason:
                         plan.report.skipped.append((qualified_name, entry.name, reason))
                         continue

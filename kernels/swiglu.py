@@ -5,6 +5,8 @@ gate, up and the output gradient and writes both input gradients, recomputing th
 instead of saving it. Math in fp32, rounded once. The kernels are generic over the gate's
 activation (SiLU, tanh-GELU, erf-GELU), so geglu.py reuses them.
 """
+from contextlib import contextmanager
+
 import torch
 import triton
 import triton.language as tl
@@ -19,34 +21,48 @@ from .swap import SwapEntry, behaves_like
 
 
 @triton.jit
-def _gated_fwd_kernel(GATE, UP, OUT, n, ACT: tl.constexpr, SHORT: tl.constexpr, BLOCK: tl.constexpr):
+def _pair_offsets(idx, width, SPLIT: tl.constexpr):
+    """Where element idx of the output finds its gate (and its up, at the UP pointer): the same index, or
+    with SPLIT, in the halves of each row of a [rows, 2·width] gate_up tensor (Phi-3, MoE experts)."""
+    if SPLIT:
+        return idx + (idx // width) * width
+    else:
+        return idx
+
+
+@triton.jit
+def _gated_fwd_kernel(GATE, UP, OUT, width, n, ACT: tl.constexpr, SHORT: tl.constexpr, SPLIT: tl.constexpr,
+                      BLOCK: tl.constexpr):
     start = tl.program_id(0).to(tl.int64) * BLOCK  # 64-bit: tensors may exceed 2**31 elements
     offs = tl.arange(0, BLOCK)
     mask = offs < n - start
-    gate = upcast(tl.load(GATE + start + offs, mask=mask))
-    up = upcast(tl.load(UP + start + offs, mask=mask))
+    src = _pair_offsets(start + offs, width, SPLIT)
+    gate = upcast(tl.load(GATE + src, mask=mask))
+    up = upcast(tl.load(UP + src, mask=mask))
     act = act_value(gate, ACT, SHORT)
     tl.store(OUT + start + offs, round_to(act * up, OUT.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _gated_bwd_kernel(DOUT, GATE, UP, DGATE, DUP, n, ACT: tl.constexpr, BLOCK: tl.constexpr):
+def _gated_bwd_kernel(DOUT, GATE, UP, DGATE, DUP, width, n, ACT: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
     start = tl.program_id(0).to(tl.int64) * BLOCK
     offs = tl.arange(0, BLOCK)
     mask = offs < n - start
+    src = _pair_offsets(start + offs, width, SPLIT)
     dout = upcast(tl.load(DOUT + start + offs, mask=mask))
-    gate = upcast(tl.load(GATE + start + offs, mask=mask))
-    up = upcast(tl.load(UP + start + offs, mask=mask))
+    gate = upcast(tl.load(GATE + src, mask=mask))
+    up = upcast(tl.load(UP + src, mask=mask))
     act, dact = act_and_derivative(gate, ACT)
-    tl.store(DGATE + start + offs, round_to(dout * up * dact, DGATE.dtype.element_ty), mask=mask)
-    tl.store(DUP + start + offs, round_to(dout * act, DUP.dtype.element_ty), mask=mask)
+    tl.store(DGATE + src, round_to(dout * up * dact, DGATE.dtype.element_ty), mask=mask)
+    tl.store(DUP + src, round_to(dout * act, DUP.dtype.element_ty), mask=mask)
 
 
 @kernel_op("profiler_svc::gated_act_fwd", mutates_args={})
 def gated_act_fwd(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tensor:
     """gate, up contiguous, same shape. Returns act(gate) * up."""
     out = torch.empty_like(gate)
-    launch_elementwise(_gated_fwd_kernel, gate, up, out, n=gate.numel(), ACT=act, SHORT=gate.element_size() == 2)
+    launch_elementwise(_gated_fwd_kernel, gate, up, out, 1, n=gate.numel(), ACT=act, SHORT=gate.element_size() == 2,
+                       SPLIT=False)
     return out
 
 
@@ -54,8 +70,28 @@ def gated_act_fwd(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tenso
 def gated_act_bwd(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: int) -> tuple[torch.Tensor, torch.Tensor]:
     """All contiguous, same shape. Returns (d gate, d up)."""
     dgate, dup = torch.empty_like(gate), torch.empty_like(up)
-    launch_elementwise(_gated_bwd_kernel, dout, gate, up, dgate, dup, n=gate.numel(), ACT=act)
+    launch_elementwise(_gated_bwd_kernel, dout, gate, up, dgate, dup, 1, n=gate.numel(), ACT=act, SPLIT=False)
     return dgate, dup
+
+
+@kernel_op("profiler_svc::gated_split_fwd", mutates_args={})
+def gated_split_fwd(gate_up: torch.Tensor, act: int) -> torch.Tensor:
+    """gate_up contiguous [..., 2·w]: gate the first half of each row, up the second. Returns act(gate) * up [..., w]."""
+    width = gate_up.shape[-1] // 2
+    out = gate_up.new_empty(gate_up.shape[:-1] + (width,))
+    launch_elementwise(_gated_fwd_kernel, gate_up, gate_up[..., width:], out, width, n=out.numel(), ACT=act,
+                       SHORT=gate_up.element_size() == 2, SPLIT=True)
+    return out
+
+
+@kernel_op("profiler_svc::gated_split_bwd", mutates_args={})
+def gated_split_bwd(dout: torch.Tensor, gate_up: torch.Tensor, act: int) -> torch.Tensor:
+    """dout [..., w], gate_up [..., 2·w], contiguous. Returns d gate_up."""
+    width = dout.shape[-1]
+    dgate_up = torch.empty_like(gate_up)
+    launch_elementwise(_gated_bwd_kernel, dout, gate_up, gate_up[..., width:], dgate_up, dgate_up[..., width:], width,
+                       n=dout.numel(), ACT=act, SPLIT=True)
+    return dgate_up
 
 
 class GatedActFunction(torch.autograd.Function):
@@ -74,12 +110,45 @@ class GatedActFunction(torch.autograd.Function):
             # two activation-sized buffers fewer at the backward's peak. Each element is read before it
             # is written by the same program. The bumped versions make a second backward through this
             # graph fail loudly instead of reading gradients as activations.
-            launch_elementwise(_gated_bwd_kernel, dout.contiguous(), gate, up, gate, up, n=gate.numel(), ACT=ctx.act)
+            launch_elementwise(_gated_bwd_kernel, dout.contiguous(), gate, up, gate, up, 1, n=gate.numel(), ACT=ctx.act,
+                               SPLIT=False)
             torch.autograd.graph.increment_version(gate)
             torch.autograd.graph.increment_version(up)
             return gate, up, None, None
         dgate, dup = gated_act_bwd(dout.contiguous(), gate, up, ctx.act)
         return dgate, dup, None, None
+
+
+class GatedSplitFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate_up, act, reuse_input):
+        gate_up = gate_up.contiguous()
+        ctx.save_for_backward(gate_up)
+        ctx.act, ctx.reuse_input = act, reuse_input
+        return gated_split_fwd(gate_up, act)
+
+    @staticmethod
+    def backward(ctx, dout):
+        (gate_up,) = ctx.saved_tensors
+        dout = dout.contiguous()
+        if ctx.reuse_input and not torch.compiler.is_compiling():  # as GatedActFunction: over the projection's output
+            width = dout.shape[-1]
+            launch_elementwise(_gated_bwd_kernel, dout, gate_up, gate_up[..., width:], gate_up, gate_up[..., width:],
+                               width, n=dout.numel(), ACT=ctx.act, SPLIT=True)
+            torch.autograd.graph.increment_version(gate_up)
+            return gate_up, None, None
+        return gated_split_bwd(dout, gate_up, ctx.act), None, None
+
+
+def gated_act_split(gate_up: torch.Tensor, act: int, reuse_input: bool = False) -> torch.Tensor:
+    """act(gate) · up with gate, up = gate_up.chunk(2, -1) (Phi-3's gate_up_proj, MoE experts), without
+    splitting: the kernels read both halves of each row in place."""
+    check_float(gate_up)
+    if gate_up.shape[-1] % 2:
+        raise ValueError(f"gate_up's last dim must be even, got {gate_up.shape[-1]}")
+    if not needs_grad(gate_up):
+        return gated_split_fwd(gate_up.contiguous(), act)
+    return GatedSplitFunction.apply(gate_up, act, reuse_input)
 
 
 def gated_act(gate: torch.Tensor, up: torch.Tensor, act: int, reuse_inputs: bool = False) -> torch.Tensor:
@@ -132,6 +201,70 @@ class GatedMLP(nn.Module):
         return f"act={ACT_NAMES[self.act]}, recompute={self.recompute}"
 
 
+class GateUpMLP(nn.Module):
+    """down_proj(act(gate) · up), gate and up the halves of one gate_up_proj (Phi-3), with the fused gated
+    activation reading them in place. Shares (does not copy) the two projections."""
+
+    def __init__(self, gate_up_proj: nn.Module, down_proj: nn.Module, act: int):
+        super().__init__()
+        self.gate_up_proj, self.down_proj, self.act = gate_up_proj, down_proj, act
+
+    def forward(self, x):
+        # the projection's output is ours alone: the backward writes its gradient over it
+        return self.down_proj(gated_act_split(self.gate_up_proj(x), self.act, reuse_input=True))
+
+    def extra_repr(self):
+        return f"act={ACT_NAMES[self.act]}"
+
+
+class GatedExperts(nn.Module):
+    """An MoE experts block (Mixtral, Qwen3-MoE: gate_up_proj [E, 2I, H] and down_proj [E, H, I] parameters)
+    with the fused gated activation: transformers' experts functions (grouped_mm, batched_mm...) call
+    `_apply_gate`, which is ours; the eager implementation is the same loop as transformers' with it.
+    Shares the original's parameters and attributes."""
+
+    def __init__(self, original: nn.Module, act: int, interface):
+        super().__init__()
+        own = set(vars(self))  # nn.Module's own state (hooks, _parameters...) stays this module's
+        for name, value in vars(original).items():
+            if name not in own and name != "training":
+                object.__setattr__(self, name, value)
+        for name, param in original.named_parameters(recurse=False):
+            self.register_parameter(name, param)
+        for name, child in original.named_children():
+            self.add_module(name, child)
+        self.train(original.training)
+        self.act, self._interface, self._original_class = act, interface, type(original).__name__
+
+    def _apply_gate(self, gate_up_out):
+        return gated_act_split(gate_up_out, self.act)
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        implementation = getattr(getattr(self, "config", None), "_experts_implementation", None)
+        if self._interface is not None and implementation not in (None, "eager"):
+            return self._interface.get_interface(implementation, None)(self, hidden_states, top_k_index, top_k_weights)
+        return experts_loop(self, hidden_states, top_k_index, top_k_weights, self._apply_gate)
+
+    def extra_repr(self):
+        return f"{self._original_class}, act={ACT_NAMES[self.act]}"
+
+
+def experts_loop(experts, hidden_states, top_k_index, top_k_weights, apply_gate):
+    """transformers' eager experts forward: each routed token through its experts, weighted and summed."""
+    out = torch.zeros_like(hidden_states)
+    with torch.no_grad():
+        expert_mask = nn.functional.one_hot(top_k_index, num_classes=experts.num_experts + 1).permute(2, 1, 0)
+        hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+    for expert in hit[:, 0].tolist():
+        if expert == experts.num_experts:
+            continue
+        top_k_pos, token_idx = torch.where(expert_mask[expert])
+        hidden = apply_gate(nn.functional.linear(hidden_states[token_idx], experts.gate_up_proj[expert]))
+        hidden = nn.functional.linear(hidden, experts.down_proj[expert]) * top_k_weights[token_idx, top_k_pos, None]
+        out.index_add_(0, token_idx, hidden.to(out.dtype))
+    return out
+
+
 def _recompute_when_saved(hidden, gate, up, act):
     """saved_tensors_hooks under which `hidden` = act(gate) · up, or any view of it that an op saves
     (linear saves a 2-D view), is stored as a recipe and recomputed when the backward unpacks it.
@@ -161,47 +294,156 @@ def _recompute_when_saved(hidden, gate, up, act):
 # ---- swap: gated MLP instances, matched by structure and by behaviour ---------------------------
 
 
-def gated_mlp_act(module: nn.Module):
-    """The gate activation if `module` computes down_proj(act_fn(gate_proj(x)) * up_proj(x)), else None.
+def _activation_of(module: nn.Module):
+    for name in ("act_fn", "activation_fn"):
+        layer = getattr(module, name, None)
+        if isinstance(layer, nn.Module):
+            return layer
+    return None
 
-    Structure first (gate_proj / up_proj / down_proj projections and a known act_fn), then behaviour:
-    the module run on a small input must agree with that formula built from its own layers, which
-    rules out look-alikes that scale, gate or drop out differently.
+
+def _behaves(module, expected, inputs) -> bool:
+    was_training = module.training
+    module.eval()  # the probe must not depend on dropout
+    try:
+        return behaves_like(module, expected, inputs)
+    finally:
+        module.train(was_training)
+
+
+def gated_mlp_act(module: nn.Module):
+    """The gate activation if `module` computes down_proj(act(gate_proj(x)) * up_proj(x)), or the same with
+    gate, up = gate_up_proj(x).chunk(2, -1) (Phi-3), else None.
+
+    Structure first (the projections and a known activation), then behaviour: the module run on a small
+    input must agree with that formula built from its own layers, which rules out look-alikes that scale,
+    gate or drop out differently.
     """
-    layers = [getattr(module, name, None) for name in ("gate_proj", "up_proj", "down_proj", "act_fn")]
-    if not all(isinstance(layer, nn.Module) for layer in layers):
+    act_fn = _activation_of(module)
+    down_proj = getattr(module, "down_proj", None)
+    fused = isinstance(getattr(module, "gate_up_proj", None), nn.Module)
+    projections = (module.gate_up_proj,) if fused else (getattr(module, "gate_proj", None), getattr(module, "up_proj", None))
+    if act_fn is None or not isinstance(down_proj, nn.Module) or not all(isinstance(p, nn.Module) for p in projections):
         return None
-    gate_proj, up_proj, down_proj, act_fn = layers
     act = activation_kind(act_fn)
-    in_features = getattr(gate_proj, "in_features", None)
+    in_features = getattr(projections[0], "in_features", None)
     if act is None or not isinstance(in_features, int):
         return None
     device, dtype = place(module)
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(2, 3, in_features, generator=gen, device=device).to(dtype)
-    expected = lambda _: down_proj(act_fn(gate_proj(x)) * up_proj(x))  # noqa: E731  (in the module's dtype)
-    was_training = module.training
-    module.eval()  # the probe must not depend on dropout
-    try:
-        return act if behaves_like(module, expected, (x,)) else None
-    finally:
-        module.train(was_training)
+    if fused:
+        def expected(_):
+            gate, up = module.gate_up_proj(x).chunk(2, dim=-1)
+            return down_proj(act_fn(gate) * up)
+    else:
+        expected = lambda _: down_proj(act_fn(projections[0](x)) * projections[1](x))  # noqa: E731  (module dtype)
+    return act if _behaves(module, expected, (x,)) else None
 
 
 def mlp_example_inputs(module: nn.Module) -> tuple:
     device, dtype = place(module)
     gen = torch.Generator(device=device).manual_seed(1)
-    return (torch.randn(2, 5, module.gate_proj.in_features, generator=gen, device=device).to(dtype),)
+    first = module.gate_up_proj if isinstance(getattr(module, "gate_up_proj", None), nn.Module) else module.gate_proj
+    return (torch.randn(2, 5, first.in_features, generator=gen, device=device).to(dtype),)
 
 
-def replace_gated_mlp(module: nn.Module) -> GatedMLP:
-    return GatedMLP(module.gate_proj, module.up_proj, module.down_proj, gated_mlp_act(module))
+def replace_gated_mlp(module: nn.Module) -> nn.Module:
+    act = gated_mlp_act(module)
+    if isinstance(getattr(module, "gate_up_proj", None), nn.Module):
+        return GateUpMLP(module.gate_up_proj, module.down_proj, act)
+    return GatedMLP(module.gate_proj, module.up_proj, module.down_proj, act)
+
+
+# ---- swap: MoE experts blocks (3-D gate_up_proj / down_proj parameters) ------------------------------
+
+
+def _experts_interface(module: nn.Module):
+    """transformers' experts-function registry that the class's forward dispatches through, if any."""
+    forward = type(module).forward
+    names = getattr(forward, "__code__", None) and forward.__code__.co_freevars
+    if names and "experts_interface" in names:
+        return forward.__closure__[names.index("experts_interface")].cell_contents
+    return None
+
+
+def gated_experts_act(module: nn.Module):
+    """The gate activation if `module` is an experts block whose forward(hidden, top_k_index, top_k_weights)
+    computes transformers' gated experts (checked by running it against `experts_loop`), else None."""
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    act_fn = _activation_of(module)
+    if not (isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.dim() == 3
+            and down.dim() == 3 and act_fn is not None and isinstance(getattr(module, "num_experts", None), int)):
+        return None
+    experts, twice, hidden = gate_up.shape
+    if down.shape != (experts, hidden, twice // 2) or getattr(module, "is_transposed", False) \
+            or not getattr(module, "is_concatenated", True) or getattr(module, "has_bias", False):
+        return None
+    act = activation_kind(act_fn)
+    if act is None:
+        return None
+    inputs = experts_example_inputs(module)
+
+    def expected(hidden_states, top_k_index, top_k_weights):
+        def gate(gate_up_out):
+            g, u = gate_up_out.chunk(2, dim=-1)
+            return act_fn(g) * u
+        return experts_loop(module, hidden_states.to(gate_up.dtype), top_k_index, top_k_weights.to(gate_up.dtype), gate)
+
+    return act if _behaves(module, expected, inputs) else None
+
+
+def experts_example_inputs(module: nn.Module) -> tuple:
+    device, dtype = place(module)
+    gen = torch.Generator(device=device).manual_seed(1)
+    experts, _, hidden = module.gate_up_proj.shape
+    tokens, top_k = 6, min(2, experts)
+    index = torch.stack([torch.randperm(experts, generator=gen, device=device)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=gen, device=device).softmax(-1).to(dtype)
+    return torch.randn(tokens, hidden, generator=gen, device=device).to(dtype), index, weights
+
+
+@contextmanager
+def eager_experts(module: nn.Module):
+    """transformers' eager experts loop for the duration (it runs in float64; grouped_mm does not)."""
+    config = getattr(module, "config", None)
+    implementation = getattr(config, "_experts_implementation", None)
+    if not isinstance(getattr(module, "gate_up_proj", None), nn.Parameter) or implementation in (None, "eager"):
+        yield
+        return
+    config._experts_implementation = "eager"
+    try:
+        yield
+    finally:
+        config._experts_implementation = implementation
+
+
+def replace_gated_experts(module: nn.Module) -> GatedExperts:
+    return GatedExperts(module, gated_experts_act(module), _experts_interface(module))
+
+
+def gated_block_act(module: nn.Module):
+    """The gate activation of a gated MLP (separate or fused gate/up projections) or an MoE experts block."""
+    return gated_mlp_act(module) if not isinstance(getattr(module, "gate_up_proj", None), nn.Parameter) \
+        else gated_experts_act(module)
+
+
+def replace_gated_block(module: nn.Module) -> nn.Module:
+    return replace_gated_experts(module) if isinstance(getattr(module, "gate_up_proj", None), nn.Parameter) \
+        else replace_gated_mlp(module)
+
+
+def gated_block_inputs(module: nn.Module) -> tuple:
+    return experts_example_inputs(module) if isinstance(getattr(module, "gate_up_proj", None), nn.Parameter) \
+        else mlp_example_inputs(module)
 
 
 SWAP = SwapEntry(
     name="swiglu",
-    summary="Gated MLP with fused SiLU·mul (Llama, Mistral, Qwen2 MLPs): one pass each way, fp32 math",
-    matches=lambda m: gated_mlp_act(m) == SILU,
-    replace=replace_gated_mlp,
-    example_inputs=mlp_example_inputs,
+    summary="Gated MLPs and MoE experts with fused SiLU·mul (Llama, Mistral, Qwen2, Phi-3's gate_up_proj, "
+            "Mixtral, Qwen3-MoE): one pass each way, fp32 math",
+    matches=lambda m: gated_block_act(m) == SILU,
+    replace=replace_gated_block,
+    example_inputs=gated_block_inputs,
+    check_context=eager_experts,
 )

@@ -1,6 +1,8 @@
-"""The bundled swaps' own host cost per call, as the swap registry measured it (kernels/host_costs.json).
+"""What the analyser knows of the bundled swaps without importing them: their own host cost per call, as
+the swap registry measured it (kernels/host_costs.json), and where they apply (kernels/placement.py's rules
+over a capture's module tree).
 
-Read as data, so the analyser never imports torch or Triton to price a swap.
+Read as data, or loaded by path, so the analyser never imports torch or Triton to price or place a swap.
 """
 import functools
 import importlib.util
@@ -9,14 +11,45 @@ from pathlib import Path
 from typing import Optional
 
 COSTS_FILE = "host_costs.json"
+PLACEMENT_FILE = "placement.py"
+
+
+def _kernels_dir() -> Optional[Path]:
+    spec = importlib.util.find_spec("profiler_svc.kernels")  # locates the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+@functools.lru_cache(maxsize=1)
+def _placement():
+    """kernels/placement.py (standard library only), run from its file: importing it as part of the kernels
+    package would import torch and Triton."""
+    directory = _kernels_dir()
+    path = directory / PLACEMENT_FILE if directory else None
+    if path is None or not path.is_file():
+        return None
+    spec = importlib.util.spec_from_file_location("profiler_svc_kernel_placement", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def swap_applies(tree, swap: str, module: str) -> Optional[bool]:
+    """Does the bundled `swap` apply to the module (qualified name) or an ancestor of it, by the placement
+    rules over the capture's module tree? None where that cannot be told (no tree, or no rules)."""
+    placement = _placement()
+    if placement is None or not isinstance(tree, dict) or module not in tree:
+        return None
+    return bool(placement.swap_applies(tree, swap, module))
 
 
 @functools.lru_cache(maxsize=1)
 def _costs() -> dict:
-    spec = importlib.util.find_spec("profiler_svc.kernels")  # locates the package without importing it
-    if spec is None or not spec.submodule_search_locations:
+    directory = _kernels_dir()
+    if directory is None:
         return {}
-    path = Path(list(spec.submodule_search_locations)[0]) / COSTS_FILE
+    path = directory / COSTS_FILE
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):

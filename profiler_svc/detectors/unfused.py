@@ -11,11 +11,12 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Optional
 
+from ..trace.labels import ROOT_NAME
 from ..trace.model import Trace, element_bytes
 from ..trace.replay import Change
 from .common import (Finding, Recommendation, fmt_us, fused, module_class, numel, op_bytes, per_step, per_step_note,
                      plural, short_kernel_name, tensor_bytes)
-from .swap_costs import swap_host_cost
+from .swap_costs import swap_applies, swap_host_cost
 
 # How many kernels after an activation its gated product may come: the up projection (a GEMM, with
 # autocast's casts of its weight, or an FP8 scale) runs in between.
@@ -63,6 +64,37 @@ PATTERNS = {
                          "opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)"),
     "generic": Pattern(None, "chain of memory-bound kernels", 2,
                        "model = torch.compile(model)  # inductor fuses elementwise/reduction chains"),
+}
+
+
+# Where the capture's module tree shows that a pattern's bundled swap has no module to replace (the chain is a
+# function call inside some other module's forward): what the swap replaces, and the change to make in code.
+SWAP_TARGETS = {
+    "rms_norm": "RMSNorm modules", "layer_norm": "LayerNorm modules", "gelu_tanh": "tanh-GELU activation modules",
+    "swiglu": "gated MLP and MoE experts modules", "geglu": "gated MLP and MoE experts modules",
+    "rope": "the attention modules of a model with a rotary-embedding module",
+    "softmax": "nn.Softmax modules", "cross_entropy": "nn.CrossEntropyLoss modules",
+}
+CODE_FIXES = {
+    "rms_norm": ("Call torch.nn.functional.rms_norm in the forward (one fused kernel each way).",
+                 "y = torch.nn.functional.rms_norm(x, x.shape[-1:], weight, eps)"),
+    "layer_norm": ("Call torch.nn.functional.layer_norm in the forward (one fused kernel each way).",
+                   "y = torch.nn.functional.layer_norm(x, x.shape[-1:], weight, bias, eps)"),
+    "gelu_tanh": ("Call torch.nn.functional.gelu with approximate='tanh' (one kernel) instead of the Python formula.",
+                  "y = torch.nn.functional.gelu(x, approximate=\"tanh\")"),
+    "swiglu": ("Call the bundled fused gated activation in the forward.",
+               "from profiler_svc.kernels import swiglu\nh = swiglu(gate, up)  # silu(gate) * up, one kernel each way"),
+    "geglu": ("Call the bundled fused gated activation in the forward.",
+              "from profiler_svc.kernels import geglu\nh = geglu(gate, up)  # gelu_tanh(gate) * up, one kernel each way"),
+    "rope": ("Call the bundled fused rotary embedding in the attention's forward.",
+             "from profiler_svc.kernels import rope\nq, k = rope(q, k, cos, sin)  # in place of apply_rotary_pos_emb"),
+    "softmax": ("Use SDPA attention: the eager attention's softmax is a function call that no module swap reaches.",
+                "model = AutoModelForCausalLM.from_config(config, attn_implementation=\"sdpa\")\n"
+                "# a built model: model.set_attn_implementation(\"sdpa\")"),
+    "cross_entropy": ("Compute the loss with the bundled fused linear cross-entropy: the model's loss is a function "
+                      "call, not an nn.CrossEntropyLoss module to swap.",
+                      "from profiler_svc.kernels import fused_linear_cross_entropy\n"
+                      "loss = fused_linear_cross_entropy(hidden, lm_head.weight, labels)  # never materializes logits"),
 }
 
 
@@ -304,6 +336,24 @@ def _findings(trace, chains):
     return findings
 
 
+def _module_name(label: str) -> str:
+    """'model.layers.0.mlp (LlamaMLP)' -> 'model.layers.0.mlp'; the root's '<root> (Cls)' -> '' (the tree's key)."""
+    name = label[:label.rfind(" (")] if label.endswith(")") and " (" in label else label
+    return "" if name == ROOT_NAME else name
+
+
+def _swap_fit(trace, pattern, instances) -> tuple[list, Optional[list]]:
+    """(the instances the pattern's swap applies to, those it does not), by the placement rules over the
+    capture's module tree; (instances, None) where that cannot be told (no swap, no tree, no modules)."""
+    tree = trace.capture_metadata.get("modules")
+    if not pattern.swap or not instances or not isinstance(tree, dict):
+        return instances, None
+    verdicts = {label: swap_applies(tree, pattern.swap, _module_name(label)) for label in instances}
+    if any(v is None for v in verdicts.values()):
+        return instances, None
+    return [m for m, v in verdicts.items() if v], [m for m, v in verdicts.items() if not v]
+
+
 def _finding(trace, kind, cls, group, bandwidth) -> Finding:
     pattern = PATTERNS[kind]
     time = sum(c.time for c in group)
@@ -312,10 +362,18 @@ def _finding(trace, kind, cls, group, bandwidth) -> Finding:
     fused_time = sum(fused_times)
     moved = sum(c.bytes for c in group)
     fused_bytes = sum(fused_bytes_each)
-    change, cost_note = _change(trace, pattern, group, fused_times)
     forward = [c for c in group if not c.backward]
     backward = len(group) - len(forward)
     instances = sorted({c.module for c in group if c.module})
+    fits, misfits = _swap_fit(trace, pattern, instances)
+    swap = pattern.swap if fits or misfits is None else None  # named only where it applies
+    change, cost_note = _change(trace, swap, group, fused_times)
+    if pattern.swap and not swap:
+        cost_note += (f" No bundled swap applies: the `{pattern.swap}` swap replaces {SWAP_TARGETS[pattern.swap]}, and "
+                      f"this chain is a function call inside {cls or 'the model'}'s forward (module tree of the capture).")
+    elif misfits:
+        cost_note += (f" The `{swap}` swap applies to {plural(len(fits), 'module instance')} of these, not to "
+                      f"{', '.join(misfits[:3])}{'…' if len(misfits) > 3 else ''}.")
     first = (forward or group)[0]
     names = [op_kind(r.top_op_name).replace("aten::", "") for r in first.rows]
     ops = " → ".join(names[:10]) + (" → …" if len(names) > 10 else "")
@@ -334,10 +392,12 @@ def _finding(trace, kind, cls, group, bandwidth) -> Finding:
     if kind == "optimizer":
         summary = ("Use the fused optimizer implementation (one kernel per parameter group reads params, grads and "
                    "states once).")
-    elif pattern.swap:
-        summary = (f"Swap in the bundled fused `{pattern.swap}` kernel"
-                   + (f" for {len(instances)} module instance{'s' if len(instances) != 1 else ''}" if instances
+    elif swap:
+        summary = (f"Swap in the bundled fused `{swap}` kernel"
+                   + (f" for {len(fits)} module instance{'s' if len(fits) != 1 else ''}" if fits
                       else " (capture with profiler_svc.capture to name the module instances)") + ".")
+    elif pattern.swap:
+        summary = CODE_FIXES[kind][0]
     else:
         summary = "Fuse the chain: torch.compile the module (or write the math as one kernel)."
     return Finding(
@@ -353,8 +413,9 @@ def _finding(trace, kind, cls, group, bandwidth) -> Finding:
                   "bytes_moved": int(moved), "fused_min_bytes": int(fused_bytes),
                   "fused_us_per_step": round(per_step(trace, fused_time), 2),
                   "directions": _directions(group, fused_bytes_each),
-                  **({"modules": instances[:32], "module_class": cls} if instances else {})},
-        recommendation=Recommendation(summary, pattern.swap, pattern.snippet,
+                  **({"modules": instances[:32], "module_class": cls} if instances else {}),
+                  **({"swap_applies_to": len(fits), "swap_does_not_apply_to": misfits[:32]} if misfits is not None else {})},
+        recommendation=Recommendation(summary, swap, pattern.snippet if swap or not pattern.swap else CODE_FIXES[kind][1],
                                       "fused_optimizer" if kind == "optimizer" else None),
         change=change,
         key=f"unfused_chain:{kind}:{cls or ''}",
@@ -375,24 +436,25 @@ def _directions(group, fused_bytes_each) -> dict:
     return out
 
 
-def _change(trace, pattern, group, fused_times) -> tuple[Change, str]:
+def _change(trace, swap, group, fused_times) -> tuple[Change, str]:
     """Each chain becomes one kernel. A bundled swap brings its own measured host cost per call; other
-    fixes (a fused optimizer, an Inductor kernel) cost the host about what the chain's first op did."""
+    fixes (a fused optimizer, an Inductor kernel, a code change) cost the host about what the chain's first
+    op did."""
     changes = []
     note = ""
     for chain, fused_us in zip(group, fused_times):
         rows = [r.Index for r in chain.rows]
-        if pattern.swap:
+        if swap:
             # the registry's measured host cost per call, relative to the eager module (unknown: the same)
             one = fused(trace, rows, fused_us, host=False)
-            cost = swap_host_cost(pattern.swap, chain.backward)
+            cost = swap_host_cost(swap, chain.backward)
             if cost:
                 one.host_added = [(float(chain.rows[0].ts), cost)]
         else:
             one = fused(trace, rows, fused_us, host=True)
         changes.append(one)
-    if pattern.swap and swap_host_cost(pattern.swap, False) is None:
-        note = f" The `{pattern.swap}` swap's host cost per call is not measured: taken as the eager module's."
+    if swap and swap_host_cost(swap, False) is None:
+        note = f" The `{swap}` swap's host cost per call is not measured: taken as the eager module's."
     return Change.union(changes), note
 
 

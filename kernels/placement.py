@@ -1,0 +1,115 @@
+"""Where each bundled swap can go, judged from a module tree alone (no model, no torch).
+
+The tree is the capture metadata's `modules`: {qualified name: {"class": str, "params": {name: {"dtype",
+"shape"}}}}, the root "". A live swap decides by running the module (`SwapEntry.matches`); a trace
+only has class names and parameter shapes, so these rules are that decision's structural part: a swap
+*applies* to a module when the module has the structure its swap entry matches, and a recommendation
+names the swap only then. tests/kernels/test_coverage.py checks that the rules and the live registry
+agree on every family it builds.
+
+Standard library only, and no relative imports: the analyser (profiler_svc.detectors.swap_costs) loads
+this file by its path, without importing the kernels package (which imports torch and Triton).
+"""
+import re
+
+_SILU = re.compile(r"(SiLU|Swish)", re.I)
+_GELU = re.compile(r"GELU", re.I)
+_ACTIVATION_CHILDREN = ("act_fn", "activation_fn")
+_LINEAR = re.compile(r"Linear")  # nn.Linear and its quantized / LoRA look-alikes
+# the order swap.py tries its swaps on a module (its _OP_FILES): whole blocks before their children's swaps
+REGISTRY_ORDER = ("rms_norm", "layer_norm", "swiglu", "geglu", "gelu_tanh", "softmax", "cross_entropy", "rope")
+
+# swap -> class-name pattern of the module it replaces, for the swaps matched on one leaf module
+_LEAF_CLASSES = {
+    "rms_norm": re.compile(r"(RMSNorm|T5LayerNorm)$"),
+    "layer_norm": re.compile(r"(?<!RMS)(?<!T5)LayerNorm$"),
+    "gelu_tanh": re.compile(r"^(NewGELUActivation|GELUTanh|PytorchGELUTanh|GELU)$"),
+    "softmax": re.compile(r"^Softmax$"),
+    "cross_entropy": re.compile(r"^CrossEntropyLoss$"),
+}
+
+
+def _children(tree: dict, name: str) -> dict:
+    """{child attribute name: node} of the module `name`."""
+    prefix = f"{name}." if name else ""
+    return {key[len(prefix):]: node for key, node in tree.items()
+            if key.startswith(prefix) and key != name and "." not in key[len(prefix):]}
+
+
+def _params(node: dict) -> dict:
+    params = node.get("params")
+    return params if isinstance(params, dict) else {}
+
+
+def _ndim(param) -> int:
+    shape = param.get("shape") if isinstance(param, dict) else None
+    return len(shape) if isinstance(shape, list) else -1
+
+
+def _gated_activation(tree: dict, name: str, node: dict):
+    """'silu' or 'gelu' if `name` is a gated MLP (gate/up/down projections, or one gate_up_proj, Phi-3) or an
+    MoE experts block (3-D gate_up_proj/down_proj parameters), by its activation child's class; else None."""
+    children = _children(tree, name)
+    linear = lambda key: key in children and _LINEAR.search(str(children[key].get("class", "")))  # noqa: E731
+    params = _params(node)
+    dense = all(linear(key) for key in ("gate_proj", "up_proj", "down_proj")) or (linear("gate_up_proj") and linear("down_proj"))
+    experts = _ndim(params.get("gate_up_proj")) == 3 and _ndim(params.get("down_proj")) == 3
+    if not (dense or experts):
+        return None
+    for key in _ACTIVATION_CHILDREN:
+        activation = str(children.get(key, {}).get("class", ""))
+        if _SILU.search(activation):
+            return "silu"
+        if _GELU.search(activation):
+            return "gelu"
+    return None
+
+
+def swaps_for_module(tree: dict, name: str) -> list[str]:
+    """The bundled swaps whose placement rule the module `name` of `tree` meets (usually one, or none)."""
+    node = tree.get(name)
+    if not isinstance(node, dict):
+        return []
+    cls = str(node.get("class", ""))
+    found = [swap for swap, pattern in _LEAF_CLASSES.items() if pattern.search(cls)]
+    if "rms_norm" in found or "layer_norm" in found:
+        params = _params(node)
+        if set(params) - {"weight", "bias"} or any(_ndim(p) != 1 for p in params.values()) or _children(tree, name):
+            found = [swap for swap in found if swap not in ("rms_norm", "layer_norm")]
+    activation = _gated_activation(tree, name, node)
+    if activation:
+        found.append("swiglu" if activation == "silu" else "geglu")
+    # rope: an attention holding its projections, in a model with a rotary-embedding module (the forward's
+    # call of apply_rotary_pos_emb, which the live swap checks, is not in a tree)
+    if cls.endswith("Attention") and any(_LINEAR.search(str(child.get("class", "")))
+                                         for child in _children(tree, name).values()):
+        if any(str(other.get("class", "")).endswith("RotaryEmbedding") for other in tree.values() if isinstance(other, dict)):
+            found.append("rope")
+    return found
+
+
+def swaps_for_modules(tree: dict) -> dict[str, list[str]]:
+    """{qualified name: [swap]} as `swap(model)` places them: the first swap in the registry's order that
+    applies to each module, and nothing inside a module replaced whole (only rope's replacement keeps its
+    children in place)."""
+    placed, replaced = {}, []
+    for name in tree:
+        if not name or any(name.startswith(prefix + ".") for prefix in replaced):
+            continue
+        swaps = sorted(swaps_for_module(tree, name), key=REGISTRY_ORDER.index)
+        if swaps:
+            placed[name] = swaps[:1]
+            if swaps[0] != "rope":
+                replaced.append(name)
+    return placed
+
+
+def swap_applies(tree: dict, swap: str, name: str) -> bool:
+    """Does `swap` apply to the module `name`, or to one of its ancestors (a chain that runs in an MLP's
+    activation child belongs to the MLP the swap replaces)?"""
+    while True:
+        if swap in swaps_for_module(tree, name):
+            return True
+        if not name:
+            return False
+        name = name.rpartition(".")[0]

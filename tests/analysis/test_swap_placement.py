@@ -1,0 +1,85 @@
+"""A recommendation names a bundled swap only where it applies to the model in the trace: the capture's
+module tree against the placement rules (kernels/placement.py). Real traces from tests/data/agent; the
+tree edited where a test needs a model the fixtures do not have, the kernels and labels left as captured."""
+import gzip
+import json
+
+import pytest
+
+from profiler_svc.recommendations import recommend
+from tests.plugins.traces import fixture_path
+
+LLAMA = "llama_bf16_train_agent"
+
+
+def unfused(report):
+    return {f.evidence["pattern"]: f for f in report.findings if f.category == "unfused_chain"}
+
+
+def with_tree(tmp_path, name, edit):
+    """The fixture with its capture metadata's module tree passed through `edit`, as a new trace file."""
+    data = json.loads(gzip.open(fixture_path(name)).read())
+    edit(data["profiler_svc"]["modules"])
+    path = tmp_path / f"{name}_edited.json.gz"
+    path.write_bytes(gzip.compress(json.dumps(data).encode()))
+    return path
+
+
+def test_llama_names_the_swaps_that_apply_and_a_code_fix_for_its_functional_loss():
+    chains = unfused(recommend(fixture_path(LLAMA)))
+    for pattern, count in (("rms_norm", 5), ("swiglu", 2), ("rope", 2)):
+        finding = chains[pattern]
+        assert finding.recommendation.swap == pattern
+        assert finding.evidence["swap_applies_to"] == count and finding.evidence["swap_does_not_apply_to"] == []
+        assert f"for {count} module instances" in finding.recommendation.summary
+    # HF computes the loss with a function call in LlamaForCausalLM.forward: no nn.CrossEntropyLoss to swap
+    loss = chains["cross_entropy"]
+    assert loss.recommendation.swap is None
+    assert "fused linear cross-entropy" in loss.recommendation.summary
+    assert "fused_linear_cross_entropy(hidden, lm_head.weight, labels)" in loss.recommendation.snippet
+    assert "No bundled swap applies: the `cross_entropy` swap replaces nn.CrossEntropyLoss modules" in loss.detail
+    assert "LlamaForCausalLM's forward" in loss.detail
+
+
+def test_gpt2_gelu_modules_take_the_gelu_swap():
+    chains = unfused(recommend(fixture_path("gpt2_fp32_notf32_infer_agent")))
+    assert chains["gelu_tanh"].recommendation.swap == "gelu_tanh"
+    assert chains["gelu_tanh"].evidence["swap_applies_to"] == 2
+
+
+def test_an_mlp_whose_activation_is_not_silu_gets_a_code_fix_not_the_swap(tmp_path):
+    # the same kernels, but the tree says the MLPs' activation is some other module: swiglu does not apply
+    def edit(tree):
+        for name, node in tree.items():
+            if name.endswith("mlp.act_fn"):
+                node["class"] = "ScaledTanh"
+
+    chains = unfused(recommend(with_tree(tmp_path, LLAMA, edit)))
+    mlp = chains["swiglu"]
+    assert mlp.recommendation.swap is None and "swiglu(gate, up)" in mlp.recommendation.snippet
+    assert "No bundled swap applies" in mlp.detail and mlp.evidence["swap_applies_to"] == 0
+    assert chains["rms_norm"].recommendation.swap == "rms_norm"  # the rest of the model is unchanged
+
+
+def test_phi3_like_fused_gate_up_projection_still_takes_swiglu(tmp_path):
+    def edit(tree):
+        for name in [n for n in tree if n.endswith(("mlp.gate_proj", "mlp.up_proj"))]:
+            node = tree.pop(name)
+        for name in [n for n in tree if n.endswith(".mlp")]:
+            tree[f"{name}.gate_up_proj"] = {"class": "Linear", "params": node["params"]}
+
+    assert unfused(recommend(with_tree(tmp_path, LLAMA, edit)))["swiglu"].recommendation.swap == "swiglu"
+
+
+def test_without_rotary_module_the_attention_chain_gets_the_rope_call_not_the_swap(tmp_path):
+    chains = unfused(recommend(with_tree(tmp_path, LLAMA, lambda tree: tree.pop("model.rotary_emb"))))
+    rope = chains["rope"]
+    assert rope.recommendation.swap is None and "rope(q, k, cos, sin)" in rope.recommendation.snippet
+
+
+@pytest.mark.parametrize("name", ["llama_bf16_train"])
+def test_a_trace_without_module_tree_keeps_naming_the_swap(name):
+    # a plain torch.profiler trace: applicability cannot be told, so the swap is still named
+    chains = unfused(recommend(fixture_path(name)))
+    assert chains["rms_norm"].recommendation.swap == "rms_norm"
+    assert "swap_applies_to" not in chains["rms_norm"].evidence
