@@ -14,13 +14,22 @@ VOCAB_MIN = 8192
 
 CATEGORIES = ("fallback_kernel", "unfused_chain", "misalignment", "launch_gaps", "host_sync", "communication")
 
+# The configuration fixes a recommendation can name: the A/B fix registry (profiler_svc.ab.fixes) has
+# exactly these, in this order.
+FIX_NAMES = ("tf32", "bf16_autocast", "sdpa", "fused_optimizer", "pad_vocab", "cuda_graphs", "channels_last",
+             "cudnn_benchmark")
+
 
 @dataclass
 class Recommendation:
     summary: str
     swap: Optional[str] = None    # a bundled kernel swap (profiler_svc.kernels), A/B-testable
     snippet: Optional[str] = None
-    fix: Optional[str] = None     # a configuration fix of the A/B fix registry (tf32, sdpa, pad_vocab, ...)
+    fix: Optional[str] = None     # a configuration fix of the A/B fix registry: one of FIX_NAMES
+
+    def __post_init__(self):
+        if self.fix is not None and self.fix not in FIX_NAMES:
+            raise ValueError(f"unknown fix {self.fix!r}: not in FIX_NAMES")
 
 
 @dataclass
