@@ -23,6 +23,7 @@ from ..errors import UserError
 from ..formats import one_line
 from ..kernels import UnknownSwapError, available_swaps, parity, plan_swaps
 from . import stats
+from .fp64 import Float64Fallback
 from .fixes import FixPlan, UnknownFixError, available_fixes, plan_fixes
 from .result import ABResult, Timing
 
@@ -214,14 +215,20 @@ def _spread(model, step, variant, state, seed, reference, keys) -> dict[str, lis
 
 
 class _Reference:
-    """The model in float64: a copy of A upcast, on the same device, run on the inputs upcast."""
+    """The model in float64: a copy of A upcast, on the same device, run on the inputs upcast. An op with
+    no float64 kernel runs in the highest precision it has (fp64.Float64Fallback); `fallbacks` lists them."""
 
     def __init__(self, model, inputs, step, seed):
         _set_modes(model, step.train, for_parity=True)
         self.model = copy.deepcopy(model).double()  # A's modules; the user's grads were set aside by _Preserved
         self.call = step.call if callable(inputs) else _caller(parity.to_double(inputs))
-        self.step, self.seed, self.fallbacks = step, seed, []
+        self.step, self.seed = step, seed
         self.params = list(self.model.named_parameters())
+        self.mode = Float64Fallback()
+
+    @property
+    def fallbacks(self) -> list[dict]:
+        return self.mode.report()
 
     def run(self, parameters=None) -> dict[str, torch.Tensor]:
         """One step in float64; `parameters`: the model's own (nudged) values to use, upcast."""
@@ -231,13 +238,15 @@ class _Reference:
                     mine.copy_(theirs)
         optimizer = _reference_optimizer(self.step.optimizer, self.step.named_params, self.params)
         step = _Step(self.call, self.step.train, self.step.loss_fn, optimizer, self.params)
+        self.mode.failed = None
         try:
-            return step.run_once(self.model, self.call, self.seed)
+            with self.mode:
+                return step.run_once(self.model, self.call, self.seed)
         except UserError:
             raise
-        except Exception as err:  # most often a step callable that builds fp32/bf16 inputs itself
-            raise UserError(f"the float64 reference run failed ({one_line(err)}); "
-                            "a step callable must cast its inputs to the model's dtype") from err
+        except Exception as err:
+            cause = self.mode.describe_failure() or f"{type(err).__name__}: {one_line(err)}"
+            raise UserError(f"the float64 reference run failed: {cause}") from err
 
 
 def _reference_optimizer(optimizer, named_params, reference_params):

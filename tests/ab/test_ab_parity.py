@@ -103,3 +103,40 @@ def test_swap_with_a_precision_fix_is_judged_against_that_precision():
     assert any(not t.passed for t in wrong.parity if t.gate == "strict")
     same = ab_test(model, inputs, [NOOP], fixes=["bf16_autocast"], train=True, **QUICK)
     assert same.parity_passed and {t.gate for t in same.parity} == {"cost", "strict"}
+
+
+class GroupedExperts(torch.nn.Module):
+    """Two experts through torch._grouped_mm, as Mixtral's and Qwen3-MoE's experts call it: it has no
+    float64 kernel."""
+
+    def __init__(self, width=16):
+        super().__init__()
+        self.up = torch.nn.Linear(width, width)
+        self.experts = torch.nn.Parameter(torch.randn(2, width, width) / width ** 0.5)
+
+    def forward(self, x):
+        h = self.up(x)
+        offsets = torch.tensor([x.shape[0] // 2, x.shape[0]], dtype=torch.int32)
+        return torch._grouped_mm(h, self.experts, offs=offsets)
+
+
+def test_reference_falls_back_for_an_op_without_float64():
+    torch.manual_seed(0)
+    model, x = GroupedExperts(), torch.randn(8, 16)
+    with pytest.raises(RuntimeError, match="got Double"):
+        torch._grouped_mm(x.double(), model.experts.detach().double(), offs=torch.tensor([4, 8], dtype=torch.int32))
+    result = ab_test(model, (x,), [NOOP], **QUICK)
+    assert result.reference_fallbacks == [{"op": "aten::_grouped_mm", "dtype": "float32"}]
+    assert "aten::_grouped_mm has no float64 kernel here; ran it in float32" in result.summary()
+    # the Linear before it is still judged against a float64 run: eager's error is a float32 one, not zero
+    output = next(t for t in result.parity if t.name == "output")
+    assert result.parity_passed and 0 < output.a_rms_rel < 1e-5
+
+
+def test_reference_failure_names_the_op_and_the_cause():
+    from profiler_svc.errors import UserError
+
+    model, (x,) = mlp()
+    with pytest.raises(UserError, match=r"float64 reference run failed: aten::\w+ got float32 and float64 inputs"
+                                        r".*a step callable must build its floating inputs in the model's dtype"):
+        ab_test(model, lambda m: m(x), [NOOP], **QUICK)  # x stays float32 while the reference is float64
