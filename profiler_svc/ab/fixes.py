@@ -4,7 +4,8 @@ The counterpart of the swap registry (profiler_svc.kernels.swap), used the same 
 resolves names and prepares each fix for this model (a fix that cannot act on it is skipped with the
 reason); the plan installs them for B's runs and removes them after each, leaving the global flags,
 the model, its parameters (the very same tensors, same values) and the optimizer exactly as before.
-The names are the detectors' `Recommendation.fix` vocabulary, FIX_NAMES: one list for both.
+The names are profiler_svc.fix_names.FIX_NAMES, the detectors' `Recommendation.fix` vocabulary
+(tests/ab/test_fixes.py holds the two to one list).
 
 A fix changes one of three things: a global flag (tf32, cudnn_benchmark), the model or optimizer
 (sdpa, pad_vocab, channels_last, fused_optimizer), or the step around the model (bf16_autocast,
@@ -20,7 +21,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..detectors.common import FIX_NAMES
 
 PAD_MULTIPLE = 64  # vocabulary rows padded to this (GEMM N/K multiple of 64 for the LM head)
 
@@ -461,6 +461,3 @@ _REGISTRY = (
 def _entries() -> dict[str, FixEntry]:
     return {entry.name: entry for entry in _REGISTRY}
 
-
-if tuple(_entries()) != FIX_NAMES:  # the detectors' vocabulary and this registry are one list
-    raise ImportError(f"fix registry {tuple(_entries())} differs from detectors.common.FIX_NAMES {FIX_NAMES}")

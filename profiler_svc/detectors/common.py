@@ -5,6 +5,7 @@ from typing import Optional
 
 import pandas as pd
 
+from ..fix_names import FIX_NAMES
 from ..formats import fmt_us  # noqa: F401
 from ..trace.model import OpInputs, Trace, element_bytes
 from ..trace.replay import Change
@@ -13,11 +14,6 @@ from ..trace.replay import Change
 VOCAB_MIN = 8192
 
 CATEGORIES = ("fallback_kernel", "unfused_chain", "misalignment", "launch_gaps", "host_sync", "communication")
-
-# The configuration fixes a recommendation can name: the A/B fix registry (profiler_svc.ab.fixes) has
-# exactly these, in this order.
-FIX_NAMES = ("tf32", "bf16_autocast", "sdpa", "fused_optimizer", "pad_vocab", "cuda_graphs", "channels_last",
-             "cudnn_benchmark")
 
 
 @dataclass

@@ -7,8 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from profiler_svc.ab.fixes import (FIX_NAMES, UnknownFixError, available_fixes, fix_summaries, plan_fixes)
+from profiler_svc.ab.fixes import (UnknownFixError, available_fixes, fix_summaries, plan_fixes)
 from profiler_svc.agent.metadata import numerics
+from profiler_svc.fix_names import FIX_NAMES
 
 transformers = pytest.importorskip("transformers")
 
