@@ -1,11 +1,12 @@
-"""A/B testing of swaps: parity against fp64, then interleaved timing with a bootstrap CI.
+"""A/B testing of swaps and fixes: parity against fp64, then interleaved timing with a bootstrap CI.
 
 `ab_test(model, inputs, swaps)` is the API; `profiler_svc ab` (commands.py) the CLI. Names load lazily:
 the CLI imports `profiler_svc.ab.commands` for every command, and only `ab` itself needs torch.
 """
 import importlib
 
-_EXPORTS = {"ABResult": ".result", "ab_test": ".runner", "load_workload": ".workload"}
+_EXPORTS = {"ABResult": ".result", "ab_test": ".runner", "load_workload": ".workload",
+            "available_fixes": ".fixes", "plan_fixes": ".fixes"}
 
 __all__ = sorted(_EXPORTS)
 

@@ -1,4 +1,5 @@
-"""What an A/B test found: parity per tensor, timing with its confidence interval, peak memory."""
+"""What an A/B test found: parity per tensor, numeric cost, timing with its confidence interval, peak memory,
+and the analyser's prediction beside the measured change."""
 from __future__ import annotations
 
 import math
@@ -39,6 +40,13 @@ class ABResult:
     peak_memory_a_bytes: int | None = None
     peak_memory_b_bytes: int | None = None
     memory_method: str | None = None  # "torch.cuda.max_memory_allocated"; None on CPU (not measured)
+    fixes: list = field(default_factory=list)  # fix names asked for
+    fixes_applied: list = field(default_factory=list)  # [{"fix", "note"}] what each did to this model
+    fixes_skipped: list = field(default_factory=list)  # [{"fix", "reason"}] fixes that do not apply here
+    max_rel_error: float | None = None  # the user's tolerance for a precision change (normwise, per tensor)
+    numeric_cost: dict | None = None  # a precision change's worst error vs fp64, beside eager's
+    reference_fallbacks: list = field(default_factory=list)  # ops the fp64 reference ran in lower precision
+    prediction: dict | None = None  # the analyser's predicted step change, beside the measured one
 
     def to_dict(self) -> dict:
         """JSON-serializable (non-finite numbers become null): the form the CLI and storage use."""
@@ -50,19 +58,31 @@ class ABResult:
         counts = {}
         for row in self.swapped:
             counts[row["swap"]] = counts.get(row["swap"], 0) + 1
-        lines = [
-            f"A/B of {', '.join(self.swaps)} on {self.device}: {kind}",
-            "swapped: " + ", ".join(f"{name} x{n}" for name, n in counts.items())
-            + (f" ({len(self.skipped)} matched instances not swapped)" if self.skipped else ""),
-        ]
-        bad = [t for t in self.parity if not t.passed]
-        w = worst(self.parity)
-        if w is not None:
-            detail = (f"{w.name}: B max abs err {w.b_max_abs:.3g}, A (eager) {w.a_max_abs:.3g}, "
-                      f"allowed {w.allowed_abs:.3g}")
-            status = "passed" if self.parity_passed else f"FAILED on {len(bad)} of {len(self.parity)} tensors"
-            lines.append(f"parity vs fp64: {status} (B within {self.parity_factor:g}x of eager's error); "
-                         f"worst {detail}")
+        lines = [f"A/B of {', '.join(self.swaps + self.fixes)} on {self.device}: {kind}"]
+        if self.swaps:
+            lines.append("swapped: " + (", ".join(f"{name} x{n}" for name, n in counts.items()) or "nothing")
+                         + (f" ({len(self.skipped)} matched instances not swapped)" if self.skipped else ""))
+        lines += [f"fix {row['fix']}: {row['note']}" for row in self.fixes_applied]
+        lines += [f"fix {row['fix']}: not applied ({row['reason']})" for row in self.fixes_skipped]
+        lines += [f"fp64 reference: {row['op']} has no float64 kernel here; ran it in {row['dtype']}"
+                  for row in self.reference_fallbacks]
+        cost = [t for t in self.parity if t.gate == "cost"]
+        strict = [t for t in self.parity if t.gate == "strict"]
+        if cost:
+            w = worst(cost)
+            tolerance = "no tolerance set" if self.max_rel_error is None else f"tolerance {self.max_rel_error:g}"
+            bad = [t for t in cost if not t.passed]
+            status = "within" if not bad else f"OVER on {len(bad)} of {len(cost)} tensors:"
+            lines.append(f"numeric cost vs fp64 (normwise relative error, {status} {tolerance}): worst {w.name} "
+                         f"{w.b_rms_rel:.3g}, eager {w.a_rms_rel:.3g}")
+        if strict:
+            bad = [t for t in strict if not t.passed]
+            w = worst(strict)
+            against = "the precision fixes alone" if cost else "eager"
+            status = "passed" if not bad else f"FAILED on {len(bad)} of {len(strict)} tensors"
+            lines.append(f"parity vs fp64: {status} (B within {against}'s error + {self.parity_factor:g}x its spread); "
+                         f"worst {w.name}: B normwise err {_g(w.b_rms_rel)}, baseline {_g(w.a_rms_rel)}, allowed "
+                         f"{_g(w.allowed_rms_rel)}; max abs {w.b_max_abs:.3g}, allowed {w.allowed_abs:.3g}")
         if self.timing:
             t = self.timing
             lines.append(f"time: A {t.median_a_ms:.3f} ms, B {t.median_b_ms:.3f} ms "
@@ -73,8 +93,17 @@ class ABResult:
                          f"({self.memory_method})")
         else:
             lines.append("peak memory: not measured on CPU")
+        p = self.prediction
+        if p and p.get("saving_us_per_step") is not None:
+            measured = p.get("measured_saving_us_per_step")
+            lines.append(f"predicted saving {p['saving_us_per_step'] / 1e3:.3f} ms per step of {p.get('step_us', 0) / 1e3:.3f}"
+                         + ("" if measured is None else f"; measured {measured / 1e3:.3f} ms"))
         lines.append(f"verdict: {self.verdict}")
         return "\n".join(lines)
+
+
+def _g(x) -> str:
+    return "n/a" if x is None else f"{x:.3g}"
 
 
 def _gb(n: int | None) -> str:

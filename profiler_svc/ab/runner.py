@@ -1,16 +1,18 @@
-"""ab_test: the user's model as given (A) against the same model with swaps applied (B).
+"""ab_test: the user's model as given (A) against the same model with swaps and fixes applied (B).
 
 B is the very same model object: the swap registry plans replacements for module instances
-(sharing their parameters), and the plan installs them for B's runs and removes them after each.
-Everything ab_test touches (module modes, gradients, parameter and buffer values, the RNG) is put
-back on exit, exceptions included, so the caller's model is exactly as it was.
+(sharing their parameters) and the fix registry prepares configuration changes; the plans install
+them for B's runs and remove them after each. Everything ab_test touches (module modes, gradients,
+parameter and buffer values, the optimizer's state, the RNG, global flags) is put back on exit,
+exceptions included, so the caller's model is exactly as it was.
 """
 from __future__ import annotations
 
 import copy
 import gc
 import itertools
-from contextlib import nullcontext
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -18,38 +20,54 @@ from torch import nn
 from torch.nn.modules.dropout import _DropoutNd
 
 from ..errors import UserError
+from ..formats import one_line
 from ..kernels import UnknownSwapError, available_swaps, parity, plan_swaps
 from . import stats
+from .fp64 import Float64Fallback
+from .fixes import FixPlan, UnknownFixError, available_fixes, plan_fixes
 from .result import ABResult, Timing
-from ..formats import one_line
+
+# Runs of the baseline with its parameters nudged by a rounding unit: eager's own spread.
+SPREAD_RUNS = 3
 
 
-def ab_test(model: nn.Module, inputs, swaps, *, train: bool = False, loss_fn=None, rounds: int = 30,
-            warmup: int = 5, seed: int = 0, parity_factor: float = parity.MODEL_FACTOR) -> ABResult:
-    """A/B-test `swaps` on `model`: parity against fp64 first, then interleaved timed rounds.
+def ab_test(model: nn.Module, inputs, swaps=(), *, fixes=(), train: bool = False, loss_fn=None, optimizer=None,
+            rounds: int = 30, warmup: int = 5, seed: int = 0, parity_factor: float = parity.MODEL_FACTOR,
+            max_rel_error: float | None = None, prediction: dict | None = None) -> ABResult:
+    """A/B-test `swaps` and `fixes` on `model`: parity against fp64 first, then interleaved timed rounds.
 
     inputs: an args tuple, a kwargs dict, a single tensor, or a callable `step(model)` that runs
     the model and returns its output. In training (`train=True`) the loss is `loss_fn(output)`,
     else the output itself when it is a scalar tensor, else its `.loss` (Hugging Face models
-    given labels); the timed step is forward + loss + backward (no optimizer step: the model's
-    parameters must stay as given).
+    given labels); the timed step is forward + loss + backward, and `optimizer.step()` when an
+    optimizer is given (its state and the parameters are put back afterwards).
+    fixes: names from the fix registry (profiler_svc.ab.fixes). Those that change precision (tf32,
+    bf16_autocast) are judged by their numeric cost against fp64, within `max_rel_error` (normwise,
+    per tensor) when given; swaps and exact fixes by the strict gate against eager's own error.
+    prediction: the analyser's predicted step change for these swaps and fixes
+    (`Report.predict(swaps, fixes)`), kept in the result beside the measured one.
     """
     if rounds < 2 or warmup < 0:
         raise UserError(f"need rounds >= 2 and warmup >= 0, got rounds={rounds}, warmup={warmup}")
+    if max_rel_error is not None and not max_rel_error > 0:
+        raise UserError(f"max_rel_error must be a positive number, got {max_rel_error}")
+    if optimizer is not None and not train:
+        raise UserError("an optimizer steps only in training: pass train=True")
     call = _caller(inputs)
     device, _ = parity.place(model)
     named_params = list(model.named_parameters())  # B shares these tensors, so A's names serve both
 
-    state = _Preserved(model)
+    state = _Preserved(model, optimizer)
     rng_devices = [device] if device.type == "cuda" else []
     try:
         with torch.random.fork_rng(devices=rng_devices):
-            plan = _plan(model, swaps)  # matching probes modules: inside _Preserved, like the runs
-            checks = _parity(model, call, inputs, train, loss_fn, named_params, plan, state, seed, parity_factor)
+            variants = _variants(model, swaps, fixes, optimizer)  # matching probes modules: inside _Preserved
+            step = _Step(call, train, loss_fn, optimizer, named_params)
+            checks, fallbacks = _parity(model, inputs, step, variants, state, seed, parity_factor, max_rel_error)
             passed = all(t.passed for t in checks)
             timing, peaks = None, {"A": None, "B": None}
             if passed:
-                times, peaks = _timed_rounds(model, call, train, loss_fn, named_params, plan, device, rounds, warmup)
+                times, peaks = _timed_rounds(model, step, variants, state, device, rounds, warmup)
                 speedup, low, high = stats.speedup_ci(times["A"], times["B"], seed)
                 timing = Timing(timer=stats.timer_name(device), rounds=rounds, warmup=warmup,
                                 a_ms=times["A"], b_ms=times["B"],
@@ -58,96 +76,230 @@ def ab_test(model: nn.Module, inputs, swaps, *, train: bool = False, loss_fn=Non
     finally:
         state.restore()
 
+    b = variants["B"]
     return ABResult(
-        swaps=plan.swaps, train=train, device=_describe(device),
+        swaps=b.swap_plan.swaps if b.swap_plan else [], train=train, device=_describe(device),
         verdict=stats.verdict(passed, timing and timing.ci_low, timing and timing.ci_high),
-        swapped=[{"module": m, "class": c, "swap": s} for m, c, s, *_ in plan.report.swapped],
-        skipped=[{"module": m, "swap": s, "reason": r} for m, s, r in plan.report.skipped],
+        swapped=[{"module": m, "class": c, "swap": s} for m, c, s, *_ in b.swap_plan.report.swapped] if b.swap_plan else [],
+        skipped=[{"module": m, "swap": s, "reason": r} for m, s, r in b.swap_plan.report.skipped] if b.swap_plan else [],
         parity_passed=passed, parity_factor=parity_factor, parity=checks, timing=timing,
         peak_memory_a_bytes=peaks["A"], peak_memory_b_bytes=peaks["B"],
         memory_method="torch.cuda.max_memory_allocated" if device.type == "cuda" else None,
+        fixes=list(b.fix_plan.fixes), fixes_applied=[{"fix": n, "note": c.note} for n, c in b.fix_plan.changes],
+        fixes_skipped=[{"fix": n, "reason": r} for n, r in b.fix_plan.skipped],
+        max_rel_error=max_rel_error, reference_fallbacks=fallbacks,
+        numeric_cost=_numeric_cost(checks), prediction=_prediction(prediction, timing),
     )
+
+
+# ---- A, B and the precision baseline ----------------------------------------------------------------
+
+
+@dataclass
+class _Variant:
+    """What one arm installs: a swap plan and a fix plan (either may be empty)."""
+    name: str
+    swap_plan: object = None  # kernels.SwapPlan
+    fix_plan: FixPlan = None
+
+    @contextmanager
+    def active(self, call):
+        """Swaps and fixes in for the block; yields the step's `call(model)` with the fixes' wrappers."""
+        swaps = self.swap_plan.installed() if self.swap_plan and self.swap_plan.changes else _nothing()
+        fixes = self.fix_plan.installed() if self.fix_plan else _nothing()
+        with swaps, fixes:
+            yield self.fix_plan.wrap(call) if self.fix_plan else call
+
+
+@contextmanager
+def _nothing():
+    yield
+
+
+def _variants(model, swaps, fixes, optimizer) -> dict[str, _Variant]:
+    """A (as given), B (every swap and fix) and, when B changes precision, P: A with only the
+    precision fixes, the baseline B's swaps and exact fixes are held to."""
+    swaps, fixes = list(swaps or []), list(fixes or [])
+    if not swaps and not fixes:
+        raise UserError("nothing to test: name at least one swap (available: " + ", ".join(available_swaps())
+                        + ") or fix (available: " + ", ".join(available_fixes()) + ")")
+    try:
+        fix_plan = plan_fixes(model, fixes, optimizer=optimizer)
+    except UnknownFixError as err:
+        raise UserError(str(err)) from None
+    swap_plan = _plan(model, swaps) if swaps else None
+    if not fix_plan.changes and not (swap_plan and swap_plan.changes):
+        why = [f"{m}: {r}" for m, _, r in (swap_plan.report.skipped[:3] if swap_plan else [])]
+        why += [f"{n}: {r}" for n, r in fix_plan.skipped]
+        names = [getattr(s, "name", s) for s in swaps] + fixes
+        raise UserError(f"nothing of {', '.join(names)} applies to {type(model).__name__}"
+                        + (f" ({'; '.join(why)})" if why else ""))
+    variants = {"A": _Variant("A"), "B": _Variant("B", swap_plan, fix_plan)}
+    if fix_plan.changes_precision:
+        variants["P"] = _Variant("P", None, fix_plan.subset(precision=True))
+    return variants
 
 
 def _plan(model: nn.Module, swaps):
     """The swaps' replacements for `model`, built but not installed; a bad name is the user's error."""
     try:
-        plan = plan_swaps(model, swaps or [], check=False)  # our own parity below is the gate
+        return plan_swaps(model, swaps, check=False)  # our own parity below is the gate
     except UnknownSwapError as err:
         raise UserError(str(err)) from None
-    if not plan.swaps:
-        raise UserError("no swap to test: name at least one (available: " + ", ".join(available_swaps()) + ")")
-    if not plan.changes:
-        why = "; ".join(f"{m}: {reason}" for m, _, reason in plan.report.skipped[:3])
-        raise UserError(f"no module of {type(model).__name__} was swapped by {', '.join(plan.swaps)}"
-                        + (f" ({why})" if why else ""))
-    return plan
-
-
-def _variant(plan, name: str):
-    """A: the model as given; B: the plan's replacements installed until the block ends."""
-    return plan.installed() if name == "B" else nullcontext()
 
 
 # ---- parity ---------------------------------------------------------------------------------------
 
 
-def _parity(model, call, inputs, train, loss_fn, named_params, plan, state, seed, factor):
-    """Run fp64 (A upcast), A and B on the same inputs and seed; judge B against A, tensor by tensor."""
-    # The fp64 reference is run first and kept; A and B are reduced to their error numbers at once,
-    # so at most one low-precision set of outputs and gradients is alive next to it.
-    _set_modes(model, train, for_parity=True)
-    reference_model = copy.deepcopy(model).double()  # A's modules; the user's grads were set aside by _Preserved
-    reference_call = call if callable(inputs) else _caller(parity.to_double(inputs))
-    try:
-        ref = _run_once(reference_model, reference_call, train, loss_fn,
-                        list(reference_model.named_parameters()), seed)
-    except UserError:
-        raise
-    except Exception as err:  # most often a step callable that builds fp32/bf16 inputs itself
-        raise UserError(f"the float64 reference run failed ({one_line(err)}); "
-                        "a step callable must cast its inputs to the model's dtype") from err
-    del reference_model
+def _parity(model, inputs, step, variants, state, seed, factor, max_rel_error):
+    """fp64 reference, then A, P and B on the same inputs and seed, each reduced to its errors at once
+    (at most one low-precision set of outputs and gradients is alive next to the reference).
 
-    errors, dtypes = {}, {}
-    for name in ("A", "B"):
-        with _variant(plan, name):
-            _set_modes(model, train, for_parity=True)
-            got = _run_once(model, call, train, loss_fn, named_params, seed)
-            errors[name] = {key: parity.errors(t, ref[key]) for key, t in got.items() if key in ref}
-            if name == "A":
-                dtypes = {key: got[key].dtype for key in errors["A"]}
-            del got
-        state.restore()  # B starts from exactly the state A started from
-    missing = (float("inf"), float("inf"))  # a tensor A produced and B did not (say, a lost gradient)
-    model_eps = max((torch.finfo(p.dtype).eps for _, p in named_params if p.is_floating_point()), default=0.0)
-    return [parity.judge(key, ref[key], dtypes[key], errors["A"][key], errors["B"].get(key, missing), factor,
-                         model_eps) for key in errors["A"]]
-
-
-def _run_once(model, call, train, loss_fn, named_params, seed) -> dict[str, torch.Tensor]:
-    """One step from a fixed seed and no gradients: its outputs (in training also the loss and
-    every parameter's gradient) by name."""
-    torch.manual_seed(seed)  # the same dropout masks / random ops in A, B and fp64
-    for _, p in named_params:
-        p.grad = None
-    out, loss = _step(model, call, train, loss_fn)
-    found = parity.flatten(out, "output")
-    if train:
-        found["loss"] = loss.detach()
-        found.update({f"grad.{name}": p.grad for name, p in named_params if p.grad is not None})
-    return found
+    P (the precision fixes alone) is judged by its numeric cost within max_rel_error. B is judged
+    strictly against its baseline (P, else A): B's error within the baseline's error plus `factor`
+    times the baseline's spread, measured on SPREAD_RUNS runs with the parameters nudged by a
+    rounding unit, each against an fp64 run of the nudged parameters.
+    """
+    reference = _Reference(model, inputs, step, seed)
+    ref = reference.run()
+    dtypes, errors = {}, {}
+    for name, variant in variants.items():
+        got = _run_variant(model, step, variant, state, seed)
+        errors[name] = {key: parity.measure(t, ref[key]) for key, t in got.items() if key in ref}
+        if name == "A":
+            dtypes = {key: got[key].dtype for key in errors["A"]}
+        del got
+    keys = list(errors["A"])
+    baseline = "P" if "P" in variants else "A"
+    checks = []
+    if "P" in variants:
+        checks += [parity.judge_cost(key, ref[key], dtypes[key], errors["A"][key],
+                                     errors["P"].get(key, parity.MISSING), max_rel_error) for key in keys]
+    b = variants["B"]
+    if (b.swap_plan and b.swap_plan.changes) or b.fix_plan.subset(precision=False).changes:
+        ref = {key: (tuple(t.shape), parity.measure_scale(t)) for key, t in ref.items()}  # free the fp64 set:
+        spread = _spread(model, step, variants[baseline], state, seed, reference, keys)  # these make their own
+        checks += [parity.judge_strict(key, ref[key], dtypes[key], errors[baseline][key], spread[key],
+                                       errors["B"].get(key, parity.MISSING), factor) for key in keys]
+    return checks, reference.fallbacks
 
 
-def _step(model, call, train, loss_fn):
-    """What is timed: a forward without autograd, or forward + loss + backward. (output, loss)"""
-    if not train:
+def _run_variant(model, step, variant, state, seed):
+    with variant.active(step.call) as call:
+        _set_modes(model, step.train, for_parity=True)
+        got = step.run_once(model, call, seed)
+    state.restore()  # the next run starts from exactly the state this one started from
+    return got
+
+
+def _spread(model, step, variant, state, seed, reference, keys) -> dict[str, list]:
+    """The baseline's errors with every floating parameter nudged by up to one rounding unit (a
+    random fraction of them move by one unit), each against an fp64 run of the same parameters."""
+    runs = {key: [] for key in keys}
+    generator = torch.Generator().manual_seed(seed + 1)
+    for _ in range(SPREAD_RUNS):
         with torch.no_grad():
-            return call(model), None
-    out = call(model)
-    loss = _loss(out, loss_fn)
-    loss.backward()
-    return out, loss
+            for _, p in step.named_params:
+                if p.is_floating_point():
+                    u = torch.rand(p.shape, generator=generator, dtype=torch.float64) * 2 - 1
+                    p.copy_((p.double() * (1 + u.to(p.device) * torch.finfo(p.dtype).eps)).to(p.dtype))
+        ref = reference.run(parameters=[p for _, p in step.named_params])
+        with variant.active(step.call) as call:
+            _set_modes(model, step.train, for_parity=True)
+            got = step.run_once(model, call, seed)
+        for key in keys:
+            runs[key].append(parity.measure(got[key], ref[key]) if key in got and key in ref else parity.MISSING)
+        del got, ref
+        state.restore()
+    return runs
+
+
+class _Reference:
+    """The model in float64: a copy of A upcast, on the same device, run on the inputs upcast. An op with
+    no float64 kernel runs in the highest precision it has (fp64.Float64Fallback); `fallbacks` lists them."""
+
+    def __init__(self, model, inputs, step, seed):
+        _set_modes(model, step.train, for_parity=True)
+        self.model = copy.deepcopy(model).double()  # A's modules; the user's grads were set aside by _Preserved
+        self.call = step.call if callable(inputs) else _caller(parity.to_double(inputs))
+        self.step, self.seed = step, seed
+        self.params = list(self.model.named_parameters())
+        self.mode = Float64Fallback()
+
+    @property
+    def fallbacks(self) -> list[dict]:
+        return self.mode.report()
+
+    def run(self, parameters=None) -> dict[str, torch.Tensor]:
+        """One step in float64; `parameters`: the model's own (nudged) values to use, upcast."""
+        if parameters is not None:
+            with torch.no_grad():
+                for (_, mine), theirs in zip(self.params, parameters):
+                    mine.copy_(theirs)
+        optimizer = _reference_optimizer(self.step.optimizer, self.step.named_params, self.params)
+        step = _Step(self.call, self.step.train, self.step.loss_fn, optimizer, self.params)
+        self.mode.failed = None
+        try:
+            with self.mode:
+                return step.run_once(self.model, self.call, self.seed)
+        except UserError:
+            raise
+        except Exception as err:
+            cause = self.mode.describe_failure() or f"{type(err).__name__}: {one_line(err)}"
+            raise UserError(f"the float64 reference run failed: {cause}") from err
+
+
+def _reference_optimizer(optimizer, named_params, reference_params):
+    """The user's optimizer over the fp64 copy: same class, hyperparameters and state (upcast), unfused."""
+    if optimizer is None:
+        return None
+    mapping = {id(p): q for (_, p), (_, q) in zip(named_params, reference_params)}
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [mapping[id(p)] for p in g["params"]]}
+              for g in optimizer.param_groups]
+    for g in groups:
+        g.update({k: False for k in ("fused", "foreach") if k in g})
+    reference = type(optimizer)(groups)
+    for p, values in optimizer.state.items():
+        if id(p) in mapping:
+            reference.state[mapping[id(p)]] = {k: (v.double() if torch.is_tensor(v) and v.is_floating_point()
+                                                   and k != "step" else copy.deepcopy(v)) for k, v in values.items()}
+    return reference
+
+
+@dataclass
+class _Step:
+    """What is timed: a forward without autograd, or forward + loss + backward (+ optimizer step)."""
+    call: object
+    train: bool
+    loss_fn: object
+    optimizer: object
+    named_params: list
+
+    def __call__(self, model, call):
+        if not self.train:
+            with torch.no_grad():
+                return call(model), None
+        out = call(model)
+        loss = _loss(out, self.loss_fn)
+        loss.backward()
+        if self.optimizer is not None:
+            self.optimizer.step()
+        return out, loss
+
+    def run_once(self, model, call, seed) -> dict[str, torch.Tensor]:
+        """One step from a fixed seed and no gradients: its outputs (in training also the loss and every
+        parameter's gradient, and after an optimizer step every parameter's new value) by name."""
+        torch.manual_seed(seed)  # the same dropout masks / random ops in every run
+        for _, p in self.named_params:
+            p.grad = None
+        out, loss = self(model, call)
+        found = parity.flatten(out, "output")
+        if self.train:
+            found["loss"] = loss.detach()
+            found.update({f"grad.{name}": p.grad for name, p in self.named_params if p.grad is not None})
+        if self.optimizer is not None:
+            found.update({f"param.{name}": p.detach().clone() for name, p in self.named_params})
+        return found
 
 
 def _loss(out, loss_fn) -> torch.Tensor:
@@ -160,10 +312,37 @@ def _loss(out, loss_fn) -> torch.Tensor:
     return loss
 
 
+def _numeric_cost(checks) -> dict | None:
+    """The precision fixes' cost in one line of numbers: the worst normwise error of A and of P."""
+    cost = [t for t in checks if t.gate == "cost"]
+    if not cost:
+        return None
+    worst = max(cost, key=lambda t: t.b_rms_rel if t.b_rms_rel is not None else float("inf"))
+    by_kind = {}
+    for t in cost:
+        kind = "loss" if t.name == "loss" else t.name.split(".", 1)[0].split("[", 1)[0]
+        row = by_kind.setdefault(kind, {"a_rms_rel": 0.0, "b_rms_rel": 0.0})
+        row["a_rms_rel"] = max(row["a_rms_rel"], t.a_rms_rel)
+        row["b_rms_rel"] = max(row["b_rms_rel"], t.b_rms_rel)
+    return {"worst": worst.name, "worst_rms_rel": worst.b_rms_rel, "eager_rms_rel": worst.a_rms_rel,
+            "by_kind": by_kind}
+
+
+def _prediction(prediction, timing) -> dict | None:
+    """The analyser's predicted step change beside the measured one (ms per step, A minus B)."""
+    if not prediction:
+        return None
+    out = {k: prediction[k] for k in ("step_us", "step_us_after", "saving_us_per_step", "findings") if k in prediction}
+    if timing is not None and "saving_us_per_step" in prediction:
+        measured = (timing.median_a_ms - timing.median_b_ms) * 1e3
+        out["measured_saving_us_per_step"] = round(measured, 2)
+    return out
+
+
 # ---- timing ---------------------------------------------------------------------------------------
 
 
-def _timed_rounds(model, call, train, loss_fn, named_params, plan, device, rounds, warmup):
+def _timed_rounds(model, step, variants, state, device, rounds, warmup):
     """Interleaved rounds, each A B B A (B A A B on odd rounds): a variant's time in a round is the
     mean of its two runs, one in each position, because on a busy host the position within a
     round alone can move a step's time by 10%."""
@@ -175,15 +354,17 @@ def _timed_rounds(model, call, train, loss_fn, named_params, plan, device, round
         for i in range(warmup + rounds):
             runs = {"A": [], "B": []}
             for name in "ABBA" if i % 2 == 0 else "BAAB":
-                with _variant(plan, name):
-                    _set_modes(model, train, for_parity=False)
-                    for _, p in named_params:  # the previous step's gradients are not this step's memory
+                with variants[name].active(step.call) as call:
+                    _set_modes(model, step.train, for_parity=False)
+                    for _, p in step.named_params:  # the previous step's gradients are not this step's memory
                         p.grad = None
                     if device.type == "cuda":
                         torch.cuda.reset_peak_memory_stats(device)
-                    runs[name].append(stats.time_ms(lambda: _step(model, call, train, loss_fn), device))
+                    runs[name].append(stats.time_ms(lambda: step(model, call), device))
                     if device.type == "cuda" and i >= warmup:
                         peaks[name] = max(peaks[name] or 0, torch.cuda.max_memory_allocated(device))
+                if step.optimizer is not None:
+                    state.restore()  # optimizer steps would drift the parameters round after round
             if i >= warmup:
                 for name, ms in runs.items():
                     times[name].append(sum(ms) / len(ms))
@@ -197,14 +378,20 @@ def _timed_rounds(model, call, train, loss_fn, named_params, plan, device, round
 
 
 class _Preserved:
-    """Module modes, gradients and parameter/buffer values of a model, to put back exactly."""
+    """Module modes, gradients, parameter/buffer values and the optimizer's state, to put back exactly."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, optimizer=None):
         self.modes = [(m, m.training) for m in model.modules()]
         self.grads = [(p, p.grad) for p in model.parameters()]
         # CPU copies: the values come back into the very same tensors, and the GPU keeps its memory.
         self.values = [(t, t.detach().to("cpu", copy=True))
                        for t in itertools.chain(model.parameters(), model.buffers())]
+        self.optimizer = optimizer
+        if optimizer is not None:
+            self.groups = [(g, dict(g)) for g in optimizer.param_groups]
+            self.state = {p: {k: (v.detach().to("cpu", copy=True) if torch.is_tensor(v) else copy.deepcopy(v))
+                              for k, v in values.items()} for p, values in optimizer.state.items()}
+            self.state_tensors = {p: dict(values) for p, values in optimizer.state.items()}
         for p, _ in self.grads:
             p.grad = None  # our steps accumulate nothing into the user's gradients
 
@@ -216,6 +403,26 @@ class _Preserved:
             p.grad = grad
         for m, mode in self.modes:
             m.training = mode
+        if self.optimizer is not None:
+            self._restore_optimizer()
+
+    def _restore_optimizer(self) -> None:
+        """The same state tensors with their old values; state our steps created is dropped."""
+        for group, saved in self.groups:
+            group.clear()
+            group.update(saved)
+        state = self.optimizer.state
+        for p in [p for p in state if p not in self.state]:
+            del state[p]
+        with torch.no_grad():
+            for p, saved in self.state.items():
+                tensors = self.state_tensors[p]
+                state[p] = dict(tensors)
+                for key, value in saved.items():
+                    if torch.is_tensor(value):
+                        tensors[key].copy_(value)
+                    else:
+                        state[p][key] = copy.deepcopy(value)
 
 
 def _set_modes(model: nn.Module, train: bool, for_parity: bool) -> None:

@@ -16,10 +16,12 @@ class Workload:
     model: object  # torch.nn.Module
     inputs: object  # args tuple, kwargs dict, tensor or callable step(model)
     loss_fn: object = None  # loss_fn(output) -> scalar tensor, for training
+    optimizer: object = None  # a torch.optim.Optimizer over the model's parameters: the step includes it
 
 
 def load_workload(spec: str) -> Workload:
-    """Import `pkg.module`, call `factory()`; it returns (model, inputs) or (model, inputs, loss_fn)."""
+    """Import `pkg.module`, call `factory()`; it returns (model, inputs), (model, inputs, loss_fn) or
+    (model, inputs, loss_fn, optimizer)."""
     module_name, attr = split_workload_spec(spec)
     # Like `python -m` and `flask --app`: a module in the current folder is importable.
     if os.getcwd() not in sys.path:
@@ -40,12 +42,15 @@ def load_workload(spec: str) -> Workload:
         made = factory()
     except Exception as err:
         raise UserError(f"workload factory {spec} failed: {one_line(err)}") from None
-    if not isinstance(made, tuple) or len(made) not in (2, 3):
-        raise UserError(f"workload factory {spec} must return (model, inputs) or (model, inputs, loss_fn), "
-                        f"not {type(made).__name__}")
+    if not isinstance(made, tuple) or len(made) not in (2, 3, 4):
+        raise UserError(f"workload factory {spec} must return (model, inputs), (model, inputs, loss_fn) or "
+                        f"(model, inputs, loss_fn, optimizer), not {type(made).__name__}")
     import torch
 
     if not isinstance(made[0], torch.nn.Module):
         raise UserError(f"workload factory {spec} returned a {type(made[0]).__name__} as its model, "
                         "not a torch.nn.Module")
+    if len(made) == 4 and not isinstance(made[3], torch.optim.Optimizer):
+        raise UserError(f"workload factory {spec} returned a {type(made[3]).__name__} as its optimizer, "
+                        "not a torch.optim.Optimizer")
     return Workload(*made)

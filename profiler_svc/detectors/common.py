@@ -6,6 +6,7 @@ from typing import Optional
 import numpy as np
 import pandas as pd
 
+from ..fix_names import FIX_NAMES
 from ..formats import fmt_us  # noqa: F401
 from ..trace.model import OpInputs, Trace, element_bytes
 from ..trace.replay import Change
@@ -21,7 +22,11 @@ class Recommendation:
     summary: str
     swap: Optional[str] = None    # a bundled kernel swap (profiler_svc.kernels), A/B-testable
     snippet: Optional[str] = None
-    fix: Optional[str] = None     # a configuration fix of the A/B fix registry (tf32, sdpa, pad_vocab, ...)
+    fix: Optional[str] = None     # a configuration fix of the A/B fix registry: one of FIX_NAMES
+
+    def __post_init__(self):
+        if self.fix is not None and self.fix not in FIX_NAMES:
+            raise ValueError(f"unknown fix {self.fix!r}: not in FIX_NAMES")
 
 
 @dataclass

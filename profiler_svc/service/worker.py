@@ -49,9 +49,12 @@ def run_ab_job(job: dict) -> dict:
     workload = ab.load_workload(job["workload"])
     params = dict(job.get("params") or {})
     # A workload that brings a loss function is a training workload unless the job says otherwise.
-    train = params.pop("train", workload.loss_fn is not None)
+    train = params.pop("train", workload.loss_fn is not None or workload.optimizer is not None)
+    # A job's params may carry its swaps and fixes (a whole recommendation); else it tests its one swap.
+    swaps = params.pop("swaps") if "swaps" in params else [job["swap"]]
     # The factory puts the model on this host's GPU (or CPU); the worker just runs it.
-    return ab.ab_test(workload.model, workload.inputs, [job["swap"]], train=train, loss_fn=workload.loss_fn, **params).to_dict()
+    return ab.ab_test(workload.model, workload.inputs, swaps, train=train, loss_fn=workload.loss_fn,
+                      optimizer=workload.optimizer if train else None, **params).to_dict()
 
 
 def run_ab_job_isolated(job: dict) -> dict:

@@ -29,8 +29,12 @@ def enqueue(session, run, *, swap: str | None = None, finding_id: int | None = N
         if finding is None or finding.run_id != run.id:
             raise NotFound(f"run {run.id} has no finding with id {finding_id}")
         swap = swap or finding.swap
-    if not swap:
+    fixes = (params or {}).get("fixes") or []
+    if not swap and not fixes:
         raise UserError("nothing to A/B test: the finding recommends no bundled swap")
+    if fixes:  # the worker tests params' swaps and fixes; `swap` labels the job
+        params = {**params, "swaps": [swap] if swap else []}
+        swap = ", ".join([swap] * bool(swap) + list(fixes))
     if not run.workload:
         raise UserError(f"run {run.id} has no workload to A/B test (capture it with a workload, "
                         "or ingest with --workload pkg.module:factory)")
@@ -131,7 +135,7 @@ def save_ab_result(result: dict, *, workload: str, params: dict | None = None, r
                                          host=socket.gethostname(), workload=workload,
                                          meta={"source": "profiler_svc ab"})
         now = utcnow()
-        job = ABJob(run_id=run.id, swap=", ".join(result.get("swaps") or [])[:255] or "?", workload=workload[:500],
+        job = ABJob(run_id=run.id, swap=", ".join((result.get("swaps") or []) + (result.get("fixes") or []))[:255] or "?", workload=workload[:500],
                     params={**(params or {}), "source": "cli"}, status="done", attempts=1,
                     worker=f"cli@{socket.gethostname()}"[:255], created_at=started_at or now,
                     started_at=started_at or now, finished_at=now)

@@ -36,3 +36,18 @@ def mlp_train(batch: int = 64, width: int = 128):
 
 def not_a_workload():
     return 42
+
+
+def llama_train_adamw(vocab: int = 250):
+    """A tiny Hugging Face Llama with eager attention, an unaligned vocabulary and a foreach AdamW: every
+    fix the analyser names for a transformer's training step has something to act on."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
+                                      attn_implementation="eager", use_cache=False)
+    model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, vocab, (2, 16))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    return model, {"input_ids": ids, "labels": ids}, None, optimizer

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from ab_swaps import needs_kernels
-from profiler_svc.ab.commands import swaps_from_report
+from profiler_svc.ab.commands import recommended_in_report, swaps_from_report
 from profiler_svc.cli import main
 from tests.plugins.traces import fixture_path
 
@@ -78,13 +78,15 @@ def _write(tmp_path, name, text):
     (["--workload", "ab_no_such_module:f", "--swap", "rms_norm"], "cannot import workload module"),
     (["--workload", "ab_workloads:nothing", "--swap", "rms_norm"], "has no callable 'nothing'"),
     (["--workload", "ab_workloads:not_a_workload", "--swap", "rms_norm"], "must return (model, inputs)"),
-    (["--workload", "ab_workloads:mlp"], "nothing to test"),
+    (["--workload", "ab_workloads:mlp"], "nothing to test: give --swap NAME, --fix NAME"),
     (["--workload", "ab_workloads:mlp", "--swap", "no_such_swap"], "unknown swap 'no_such_swap'; available: "),
     (["--workload", "ab_workloads:mlp", "--swap", "rms_norm", "--rounds", "1"], "rounds >= 2"),
     (["--workload", "ab_workloads:mlp", "--from-report", "/no/such/report.json"], "does not exist"),
     (["--workload", "ab_workloads:mlp", "--from-report", "{tmp}/bad.json"], "cannot read report"),
     (["--workload", "ab_workloads:mlp", "--from-report", "{tmp}/other.json"], "is not a `profiler_svc recommend"),
-    (["--workload", "ab_workloads:mlp", "--from-report", "{tmp}/empty.json"], "recommends no bundled swap"),
+    (["--workload", "ab_workloads:mlp", "--from-report", "{tmp}/empty.json"], "recommends no bundled swap or fix"),
+    (["--workload", "ab_workloads:mlp", "--fix", "tf33"], "unknown fix 'tf33'; available: tf32, bf16_autocast"),
+    (["--workload", "ab_workloads:mlp", "--fix", "pad_vocab"], "nothing of pad_vocab applies to MLP"),
 ])
 def test_bad_input_is_one_line_exit_2(tmp_path, capsys, args, message):
     _write(tmp_path, "bad.json", "{not json")
@@ -128,3 +130,61 @@ def test_result_is_stored_when_a_database_is_configured(tmp_path, monkeypatch, c
     code, out, err = _ab(capsys, "--workload", "ab_workloads:mlp", "--swap", "rms_norm", *QUICK)
     assert code == 2 and "verdict: " in out
     assert err.count("\n") == 1 and "cannot open the database" in err and "Connection refused" in err
+
+
+def test_fixes_from_the_cli_with_an_optimizer_and_a_tolerance(capsys):
+    """Every exact fix a transformer's training step can take, at once, on a workload with its optimizer."""
+    code, out, err = _ab(capsys, "--workload", "ab_workloads:llama_train_adamw", "--train", "--json",
+                         "--fix", "sdpa", "--fix", "pad_vocab", "--fix", "fused_optimizer", *QUICK)
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["fixes"] == ["sdpa", "pad_vocab", "fused_optimizer"] and result["swaps"] == []
+    assert [row["fix"] for row in result["fixes_applied"]] == result["fixes"]
+    names = {row["name"] for row in result["parity"]}
+    assert {"loss", "grad.lm_head.weight", "param.lm_head.weight"} <= names  # the optimizer's step is checked
+    assert result["parity_passed"] and {row["gate"] for row in result["parity"]} == {"strict"}
+
+    code, out, err = _ab(capsys, "--workload", "ab_workloads:llama_train_adamw", "--train", "--fix",
+                         "bf16_autocast", "--max-rel-error", "1e-6", *QUICK)
+    assert code == 1 and "numeric cost vs fp64" in out and "OVER on" in out and "tolerance 1e-06" in out
+
+
+def test_from_report_takes_fixes_and_swaps(tmp_path, capsys):
+    report = {"schema": "profiler_svc.report/1", "source": {"path": str(tmp_path / "gone.json")}, "findings": [
+        {"recommendation": {"summary": "x", "swap": None, "fix": "sdpa"}},
+        {"recommendation": {"summary": "y", "swap": "rms_norm", "fix": None}},
+        {"recommendation": {"summary": "z", "swap": None, "fix": "pad_vocab"}},
+    ]}
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(report))
+    assert recommended_in_report(path) == {"swaps": ["rms_norm"], "fixes": ["sdpa", "pad_vocab"]}
+    code, out, err = _ab(capsys, "--workload", "ab_workloads:llama_train_adamw", "--from-report", str(path),
+                         "--fix", "tf32", "--train", "--json", *QUICK)
+    result = json.loads(out)
+    assert result["fixes"] == ["tf32", "sdpa", "pad_vocab"] and result["swaps"] == ["rms_norm"]
+    assert "no prediction: the report's trace" in err and result["prediction"] is None
+
+
+def test_a_queued_job_carries_fixes_and_the_worker_applies_them(engine, blobs):
+    """A/B job params carry the fixes (no schema change); `profiler_svc worker` runs them with the swap."""
+    from profiler_svc.service import worker
+    from profiler_svc.storage import jobs
+    from profiler_svc.storage.db import session_scope
+    from profiler_svc.storage.ingest import ingest_path
+    from profiler_svc.storage.models import ABJob, Run
+    from tests.plugins.traces import SMALL_TRACE
+
+    [ingested] = ingest_path(engine, SMALL_TRACE, blobs=blobs, workload="ab_workloads:llama_train_adamw")
+    with session_scope(engine) as s:
+        job = jobs.enqueue(s, s.get(Run, ingested.run_id), params={"fixes": ["sdpa", "fused_optimizer"],
+                                                                    "rounds": 2, "warmup": 0})
+        job_id = job.id
+        assert job.swap == "sdpa, fused_optimizer" and job.params["swaps"] == []
+    assert worker.work_once(engine, worker="w1") == job_id
+    with session_scope(engine) as s:
+        job = s.get(ABJob, job_id)
+        assert job.status == "done", job.error
+        result = job.result.result
+    assert result["train"] is True  # the workload brings an optimizer: its step is a training step
+    assert [row["fix"] for row in result["fixes_applied"]] == ["sdpa", "fused_optimizer"]
+    assert result["parity_passed"] and any(row["name"].startswith("param.") for row in result["parity"])

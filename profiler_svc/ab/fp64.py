@@ -1,0 +1,74 @@
+"""The fp64 reference on any model: an op with no float64 kernel runs in the highest precision it has.
+
+Some ops have no float64 kernel (torch._grouped_mm, which Mixtral's and Qwen3-MoE's experts call;
+fused attention or quantized kernels). Under `Float64Fallback`, every op of the reference run goes
+through as usual; one that raises on float64 inputs is run again with them in float32, then in
+bfloat16 and float16, its outputs cast back to float64, and the op is recorded so the result can
+say which parts of the reference were less exact. The mode sits below autograd, so the backward's
+ops are covered too. An op that fails for another reason is named in the error, with its inputs'
+dtypes: float64 beside a lower precision is a step that builds its own inputs in the model's dtype.
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+# The precisions an op is tried in after float64, highest first.
+_FALLBACK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class Float64Fallback(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.fallbacks: dict[str, str] = {}  # op -> the dtype it ran in
+        self.failed: tuple | None = None  # (op name, input dtypes, error) of the op that raised
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        try:
+            return func(*args, **kwargs)
+        except Exception as err:
+            dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tree_flatten((args, kwargs))[0]
+                             if isinstance(t, torch.Tensor) and t.is_floating_point()})
+            name = _op_name(func)
+            if dtypes != ["float64"] or func._schema.is_mutable:
+                self.failed = (name, dtypes, err)
+                raise
+            for dtype in _FALLBACK_DTYPES:
+                try:
+                    out = func(*_cast(args, dtype), **_cast(kwargs, dtype))
+                except Exception:
+                    continue
+                self.fallbacks.setdefault(name, str(dtype).removeprefix("torch."))
+                return tree_map(_to_double, out)
+            self.failed = (name, dtypes, err)
+            raise
+
+    def describe_failure(self) -> str | None:
+        """The op that made the run fail and why, in a sentence; None when no op raised."""
+        if self.failed is None:
+            return None
+        name, dtypes, err = self.failed
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        if "float64" in dtypes and len(dtypes) > 1:
+            return (f"{name} got {' and '.join(dtypes)} inputs ({first}): a step callable must build its "
+                    "floating inputs in the model's dtype (next(model.parameters()).dtype)")
+        if dtypes == ["float64"]:
+            return f"{name} failed on float64 inputs and in every lower precision tried ({first})"
+        return f"{name} failed ({first})"
+
+    def report(self) -> list[dict]:
+        return [{"op": op, "dtype": dtype} for op, dtype in self.fallbacks.items()]
+
+
+def _op_name(func) -> str:
+    return str(func.overloadpacket).replace("aten.", "aten::", 1) if hasattr(func, "overloadpacket") else str(func)
+
+
+def _cast(obj, dtype):
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype == torch.float64 else t, obj)
+
+
+def _to_double(t):
+    return t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t

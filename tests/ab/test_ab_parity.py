@@ -1,0 +1,142 @@
+"""The strict gate is strict on bf16 models, a correct swap still passes, and a precision change is
+judged by its numeric cost within the user's tolerance."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ab_swaps import NOOP, WRONG, needs_kernels
+from ab_workloads import mlp
+from profiler_svc.ab import ab_test
+
+transformers = pytest.importorskip("transformers")
+QUICK = dict(rounds=2, warmup=0)
+
+
+def tiny_llama(dtype, vocab=256):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
+                                      attn_implementation="sdpa", use_cache=False)
+    model = transformers.LlamaForCausalLM(config).to(dtype)
+    ids = torch.randint(0, vocab, (2, 32))
+    return model, {"input_ids": ids, "labels": ids}
+
+
+def _mlp(dtype, train):
+    model, (x,) = mlp()
+    model = model.to(dtype)
+    x = x.to(dtype)
+    if not train:
+        return model, (x,), None
+    target = torch.randint(0, 10, (x.shape[0],))
+    return model, (x,), lambda out: F.cross_entropy(out.float(), target)
+
+
+def _failed(result):
+    return {t.name for t in result.parity if not t.passed}
+
+
+@pytest.mark.parametrize("train", [False, True])
+@pytest.mark.parametrize("factory", ["mlp", "llama"])
+def test_one_percent_wrong_kernel_fails_on_a_bf16_model(factory, train):
+    """Every Linear's output times 1.01: close to bf16's own rounding, and still a bug."""
+    if factory == "mlp":
+        model, inputs, loss_fn = _mlp(torch.bfloat16, train)
+    else:
+        model, inputs = tiny_llama(torch.bfloat16)
+        loss_fn = None
+    result = ab_test(model, inputs, [WRONG], train=train, loss_fn=loss_fn, **QUICK)
+    assert result.verdict == "parity_failed", [(t.name, t.b_rms_rel, t.allowed_rms_rel) for t in result.parity]
+    failed = _failed(result)
+    outputs = {t.name for t in result.parity if t.name.startswith("output")}
+    assert failed & outputs  # the forward alone gives it away
+    if train:
+        assert any(name.startswith("grad.") for name in failed)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_same_arithmetic_passes_with_eager_error_and_spread(dtype):
+    model, inputs = tiny_llama(dtype)
+    result = ab_test(model, inputs, [NOOP], train=True, **QUICK)
+    assert result.parity_passed and all(t.gate == "strict" for t in result.parity)
+    for t in result.parity:
+        assert t.b_rms_rel == t.a_rms_rel and t.spread_rms_rel >= 0
+    loss = next(t for t in result.parity if t.name == "loss")
+    # the float32 loss of a bf16 model is held to the spread bf16 parameters give it, not to 4 bf16 units
+    assert loss.allowed_rms_rel < 4 * torch.finfo(torch.bfloat16).eps
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("train", [False, True])
+def test_real_swaps_pass_the_strict_gate(dtype, train):
+    model, inputs = tiny_llama(dtype)
+    result = ab_test(model, inputs, ["rms_norm", "swiglu"], train=train, **QUICK)
+    assert {row["swap"] for row in result.swapped} == {"rms_norm", "swiglu"}
+    assert result.parity_passed, [(t.name, t.b_rms_rel, t.allowed_rms_rel, t.b_max_abs, t.allowed_abs)
+                                  for t in result.parity if not t.passed]
+
+
+def test_precision_fix_reports_its_numeric_cost_and_tolerance():
+    model, inputs = tiny_llama(torch.float32)
+    result = ab_test(model, inputs, fixes=["bf16_autocast"], train=True, **QUICK)
+    assert result.parity_passed and result.fixes == ["bf16_autocast"]
+    assert {t.gate for t in result.parity} == {"cost"}  # no swap or exact fix: nothing for the strict gate
+    cost = result.numeric_cost
+    # bf16 costs orders of magnitude more than eager fp32's own error, and far less than 100%
+    assert 1e-4 < cost["worst_rms_rel"] < 0.5 and cost["worst_rms_rel"] > 100 * cost["eager_rms_rel"]
+    assert {"output", "loss", "grad"} <= set(cost["by_kind"])
+    assert "numeric cost vs fp64" in result.summary()
+
+    strict = ab_test(model, inputs, fixes=["bf16_autocast"], train=True, max_rel_error=cost["worst_rms_rel"] / 2,
+                     **QUICK)
+    assert strict.verdict == "parity_failed" and strict.timing is None
+    assert any(not t.passed and t.gate == "cost" for t in strict.parity)
+
+
+def test_swap_with_a_precision_fix_is_judged_against_that_precision():
+    """A wrong kernel under autocast fails against autocast alone; the same arithmetic passes."""
+    model, inputs = tiny_llama(torch.float32)
+    wrong = ab_test(model, inputs, [WRONG], fixes=["bf16_autocast"], train=True, **QUICK)
+    assert wrong.verdict == "parity_failed"
+    assert all(t.passed for t in wrong.parity if t.gate == "cost")
+    assert any(not t.passed for t in wrong.parity if t.gate == "strict")
+    same = ab_test(model, inputs, [NOOP], fixes=["bf16_autocast"], train=True, **QUICK)
+    assert same.parity_passed and {t.gate for t in same.parity} == {"cost", "strict"}
+
+
+class GroupedExperts(torch.nn.Module):
+    """Two experts through torch._grouped_mm, as Mixtral's and Qwen3-MoE's experts call it: it has no
+    float64 kernel."""
+
+    def __init__(self, width=16):
+        super().__init__()
+        self.up = torch.nn.Linear(width, width)
+        self.experts = torch.nn.Parameter(torch.randn(2, width, width) / width ** 0.5)
+
+    def forward(self, x):
+        h = self.up(x)
+        offsets = torch.tensor([x.shape[0] // 2, x.shape[0]], dtype=torch.int32)
+        return torch._grouped_mm(h, self.experts, offs=offsets)
+
+
+def test_reference_falls_back_for_an_op_without_float64():
+    torch.manual_seed(0)
+    model, x = GroupedExperts(), torch.randn(8, 16)
+    with pytest.raises(RuntimeError, match="got Double"):
+        torch._grouped_mm(x.double(), model.experts.detach().double(), offs=torch.tensor([4, 8], dtype=torch.int32))
+    result = ab_test(model, (x,), [NOOP], **QUICK)
+    assert result.reference_fallbacks == [{"op": "aten::_grouped_mm", "dtype": "float32"}]
+    assert "aten::_grouped_mm has no float64 kernel here; ran it in float32" in result.summary()
+    # the Linear before it is still judged against a float64 run: eager's error is a float32 one, not zero
+    output = next(t for t in result.parity if t.name == "output")
+    assert result.parity_passed and 0 < output.a_rms_rel < 1e-5
+
+
+def test_reference_failure_names_the_op_and_the_cause():
+    from profiler_svc.errors import UserError
+
+    model, (x,) = mlp()
+    with pytest.raises(UserError, match=r"float64 reference run failed: aten::\w+ got float32 and float64 inputs"
+                                        r".*a step callable must build its floating inputs in the model's dtype"):
+        ab_test(model, lambda m: m(x), [NOOP], **QUICK)  # x stays float32 while the reference is float64
