@@ -34,7 +34,7 @@ def request_ab(run_id):
     session = db()
     run = queries.get(session, Run, run_id)
     finding_id = request.form.get("finding_id", "")
-    if finding_id and not finding_id.isdigit():
+    if finding_id and not (finding_id.isascii() and finding_id.isdigit()):  # "²" is a digit to isdigit()
         raise UserError("finding_id must be an integer")
     job = jobs.enqueue(session, run, swap=request.form.get("swap") or None,
                        finding_id=int(finding_id) if finding_id else None)

@@ -117,6 +117,7 @@ def _receiving(engine, blobs, stream, workload, max_bytes):
         yield received, _find_trace(engine, received.sha256, workload)
     finally:
         received.tmp_path.unlink(missing_ok=True)
+        received.release()
 
 
 @dataclass

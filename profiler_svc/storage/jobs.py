@@ -6,6 +6,7 @@ A job whose lease ran out (the worker crashed or lost its host) goes back to the
 ``MAX_ATTEMPTS`` claims; after that it fails with the reason. The same functions serve both kinds
 (`model`: the job's table).
 """
+import re
 from datetime import timedelta
 
 from sqlalchemy import select, update
@@ -17,6 +18,7 @@ from .models import ABJob, ABResultRow, FindingRecord, utcnow
 from .queries import NotFound
 
 MAX_ATTEMPTS = 3
+SWAP_NAME = re.compile(r"[A-Za-z_][\w.-]{0,63}", re.ASCII)
 DEFAULT_LEASE_S = 120.0
 
 
@@ -31,6 +33,8 @@ def enqueue(session, run, *, swap: str | None = None, finding_id: int | None = N
         swap = swap or finding.swap
     if not swap:
         raise UserError("nothing to A/B test: the finding recommends no bundled swap")
+    if not SWAP_NAME.fullmatch(swap):
+        raise UserError(f"not a swap name: {swap[:80]!r} (letters, digits, '_', '-', '.'; at most 64)")
     if not run.workload:
         raise UserError(f"run {run.id} has no workload to A/B test (capture it with a workload, "
                         "or ingest with --workload pkg.module:factory)")

@@ -5,6 +5,7 @@ from ..errors import UserError
 from .models import ABJob, AnalysisJob, FindingRecord, KernelSummary, Run, TraceRecord
 
 TOP_KERNELS = 30
+JOB_STATUSES = ("queued", "running", "done", "failed")
 
 
 class NotFound(UserError):
@@ -17,13 +18,18 @@ def list_runs(session, q: str | None = None, limit: int = 100, offset: int = 0) 
                    func.avg(TraceRecord.gpu_busy_pct).label("gpu_busy_pct"))
             .outerjoin(TraceRecord, TraceRecord.run_id == Run.id).group_by(Run.id))
     if q:
-        pattern = f"%{q.strip()}%"
-        stmt = stmt.where(or_(Run.name.ilike(pattern), Run.host.ilike(pattern), Run.workload.ilike(pattern)))
+        pattern = f"%{like_escaped(q.strip().replace(chr(0), ''))}%"
+        stmt = stmt.where(or_(*(column.ilike(pattern, escape="\\") for column in (Run.name, Run.host, Run.workload))))
     rows = session.execute(stmt.order_by(Run.id.desc()).limit(limit).offset(offset)).all()
     return {"q": q or "", "runs": [{
         "id": r.id, "name": r.name, "host": r.host, "workload": r.workload,
         "created_at": r.created_at.isoformat(), "traces": r.traces,
         "span_us": r.span_us or 0.0, "gpu_busy_pct": round(r.gpu_busy_pct or 0.0, 2)} for r in rows]}
+
+
+def like_escaped(text: str) -> str:
+    """`text` matched literally by LIKE: its % and _ are not wildcards."""
+    return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
 
 
 def get(session, model, id_):
@@ -167,6 +173,8 @@ def compare(session, run_a: int, run_b: int, limit: int = 50) -> dict:
 
 def list_jobs(session, status: str | None = None, limit: int = 100) -> list[dict]:
     stmt = select(ABJob).order_by(ABJob.id.desc()).limit(limit)
+    if status and status not in JOB_STATUSES:
+        raise UserError(f"unknown job status {status[:40]!r} (one of: {', '.join(JOB_STATUSES)})")
     if status:
         stmt = stmt.where(ABJob.status == status)
     return [job_dict(j, with_result=False) for j in session.scalars(stmt)]
