@@ -71,7 +71,7 @@ def test_serve(served, tmp_path):
     assert (tmp_path / "profiler_svc.sqlite3").exists()  # the documented default location
 
 
-def timed_requests(url, n=15) -> list[float]:
+def timed_requests(url, n=20) -> list[float]:
     times = []
     for _ in range(n):
         start = time.perf_counter()
