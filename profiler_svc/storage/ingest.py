@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 BLOB_DIR_ENV = "PROFILER_SVC_BLOB_DIR"
 # Uncompressed, checked while receiving (a gzip bomb stops early); the analyser's own limit.
 DEFAULT_MAX_TRACE_BYTES = MAX_TRACE_BYTES
+# Report sections the run page shows as the analyser wrote them, kept beside the "trace" section.
+REPORT_EXTRAS = ("top_kernels", "top_ops", "modules")
 
 
 def default_blob_store() -> BlobStore:
@@ -236,11 +238,28 @@ def ingest_path(engine: Engine, path, *, name: str | None = None, group_key: str
             with open(file, "rb") as stream:
                 results.append(ingest_stream(engine, stream, filename=file.name, blobs=blobs, name=name,
                                              group_key=group_key, host=host, workload=workload))
+        if len(files) > 1 and not all(r.duplicate for r in results):
+            _store_cross_rank(engine, path, results[0].run_id)
     except BaseException:
         # A folder is one job: all of its ranks or none of them.
         _remove(engine, blobs, [r for r in results if not r.duplicate])
         raise
     return results
+
+
+def _store_cross_rank(engine, folder: Path, run_id: int) -> None:
+    """What only the ranks together show (the straggler every collective waits for): the folder's report's
+    findings that no single rank's analysis has, stored with the rank they name."""
+    report = analyse(folder)
+    single = {f.key for a in report.analyses for f in a.findings}
+    cross = {f.id for f in report.findings if f.key not in single}
+    if not cross:
+        return
+    with session_scope(engine) as session:
+        traces = {t.rank: t.id for t in session.scalars(select(TraceRecord).where(TraceRecord.run_id == run_id))}
+        for f in report.to_dict()["findings"]:
+            if f["id"] in cross and f.get("rank") in traces:
+                session.add_all(_finding_rows([f], traces[f["rank"]], run_id, f["rank"]))
 
 
 def _remove(engine, blobs, results) -> None:
@@ -313,7 +332,8 @@ def _store(engine, blobs, upload: Upload, analysed: dict, *, move_blob=None, job
             gpu_busy_pct=float(summary.get("gpu_busy_pct") or 0),
             kernel_count=int(summary.get("kernel_count") or 0),
             kernel_time_us=float(summary.get("kernel_time_us") or 0),
-            event_count=int(summary.get("event_count") or 0), summary=plain_json(summary),
+            event_count=int(summary.get("event_count") or 0),
+            summary=plain_json({**summary, **{key: data.get(key) or [] for key in REPORT_EXTRAS}}),
             steps=plain_json(data.get("steps") or {}), prediction=plain_json(data.get("prediction") or {}),
             timeline=analysed["timeline"])
         session.add(trace)

@@ -2,6 +2,7 @@
 from sqlalchemy import func, or_, select
 
 from ..errors import UserError
+from ..trace.kernel_names import short_kernel_name
 from .models import ABJob, AnalysisJob, FindingRecord, KernelSummary, Run, TraceRecord
 
 TOP_KERNELS = 30
@@ -21,10 +22,30 @@ def list_runs(session, q: str | None = None, limit: int = 100, offset: int = 0) 
         pattern = f"%{like_escaped(q.strip().replace(chr(0), ''))}%"
         stmt = stmt.where(or_(*(column.ilike(pattern, escape="\\") for column in (Run.name, Run.host, Run.workload))))
     rows = session.execute(stmt.order_by(Run.id.desc()).limit(limit).offset(offset)).all()
+    top = _top_findings(session, [r.id for r in rows])
     return {"q": q or "", "runs": [{
         "id": r.id, "name": r.name, "host": r.host, "workload": r.workload,
         "created_at": r.created_at.isoformat(), "traces": r.traces,
-        "span_us": r.span_us or 0.0, "gpu_busy_pct": round(r.gpu_busy_pct or 0.0, 2)} for r in rows]}
+        "span_us": r.span_us or 0.0, "gpu_busy_pct": round(r.gpu_busy_pct or 0.0, 2),
+        "top_finding": top.get(r.id)} for r in rows]}
+
+
+def _top_findings(session, run_ids: list[int]) -> dict:
+    """Per run: its finding with the largest saving per step (title, saving, severity)."""
+    if not run_ids:
+        return {}
+    best = (select(FindingRecord.run_id, func.max(FindingRecord.saving_us_per_step).label("saving"))
+            .where(FindingRecord.run_id.in_(run_ids)).group_by(FindingRecord.run_id).subquery())
+    rows = session.execute(
+        select(FindingRecord.run_id, FindingRecord.id, FindingRecord.title, FindingRecord.severity,
+               FindingRecord.saving_us_per_step)
+        .join(best, (best.c.run_id == FindingRecord.run_id) & (best.c.saving == FindingRecord.saving_us_per_step))
+        .order_by(FindingRecord.id)).all()
+    out: dict = {}
+    for r in rows:
+        out.setdefault(r.run_id, {"id": r.id, "title": r.title, "severity": r.severity,
+                                  "saving_us_per_step": r.saving_us_per_step})
+    return out
 
 
 def like_escaped(text: str) -> str:
@@ -64,8 +85,13 @@ def run_summary(session, run_id: int) -> dict:
     }
 
 
-def top_kernels(session, run_id: int, limit: int = TOP_KERNELS) -> list[dict]:
-    """Kernels summed over the run's ranks, by (name, op, module)."""
+def top_kernels(session, run_id: int, trace: TraceRecord | None = None, limit: int = TOP_KERNELS) -> list[dict]:
+    """The rank's top kernels as the report lists them (short name, user-facing op, time per step, achieved
+    rate against the device's peak); for traces stored before ingest kept those, the kernel rows summed
+    over the run's ranks."""
+    stored = ((trace.summary or {}).get("top_kernels") if trace is not None else None) or []
+    if stored:
+        return stored[:limit]
     kernel_time = session.scalar(select(func.sum(TraceRecord.kernel_time_us))
                                  .where(TraceRecord.run_id == run_id)) or 0.0
     total = func.sum(KernelSummary.total_us)
@@ -75,23 +101,56 @@ def top_kernels(session, run_id: int, limit: int = TOP_KERNELS) -> list[dict]:
         .where(KernelSummary.run_id == run_id)
         .group_by(KernelSummary.name, KernelSummary.op, KernelSummary.module)
         .order_by(total.desc()).limit(limit)).all()
-    return [{"name": r.name, "op": r.op, "module": r.module, "count": int(r.count),
-             "total_us": round(r.total_us, 3), "mean_us": round(r.total_us / r.count, 3) if r.count else 0.0,
-             "share_pct": round(100.0 * r.total_us / kernel_time, 2) if kernel_time else 0.0} for r in rows]
+    return [{"name": r.name, "short_name": r.name, "op": r.op, "top_op": None, "module": r.module,
+             "count": int(r.count), "total_us": round(r.total_us, 3),
+             "mean_us": round(r.total_us / r.count, 3) if r.count else 0.0, "us_per_step": None,
+             "share_pct": round(100.0 * r.total_us / kernel_time, 2) if kernel_time else 0.0,
+             "achieved_gbps": None, "bandwidth_pct": None, "achieved_tflops": None, "peak_pct": None,
+             "bound": None} for r in rows]
 
 
-def finding_dict(f: FindingRecord) -> dict:
+def finding_dict(f: FindingRecord, step_us: float | None = None) -> dict:
     return {"id": f.id, "key": f.finding_key, "category": f.category, "severity": f.severity,
             "title": f.title, "detail": f.detail, "evidence": f.evidence,
             "saving_us_per_step": f.saving_us_per_step,
-            "gpu_time_saved_us_per_step": f.gpu_time_saved_us_per_step, "rank": f.rank,
+            "gpu_time_saved_us_per_step": f.gpu_time_saved_us_per_step,
+            # the report's share: the saving against the rank's step (its replayed step, as the report)
+            "share_of_step_pct": round(100 * f.saving_us_per_step / step_us, 2) if step_us else None,
+            "rank": f.rank,
             "recommendation": {"summary": f.summary, "swap": f.swap, "fix": f.fix, "snippet": f.snippet}}
 
 
+def _step_us(trace: TraceRecord) -> float | None:
+    """The step a rank's savings are shares of: the report's replayed step, else its measured median."""
+    return (trace.prediction or {}).get("step_us") or ((trace.steps or {}).get("step_us") or {}).get("median")
+
+
 def findings(session, run_id: int) -> list[dict]:
+    """The run's findings, one per root cause: the same problem found on several ranks is one finding with
+    the worst rank's figures (the report's rule) and every rank's in `ranks`; best saving first."""
+    traces = {t.id: t for t in session.scalars(select(TraceRecord).where(TraceRecord.run_id == run_id))}
     rows = session.scalars(select(FindingRecord).where(FindingRecord.run_id == run_id)
                            .order_by(FindingRecord.saving_us_per_step.desc(), FindingRecord.id)).all()
-    return [finding_dict(f) for f in rows]
+    # the analyser's cause key of a finding, where its trace's prediction names it (titles carry per-rank numbers)
+    keys, by_title = {}, {}
+    for t in traces.values():
+        for step in (t.prediction or {}).get("waterfall") or []:
+            keys[(t.id, step.get("title"))] = by_title[step.get("title")] = step.get("finding")
+    groups: dict = {}
+    for f in rows:
+        cause = keys.get((f.trace_id, f.title)) or by_title.get(f.title) or f"{f.category}:{f.title}"
+        groups.setdefault(cause, []).append(f)
+    out = []
+    for cause, group in groups.items():
+        worst = group[0]  # rows come best saving first
+        item = finding_dict(worst, _step_us(traces[worst.trace_id]))
+        item["cause"] = cause
+        item["ranks"] = [{"rank": f.rank, "finding_id": f.id, "saving_us_per_step": f.saving_us_per_step,
+                          "gpu_time_saved_us_per_step": f.gpu_time_saved_us_per_step,
+                          "share_of_step_pct": finding_dict(f, _step_us(traces[f.trace_id]))["share_of_step_pct"]}
+                         for f in sorted(group, key=lambda f: (f.rank is None, f.rank))] if len(traces) > 1 else []
+        out.append(item)
+    return out
 
 
 def job_dict(job: ABJob, with_result: bool = True) -> dict:
@@ -119,13 +178,82 @@ def upload_page(session, upload_id: int) -> dict:
     return upload_dict(get(session, AnalysisJob, upload_id))
 
 
-def run_page(session, run_id: int, rank: int | None = None) -> dict:
+def _trace_for(session, run_id: int, rank: int | None) -> TraceRecord | None:
+    stmt = select(TraceRecord).where(TraceRecord.run_id == run_id)
+    stmt = stmt.where(TraceRecord.rank == rank) if rank is not None else stmt.order_by(TraceRecord.rank)
+    trace = session.scalars(stmt.limit(1)).first()
+    if trace is None and rank is not None:
+        raise NotFound(f"run {run_id} has no trace for rank {rank}")
+    return trace
+
+
+def analysis(trace: TraceRecord | None) -> dict:
+    """What the analyser said about one rank's steps: the step, what bounds it, where it goes, and the
+    combined prediction with its waterfall (stored at ingest, shown as is)."""
+    if trace is None:
+        return {"rank": None, "steps": {}, "prediction": {}, "has_gpu": False}
+    return {"rank": trace.rank, "steps": trace.steps or {}, "prediction": trace.prediction or {},
+            "has_gpu": trace.kernel_count > 0, "trace": {k: v for k, v in (trace.summary or {}).items()
+                                                        if k not in ("top_kernels", "top_ops", "modules")}}
+
+
+def ranks(session, run_id: int) -> list[dict]:
+    """Per rank: its step, what bounds it, its collective wait, and its own combined prediction."""
+    out = []
+    for t in session.scalars(select(TraceRecord).where(TraceRecord.run_id == run_id).order_by(TraceRecord.rank)):
+        steps, prediction = t.steps or {}, t.prediction or {}
+        idle = steps.get("idle") or {}
+        out.append({"rank": t.rank, "trace_id": t.id, "step_us": (steps.get("step_us") or {}),
+                    "bottleneck": (steps.get("bottleneck") or {}).get("kind"),
+                    "gpu_busy_pct": t.gpu_busy_pct, "kernel_count": t.kernel_count,
+                    "collective_idle_us_per_step": (idle.get("collective") or {}).get("idle_us_per_step"),
+                    "step_us_after": prediction.get("step_us_after"),
+                    "saving_pct": prediction.get("saving_pct")})
+    return out
+
+
+def run_page(session, run_id: int, rank: int | None = None, with_timeline: bool = True) -> dict:
+    """The run page: the answer (the step, the step after every recommended fix, what each fix buys), the
+    findings one per cause, where the step goes, the ranks. Figures are one rank's (RANK, else the first), as
+    `profiler_svc recommend` gives them for the same files."""
     page = run_summary(session, run_id)
-    page["top_kernels"] = top_kernels(session, run_id)
+    main = _trace_for(session, run_id, rank)
+    page["analysis"] = analysis(main)
+    page["top_kernels"] = top_kernels(session, run_id, main)
     page["findings"] = findings(session, run_id)
+    page["rank_table"] = ranks(session, run_id) if len(page["ranks"]) > 1 else []
+    page["ab_choices"] = ab_choices(page["findings"])
     page["jobs"] = [job_dict(j, with_result=False) for j in session.scalars(
         select(ABJob).where(ABJob.run_id == run_id).order_by(ABJob.id.desc()))]
-    page["timeline"] = timeline(session, run_id, rank)
+    if with_timeline:
+        page["timeline"] = timeline(session, run_id, rank)
+    return page
+
+
+def ab_choices(findings: list[dict]) -> list[dict]:
+    """What an A/B of this run can test: each bundled swap or configuration fix its findings recommend, once,
+    with the finding that recommends it most (its largest saving first)."""
+    out, seen = [], set()
+    for f in findings:
+        rec = f["recommendation"]
+        for kind in ("swap", "fix"):
+            if rec.get(kind) and (kind, rec[kind]) not in seen:
+                seen.add((kind, rec[kind]))
+                out.append({"kind": kind, "name": rec[kind], "finding_id": f["id"], "title": f["title"],
+                            "saving_us_per_step": f["saving_us_per_step"]})
+    return out
+
+
+def modules_page(session, run_id: int, rank: int | None = None) -> dict:
+    """Time per module instance (capture's labels), forward and backward, as a tree by qualified name."""
+    page = run_summary(session, run_id)
+    main = _trace_for(session, run_id, rank)
+    stored = (main.summary or {}) if main else {}
+    page["analysis"] = analysis(main)
+    page["modules"] = stored.get("modules") or []
+    page["labelled"] = bool(stored.get("labelled"))
+    page["top_kernels"] = top_kernels(session, run_id, main)
+    page["top_ops"] = stored.get("top_ops") or []
     return page
 
 
@@ -140,6 +268,22 @@ def timeline(session, run_id: int, rank: int | None = None) -> dict:
     return {"rank": row.rank, **row.timeline}
 
 
+def gap_causes(session, run_id: int, rank: int | None) -> list[dict]:
+    """The idle gaps the analyser explained (the largest of each launch-gap finding of this rank): where, how
+    long, why, the op that ended it and what the host ran meanwhile."""
+    stmt = (select(FindingRecord.evidence).join(TraceRecord, TraceRecord.id == FindingRecord.trace_id)
+            .where(FindingRecord.run_id == run_id, FindingRecord.category == "launch_gaps"))
+    if rank is not None:
+        stmt = stmt.where(TraceRecord.rank == rank)
+    out = []
+    for evidence in session.scalars(stmt):
+        for gap in (evidence or {}).get("largest_gaps") or []:
+            out.append({"start_us": gap.get("start_us"), "idle_us": gap.get("idle_us"), "cause": evidence.get("cause"),
+                        "next_op": gap.get("next_op"), "next_kernel": gap.get("next_kernel"),
+                        "module": gap.get("module"), "host_ops": gap.get("host_ops_during_gap") or []})
+    return sorted(out, key=lambda g: g["start_us"] or 0.0)
+
+
 def job_page(session, job_id: int) -> dict:
     job = get(session, ABJob, job_id)
     out = job_dict(job)
@@ -149,8 +293,11 @@ def job_page(session, job_id: int) -> dict:
 
 
 def compare(session, run_a: int, run_b: int, limit: int = 50) -> dict:
-    """Per-kernel time deltas between two runs (B minus A), largest change first."""
+    """Run B against run A: the step (difference of the median step, with a bootstrap interval over the steps),
+    the per-step breakdown, findings resolved / new / changed (by cause), and per-kernel time (B minus A)."""
     a, b = run_summary(session, run_a), run_summary(session, run_b)
+    ta, tb = _trace_for(session, run_a, None), _trace_for(session, run_b, None)
+    sides = {"a": analysis(ta), "b": analysis(tb)}
 
     def kernel_totals(run_id):
         rows = session.execute(select(KernelSummary.name, func.sum(KernelSummary.total_us),
@@ -161,14 +308,76 @@ def compare(session, run_a: int, run_b: int, limit: int = 50) -> dict:
     totals_a, totals_b = kernel_totals(run_a), kernel_totals(run_b)
     deltas = []
     for name in totals_a.keys() | totals_b.keys():
-        (ta, ca), (tb, cb) = totals_a.get(name, (0.0, 0)), totals_b.get(name, (0.0, 0))
-        deltas.append({"name": name, "a_us": round(ta, 3), "b_us": round(tb, 3), "a_count": int(ca),
-                       "b_count": int(cb), "delta_us": round(tb - ta, 3),
-                       "delta_pct": round(100.0 * (tb - ta) / ta, 2) if ta else None})
+        (ka, ca), (kb, cb) = totals_a.get(name, (0.0, 0)), totals_b.get(name, (0.0, 0))
+        deltas.append({"name": name, "short_name": short_kernel_name(name), "a_us": round(ka, 3), "b_us": round(kb, 3), "a_count": int(ca),
+                       "b_count": int(cb), "delta_us": round(kb - ka, 3),
+                       "delta_pct": round(100.0 * (kb - ka) / ka, 2) if ka else None})
     deltas.sort(key=lambda d: (-abs(d["delta_us"]), d["name"]))
-    return {"a": {k: a[k] for k in ("id", "name", "summary")}, "b": {k: b[k] for k in ("id", "name", "summary")},
-            "kernels": deltas[:limit],
+    return {"a": {**{k: a[k] for k in ("id", "name", "summary")}, "analysis": sides["a"]},
+            "b": {**{k: b[k] for k in ("id", "name", "summary")}, "analysis": sides["b"]},
+            "same_run": run_a == run_b,
+            "step": step_difference(sides["a"]["steps"], sides["b"]["steps"]),
+            "breakdown": _breakdown_delta(sides["a"]["steps"], sides["b"]["steps"]),
+            "findings": findings_delta(findings(session, run_a), findings(session, run_b)),
+            "kernels": [d for d in deltas[:limit] if d["delta_us"] or run_a != run_b],
             "total_delta_us": round(b["summary"]["kernel_time_us"] - a["summary"]["kernel_time_us"], 3)}
+
+
+# An interval needs a few steps on each side; bootstrap resamples for it (fixed seed: the same page every time).
+_MIN_STEPS_FOR_CI, _BOOTSTRAP = 3, 2000
+
+
+def step_difference(steps_a: dict, steps_b: dict, level: float = 0.95) -> dict | None:
+    """B's median step minus A's, with a bootstrap confidence interval over each run's measured steps."""
+    import numpy as np
+    va = np.asarray((steps_a.get("step_us") or {}).get("values") or [], dtype=float)
+    vb = np.asarray((steps_b.get("step_us") or {}).get("values") or [], dtype=float)
+    if not len(va) or not len(vb):
+        return None
+    out = {"a_us": float(np.median(va)), "b_us": float(np.median(vb)), "a_steps": len(va), "b_steps": len(vb)}
+    out["delta_us"] = round(out["b_us"] - out["a_us"], 2)
+    out["delta_pct"] = round(100 * out["delta_us"] / out["a_us"], 2) if out["a_us"] else None
+    out["ci_level"], out["ci_low_us"], out["ci_high_us"] = level, None, None
+    if min(len(va), len(vb)) >= _MIN_STEPS_FOR_CI:
+        rng = np.random.default_rng(0)
+        diffs = (np.median(rng.choice(vb, (_BOOTSTRAP, len(vb))), axis=1)
+                 - np.median(rng.choice(va, (_BOOTSTRAP, len(va))), axis=1))
+        low, high = np.quantile(diffs, [(1 - level) / 2, (1 + level) / 2])
+        out["ci_low_us"], out["ci_high_us"] = round(float(low), 2), round(float(high), 2)
+    return out
+
+
+def _breakdown_delta(steps_a: dict, steps_b: dict) -> list[dict]:
+    ba, bb = steps_a.get("breakdown_us_per_step") or {}, steps_b.get("breakdown_us_per_step") or {}
+    return [{"kind": k, "a_us": ba.get(k), "b_us": bb.get(k),
+             "delta_us": round(bb[k] - ba[k], 2) if k in ba and k in bb else None}
+            for k in dict.fromkeys([*ba, *bb])]
+
+
+# A finding in both runs "changed" when its saving moved by more than this share (and at least 1 µs per step).
+_CHANGED_SHARE = 0.05
+
+
+def findings_delta(in_a: list[dict], in_b: list[dict]) -> dict:
+    """Findings by cause: gone in B (resolved), only in B (new), in both with a different saving (changed)."""
+    by_a, by_b = {f["cause"]: f for f in in_a}, {f["cause"]: f for f in in_b}
+    # a cause the replay did not name on one side (no saving there) still matches by its exact title
+    titles_b = {f["title"]: c for c, f in by_b.items() if c not in by_a}
+    for cause in [c for c in by_a if c not in by_b]:
+        if by_a[cause]["title"] in titles_b:
+            by_b[cause] = by_b.pop(titles_b.pop(by_a[cause]["title"]))
+    brief = lambda f: {k: f[k] for k in ("id", "title", "category", "severity", "saving_us_per_step")}  # noqa: E731
+    changed = []
+    for cause in by_a.keys() & by_b.keys():
+        sa, sb = by_a[cause]["saving_us_per_step"], by_b[cause]["saving_us_per_step"]
+        if abs(sb - sa) > max(1.0, _CHANGED_SHARE * max(abs(sa), abs(sb))):
+            changed.append({"cause": cause, "a": brief(by_a[cause]), "b": brief(by_b[cause]),
+                            "delta_us": round(sb - sa, 2)})
+    order = lambda f: -f["saving_us_per_step"]  # noqa: E731
+    return {"resolved": sorted((brief(by_a[c]) for c in by_a.keys() - by_b.keys()), key=order),
+            "new": sorted((brief(by_b[c]) for c in by_b.keys() - by_a.keys()), key=order),
+            "changed": sorted(changed, key=lambda c: -abs(c["delta_us"])),
+            "unchanged": len(by_a.keys() & by_b.keys()) - len(changed)}
 
 
 def list_jobs(session, status: str | None = None, limit: int = 100) -> list[dict]:

@@ -5,6 +5,7 @@ import os
 import pytest
 
 from tests.plugins.traces import SMALL_TRACE
+from tests.web.uploads import sign_in
 from profiler_svc.storage import db as storage_db
 from profiler_svc.storage.blobs import BlobStore
 from profiler_svc.storage.ingest import ingest_path
@@ -33,12 +34,13 @@ def test_api_request_worker_result_page(tmp_path):
 
     assert run_worker(engine, once=True) == 1  # the A/B test in a child process, as a real worker runs it
 
-    job = client.get(f"/api/v1/jobs/{job_id}").get_json()
+    job = client.get(f"/api/v1/jobs/{job_id}", headers={"Authorization": "Bearer t"}).get_json()
     assert job["status"] == "done", job["error"]
     result = job["result"]
     assert result["schema"] == "profiler_svc.ab/1" and result["swaps"] == ["rms_norm"]
     assert {row["module"] for row in result["swapped"]} == {"layers.0.norm", "layers.1.norm", "norm"}
     assert result["parity_passed"] and len(result["timing"]["a_ms"]) == len(result["timing"]["b_ms"]) == 3
+    assert sign_in(client, "t").status_code == 303  # pages need a signed-in session
     page = client.get(f"/jobs/{job_id}").get_data(as_text=True)
     assert f'{result["timing"]["speedup"]:.3f}×' in page
     assert 'id="ab-times-chart"' in page and 'id="ab-times-data"' in page

@@ -1,5 +1,6 @@
-"""Headless Chromium (Debian's, driven by Playwright) opens the dashboard, sees the charts drawn,
-and clicks run -> finding -> A/B request. Skipped when chromium or playwright is absent."""
+"""Headless Chromium (Debian's, driven by Playwright) opens every view of the dashboard: the answer-first run
+page, the module view, the timeline, the ranks of a multi-rank job, compare, the A/B flow, and a trace whose
+kernel names are an XSS payload. Skipped when chromium or playwright is absent."""
 import os
 import shutil
 import threading
@@ -7,7 +8,7 @@ import threading
 import pytest
 
 from tests.plugins.database import trace_variant
-from tests.plugins.traces import fixture_path
+from tests.plugins.traces import fixture_dir, fixture_path
 from profiler_svc.storage import db as storage_db
 from profiler_svc.storage.blobs import BlobStore
 from profiler_svc.storage.ingest import ingest_path
@@ -17,6 +18,7 @@ CHROMIUM = os.environ.get("PROFILER_SVC_CHROMIUM") or shutil.which("chromium") o
 playwright = pytest.importorskip("playwright.sync_api")
 pytestmark = pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="chromium is not installed")
 HOSTILE = "<img src=x onerror=alert(1)><script>alert(2)</script>"
+LABELLED = fixture_path("llama_bf16_train_agent")  # module labels, swaps to A/B
 TOKEN = "browser-token"
 
 
@@ -30,29 +32,39 @@ def sign_in(page, base):
     page.wait_for_url(base + "/")
 
 
-@pytest.fixture
-def server(tmp_path):
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as env:  # module scope: the per-test environment is not set up yet
+        env.setenv("PROFILER_SVC_ALLOWED_WORKLOADS", "profiler_svc.service.demo")
+        yield from _server(tmp_path_factory.mktemp("browser"))
+
+
+def _server(tmp_path):
     url = f"sqlite:///{tmp_path / 'browser.sqlite3'}"
     engine = storage_db.get_engine(url)
     storage_db.upgrade(engine)
     blobs = BlobStore(tmp_path / "blobs")
-    [run] = ingest_path(engine, fixture_path("llama_bf16_train"), blobs=blobs, name="llama train",
-                        workload="profiler_svc.service.demo:tiny_llama")
-    [hostile] = ingest_path(engine, trace_variant(tmp_path, "hostile", kernel_name=HOSTILE), blobs=blobs,
-                            name=HOSTILE)
+    runs = {
+        "llama": ingest_path(engine, LABELLED, blobs=blobs, name="llama train",
+                             workload="profiler_svc.service.demo:tiny_llama")[0].run_id,
+        "hostile": ingest_path(engine, trace_variant(tmp_path, "hostile", kernel_name=HOSTILE, source=LABELLED),
+                               blobs=blobs, name=HOSTILE, group_key="hostile")[0].run_id,
+        "straggler": ingest_path(engine, fixture_dir("gpt2_ddp_straggler"), blobs=blobs)[0].run_id,
+    }
     app = create_app({"DATABASE_URL": url, "BLOB_DIR": str(blobs.root), "SECRET_KEY": "browser-test",
                       "API_TOKEN": TOKEN})
     from werkzeug.serving import make_server
     httpd = make_server("127.0.0.1", 0, app, threaded=True)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
-    yield f"http://127.0.0.1:{httpd.port}", run.run_id, hostile.run_id
+    yield f"http://127.0.0.1:{httpd.port}", runs
     httpd.shutdown()
     storage_db._engines.pop(url).dispose()
 
 
 @pytest.fixture
-def page():
+def page(server):
+    """A browser page, signed in to the server (the dashboard asks for a token first)."""
     with playwright.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=[
             "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -60,26 +72,72 @@ def page():
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         page.errors, page.dialogs = [], []
         page.on("pageerror", lambda exc: page.errors.append(str(exc)))
+        page.on("console", lambda msg: page.errors.append(msg.text) if msg.type == "error" else None)
         page.on("dialog", lambda dialog: (page.dialogs.append(dialog.message), dialog.dismiss()))
+        sign_in(page, server[0])
         yield page
         browser.close()
 
 
-def test_run_charts_finding_and_ab_request(server, page):
-    base, run_id, _ = server
-    sign_in(page, base)
-    page.click("text=llama train")
-    page.wait_for_url(f"**/runs/{run_id}")
-    # Plotly drew both charts: bars for the top kernels, one line per stream plus the idle row.
-    page.wait_for_selector("#top-kernels-chart .main-svg")
-    page.wait_for_selector("#timeline-chart .main-svg")
-    assert page.locator("#top-kernels-chart .bars path").count() >= 5
-    assert page.locator("#timeline-chart .scatterlayer .trace").count() >= 2
-    assert page.locator(".kernels tbody tr").count() >= 5
+def test_run_page_answers_first_then_ab_request(server, page):
+    base, runs = server
+    page.goto(base + "/")
+    # the runs list names each run's top finding and what it saves
+    row = page.locator("tr", has=page.locator("a.run-link", has_text="llama train"))
+    assert row.locator("td.num").nth(2).inner_text().endswith(("ms", "µs"))  # span, GPU busy, saving
+    assert row.locator(".top-finding a").inner_text().startswith("GPU idle")
+    row.locator("a.run-link").click()
+    page.wait_for_url(f"**/runs/{runs['llama']}")
+    # the answer fits the first screen: the step, the step after all fixes, the waterfall, the first finding
+    page.wait_for_selector("#waterfall-chart .main-svg")
+    assert page.locator("#waterfall-chart .bars path, #waterfall-chart .point path").count() >= 3
+    assert page.locator("#predicted-step").bounding_box()["y"] < 400
+    first = page.locator("details.finding").first
+    assert first.get_attribute("open") is not None
+    assert first.bounding_box()["y"] < 1000 + 400  # below the waterfall, not 1540 px down
+    # evidence is a table, not JSON
+    evidence = first.locator(".evidence-table")
+    assert evidence.locator("th").count() >= 3 and "{" not in evidence.inner_text()
+    page.wait_for_selector("#breakdown-chart .main-svg")
 
-    # Zoom the timeline (drag a box): the x range narrows.
+    # the A/B form offers only what the findings recommend
+    options = page.locator("#ab select option")
+    assert options.count() >= 1 and all(t.split()[0] in ("swap", "fix") for t in options.all_inner_texts())
+    swap_option = page.locator("#ab select option", has_text="swap ").first
+    page.select_option("#ab select", value=swap_option.get_attribute("value"))
+    swap = swap_option.inner_text().split()[1]
+    page.click("#ab button[type=submit]")
+    page.wait_for_url("**/jobs/*")
+    assert page.locator("#job-status").inner_text() == "queued"
+    assert swap in page.content()
+    assert page.errors == [] and page.dialogs == []
+
+
+def test_module_view_tree_opens_and_closes(server, page):
+    base, runs = server
+    page.goto(f"{base}/runs/{runs['llama']}")
+    page.click("nav.tabs >> text=Modules & kernels")
+    page.wait_for_url(f"**/runs/{runs['llama']}/modules")
+    assert page.locator("script[src*=plotly]").count() == 0
+    # two levels open at first; model.layers (the third) opens on a click and shows its layers
+    layers = page.locator("details.module:has(> summary > .mod-name:text-is('model.layers'))")
+    child = layers.locator("> details.module").first
+    assert layers.count() == 1 and layers.is_visible() and not child.is_visible()
+    layers.locator("> summary").click()
+    assert child.is_visible() and child.locator("> summary .mod-name").inner_text().startswith("model.layers.")
+    layers.locator("> summary").click()
+    assert not child.is_visible()
+    assert page.locator("table.kernels tbody tr").count() >= 10
+    assert page.locator("table.kernels", has_text="TFLOP/s").count() == 1
+    assert page.errors == []
+
+
+def test_timeline_zooms_and_links_perfetto(server, page):
+    base, runs = server
+    page.goto(f"{base}/runs/{runs['llama']}/timeline")
+    page.wait_for_selector("#timeline-chart .main-svg")
+    assert page.locator("#timeline-chart .scatterlayer .trace").count() >= 2
     drag = page.locator("#timeline-chart .nsewdrag").first
-    drag.scroll_into_view_if_needed()
     box = drag.bounding_box()
     before = page.evaluate("document.getElementById('timeline-chart').layout.xaxis.range.slice()")
     page.mouse.move(box["x"] + box["width"] * 0.3, box["y"] + 10)
@@ -89,32 +147,42 @@ def test_run_charts_finding_and_ab_request(server, page):
     page.wait_for_timeout(200)
     after = page.evaluate("document.getElementById('timeline-chart').layout.xaxis.range.slice()")
     assert after[1] - after[0] < (before[1] - before[0]) * 0.5
-
-    finding = page.locator("details.finding", has=page.locator(".ab-button")).first
-    swap = finding.locator("code.swap").text_content() if finding.count() else None
-    assert swap, "the llama training trace should have a finding with a bundled swap"
-    finding.locator("summary").first.click()
-    finding.locator(".ab-button").click()
-    page.wait_for_url("**/jobs/*")
-    assert page.locator("#job-status").inner_text() == "queued"
-    assert swap in page.content()
-    assert page.errors == [] and page.dialogs == []
+    # idle bars carry the analyser's cause (the hover text of the "GPU idle" row)
+    texts = page.evaluate("document.getElementById('timeline-chart').data.find(t => t.name === 'GPU idle').text")
+    assert any(t and "cause: host wait" in t for t in texts)
+    href = page.locator("a.perfetto").first.get_attribute("href")
+    assert href.startswith("https://ui.perfetto.dev/#!/?url=") and "download" in href
+    assert page.locator("table.gaps tbody tr").count() >= 1
+    assert page.errors == []
 
 
-def test_hostile_names_do_not_run_in_the_browser(server, page):
-    base, _, hostile_run = server
-    sign_in(page, base)
-    page.goto(f"{base}/runs/{hostile_run}")
-    page.wait_for_selector("#top-kernels-chart .main-svg")
-    # Hover the hostile kernel's bar (the only one with a count of 1 and the first kernel's time):
-    # Plotly shows its name as text in the tooltip.
-    bars = page.locator("#top-kernels-chart .bars path")
-    shown = []
-    for i in range(bars.count()):
-        box = bars.nth(i).bounding_box()
-        page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
-        page.wait_for_timeout(50)
-        shown.append(page.locator("#top-kernels-chart .hovertext").all_text_contents())
-    assert any("<script>alert(2)</script>" in " ".join(texts) for texts in shown)
+def test_ranks_one_finding_per_cause_and_the_straggler(server, page):
+    base, runs = server
+    page.goto(f"{base}/runs/{runs['straggler']}")
+    page.wait_for_selector("#waterfall-chart .main-svg")
+    ranks = page.locator("table.ranks tbody tr")
+    assert ranks.count() == 2
+    straggler = page.locator("table.ranks tr.straggler")
+    assert straggler.count() == 1 and straggler.locator("td").first.inner_text() == "1"
+    titles = page.locator("details.finding .title").all_inner_texts()
+    assert len(titles) == len(set(titles))  # not once per rank
+    gloo = page.locator("details.finding", has_text="waiting on gloo").first
+    assert gloo.locator("table.per-rank tbody tr").count() == 2
+    assert page.errors == []
+
+
+def test_hostile_names_render_as_text(server, page):
+    base, runs = server
+    page.goto(f"{base}/runs/{runs['hostile']}")
+    page.wait_for_selector("#waterfall-chart .main-svg")
     assert HOSTILE in page.locator("h1").inner_text()
+    page.goto(f"{base}/runs/{runs['hostile']}/modules")
+    cell = page.locator("table.kernels td.kernel-name").first  # the renamed kernel is the longest
+    assert cell.get_attribute("title") == HOSTILE and cell.inner_text().startswith("<img src=x")
+    assert cell.locator("img, script").count() == 0
+    page.goto(f"{base}/compare?a={runs['llama']}&b={runs['hostile']}")
+    page.wait_for_selector("#compare-form")
+    page.goto(f"{base}/runs/{runs['hostile']}/timeline")
+    page.wait_for_selector("#timeline-chart .main-svg")
+    assert page.evaluate("document.querySelectorAll('img[src=x], script:not([src]):not([type])').length") == 0
     assert page.dialogs == [] and page.errors == []

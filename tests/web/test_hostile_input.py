@@ -93,8 +93,8 @@ def test_a_superscript_finding_id_on_the_form_is_a_400(client, engine, blobs):
     for bad in ("²", "١", "1e3", "-1"):
         message = refused(client.post(f"/runs/{run_id}/ab", data={"finding_id": bad, "csrf_token": csrf}))
         assert "finding_id must be an integer" in message
-    assert "no finding with id 99999999999" in refused(
-        client.post(f"/runs/{run_id}/ab", data={"finding_id": "99999999999", "csrf_token": csrf}), 404)
+    assert "has no finding 99999999999" in refused(
+        client.post(f"/runs/{run_id}/ab", data={"finding_id": "99999999999", "csrf_token": csrf}))
 
 
 def test_crlf_and_nul_in_a_filename_are_removed(client):

@@ -1,5 +1,6 @@
 // Draws the dashboard's charts from the JSON that each page embeds in <script type="application/json">.
-// Plotly is served by this app (no CDN). Strings from traces are escaped: Plotly renders a subset of HTML.
+// Plotly is served by this app (no CDN), only on pages with charts. Strings from traces are escaped:
+// Plotly renders a subset of HTML in labels and tooltips.
 "use strict";
 
 function pageData(id) {
@@ -16,6 +17,13 @@ function shorten(text, length) {
   return text.length > length ? text.slice(0, length - 1) + "…" : text;
 }
 
+function fmtUs(us) {
+  const a = Math.abs(us);
+  if (a >= 1e6) return (us / 1e6).toFixed(2) + " s";
+  if (a >= 1e3) return (us / 1e3).toFixed(2) + " ms";
+  return us.toFixed(1) + " µs";
+}
+
 const baseLayout = {
   margin: {l: 60, r: 20, t: 10, b: 40},
   font: {family: "system-ui, sans-serif", size: 12},
@@ -24,27 +32,48 @@ const baseLayout = {
 };
 const config = {displaylogo: false, responsive: true};
 
-function kernelAxis(rows) {
-  return {tickvals: rows.map((k, i) => i), ticktext: rows.map(k => escapeText(shorten(k.name, 60))),
-          automargin: true, fixedrange: true};
+// The step now, what each fix buys on top of the ones before it (the analyser's replay), the step after all.
+function drawWaterfall() {
+  const prediction = pageData("waterfall-data");
+  const element = document.getElementById("waterfall-chart");
+  if (!prediction || !element || typeof Plotly === "undefined") return;
+  const steps = prediction.waterfall;
+  const labels = ["step now"].concat(steps.map((s, i) => `${i + 1}. ${escapeText(shorten(s.title, 60))}`), ["after all fixes"]);
+  const values = [prediction.step_us / 1000].concat(steps.map(s => -s.saving_us_per_step / 1000), [0]);
+  const hover = [`step now: ${fmtUs(prediction.step_us)}`].concat(
+    steps.map(s => `${escapeText(shorten(s.title, 120))}<br>saves ${fmtUs(s.saving_us_per_step)} per step → ${fmtUs(s.step_us_after)}`),
+    [`after all fixes: ${fmtUs(prediction.step_us_after)} (${prediction.saving_pct.toFixed(1)} % faster)`]);
+  Plotly.newPlot(element, [{
+    type: "waterfall", orientation: "h", y: labels.map((l, i) => i), x: values,
+    measure: ["absolute"].concat(steps.map(() => "relative"), ["total"]),
+    text: values.map((v, i) => i === 0 ? fmtUs(prediction.step_us) : i === values.length - 1 ? fmtUs(prediction.step_us_after)
+                                        : "−" + fmtUs(steps[i - 1].saving_us_per_step)),
+    textposition: "outside", hovertext: hover, hoverinfo: "text", cliponaxis: false,
+    decreasing: {marker: {color: "#2ca02c"}}, totals: {marker: {color: "#3b6ea8"}}, increasing: {marker: {color: "#d62728"}},
+    connector: {line: {color: "#bbb"}},
+  }], {...baseLayout, margin: {...baseLayout.margin, l: 380, r: 80}, height: 70 + 28 * labels.length,
+       xaxis: {title: {text: "step time (ms)"}, rangemode: "tozero"},
+       yaxis: {tickvals: labels.map((l, i) => i), ticktext: labels, autorange: "reversed", fixedrange: true, automargin: true}},
+    config);
 }
 
-function drawTopKernels() {
-  const kernels = pageData("top-kernels-data");
-  const element = document.getElementById("top-kernels-chart");
-  if (!kernels || !element || !kernels.length) return;
-  const rows = kernels.slice(0, 15).reverse();
-  Plotly.newPlot(element, [{
-    type: "bar", orientation: "h",
-    x: rows.map(k => k.total_us / 1000),
-    y: rows.map((k, i) => i),  // positions, labelled below: truncated names may collide
-    hovertext: rows.map(k => [
-      escapeText(shorten(k.name, 120)),
-      "op: " + escapeText(k.op || "?"), "module: " + escapeText(k.module || "?"),
-      `${k.count} calls, ${(k.total_us / 1000).toFixed(3)} ms (${k.share_pct.toFixed(1)} %)`].join("<br>")),
-    hoverinfo: "text", marker: {color: "#3b6ea8"},
-  }], {...baseLayout, margin: {...baseLayout.margin, l: 360}, height: 60 + 24 * rows.length,
-       xaxis: {title: {text: "total time (ms)"}}, yaxis: kernelAxis(rows)}, config);
+// One stacked bar: the step's GPU time by kind of kernel, then its idle time by cause.
+function drawBreakdown() {
+  const data = pageData("breakdown-data");
+  const element = document.getElementById("breakdown-chart");
+  if (!data || !element || typeof Plotly === "undefined") return;
+  const b = data.breakdown, idle = data.idle || {};
+  const parts = [["compute-bound kernels", b.compute_kernels, "#3b6ea8"], ["memory-bound kernels", b.memory_kernels, "#9ecae1"],
+                 ["memcpy / memset", b.memcpy_memset, "#bcbd22"], ["communication", b.communication, "#9467bd"]];
+  const causes = [["host wait idle", "host_wait", "#ff7f0e"], ["sync idle", "sync", "#d62728"],
+                  ["collective wait idle", "collective", "#e377c2"], ["kernel-to-kernel idle", "kernel_to_kernel", "#c7c7c7"],
+                  ["short gaps", "short", "#eeeeee"]];
+  for (const [label, key, color] of causes) if (idle[key]) parts.push([label, idle[key].idle_us_per_step, color]);
+  Plotly.newPlot(element, parts.filter(p => p[1] > 0).map(([label, us, color]) => ({
+    type: "bar", orientation: "h", name: label, y: ["per step"], x: [us / 1000], marker: {color},
+    hovertext: [`${label}: ${fmtUs(us)} per step`], hoverinfo: "text",
+  })), {...baseLayout, barmode: "stack", height: 150, margin: {...baseLayout.margin, l: 70},
+       xaxis: {title: {text: "ms per step"}}, yaxis: {fixedrange: true}, legend: {orientation: "h", y: -0.6}}, config);
 }
 
 // One scatter line per row, segments separated by nulls: a single SVG path however many segments.
@@ -59,18 +88,28 @@ function segmentsTrace(name, starts, ends, color, width, hover) {
           line: {color, width}, showlegend: false};
 }
 
+// The analyser's explanation of a gap (cause, next op, host ops), matched by where the gap starts.
+function gapExplanation(causes, start, end) {
+  const found = (causes || []).find(c => c.start_us !== null && Math.abs(c.start_us - start) <= 1.0 + 0.01 * (end - start));
+  if (!found) return "";
+  return `<br>cause: ${escapeText(String(found.cause || "?").replace(/_/g, " "))}` +
+         (found.next_op ? `<br>next op: ${escapeText(found.next_op)}` : "") +
+         (found.host_ops && found.host_ops.length ? `<br>host ran: ${escapeText(found.host_ops.join(", "))}` : "");
+}
+
 function drawTimeline() {
   const timeline = pageData("timeline-data");
   const element = document.getElementById("timeline-chart");
-  if (!timeline || !element) return;
+  if (!timeline || !element || typeof Plotly === "undefined") return;
   const traces = timeline.streams.map(s => segmentsTrace(
     `dev ${s.device} · stream ${s.stream}`, s.start, s.end, "#3b6ea8", 14,
-    i => `${s.count[i]} kernel(s), busy ${s.busy_us[i].toFixed(1)} µs<br>` +
+    i => `${s.count[i]} kernel(s), busy ${fmtUs(s.busy_us[i])}<br>` +
          `${(s.start[i] / 1000).toFixed(3)}–${(s.end[i] / 1000).toFixed(3)} ms`));
   const gaps = timeline.gaps || {start: [], end: []};
   if (gaps.start.length) {
     traces.push(segmentsTrace("GPU idle", gaps.start, gaps.end, "#d62728", 14,
-      i => `idle ${(gaps.end[i] - gaps.start[i]).toFixed(1)} µs at ${(gaps.start[i] / 1000).toFixed(3)} ms`));
+      i => `GPU idle ${fmtUs(gaps.end[i] - gaps.start[i])} at ${(gaps.start[i] / 1000).toFixed(3)} ms` +
+           gapExplanation(timeline.causes, gaps.start[i], gaps.end[i])));
   }
   Plotly.newPlot(element, traces, {
     ...baseLayout, margin: {...baseLayout.margin, l: 140}, height: 80 + 40 * traces.length,
@@ -82,7 +121,7 @@ function drawTimeline() {
 function drawABTimes() {
   const timing = pageData("ab-times-data");
   const element = document.getElementById("ab-times-chart");
-  if (!timing || !element) return;
+  if (!timing || !element || typeof Plotly === "undefined") return;
   const box = (name, values, color) => ({type: "violin", name, y: values, box: {visible: true},
     points: "all", meanline: {visible: true}, marker: {color}, hoverinfo: "y"});
   Plotly.newPlot(element, [box("A (eager)", timing.a_ms, "#7f7f7f"), box("B (swapped)", timing.b_ms, "#2ca02c")],
@@ -90,23 +129,25 @@ function drawABTimes() {
 }
 
 function drawCompare() {
-  const kernels = pageData("compare-data");
+  const data = pageData("compare-data");
   const element = document.getElementById("compare-chart");
-  if (!kernels || !element || !kernels.length) return;
-  const rows = kernels.slice(0, 20).reverse();
+  if (!data || !element || typeof Plotly === "undefined" || !data.length) return;
+  const rows = data.slice(0, 20).reverse();
   Plotly.newPlot(element, [{
     type: "bar", orientation: "h",
     x: rows.map(k => k.delta_us / 1000),
-    y: rows.map((k, i) => i),
-    hovertext: rows.map(k => `${escapeText(shorten(k.name, 120))}<br>A ${(k.a_us / 1000).toFixed(3)} ms, ` +
-                             `B ${(k.b_us / 1000).toFixed(3)} ms`),
+    y: rows.map((k, i) => i),  // positions, labelled below: shortened names may collide
+    hovertext: rows.map(k => `${escapeText(shorten(k.name, 120))}<br>A ${fmtUs(k.a_us)}, B ${fmtUs(k.b_us)}`),
     hoverinfo: "text", marker: {color: rows.map(k => k.delta_us > 0 ? "#d62728" : "#2ca02c")},
   }], {...baseLayout, margin: {...baseLayout.margin, l: 360}, height: 60 + 24 * rows.length,
-       xaxis: {title: {text: "B − A (ms)"}}, yaxis: kernelAxis(rows)}, config);
+       xaxis: {title: {text: "B − A (ms)"}},
+       yaxis: {tickvals: rows.map((k, i) => i), ticktext: rows.map(k => escapeText(shorten(k.short_name || k.name, 60))),
+               automargin: true, fixedrange: true}}, config);
 }
 
 document.addEventListener("DOMContentLoaded", () => {
-  drawTopKernels();
+  drawWaterfall();
+  drawBreakdown();
   drawTimeline();
   drawABTimes();
   drawCompare();

@@ -1,0 +1,231 @@
+"""The dashboard's views, server side: each shows what the analyser stored (the same figures as the report of
+the same files), the answer first, evidence as tables, one finding per cause across ranks."""
+import html
+import json
+import re
+
+import pytest
+
+from profiler_svc.formats import fmt_us
+from profiler_svc.recommendations import recommend
+from profiler_svc.storage.ingest import ingest_path
+from tests.plugins.traces import DDP, fixture_dir, fixture_path
+from tests.web.test_web import TOKEN, csrf_token, make_app
+from tests.web.uploads import sign_in
+
+WORKLOAD = "profiler_svc.service.demo:tiny_llama"
+LABELLED = fixture_path("llama_bf16_train_agent")  # captured with profiler_svc.capture: module labels
+
+
+@pytest.fixture
+def client(engine, blobs):
+    """Signed in: the pages need it."""
+    client = make_app(engine, blobs).test_client()
+    assert sign_in(client, TOKEN).status_code == 303
+    return client
+
+
+def ingest(engine, blobs, path, **kwargs) -> int:
+    return ingest_path(engine, path, blobs=blobs, **kwargs)[0].run_id
+
+
+def text_of(page: str) -> str:
+    """The page as a reader sees it: tags gone, entities decoded, whitespace collapsed."""
+    return re.sub(r"\s+", " ", html.unescape(re.sub(r"<[^>]+>", " ", page)))
+
+
+def test_run_page_answers_first(engine, blobs, client):
+    run_id = ingest(engine, blobs, LABELLED, workload=WORKLOAD)
+    report = recommend(str(LABELLED)).to_dict()
+    page = client.get(f"/runs/{run_id}").get_data(as_text=True)
+    steps, prediction = report["steps"], report["prediction"]
+    answer = page[:page.index('id="findings"')]
+    # the step, the step after every recommended fix, and the waterfall, before any finding
+    assert fmt_us(steps["step_us"]["median"]) in text_of(answer)
+    assert fmt_us(prediction["step_us_after"]) in text_of(answer)
+    assert 'id="waterfall-chart"' in answer
+    embedded = json.loads(re.search(r'id="waterfall-data">(.*?)</script>', page, re.S).group(1))
+    assert embedded["waterfall"] == prediction["waterfall"] and embedded["step_us_after"] == prediction["step_us_after"]
+    # findings ranked by realizable saving, each with the report's saving and share of the step
+    shown = re.findall(r'<details class="finding[^"]*" id="finding-\d+"', page)
+    assert len(shown) == len(report["findings"])
+    titles = [html.unescape(t) for t in re.findall(r'<span class="title">(.*?)</span>', page)]
+    assert titles == [f["title"] for f in report["findings"]]
+    for f in report["findings"]:
+        assert f"{f['share_of_step_pct']:.1f} %" in page or abs(f["share_of_step_pct"]) < 0.05
+    # evidence as tables, never a JSON dump
+    assert 'class="evidence-table"' in page and "\\u003c" not in page.split('id="waterfall-data"')[0]
+    assert not re.search(r"<pre>\s*\{", page)
+    first_kernel = next(f["evidence"]["kernels"][0] for f in report["findings"]
+                        if isinstance(f["evidence"].get("kernels"), list))
+    assert f"<code>{html.escape(first_kernel, quote=False)}" in page.replace("&#34;", '"').replace("&#39;", "'")
+    # where the step goes: the analyser's breakdown per step
+    for value in steps["breakdown_us_per_step"].values():
+        assert fmt_us(value) in page
+
+
+def test_runs_list_names_each_runs_top_finding(engine, blobs, client):
+    labelled = ingest(engine, blobs, LABELLED)
+    small = ingest(engine, blobs, fixture_path("llama_bf16_compiled_infer"))
+    listing = client.get("/api/v1/runs").get_json()["runs"]
+    page = client.get("/").get_data(as_text=True)
+    for run_id, path in ((labelled, LABELLED), (small, fixture_path("llama_bf16_compiled_infer"))):
+        top = recommend(str(path)).findings[0]
+        row = next(r for r in listing if r["id"] == run_id)
+        assert row["top_finding"]["title"] == top.title
+        assert row["top_finding"]["saving_us_per_step"] == pytest.approx(top.saving_us_per_step, abs=0.01)
+        assert html.escape(top.title, quote=False) in page and fmt_us(top.saving_us_per_step) in page
+
+
+def test_multi_rank_run_is_one_finding_per_cause_with_each_ranks_figures(engine, blobs, client):
+    run_id = ingest(engine, blobs, DDP, name="ddp")
+    report = recommend(str(DDP)).to_dict()
+    run = client.get(f"/api/v1/runs/{run_id}").get_json()
+    # the same findings as `profiler_svc recommend` of the folder: one per cause, the worst rank's figures
+    assert sorted((f["title"], f["saving_us_per_step"]) for f in run["findings"]) == sorted(
+        (f["title"], f["saving_us_per_step"]) for f in report["findings"])
+    merged = next(f for f in run["findings"] if f["category"] == "communication")
+    by_rank = report["findings"][0]["evidence"]["saving_us_per_step_by_rank"]
+    assert {str(r["rank"]): r["saving_us_per_step"] for r in merged["ranks"]} == by_rank
+    # the cards are the first rank's, as the CLI prints them
+    page = client.get(f"/runs/{run_id}").get_data(as_text=True)
+    assert f'id="gpu-busy">{report["trace"]["gpu_busy_pct"]:.1f} %' in page
+    assert f'{report["trace"]["kernel_count"]} kernels' in page
+    for r in report["ranks"]:
+        assert fmt_us(r["step_us"]["median"]) in page
+    assert "straggler</strong>" not in page
+
+
+def test_straggler_rank_is_marked(engine, blobs, client):
+    folder = fixture_dir("gpt2_ddp_straggler")
+    run_id = ingest(engine, blobs, folder)
+    report = recommend(str(folder)).to_dict()
+    straggler = next(f for f in report["findings"] if "work_us_per_step_by_rank" in f["evidence"])
+    page = client.get(f"/runs/{run_id}").get_data(as_text=True)
+    row = re.search(r'<tr class="straggler">(.*?)</tr>', page, re.S).group(1)
+    assert f"rank={straggler['rank']}" in row and html.escape(straggler["title"], quote=False) in row
+    assert page.count('class="straggler"') == 1
+
+
+def test_module_view_is_a_tree_of_the_reports_module_times(engine, blobs, client):
+    run_id = ingest(engine, blobs, LABELLED)
+    modules = recommend(str(LABELLED)).to_dict()["modules"]
+    page = client.get(f"/runs/{run_id}/modules").get_data(as_text=True)
+    assert "plotly" not in page  # no chart here, no 4.8 MB script
+    for m in modules:
+        assert f'<span class="mod-name">{html.escape(m["name"], quote=False)}</span>' in page
+    # the root's subtree is every module's own time
+    root_fwd = sum(m["forward_us_per_step"] for m in modules)
+    assert f"{fmt_us(root_fwd)} fwd" in page
+    # a trace without labels says how to get them
+    plain = ingest(engine, blobs, fixture_path("llama_bf16_compiled_infer"))
+    assert 'id="no-modules"' in client.get(f"/runs/{plain}/modules").get_data(as_text=True)
+
+
+def test_top_kernels_show_the_reports_short_names_ops_and_rates(engine, blobs, client):
+    run_id = ingest(engine, blobs, LABELLED)
+    kernels = recommend(str(LABELLED)).to_dict()["top_kernels"]
+    page = client.get(f"/runs/{run_id}/modules").get_data(as_text=True)
+    rated = next(k for k in kernels if k["achieved_tflops"] is not None and k["peak_pct"] is not None)
+    row = page[page.index(html.escape(rated["short_name"], quote=False)):]
+    row = row[:row.index("</tr>")]
+    assert f"{rated['achieved_tflops']:.0f} TFLOP/s" in row and f"{rated['peak_pct']:.0f} % FLOP/s" in row
+    assert html.escape(rated["top_op"] or rated["op"], quote=False) in row
+
+
+def test_timeline_page_links_perfetto_and_explains_gaps(engine, blobs, client):
+    run_id = ingest(engine, blobs, LABELLED)
+    run = client.get(f"/api/v1/runs/{run_id}").get_json()
+    page = client.get(f"/runs/{run_id}/timeline").get_data(as_text=True)
+    download = f"http://localhost/api/v1/traces/{run['traces'][0]['id']}/download"
+    assert "https://ui.perfetto.dev/#!/?url=" + download.replace(":", "%3A").replace("/", "/") in page.replace("%2F", "/")
+    data = json.loads(re.search(r'id="timeline-data">(.*?)</script>', page, re.S).group(1))
+    assert data["streams"] and data["causes"]
+    gaps = next(f for f in run["findings"] if f["category"] == "launch_gaps")["evidence"]["largest_gaps"]
+    assert {c["start_us"] for c in data["causes"]} >= {g["start_us"] for g in gaps}
+    assert html.escape(gaps[0]["next_op"], quote=False) in page
+
+
+def test_ab_form_offers_only_what_applies_and_the_server_checks(engine, blobs, client):
+    run_id = ingest(engine, blobs, LABELLED, workload=WORKLOAD)
+    run = client.get(f"/api/v1/runs/{run_id}").get_json()
+    page = client.get(f"/runs/{run_id}").get_data(as_text=True)
+    form = page[page.index('id="ab"'):]
+    offered = re.findall(r'<option value="(\d+)">(\w+) (\w+) ', form[:form.index("</select>")])
+    recommended = {(kind, f["recommendation"][kind]) for f in run["findings"] for kind in ("swap", "fix")
+                   if f["recommendation"].get(kind)}
+    assert offered and {(kind, name) for _, kind, name in offered} == recommended and len(offered) == len(recommended)
+    token = csrf_token(page.encode())
+    for bad in ({"swap": "no_such_swap"}, {"finding_id": "999999"}, {}, {"finding_id": "x"}):
+        answer = client.post(f"/runs/{run_id}/ab", data={**bad, "csrf_token": token})
+        assert answer.status_code in (400, 404) and "Traceback" not in answer.get_data(as_text=True)
+    assert client.get("/api/v1/jobs").get_json()["jobs"] == []
+    swap_finding, _, swap = next(o for o in offered if o[1] == "swap")
+    ok = client.post(f"/runs/{run_id}/ab", data={"finding_id": swap_finding, "csrf_token": token})
+    assert ok.status_code == 303
+    assert client.get("/api/v1/jobs").get_json()["jobs"][0]["swap"] == swap
+
+
+def test_static_files_are_compressed_and_cached(engine, blobs, client):
+    page = client.get("/", headers={"Accept-Encoding": "gzip"})
+    assert page.headers.get("Content-Encoding") == "gzip"
+    text = client.get("/").get_data(as_text=True)
+    assert "plotly" not in text  # the runs list has no chart
+    css = re.search(r'href="(/static/style\.css\?v=\w+)"', text).group(1)
+    answer = client.get(css, headers={"Accept-Encoding": "gzip"})
+    assert "immutable" in answer.headers["Cache-Control"]
+    run_id = ingest(engine, blobs, LABELLED)
+    plotly = re.search(r'src="(/vendor/plotly\.min\.js\?v=\w+)"', client.get(f"/runs/{run_id}").get_data(as_text=True))
+    js = client.get(plotly.group(1), headers={"Accept-Encoding": "gzip, br"})
+    assert js.headers["Content-Encoding"] == "gzip" and "immutable" in js.headers["Cache-Control"]
+    assert len(js.data) < 2_000_000  # 4.8 MB raw
+    again = client.get(plotly.group(1), headers={"If-None-Match": js.headers["ETag"]})
+    assert again.status_code == 304
+
+
+def tiled(tmp_path, path, copies: int):
+    """A real trace repeated in time (benchmarks/tile_trace.py): `copies` times its steps."""
+    import gzip
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from tile_trace import tile
+    source = json.loads(gzip.decompress(path.read_bytes()))
+    out = tmp_path / f"tiled-{path.name}"
+    out.write_bytes(gzip.compress(json.dumps(tile(source, copies * len(source["traceEvents"]))).encode()))
+    return out
+
+
+def test_compare_step_ci_breakdown_and_findings(engine, blobs, client, tmp_path):
+    small = fixture_path("llama8_bf16_1x512_train_calibrated")
+    large = fixture_path("llama8_bf16_4x1024_train_calibrated")
+    # (a tiled copy keeps its capture's run id: a group key of its own keeps it out of the original's run)
+    a = ingest(engine, blobs, tiled(tmp_path, small, 3), group_key="tiled-small")
+    b = ingest(engine, blobs, tiled(tmp_path, large, 3), group_key="tiled-large")
+    cmp = client.get(f"/api/v1/compare?a={a}&b={b}").get_json()
+    ra, rb = (client.get(f"/api/v1/runs/{i}").get_json() for i in (a, b))
+    sa, sb = ra["analysis"]["steps"]["step_us"], rb["analysis"]["steps"]["step_us"]
+    step = cmp["step"]
+    assert step["a_steps"] == len(sa["values"]) >= 3 and step["delta_us"] == pytest.approx(sb["median"] - sa["median"], abs=0.01)
+    assert step["ci_low_us"] <= step["delta_us"] <= step["ci_high_us"]
+    page = client.get(f"/compare?a={a}&b={b}").get_data(as_text=True)
+    assert fmt_us(step["delta_us"]) in page and fmt_us(step["ci_low_us"]) in page
+    # every finding of A is resolved, changed or unchanged in B; every finding of B is new, changed or unchanged
+    a, b = ingest(engine, blobs, small), ingest(engine, blobs, large)
+    cmp = client.get(f"/api/v1/compare?a={a}&b={b}").get_json()
+    ra, rb = (client.get(f"/api/v1/runs/{i}").get_json() for i in (a, b))
+    fd = cmp["findings"]
+    assert len(fd["resolved"]) + len(fd["changed"]) + fd["unchanged"] == len(ra["findings"])
+    assert len(fd["new"]) + len(fd["changed"]) + fd["unchanged"] == len(rb["findings"])
+    assert fd["changed"] and all(c["delta_us"] == pytest.approx(c["b"]["saving_us_per_step"] - c["a"]["saving_us_per_step"],
+                                                                abs=0.02) for c in fd["changed"])
+    page = client.get(f"/compare?a={a}&b={b}").get_data(as_text=True)
+    assert 'id="compare-form"' in page and f'<option value="{a}" selected>' in page and f'<option value="{b}" selected>' in page
+    for f in fd["resolved"] + fd["new"]:
+        assert html.escape(f["title"], quote=False) in page
+    assert "too few steps" in page  # two steps a side
+    for row in cmp["breakdown"]:
+        assert fmt_us(row["delta_us"]) in page
+    # the same run twice says so, with no chart
+    same = client.get(f"/compare?a={a}&b={a}").get_data(as_text=True)
+    assert 'id="same-run"' in same and 'id="compare-chart"' not in same and 'id="compare-form"' in same
