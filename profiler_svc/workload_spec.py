@@ -19,10 +19,10 @@ ALLOWED_ENV = "PROFILER_SVC_ALLOWED_WORKLOADS"
 
 def check_workload_spec(spec) -> str:
     """The spec itself, or UserError in one line when it does not look like "pkg.module:factory"."""
-    if not (isinstance(spec, str) and len(spec) <= MAX_SPEC_LENGTH and WORKLOAD_SPEC.fullmatch(spec)):
-        shown = repr(spec[:80] + "…") if isinstance(spec, str) and len(spec) > 80 else repr(spec)
-        raise UserError(f"workload must look like 'pkg.module:factory' (at most {MAX_SPEC_LENGTH} "
-                        f"characters), got {shown}")
+    if isinstance(spec, str) and len(spec) > MAX_SPEC_LENGTH:
+        raise UserError(f"workload must be at most {MAX_SPEC_LENGTH} characters, got {len(spec)}: {spec[:60]!r}…")
+    if not (isinstance(spec, str) and WORKLOAD_SPEC.fullmatch(spec)):
+        raise UserError(f"workload must look like 'pkg.module:factory', got {spec!r}")
     return spec
 
 

@@ -50,6 +50,7 @@ def create_app(config: dict | None = None) -> Flask:
     app.extensions["profiler_svc.engine"] = get_engine(app.config["DATABASE_URL"] or database_url())
     app.extensions["profiler_svc.blobs"] = (BlobStore(app.config["BLOB_DIR"]) if app.config["BLOB_DIR"]
                                             else default_blob_store())
+    app.extensions["profiler_svc.blobs"].clean_tmp()  # what uploads cut off by a crash left behind
     csrf.init_app(app)
 
     from . import api, auth, pages
@@ -57,7 +58,8 @@ def create_app(config: dict | None = None) -> Flask:
     app.register_blueprint(api.bp)
     app.register_blueprint(auth.bp)
     csrf.exempt(api.bp)  # machine endpoints: bearer token instead of a cookie, so CSRF cannot apply
-    app.before_request(auth.authenticate)
+    app.before_request(auth.authenticate)  # first: nobody unknown gets a form parsed
+    app.before_request(_refuse_nul)
 
     app.teardown_appcontext(_close_session)
     app.after_request(_security_headers)
@@ -67,6 +69,15 @@ def create_app(config: dict | None = None) -> Flask:
     app.register_error_handler(UserError, lambda exc: _error(400, str(exc)))
     app.jinja_env.filters["us"] = fmt_us
     return app
+
+
+def _refuse_nul():
+    """NUL in a query or form value: refused here, once, rather than by PostgreSQL with a 500."""
+    values = list(request.args.values())
+    if request.mimetype in ("application/x-www-form-urlencoded", "multipart/form-data"):
+        values += request.form.values()
+    if any("\x00" in value for value in values) or "\x00" in request.path:
+        raise UserError("NUL characters are not allowed in a request's parameters")
 
 
 def _flag(name: str) -> bool:

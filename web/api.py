@@ -1,4 +1,6 @@
 """JSON API, /api/v1: mirrors every page; needs ``Authorization: Bearer <token>`` (see `auth`)."""
+import json
+
 from flask import Blueprint, abort, current_app, jsonify, request, send_file, url_for
 
 from ..errors import UserError
@@ -45,7 +47,8 @@ def download_trace(trace_id):
     path = current_app.extensions["profiler_svc.blobs"].path(trace.blob_path)
     if not path.is_file():
         abort(404, f"the file of trace {trace_id} is missing from the blob store")
-    name = trace.filename.removesuffix(".gz").removesuffix(".json") or f"trace-{trace_id}"
+    # cleaned again: a name stored before uploads were cleaned may hold CR, LF or NUL
+    name = ingest.clean_filename(trace.filename).removesuffix(".gz").removesuffix(".json") or f"trace-{trace_id}"
     return send_file(path, mimetype="application/gzip", as_attachment=True, download_name=f"{name}.json.gz")
 
 
@@ -90,13 +93,13 @@ def upload_status(upload_id):
 @bp.post("/runs/<int:run_id>/ab")
 def request_ab(run_id):
     """JSON body: ``finding_id`` and/or ``swap``, optional ``params`` (rounds, warmup, seed)."""
-    body = request.get_json(silent=True)
+    body = json_body()
     if not isinstance(body, dict):
         raise UserError("send a JSON object: {\"finding_id\": N} or {\"swap\": \"name\"}")
     session = db()
     run = queries.get(session, Run, run_id)
     finding_id = body.get("finding_id")
-    if finding_id is not None and not isinstance(finding_id, int):
+    if finding_id is not None and (not isinstance(finding_id, int) or isinstance(finding_id, bool)):
         raise UserError("finding_id must be an integer")
     swap = body.get("swap")
     if swap is not None and not isinstance(swap, str):
@@ -104,6 +107,23 @@ def request_ab(run_id):
     job = jobs.enqueue(session, run, swap=swap, finding_id=finding_id, params=ab_params(body.get("params") or {}))
     session.commit()
     return jsonify(queries.job_dict(job, with_result=False)), 201
+
+
+MAX_JSON_BODY = 64 << 10  # an A/B request is a few fields
+
+
+def json_body():
+    """The request's JSON, parsed with limits: any bad body is a 400 with a message, never a 500
+    (50,000 nested brackets included: Python's parser recurses)."""
+    if request.content_length is not None and request.content_length > MAX_JSON_BODY:
+        raise UserError(f"the JSON body is larger than {MAX_JSON_BODY >> 10} KiB")
+    raw = request.get_data(cache=False)[:MAX_JSON_BODY + 1]
+    if len(raw) > MAX_JSON_BODY:
+        raise UserError(f"the JSON body is larger than {MAX_JSON_BODY >> 10} KiB")
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):
+        raise UserError("the body is not JSON (or nests too deeply)") from None
 
 
 def ab_params(params) -> dict:

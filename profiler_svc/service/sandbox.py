@@ -66,7 +66,10 @@ def _death(exitcode, limits: Limits, what: str) -> str:
         sig = -exitcode
         if sig == signal.SIGXCPU:
             return f"{what} exceeded its CPU limit of {limits.cpu_s:g} s"
-        name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else f"signal {sig}"
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:
+            name = f"signal {sig}"
         memory = f" (memory limit {limits.memory_mb} MiB)" if limits.memory_mb else ""
         return f"{what} was killed by {name}{memory}"
     return f"{what} exited with status {exitcode} before it finished (os._exit or a crash)"

@@ -2,7 +2,11 @@
 
 Layout: ``<root>/<sha[:2]>/<sha>.json.gz``; ``<root>/tmp/`` holds files being received. Paths
 are built only from a hex digest, so no user string ever reaches the file system.
+
+A file being received is locked (``flock``) until its receiver is done with it, so a process that
+starts can remove what crashed receivers left in ``tmp/`` (`clean_tmp`) without touching live ones.
 """
+import fcntl
 import gzip
 import hashlib
 import os
@@ -25,6 +29,12 @@ class Received:
     sha256: str         # of the uncompressed content
     size_bytes: int     # uncompressed
     stored_bytes: int   # compressed
+    lock_fd: int = -1   # holds the flock that keeps `clean_tmp` away; `release` when done
+
+    def release(self) -> None:
+        if self.lock_fd >= 0:
+            os.close(self.lock_fd)
+            self.lock_fd = -1
 
 
 class BlobStore:
@@ -46,17 +56,44 @@ class BlobStore:
     def receive(self, source, max_bytes: int | None = None) -> Received:
         """Copy a binary stream (plain or gzip JSON, detected by content) into a temporary gzip file,
         hashing the uncompressed bytes on the way. Never holds the whole file in memory."""
-        fd, name = tempfile.mkstemp(suffix=".json.gz", dir=self.root / "tmp")
-        tmp_path = Path(name)
+        fd, tmp_path = self._new_tmp()
+        lock_fd = os.dup(fd)  # the lock lives as long as one descriptor of this open file does
         try:
             with os.fdopen(fd, "wb") as out:
                 digest, size = _copy_as_gzip(source, out, max_bytes)
             if size == 0:
                 raise UserError("the trace file is empty")
-            return Received(tmp_path, digest, size, tmp_path.stat().st_size)
+            return Received(tmp_path, digest, size, tmp_path.stat().st_size, lock_fd)
         except BaseException:
             tmp_path.unlink(missing_ok=True)
+            os.close(lock_fd)
             raise
+
+    def _new_tmp(self):
+        while True:
+            fd, name = tempfile.mkstemp(suffix=".json.gz", dir=self.root / "tmp")
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if os.fstat(fd).st_nlink:
+                return fd, Path(name)
+            os.close(fd)  # `clean_tmp` removed it between its creation and our lock: take another
+
+    def clean_tmp(self) -> int:
+        """Remove the files that receivers which died (kill -9, power loss) left in tmp/; returns how many."""
+        removed = 0
+        for path in (self.root / "tmp").iterdir():
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                path.unlink()
+                removed += 1
+            except OSError:  # locked: a live receiver's
+                pass
+            finally:
+                os.close(fd)
+        return removed
 
     def commit(self, received: Received) -> str:
         """Move a received file to its content address; returns the relative path."""

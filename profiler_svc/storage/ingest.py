@@ -69,7 +69,7 @@ def analyse_file(path, filename: str) -> dict:
     except MemoryError:
         raise
     except Exception as exc:  # an analyser bug must not leave a half-ingested trace either
-        log.exception("analysis failed for %s", filename)
+        log.debug("analysis failed for %s", filename, exc_info=True)  # the error below says why, in one line
         raise TraceError(f"{filename}: analysis failed: {_without_path(one_line(exc), path, filename)}") from None
     data = report.to_dict()
     loaded = report.traces[0] if getattr(report, "traces", None) else None
@@ -99,7 +99,9 @@ def ingest_stream(engine: Engine, stream, *, filename: str, blobs: BlobStore | N
         upload = Upload(received.sha256, blobs.relpath(received.sha256), filename, received.size_bytes,
                         received.stored_bytes, name, group_key, host, workload)
         try:
-            return _store(engine, blobs, upload, analysed, move_blob=lambda: blobs.commit(received))
+            result = _store(engine, blobs, upload, analysed, move_blob=lambda: blobs.commit(received))
+            assert result is not None  # None only for a queued job another worker took
+            return result
         except IntegrityError:
             # Someone stored the same content between our check and our commit.
             existing = _find_trace(engine, received.sha256, workload)
@@ -119,6 +121,7 @@ def _receiving(engine, blobs, stream, workload, max_bytes):
         yield received, _find_trace(engine, received.sha256, workload)
     finally:
         received.tmp_path.unlink(missing_ok=True)
+        received.release()
 
 
 @dataclass
@@ -295,7 +298,7 @@ def _find_trace(engine, sha256, workload=None) -> IngestResult | None:
     return IngestResult(run_id=row.run_id, trace_id=row.id, duplicate=True, note=note)
 
 
-def _store(engine, blobs, upload: Upload, analysed: dict, *, move_blob=None, job=None) -> IngestResult:
+def _store(engine, blobs, upload: Upload, analysed: dict, *, move_blob=None, job=None) -> IngestResult | None:
     """The trace's rows; `move_blob` puts its file in place inside the transaction; `job` (id, worker):
     the analysis job marked done in the same transaction."""
     data = analysed["report"]

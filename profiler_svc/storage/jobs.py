@@ -6,6 +6,7 @@ A job whose lease ran out (the worker crashed or lost its host) goes back to the
 ``MAX_ATTEMPTS`` claims; after that it fails with the reason. The same functions serve both kinds
 (`model`: the job's table).
 """
+import re
 from datetime import timedelta
 
 from sqlalchemy import select, update
@@ -17,6 +18,7 @@ from .models import ABJob, ABResultRow, FindingRecord, utcnow
 from .queries import NotFound
 
 MAX_ATTEMPTS = 3
+SWAP_NAME = re.compile(r"[A-Za-z_][\w.-]{0,63}", re.ASCII)
 DEFAULT_LEASE_S = 120.0
 
 
@@ -32,6 +34,11 @@ def enqueue(session, run, *, swap: str | None = None, finding_id: int | None = N
     fixes = (params or {}).get("fixes") or []
     if not swap and not fixes:
         raise UserError("nothing to A/B test: the finding recommends no bundled swap")
+    if not isinstance(fixes, list):
+        raise UserError("params.fixes must be a list of fix names")
+    for name in [swap] * bool(swap) + fixes:
+        if not isinstance(name, str) or not SWAP_NAME.fullmatch(name):
+            raise UserError(f"not a swap or fix name: {str(name)[:80]!r} (letters, digits, '_', '-', '.'; at most 64)")
     if fixes:  # the worker tests params' swaps and fixes; `swap` labels the job
         params = {**params, "swaps": [swap] if swap else []}
         swap = ", ".join([swap] * bool(swap) + list(fixes))

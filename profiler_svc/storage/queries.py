@@ -6,6 +6,7 @@ from ..trace.kernel_names import short_kernel_name
 from .models import ABJob, AnalysisJob, FindingRecord, KernelSummary, Run, TraceRecord
 
 TOP_KERNELS = 30
+JOB_STATUSES = ("queued", "running", "done", "failed")
 
 
 class NotFound(UserError):
@@ -18,8 +19,8 @@ def list_runs(session, q: str | None = None, limit: int = 100, offset: int = 0) 
                    func.avg(TraceRecord.gpu_busy_pct).label("gpu_busy_pct"))
             .outerjoin(TraceRecord, TraceRecord.run_id == Run.id).group_by(Run.id))
     if q:
-        pattern = f"%{q.strip()}%"
-        stmt = stmt.where(or_(Run.name.ilike(pattern), Run.host.ilike(pattern), Run.workload.ilike(pattern)))
+        pattern = f"%{like_escaped(q.strip().replace(chr(0), ''))}%"
+        stmt = stmt.where(or_(*(column.ilike(pattern, escape="\\") for column in (Run.name, Run.host, Run.workload))))
     rows = session.execute(stmt.order_by(Run.id.desc()).limit(limit).offset(offset)).all()
     top = _top_findings(session, [r.id for r in rows])
     return {"q": q or "", "runs": [{
@@ -45,6 +46,11 @@ def _top_findings(session, run_ids: list[int]) -> dict:
         out.setdefault(r.run_id, {"id": r.id, "title": r.title, "severity": r.severity,
                                   "saving_us_per_step": r.saving_us_per_step})
     return out
+
+
+def like_escaped(text: str) -> str:
+    """`text` matched literally by LIKE: its % and _ are not wildcards."""
+    return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
 
 
 def get(session, model, id_):
@@ -376,6 +382,8 @@ def findings_delta(in_a: list[dict], in_b: list[dict]) -> dict:
 
 def list_jobs(session, status: str | None = None, limit: int = 100) -> list[dict]:
     stmt = select(ABJob).order_by(ABJob.id.desc()).limit(limit)
+    if status and status not in JOB_STATUSES:
+        raise UserError(f"unknown job status {status[:40]!r} (one of: {', '.join(JOB_STATUSES)})")
     if status:
         stmt = stmt.where(ABJob.status == status)
     return [job_dict(j, with_result=False) for j in session.scalars(stmt)]

@@ -11,6 +11,7 @@ from profiler_svc.storage.blobs import BlobStore
 from profiler_svc.storage.ingest import ingest_path
 from profiler_svc.service.worker import run_worker
 from profiler_svc.web import create_app
+from tests.web.uploads import sign_in
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
@@ -25,12 +26,13 @@ def test_api_request_worker_result_page(tmp_path):
     [run] = ingest_path(engine, SMALL_TRACE, blobs=blobs, workload="profiler_svc.service.demo:tiny_llama")
     client = create_app({"DATABASE_URL": url, "BLOB_DIR": str(blobs.root), "API_TOKEN": "t",
                          "SECRET_KEY": "s"}).test_client()
+    sign_in(client, "t")
     queued = client.post(f"/api/v1/runs/{run.run_id}/ab", headers={"Authorization": "Bearer t"},
                          json={"swap": "rms_norm", "params": {"rounds": 3, "warmup": 0}})
     assert queued.status_code == 201
     job_id = queued.get_json()["id"]
 
-    assert run_worker(engine, once=True) == 1
+    assert run_worker(engine, once=True) == 1  # the A/B test in a child process, as a real worker runs it
 
     job = client.get(f"/api/v1/jobs/{job_id}", headers={"Authorization": "Bearer t"}).get_json()
     assert job["status"] == "done", job["error"]
