@@ -225,3 +225,16 @@ def test_compare_step_ci_breakdown_and_findings(engine, blobs, client, tmp_path)
     # the same run twice says so, with no chart
     same = client.get(f"/compare?a={a}&b={a}").get_data(as_text=True)
     assert 'id="same-run"' in same and 'id="compare-chart"' not in same and 'id="compare-form"' in same
+
+
+def test_ab_result_from_a_cpu_is_parity_only(engine, blobs):
+    from profiler_svc.storage import save_ab_result
+    from tests.storage.test_ab_results import result_dict
+    client = make_app(engine, blobs).test_client()
+    cpu = save_ab_result(result_dict(device="cpu"), workload=WORKLOAD, engine=engine)
+    gpu = save_ab_result(result_dict(), workload=WORKLOAD, engine=engine)
+    cpu_page = client.get(f"/jobs/{cpu}").get_data(as_text=True)
+    assert 'id="parity-only"' in cpu_page and 'id="verdict">parity passed, timing not measured<' in cpu_page
+    assert "×" not in text_of(cpu_page) and "faster" not in text_of(cpu_page) and "plotly" not in cpu_page
+    gpu_page = client.get(f"/jobs/{gpu}").get_data(as_text=True)
+    assert 'id="verdict">faster<' in gpu_page and 'id="parity-only"' not in gpu_page and "plotly" in gpu_page
