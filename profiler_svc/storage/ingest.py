@@ -169,7 +169,7 @@ def _store(engine, blobs, received, report, *, filename, name, group_key, host, 
         group_key = f"capture:{ours['run']}"
     summary = data.get("trace", {})
     device = summary.get("device") or {}
-    timeline = build_timeline(getattr(loaded, "kernels", None))
+    timeline = build_timeline(getattr(loaded, "kernels", None), launches=getattr(loaded, "runtime", None))
 
     with Session(engine, expire_on_commit=False) as session:
         run = _get_or_create_run(session, group_key=group_key, name=name or _default_name(filename),

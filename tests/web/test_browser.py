@@ -117,7 +117,9 @@ def test_timeline_zooms_and_links_perfetto(server, page):
     base, runs = server
     page.goto(f"{base}/runs/{runs['llama']}/timeline")
     page.wait_for_selector("#timeline-chart .main-svg")
-    assert page.locator("#timeline-chart .scatterlayer .trace").count() >= 2
+    assert page.locator("#timeline-chart .scatterlayer .trace").count() >= 3
+    lanes = page.evaluate("document.getElementById('timeline-chart').data.map(t => t.name)")
+    assert lanes[0] == "CPU launches" and lanes[-1] == "GPU idle" and any(n.startswith("dev ") for n in lanes)
     drag = page.locator("#timeline-chart .nsewdrag").first
     box = drag.bounding_box()
     before = page.evaluate("document.getElementById('timeline-chart').layout.xaxis.range.slice()")
