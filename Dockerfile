@@ -16,5 +16,4 @@ RUN pip install '.[postgres]' && useradd --create-home --uid 1000 profiler && mk
     && chown profiler /data
 USER profiler
 EXPOSE 8000
-CMD ["gunicorn", "--bind", "0.0.0.0:8000", "--workers", "4", "--threads", "4", "--timeout", "300", \
-     "profiler_svc.web:create_app()"]
+CMD ["profiler_svc", "serve", "--host", "0.0.0.0", "--port", "8000", "--threads", "8"]

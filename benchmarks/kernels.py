@@ -3,6 +3,7 @@
     python benchmarks/kernels.py [--ops rms_norm,softmax] [--quick] [--tune] [--out results.md] [--budget-s 400]
                                  [--rounds 3] [--skip-checks]
     python benchmarks/kernels.py --compile-check-only   # torch.compile vs eager, every output and gradient
+    python benchmarks/kernels.py --host ...             # also host µs per call (idle GPU) beside kernel time
 
 Every case is timed forward (under no_grad) and forward+backward (torch.autograd.grad, so no .grad
 accumulation), with triton.testing.do_bench (CUDA events, median), rotating among input sets when
@@ -46,6 +47,7 @@ WIDE = (32768, 131072)  # softmax and cross-entropy only
 PARITY_ROWS = 512
 DEVICE = "cuda"  # "cpu" only to smoke-test this harness under TRITON_INTERPRET=1
 L2_BYTES = 50 * 2**20
+HOST = False  # --host: also measure host µs per call
 
 
 @dataclass
@@ -254,8 +256,8 @@ def kernel_time_us(step, calls: int = 10) -> float:
     return total / calls if total > 0 else None
 
 
-def time_case(case: Case, name: str, fn, mode: str) -> tuple[float, float]:
-    """(kernel µs, wall µs) of fn on the case's full-size inputs (rotated when one set fits in L2).
+def time_case(case: Case, name: str, fn, mode: str) -> tuple:
+    """(kernel µs, wall µs, host µs or None) of fn on the case's full-size inputs (rotated when one set fits in L2).
 
     Kernel time from the profiler; wall time is triton.testing.do_bench's median (CUDA events around
     each call), which also counts launch gaps where the CPU cannot keep ahead of the GPU."""
@@ -282,7 +284,21 @@ def time_case(case: Case, name: str, fn, mode: str) -> tuple[float, float]:
 
     wall_us = 1e3 * triton.testing.do_bench(step, warmup=20, rep=60, return_mode="median")
     kernel_us = kernel_time_us(step)
-    return (kernel_us, wall_us) if kernel_us else (wall_us, wall_us)  # no profiler events: wall time only
+    host = host_time_us(step) if HOST else None
+    return (kernel_us, wall_us, host) if kernel_us else (wall_us, wall_us, host)  # no profiler events: wall time only
+
+
+def host_time_us(step, calls: int = 30) -> float:
+    """Median host time of one call started on an idle GPU (synchronized before, not after): what the
+    host spends launching it, whatever the kernels take (benchmarks/host_costs.py does the same per module)."""
+    times = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - started)
+    torch.cuda.synchronize()
+    return 1e6 * statistics.median(times)
 
 
 def rel_err(out, ref):
@@ -343,6 +359,8 @@ def _result(case, mode, name, err, timings, failure, copy_bw):
     nbytes = case.bytes_fwd if mode == "fwd" else case.bytes_fwdbwd
     frac = nbytes / (us * 1e-6) / copy_bw if nbytes else None
     note = f"wall {statistics.median(t[1] for t in timings):.0f} µs"
+    if timings[0][2] is not None:
+        note += f"; host {statistics.median(t[2] for t in timings):.0f} µs"
     if len(timings) > 1:
         kernel = [t[0] for t in timings]
         note += f"; median of {len(timings)} rounds ({min(kernel):.1f}-{max(kernel):.1f})"
@@ -554,6 +572,7 @@ def main(argv=None):
     parser.add_argument("--budget-s", type=float, default=1e9, help="stop timing new candidates after this")
     parser.add_argument("--rounds", type=_at_least_one, default=1,
                         help="time each case's candidates in turn this many times over and report medians")
+    parser.add_argument("--host", action="store_true", help="also host µs per call (idle GPU) in the note column")
     parser.add_argument("--skip-checks", action="store_true", help="no torch.compile and fp32 checks before the cases")
     parser.add_argument("--compile-check-only", action="store_true",
                         help="only the torch.compile check of every op's outputs and gradients (exit 1 on any failure)")
@@ -562,6 +581,8 @@ def main(argv=None):
         print("benchmarks/kernels.py needs a CUDA GPU", file=sys.stderr)
         return 2
     log = open(args.log, "w") if args.log else sys.stderr
+    global HOST
+    HOST = args.host
     deadline = time.time() + args.budget_s
     torch._inductor.config.compile_threads = os.cpu_count() or 8
     # One compiled function per case and shape: never let dynamo give up and fall back to eager.

@@ -41,13 +41,18 @@ FAMILIES = {
                      num_attention_heads=16, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2)),
 }
 SIZES = {"gpu": (4, 1024), "host": (1, 256)}
+# At hidden 1024 and 4 layers even 4x1024 tokens leave an H100 waiting on the host (measured: every case
+# "launch overhead"); the GPU-bound size doubles width and depth, as in the llama8 fixtures.
+GPU_SCALE = ("hidden_size", "intermediate_size", "num_hidden_layers")
 SMOKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, vocab_size=512)
 
 
-def build(family, smoke, device, dtype):
+def build(family, smoke, device, dtype, size="host"):
     import transformers
     model_class, config_class, config = FAMILIES[family]
     config = dict(config)
+    if size == "gpu" and not smoke:
+        config.update({key: 2 * config[key] for key in GPU_SCALE})
     if smoke:
         config.update(SMOKE)
         config["num_key_value_heads"] = min(config["num_key_value_heads"], 4)
@@ -80,7 +85,7 @@ def run_case(family, size, mode, args):
     from profiler_svc.recommendations import recommend
     device = "cpu" if args.smoke else "cuda"
     train = mode == "train"
-    model, vocab = build(family, args.smoke, device, torch.float32 if args.smoke else torch.bfloat16)
+    model, vocab = build(family, args.smoke, device, torch.float32 if args.smoke else torch.bfloat16, size)
     model.train(train)
     batch, seq = (1, 16) if args.smoke else SIZES[size]
     ids = torch.randint(0, vocab, (batch, seq), device=device)

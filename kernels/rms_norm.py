@@ -7,6 +7,7 @@ With `residual`, s = x + residual is normalized and also returned (the pre-norm 
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ._norm import check_norm_args, normalize
@@ -14,9 +15,20 @@ from .parity import place
 from .swap import SwapEntry, behaves_like
 
 
+# Below this many elements a 16-bit RMSNorm on a GPU goes to torch's fused F.rms_norm (the same fp32 math
+# and single rounding, one ATen kernel each way under C++ autograd): there either kernel takes a few µs
+# and the host sets the time, where ours costs more (H100: 105/589 µs fwd/fwd+bwd at 8×2048 against
+# 15/133). Above it our kernel's speed pays (16384×4096 fwd+bwd: 252 µs of kernel time against 440).
+# Crossover sweep: benchmarks/host_costs.py, results in benchmarks/results/.
+NATIVE_BELOW = 1 << 22
+
+
 def rms_norm(x, weight=None, eps: float = 1e-6, *, offset: float = 0.0, residual=None):
     """RMSNorm over the last dim; returns y, or (y, x + residual) when `residual` is given."""
     check_norm_args(x, weight, None, residual)
+    if (residual is None and not offset and x.numel() < NATIVE_BELOW and x.is_cuda and x.element_size() == 2
+            and (weight is None or weight.dtype == x.dtype) and not torch.compiler.is_compiling()):
+        return F.rms_norm(x, x.shape[-1:], weight, eps)
     return normalize(x, weight, None, float(eps), float(offset), False, residual)
 
 

@@ -10,14 +10,19 @@ or [seq, head_dim], as HF's rotary module returns them. q and k may be strided v
 inputs: one rounding instead of an fma's two), rounded once to q's dtype; the backward is the same
 rotation with the sine negated.
 
+cos/sin narrower than head_dim rotate the first dims only (partial rotary: Phi-3, GLM), and
+`interleaved=True` rotates adjacent pairs (GLM) instead of halves.
+
 Swap `rope`: HF attention modules call the module-global `apply_rotary_pos_emb`, which we never
-rebind. Instead each attention *instance* whose forward we recognize (transformers 5.x Llama,
-Mistral, Qwen2, Qwen3, Gemma, Granite... attention) is replaced by a `RopeAttention` that shares its
-projections, norms and config and runs the same forward with `rope` in place of that call,
-dispatching to transformers' own attention functions (see `attention_plan`).
+rebind. Instead each attention *instance* whose class's forward calls it, where it computes what
+`rope` does (checked by running it: `rotary_kind`), is replaced by a `RopeAttention` that shares its
+projections, norms, parameters and config and runs that very forward's code over a copy of its
+globals in which the name is `rope` (`fused_forward`): Llama and its copies, Phi-3's fused qkv_proj,
+Gemma2's softcapped eager attention, OLMo2's projection-wide q/k norms, GLM's interleaved partial
+rotary, whatever the transformers version's forward signature.
 """
 import functools
-from dataclasses import dataclass
+import types
 
 import torch
 import triton
@@ -41,17 +46,17 @@ def _load(ptr, mask, FP64: tl.constexpr):
 
 @triton.jit
 def _head_tile(n_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Head and dimension indices of one (batch, position)'s first halves, and their mask."""
+    """Head and pair indices of one (batch, position), and their mask."""
     heads = tl.arange(0, BLOCK_H)[:, None]
     dims = tl.arange(0, BLOCK_D)[None, :]
     return heads, dims, (heads < n_heads) & (dims < HALF)
 
 
 @triton.jit
-def _rotate_heads(x_first, mask, c1, c2, s1, s2, HALF: tl.constexpr, BACKWARD: tl.constexpr, FP64: tl.constexpr):
-    """Every head of one (batch, position) rotated, from pointers to each head's first half: both halves, unrounded."""
+def _rotate_heads(x_first, x_second, mask, c1, c2, s1, s2, BACKWARD: tl.constexpr, FP64: tl.constexpr):
+    """Every head of one (batch, position) rotated, from pointers to each pair's two elements: unrounded."""
     x1 = _load(x_first, mask, FP64)
-    x2 = _load(x_first + HALF, mask, FP64)
+    x2 = _load(x_second, mask, FP64)
     if BACKWARD:  # the transpose of the rotation: dx1 = dy1·c1 + dy2·s2, dx2 = dy2·c2 − dy1·s1
         o1 = x1 * c1 + x2 * s2
         o2 = x2 * c2 - x1 * s1
@@ -66,8 +71,10 @@ def _rope_kernel(
     Q, K, QO, KO, COS, SIN, seq_len, n_q_heads, n_k_heads,
     sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sqo_b, sqo_s, sqo_h, sko_b, sko_s, sko_h, sc_b, sc_s,
     HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr,
-    BACKWARD: tl.constexpr, FP64: tl.constexpr,
+    PASS: tl.constexpr, BLOCK_P: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr, FP64: tl.constexpr,
 ):
+    # Pairs: (d, d + HALF) rotate-half (HF), or (2d, 2d + 1) interleaved (GLM), over the first 2·HALF dims;
+    # the PASS dims after them are copied (partial rotary: Phi-3, GLM).
     pid = tl.program_id(0)
     b = (pid // seq_len).to(tl.int64)
     s = (pid % seq_len).to(tl.int64)
@@ -76,22 +83,36 @@ def _rope_kernel(
     cs = COS + b * sc_b + s * sc_s + table_dims
     sn = SIN + b * sc_b + s * sc_s + table_dims
     c1 = _load(cs, dmask, FP64)[None, :]
-    c2 = _load(cs + HALF, dmask, FP64)[None, :]
     s1 = _load(sn, dmask, FP64)[None, :]
-    s2 = _load(sn + HALF, dmask, FP64)[None, :]
+    if INTERLEAVED:  # GLM reads one angle per pair from the table's first half
+        c2, s2 = c1, s1
+        first, second = 2, 1  # element offsets: pair d at 2d and 2d + 1
+    else:
+        c2 = _load(cs + HALF, dmask, FP64)[None, :]
+        s2 = _load(sn + HALF, dmask, FP64)[None, :]
+        first, second = 1, HALF  # pair d at d and d + HALF
     # Each output is stored here, not in a helper (tests/kernels/test_stores_in_kernels.py says why).
     q_row, qo_row = Q + b * sq_b + s * sq_s, QO + b * sqo_b + s * sqo_s
     heads, dims, mask = _head_tile(n_q_heads, HALF, BLOCK_HQ, BLOCK_D)
-    q_first, qo_first = q_row + heads * sq_h + dims, qo_row + heads * sqo_h + dims
-    q1, q2 = _rotate_heads(q_first, mask, c1, c2, s1, s2, HALF, BACKWARD, FP64)
+    q_first, qo_first = q_row + heads * sq_h + dims * first, qo_row + heads * sqo_h + dims * first
+    q1, q2 = _rotate_heads(q_first, q_first + second, mask, c1, c2, s1, s2, BACKWARD, FP64)
     tl.store(qo_first, round_to(q1, QO.dtype.element_ty), mask=mask)
-    tl.store(qo_first + HALF, round_to(q2, QO.dtype.element_ty), mask=mask)
+    tl.store(qo_first + second, round_to(q2, QO.dtype.element_ty), mask=mask)
     k_row, ko_row = K + b * sk_b + s * sk_s, KO + b * sko_b + s * sko_s
     heads, dims, mask = _head_tile(n_k_heads, HALF, BLOCK_HK, BLOCK_D)
-    k_first, ko_first = k_row + heads * sk_h + dims, ko_row + heads * sko_h + dims
-    k1, k2 = _rotate_heads(k_first, mask, c1, c2, s1, s2, HALF, BACKWARD, FP64)
+    k_first, ko_first = k_row + heads * sk_h + dims * first, ko_row + heads * sko_h + dims * first
+    k1, k2 = _rotate_heads(k_first, k_first + second, mask, c1, c2, s1, s2, BACKWARD, FP64)
     tl.store(ko_first, round_to(k1, KO.dtype.element_ty), mask=mask)
-    tl.store(ko_first + HALF, round_to(k2, KO.dtype.element_ty), mask=mask)
+    tl.store(ko_first + second, round_to(k2, KO.dtype.element_ty), mask=mask)
+    if PASS > 0:  # the dims past the rotary ones, unchanged (their gradient too)
+        pdims = tl.arange(0, BLOCK_P)[None, :]
+        heads = tl.arange(0, BLOCK_HQ)[:, None]
+        pmask = (heads < n_q_heads) & (pdims < PASS)
+        offs = 2 * HALF + pdims
+        tl.store(qo_row + heads * sqo_h + offs, tl.load(q_row + heads * sq_h + offs, mask=pmask), mask=pmask)
+        heads = tl.arange(0, BLOCK_HK)[:, None]
+        pmask = (heads < n_k_heads) & (pdims < PASS)
+        tl.store(ko_row + heads * sko_h + offs, tl.load(k_row + heads * sk_h + offs, mask=pmask), mask=pmask)
 
 
 def _pow2(n: int) -> int:
@@ -100,8 +121,10 @@ def _pow2(n: int) -> int:
 
 
 @kernel_op("profiler_svc::rope", mutates_args={})
-def rope_rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """q, k: [B, S, H, D] views (any strides, unit stride on D); cos, sin: [B, S, D] (batch stride may be 0).
+def rope_rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool,
+                interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k: [B, S, H, D] views (any strides, unit stride on D); cos, sin: [B, S, R] (batch stride may be 0),
+    R <= D rotary dims (the rest pass through).
 
     Returns the rotated q and k in the same layout as the inputs (empty_like keeps a dense view's strides).
     """
@@ -109,7 +132,7 @@ def rope_rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
     n_k_heads = k.shape[2]
     qo, ko = torch.empty_like(q), torch.empty_like(k)
     if batch * seq and (n_q_heads or n_k_heads) and dim:  # either may be empty, not both
-        half = dim // 2
+        half, passed = cos.shape[-1] // 2, dim - cos.shape[-1]
         block_d, block_hq, block_hk = _pow2(half), _pow2(n_q_heads), _pow2(n_k_heads)
         num_warps = 4 if block_hq * block_d <= 2048 else 8
         # stride() once per tensor: stride(i) costs as much host time per call
@@ -117,18 +140,21 @@ def rope_rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
         launch(
             _rope_kernel, (batch * seq,), q, k, qo, ko, cos, sin, seq, n_q_heads, n_k_heads,
             *sq[:3], *sk[:3], *sqo[:3], *sko[:3], *sc[:2],
-            HALF=half, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_D=block_d, BACKWARD=backward,
+            HALF=half, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_D=block_d, PASS=passed,
+            BLOCK_P=_pow2(passed) if passed else 1, INTERLEAVED=interleaved, BACKWARD=backward,
             FP64=q.element_size() >= 4, num_warps=num_warps,
         )
     return qo, ko
 
 
-def _rotate(q, k, cos, sin, unsqueeze_dim: int, backward: bool):
+def _rotate(q, k, cos, sin, unsqueeze_dim: int, backward: bool, interleaved: bool = False):
     """rope_rotate on tensors in the caller's layout, through [B, S, H, D] views (never a copy)."""
     if unsqueeze_dim == 1:
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-    batch, seq, _, dim = q.shape
-    qo, ko = rope_rotate(_unit_last(q), _unit_last(k), cos.expand(batch, seq, dim), sin.expand(batch, seq, dim), backward)
+    batch, seq = q.shape[:2]
+    rot = cos.shape[-1]
+    qo, ko = rope_rotate(_unit_last(q), _unit_last(k), cos.expand(batch, seq, rot), sin.expand(batch, seq, rot),
+                         backward, interleaved)
     return (qo, ko) if unsqueeze_dim == 2 else (qo.transpose(1, 2), ko.transpose(1, 2))
 
 
@@ -137,21 +163,40 @@ def _rotate_half(x):
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def rope_reference(q, k, cos, sin, unsqueeze_dim: int = 1, interleaved: bool = False):
+    """The rotation `rope` computes, in plain PyTorch: rotate-half (HF) or interleaved pairs (GLM) over the
+    first cos.shape[-1] dims of the head, the rest passed through."""
+    if cos.dim() == 2:
+        cos, sin = cos[None], sin[None]
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    rot = cos.shape[-1]
+    if interleaved:
+        cos = cos[..., :rot // 2].repeat_interleave(2, dim=-1)
+        sin = sin[..., :rot // 2].repeat_interleave(2, dim=-1)
+
+    def one(x):
+        x_rot, x_pass = x[..., :rot], x[..., rot:]
+        turned = torch.stack((-x_rot[..., 1::2], x_rot[..., ::2]), dim=-1).flatten(-2) if interleaved else _rotate_half(x_rot)
+        return torch.cat((x_rot * cos + turned * sin, x_pass), dim=-1)
+
+    return one(q), one(k)
+
+
 class RopeFunction(torch.autograd.Function):
     """q, k in HF's layout for `unsqueeze_dim`; cos, sin: [batch or 1, seq, head_dim], unit last stride."""
 
     @staticmethod
-    def forward(ctx, q, k, cos, sin, unsqueeze_dim):
+    def forward(ctx, q, k, cos, sin, unsqueeze_dim, interleaved):
         cos_grad = ctx.needs_input_grad[2] or ctx.needs_input_grad[3]
         # Learned cos/sin are rare: their gradient is computed in plain PyTorch from the saved inputs.
         ctx.save_for_backward(cos, sin, *((q, k) if cos_grad else ()))
-        ctx.unsqueeze_dim = unsqueeze_dim
-        return _rotate(q, k, cos, sin, unsqueeze_dim, False)
+        ctx.unsqueeze_dim, ctx.interleaved = unsqueeze_dim, interleaved
+        return _rotate(q, k, cos, sin, unsqueeze_dim, False, interleaved)
 
     @staticmethod
     def backward(ctx, dq, dk):
         cos, sin, *qk = ctx.saved_tensors
-        dq_in, dk_in = _rotate(dq, dk, cos, sin, ctx.unsqueeze_dim, True)
+        dq_in, dk_in = _rotate(dq, dk, cos, sin, ctx.unsqueeze_dim, True, ctx.interleaved)
         dcos = dsin = None
         if qk:  # summed over the heads (dim unsqueeze_dim), and over the batch where cos/sin broadcast
             heads = ctx.unsqueeze_dim
@@ -162,17 +207,19 @@ class RopeFunction(torch.autograd.Function):
             if cos.shape[0] == 1:
                 dcos, dsin = dcos.sum(0, keepdim=True), dsin.sum(0, keepdim=True)
             dcos, dsin = dcos.to(cos.dtype), dsin.to(sin.dtype)
-        return dq_in, dk_in, dcos, dsin, None
+        return dq_in, dk_in, dcos, dsin, None, None
 
 
 def _unit_last(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def rope(q, k, cos, sin, position_ids=None, unsqueeze_dim: int = 1):
+def rope(q, k, cos, sin, position_ids=None, unsqueeze_dim: int = 1, *, interleaved: bool = False):
     """Drop-in for HF `apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1)`.
 
     Returns (q_embed, k_embed) in q's and k's dtype and layout. `position_ids` is ignored, as in HF.
+    cos/sin narrower than head_dim rotate its first dims only (partial rotary: Phi-3, GLM);
+    `interleaved` rotates pairs of adjacent dims (GLM) instead of HF's halves.
     """
     check_float(q, k)
     if unsqueeze_dim not in (1, 2):
@@ -185,18 +232,21 @@ def rope(q, k, cos, sin, position_ids=None, unsqueeze_dim: int = 1):
     batch, seq, dim = q.shape[0], q.shape[seq_dim], q.shape[3]
     if k.shape[0] != batch or k.shape[seq_dim] != seq or k.shape[3] != dim:
         raise ValueError(f"q and k differ in batch, sequence or head_dim: {tuple(q.shape)} vs {tuple(k.shape)}")
-    if dim % 2:
-        raise ValueError(f"head_dim must be even, got {dim}")
     if cos.dim() == 2:
         cos, sin = cos[None], sin[None]
-    if cos.shape[1] != seq or cos.shape[2] != dim or cos.shape[0] not in (1, batch):
+    rot = cos.shape[2]
+    if rot % 2 or rot > dim or rot == 0:
+        raise ValueError(f"cos/sin must have an even number of rotary dims up to head_dim={dim}, got {rot}")
+    if cos.shape[1] != seq or cos.shape[0] not in (1, batch):
         raise ValueError(f"cos/sin shape {tuple(cos.shape)} does not fit q {tuple(q.shape)} with unsqueeze_dim={unsqueeze_dim}")
     if not cos.is_floating_point() or cos.device != q.device:
         raise TypeError(f"cos and sin must be floating-point tensors on {q.device}")
     cos, sin = _unit_last(cos), _unit_last(sin)
+    if (rot < dim or interleaved) and (cos.requires_grad or sin.requires_grad):
+        return rope_reference(q, k, cos, sin, unsqueeze_dim, interleaved)  # learned partial tables: rare, plain PyTorch
     if needs_grad(q, k, cos, sin):
-        return RopeFunction.apply(q, k, cos, sin, unsqueeze_dim)
-    return _rotate(q, k, cos, sin, unsqueeze_dim, False)  # inference: no autograd.Function host time
+        return RopeFunction.apply(q, k, cos, sin, unsqueeze_dim, interleaved)
+    return _rotate(q, k, cos, sin, unsqueeze_dim, False, interleaved)  # inference: no autograd.Function host time
 
 
 class RoPE(nn.Module):
@@ -208,168 +258,131 @@ class RoPE(nn.Module):
 
 # ---- swap: HF attention instances, matched by their forward's structure and by behaviour ----------
 
-# Everything the recognized forward (transformers 5.x LlamaAttention and its copies) may refer to:
-# attributes of self, globals and methods. A forward that uses anything else does something we do
-# not reproduce (softcapping, clipping, partial rotary, a fused qkv_proj, sinks...) and is skipped.
-_FORWARD_NAMES = frozenset({
-    "q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "layer_idx", "config", "_attn_implementation",
-    "training", "attention_dropout", "scaling", "apply_rotary_pos_emb", "ALL_ATTENTION_FUNCTIONS",
-    "get_interface", "eager_attention_forward", "update", "shape", "view", "transpose", "reshape", "contiguous",
-})
-_OPTIONAL_NAMES = frozenset({"q_norm", "k_norm", "sliding_window", "getattr"})
-_FORWARD_ARGS = ("self", "hidden_states", "position_embeddings", "attention_mask", "past_key_values")
-# keyword names of the attention_interface call: Llama's, or Mistral's/Qwen2's with the sliding window
-_INTERFACE_KWARGS = (("dropout", "scaling"), ("dropout", "scaling", "sliding_window"))
-
-
-@dataclass(frozen=True)
-class AttentionPlan:
-    """How a recognized attention forward differs from Llama's, and what it dispatches to."""
-    head_norms: bool  # Qwen3/Gemma3: q_norm/k_norm over head_dim on the [B, S, H, D] views, before the rotation
-    sliding_window: str | None  # None: not passed; "config": getattr(config, "sliding_window", None) (Mistral); "attr": self.sliding_window (Qwen2)
-    attention_functions: object  # the model file's ALL_ATTENTION_FUNCTIONS (looked up, never modified)
-    eager_attention: object  # the model file's eager_attention_forward, the fallback of get_interface
-
-
-def _hf_rope_reference(q, k, cos, sin):
-    """HF's rotate-half rotary embedding, written out (the probe's expected values)."""
-    return tuple(x * cos[:, None] + _rotate_half(x) * sin[:, None] for x in (q, k))
-
 
 @functools.lru_cache(maxsize=64)
-def _is_hf_rotary(fn) -> bool:
-    """Does the model file's `apply_rotary_pos_emb` compute rotate-half RoPE over the whole head_dim?
-
-    Run on a small fp64 probe (CPU, whatever the model's device): an interleaved (GLM-style), partial
-    or otherwise different rotation under the same name fails it.
+def rotary_kind(fn) -> str | None:
+    """'half' or 'interleaved' if the model file's `apply_rotary_pos_emb` computes what `rope` does (HF's
+    rotate-half or GLM's adjacent pairs, over the table's width: partial rotary passes the rest through),
+    else None. Run on small fp64 probes (CPU, whatever the model's device), with a full-width table and a
+    half-width one; a function that cannot take the narrow table may raise there (its model never passes
+    one), but one that returns something else under the same name is rejected.
     """
     gen = torch.Generator().manual_seed(0)
     q, k = torch.randn(2, 3, 5, 8, generator=gen, dtype=torch.float64), torch.randn(2, 1, 5, 8, generator=gen, dtype=torch.float64)
-    angles = torch.rand(2, 5, 4, generator=gen, dtype=torch.float64) * 6.0
-    angles = torch.cat((angles, angles), dim=-1)
-    cos, sin = angles.cos(), angles.sin()
-    try:
-        with torch.no_grad():
-            got = fn(q, k, cos, sin)
-    except Exception:
-        return False
-    expected = _hf_rope_reference(q, k, cos, sin)
-    return (isinstance(got, (tuple, list)) and len(got) == 2
-            and all(isinstance(a, torch.Tensor) and a.shape == b.shape and bool((a - b).abs().max() <= 1e-12)
-                    for a, b in zip(got, expected)))
+    for interleaved in (False, True):
+        agrees = True
+        for width in (8, 4):
+            angles = torch.rand(2, 5, width // 2, generator=gen, dtype=torch.float64) * 6.0
+            angles = torch.cat((angles, angles), dim=-1)
+            cos, sin = angles.cos(), angles.sin()
+            try:
+                with torch.no_grad():
+                    got = fn(q, k, cos, sin)
+            except Exception:
+                if width == 8:
+                    return None
+                continue  # a full-width-only function: its model never passes a narrower table
+            expected = rope_reference(q, k, cos, sin, 1, interleaved)
+            if not (isinstance(got, (tuple, list)) and len(got) == 2 and all(
+                    isinstance(a, torch.Tensor) and a.shape == b.shape and bool((a - b).abs().max() <= 1e-12)
+                    for a, b in zip(got, expected))):
+                agrees = False
+                break
+        if agrees:
+            return "interleaved" if interleaved else "half"
+    return None
 
 
-def attention_plan(module: nn.Module) -> AttentionPlan | None:
-    """The plan for an HF attention instance whose forward we reproduce with `rope`.
+def _fused_apply(original, interleaved: bool):
+    """A stand-in for the model file's apply_rotary_pos_emb with its signature, computed by `rope`."""
+    import inspect
 
-    None for modules that are not q/k/v/o-projection attention at all; ValueError (the swap reports
-    it as the reason for skipping) for attention modules whose forward we do not recognize. The forward
-    is recognized by its code (argument names, the names and constants it uses), not by class name.
-    """
-    if not all(isinstance(getattr(module, name, None), nn.Module) for name in ("q_proj", "k_proj", "v_proj", "o_proj")):
+    signature = inspect.signature(original)
+    default = signature.parameters.get("unsqueeze_dim")
+    default = default.default if default is not None and default.default is not inspect.Parameter.empty else 1
+
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+        if args or kwargs:
+            unsqueeze_dim = signature.bind(q, k, cos, sin, *args, **kwargs).arguments.get("unsqueeze_dim", default)
+        else:
+            unsqueeze_dim = default
+        return rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, interleaved=interleaved)
+
+    return apply_rotary_pos_emb
+
+
+@functools.lru_cache(maxsize=64)
+def fused_forward(forward):
+    """The attention class's `forward` with the fused `rope` in place of its module-global
+    apply_rotary_pos_emb: the same code object over a copy of its globals (the model file's own globals
+    are never rebound), through the same decorators (each rebuilt around the copy). None where the forward
+    does not call apply_rotary_pos_emb; ValueError where it does but we cannot reproduce it."""
+    if hasattr(forward, "__wrapped__"):  # a decorator (deprecate_kwarg...): rebuild it around the copy
+        inner = forward.__wrapped__
+        fused_inner = fused_forward(inner)
+        if fused_inner is None:
+            return None
+        cells = forward.__closure__ or ()
+        if sum(1 for cell in cells if cell.cell_contents is inner) != 1:
+            raise ValueError(f"forward is wrapped by {forward.__qualname__}, which does not hold it in a closure: not recognized")
+        closure = tuple(types.CellType(fused_inner) if cell.cell_contents is inner else cell for cell in cells)
+        return _copy_function(forward, forward.__globals__, closure, wrapped=fused_inner)
+    code = getattr(forward, "__code__", None)
+    if code is None or "apply_rotary_pos_emb" not in code.co_names:
         return None
+    original = forward.__globals__.get("apply_rotary_pos_emb")
+    kind = rotary_kind(original) if callable(original) else None
+    if kind is None:
+        raise ValueError("the model's apply_rotary_pos_emb is neither rotate-half nor interleaved RoPE (with partial rotary)")
+    scope = dict(forward.__globals__, apply_rotary_pos_emb=_fused_apply(original, kind == "interleaved"))
+    return _copy_function(forward, scope, forward.__closure__)
+
+
+def _copy_function(fn, scope, closure, wrapped=None):
+    copy = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, closure)
+    copy.__kwdefaults__, copy.__qualname__, copy.__doc__ = fn.__kwdefaults__, fn.__qualname__, fn.__doc__
+    if wrapped is not None:
+        copy.__wrapped__ = wrapped
+    return copy
+
+
+def attention_forward(module: nn.Module):
+    """The fused forward for an attention instance whose forward calls apply_rotary_pos_emb, else None;
+    ValueError (the swap's reason for skipping) for one it cannot reproduce."""
+    if not any(isinstance(child, nn.Linear) for child in module.children()):
+        return None  # not a projection-holding attention module
+    forward = type(module).forward
     if "forward" in vars(module):  # patched on the instance (accelerate's hooks, PEFT...): not the class's code
         raise ValueError(f"{type(module).__name__} instance has its own forward: not recognized")
-    forward = type(module).forward
-    code = getattr(forward, "__code__", None)
-    if code is None or hasattr(forward, "__wrapped__"):
-        raise ValueError(f"{type(module).__name__}.forward is wrapped or not plain Python: not recognized")
-    args = code.co_varnames[:code.co_argcount]
-    if args != _FORWARD_ARGS or not code.co_flags & 0x08 or code.co_kwonlyargcount:  # 0x08: **kwargs
-        raise ValueError(f"forward{args} is not transformers 5.x's (hidden_states, position_embeddings, "
-                         "attention_mask, past_key_values, **kwargs): not recognized")
-    names = set(code.co_names)
-    missing, extra = _FORWARD_NAMES - names, names - _FORWARD_NAMES - _OPTIONAL_NAMES
-    if missing or extra:
-        raise ValueError("forward not recognized: " + "; ".join(
-            part for part in (f"uses {sorted(extra)}" if extra else "", f"lacks {sorted(missing)}" if missing else "") if part))
-    consts = [c for c in code.co_consts if not isinstance(c, type(code))]
-    # keyword names of calls are tuples of strings among the constants (Python 3.11 to 3.13)
-    kwnames = [c for c in consts if isinstance(c, tuple) and c and all(isinstance(x, str) for x in c)]
-    if len(kwnames) != 1 or kwnames[0] not in _INTERFACE_KWARGS:
-        raise ValueError(f"forward passes {kwnames} to the attention function: not recognized")
-    if module._parameters or module._buffers:
-        raise ValueError("the attention module holds its own parameters or buffers: not recognized")
-
-    sliding = None
-    if "sliding_window" in kwnames[0]:
-        if "getattr" in names and "sliding_window" not in names and "sliding_window" in consts:
-            sliding = "config"
-        elif "sliding_window" in names and "getattr" not in names and hasattr(module, "sliding_window"):
-            sliding = "attr"
-        else:
-            raise ValueError("forward passes a sliding window from a source not recognized")
-    elif {"getattr", "sliding_window"} & names:
-        raise ValueError("forward uses getattr or sliding_window without passing a sliding window: not recognized")
-
-    head_norms = "q_norm" in names or "k_norm" in names
-    if head_norms:  # only norms over head_dim (Qwen3, Gemma3), not over the whole projection (OLMo2)
-        for name in ("q_norm", "k_norm"):
-            norm = getattr(module, name, None)
-            weight = getattr(norm, "weight", None)
-            if not isinstance(norm, nn.Module) or not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (module.head_dim,):
-                raise ValueError(f"{name} is not a norm over head_dim={getattr(module, 'head_dim', '?')}: not recognized")
-
-    scope = forward.__globals__
-    if not _is_hf_rotary(scope.get("apply_rotary_pos_emb")):
-        raise ValueError("the model's apply_rotary_pos_emb is not rotate-half RoPE over the whole head_dim")
-    if scope.get("ALL_ATTENTION_FUNCTIONS") is None or scope.get("eager_attention_forward") is None:
-        raise ValueError("the model file has no ALL_ATTENTION_FUNCTIONS / eager_attention_forward")
-    return AttentionPlan(head_norms, sliding, scope["ALL_ATTENTION_FUNCTIONS"], scope["eager_attention_forward"])
+    return fused_forward(forward)
 
 
 class RopeAttention(nn.Module):
-    """An HF attention instance's forward with the fused `rope` in place of `apply_rotary_pos_emb`.
+    """An HF attention instance running its own class's forward with the fused `rope` in place of the model
+    file's apply_rotary_pos_emb (rotate-half or interleaved, full or partial rotary).
 
-    Shares the original's child modules (q/k/v/o projections, q/k norms: the same objects) and its
-    plain attributes (config, layer_idx, head_dim, scaling, is_causal, sliding_window...), which
-    transformers' attention functions read from the module they get. Attention itself goes through
-    the model file's ALL_ATTENTION_FUNCTIONS with the config's implementation (SDPA, flash, flex,
-    eager), with the same arguments as the original forward, so masks, KV caches, dropout, scaling,
-    sliding windows and every other kwarg behave as they do there.
+    Shares the original's child modules (projections, q/k norms: the same objects), parameters, buffers and
+    plain attributes (config, layer_idx, head_dim, scaling, is_causal, sliding_window, softcapping...), so
+    masks, KV caches, dropout, every attention implementation and every kwarg behave as they do there.
     """
 
-    def __init__(self, original: nn.Module, plan: AttentionPlan):
+    def __init__(self, original: nn.Module, forward):
         super().__init__()
         for name, value in vars(original).items():
             if not name.startswith("_") and name != "training":
                 setattr(self, name, value)
         for name, child in original.named_children():
             self.add_module(name, child)
+        for name, param in original.named_parameters(recurse=False):
+            self.register_parameter(name, param)
+        for name, buffer in original.named_buffers(recurse=False):
+            self.register_buffer(name, buffer, persistent=name not in original._non_persistent_buffers_set)
         self.train(original.training)
-        self._plan = plan
+        self._fused_forward = forward
         self._original_class = type(original).__name__
 
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
-        plan = self._plan
-        input_shape = hidden_states.shape[:-1]
-        hidden_shape = (*input_shape, -1, self.head_dim)
-        # [B, S, H, D] views of the projections: rope rotates them in this layout (HF transposes first;
-        # the memory layout of the results is the same)
-        query = self.q_proj(hidden_states).view(hidden_shape)
-        key = self.k_proj(hidden_states).view(hidden_shape)
-        if plan.head_norms:
-            query, key = self.q_norm(query), self.k_norm(key)
-        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-
-        cos, sin = position_embeddings
-        query, key = rope(query, key, cos, sin, unsqueeze_dim=2)
-        query_states, key_states = query.transpose(1, 2), key.transpose(1, 2)
-
-        if past_key_values is not None:
-            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
-
-        attention_interface = plan.attention_functions.get_interface(self.config._attn_implementation, plan.eager_attention)
-        if plan.sliding_window == "config":
-            kwargs = dict(kwargs, sliding_window=getattr(self.config, "sliding_window", None))
-        elif plan.sliding_window == "attr":
-            kwargs = dict(kwargs, sliding_window=self.sliding_window)
-        attn_output, attn_weights = attention_interface(
-            self, query_states, key_states, value_states, attention_mask,
-            dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **kwargs,
-        )
-        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-        return self.o_proj(attn_output), attn_weights
+    def forward(self, *args, **kwargs):
+        return self._fused_forward(self, *args, **kwargs)
 
     def extra_repr(self):
         return f"{self._original_class} with fused rope"
@@ -377,6 +390,7 @@ class RopeAttention(nn.Module):
 
 def _rotary_tables(module: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor):
     """(cos, sin) from the model file's own rotary module built on the attention's config, else HF's default tables."""
+    head_dim = getattr(module, "head_dim", None)
     for name, cls in list(type(module).forward.__globals__.items()):
         if name.endswith("RotaryEmbedding") and isinstance(cls, type) and issubclass(cls, nn.Module):
             try:
@@ -384,9 +398,9 @@ def _rotary_tables(module: nn.Module, hidden: torch.Tensor, position_ids: torch.
                 cos, sin = rotary(hidden, position_ids)
             except Exception:
                 continue
-            if cos.shape == (*position_ids.shape, module.head_dim):
-                return cos, sin
-    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, module.head_dim, 2, device=hidden.device, dtype=torch.float32) / module.head_dim))
+            if cos.shape[:-1] == position_ids.shape and (head_dim is None or cos.shape[-1] <= head_dim):
+                return cos.to(hidden.dtype), sin.to(hidden.dtype)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, device=hidden.device, dtype=torch.float32) / head_dim))
     angles = position_ids[..., None].float() * inv_freq
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos().to(hidden.dtype), angles.sin().to(hidden.dtype)
@@ -396,16 +410,20 @@ def attention_example_inputs(module: nn.Module) -> tuple:
     """(hidden_states, (cos, sin), attention_mask=None): two rows at different positions."""
     device, dtype = place(module)
     gen = torch.Generator(device=device).manual_seed(2)
-    hidden = torch.randn(2, 5, module.q_proj.in_features, generator=gen, device=device).to(dtype)
+    config = getattr(module, "config", None)
+    width = getattr(config, "hidden_size", None) or next(
+        child.in_features for child in module.children() if isinstance(child, nn.Linear))
+    hidden = torch.randn(2, 5, width, generator=gen, device=device).to(dtype)
     position_ids = torch.arange(5, device=device)[None] + torch.tensor([[0], [37]], device=device)
     return hidden, _rotary_tables(module, hidden, position_ids), None
 
 
 SWAP = SwapEntry(
     name="rope",
-    summary="HF attention (Llama, Mistral, Qwen2, Qwen3, Gemma...) with the fused rotary embedding: q and k in one pass",
-    matches=lambda m: attention_plan(m) is not None,
-    replace=lambda m: RopeAttention(m, attention_plan(m)),
+    summary="HF attention (any whose forward calls apply_rotary_pos_emb: rotate-half or interleaved, partial "
+            "rotary) with the fused rotary embedding: q and k in one pass",
+    matches=lambda m: attention_forward(m) is not None,
+    replace=lambda m: RopeAttention(m, attention_forward(m)),
     example_inputs=attention_example_inputs,
     shares_children=True,
 )

@@ -2,12 +2,17 @@
 
 Configuration (``create_app(config)`` keys, or the environment):
 - ``DATABASE_URL`` (``PROFILER_SVC_DATABASE_URL``), ``BLOB_DIR`` (``PROFILER_SVC_BLOB_DIR``)
-- ``API_TOKEN`` (``PROFILER_SVC_TOKEN``): required on every write endpoint of the API
-- ``SECRET_KEY`` (``PROFILER_SVC_SECRET_KEY``; else kept in ``$PROFILER_SVC_HOME/secret_key``): signs CSRF tokens
+- ``API_TOKEN`` (``PROFILER_SVC_TOKEN``): the operator's token, accepted besides the database's tokens
+  (``profiler_svc token create``); see `auth`
+- ``PUBLIC_READ`` (``PROFILER_SVC_PUBLIC_READ=1``): reads (pages, API GETs, downloads) without a token
+- ``SESSION_COOKIE_SECURE`` (``PROFILER_SVC_SECURE_COOKIE=1``): behind TLS, the session cookie only over HTTPS
+- ``SECRET_KEY`` (``PROFILER_SVC_SECRET_KEY``; else kept in ``$PROFILER_SVC_HOME/secret_key``): signs
+  the session cookie and CSRF tokens
 - ``MAX_CONTENT_LENGTH`` (``PROFILER_SVC_MAX_UPLOAD_MB``, default 1024 MiB): upload size limit
 """
 import os
 import secrets
+from datetime import timedelta
 
 from flask import Flask, current_app, g, jsonify, render_template, request
 from flask_wtf.csrf import CSRFError, CSRFProtect
@@ -32,8 +37,11 @@ def create_app(config: dict | None = None) -> Flask:
         API_TOKEN=os.environ.get("PROFILER_SVC_TOKEN"),
         SECRET_KEY=os.environ.get("PROFILER_SVC_SECRET_KEY"),
         MAX_CONTENT_LENGTH=int(os.environ.get("PROFILER_SVC_MAX_UPLOAD_MB", "1024")) << 20,
+        PUBLIC_READ=_flag("PROFILER_SVC_PUBLIC_READ"),
         WTF_CSRF_TIME_LIMIT=None,  # tokens live as long as the session
-        SESSION_COOKIE_SAMESITE="Lax",  # the session cookie only carries the CSRF secret
+        SESSION_COOKIE_SAMESITE="Lax",  # the session cookie: the CSRF secret and the signed-in token's id
+        SESSION_COOKIE_SECURE=_flag("PROFILER_SVC_SECURE_COOKIE"),
+        PERMANENT_SESSION_LIFETIME=timedelta(days=7),
     )
     app.config.update(config or {})
     if not app.config["SECRET_KEY"]:
@@ -44,10 +52,12 @@ def create_app(config: dict | None = None) -> Flask:
                                             else default_blob_store())
     csrf.init_app(app)
 
-    from . import api, pages
+    from . import api, auth, pages
     app.register_blueprint(pages.bp)
     app.register_blueprint(api.bp)
+    app.register_blueprint(auth.bp)
     csrf.exempt(api.bp)  # machine endpoints: bearer token instead of a cookie, so CSRF cannot apply
+    app.before_request(auth.authenticate)
 
     app.teardown_appcontext(_close_session)
     app.after_request(_security_headers)
@@ -57,6 +67,10 @@ def create_app(config: dict | None = None) -> Flask:
     app.register_error_handler(UserError, lambda exc: _error(400, str(exc)))
     app.jinja_env.filters["us"] = fmt_us
     return app
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def db() -> Session:

@@ -1,7 +1,5 @@
-"""JSON API, /api/v1: mirrors every page; writes need ``Authorization: Bearer <API_TOKEN>``."""
-import hmac
-
-from flask import Blueprint, abort, current_app, jsonify, request, send_file
+"""JSON API, /api/v1: mirrors every page; needs ``Authorization: Bearer <token>`` (see `auth`)."""
+from flask import Blueprint, abort, current_app, jsonify, request, send_file, url_for
 
 from ..errors import UserError
 from ..storage import ingest, jobs, queries
@@ -11,19 +9,6 @@ from . import db
 bp = Blueprint("api", __name__, url_prefix="/api/v1")
 
 AB_PARAMS = {"rounds": (int, 2, 1000), "warmup": (int, 0, 100), "seed": (int, 0, 2**31 - 1), "train": (bool, 0, 1)}
-
-
-@bp.before_request
-def require_token_for_writes():
-    if request.method in ("GET", "HEAD", "OPTIONS"):
-        return
-    expected = current_app.config.get("API_TOKEN")
-    if not expected:
-        abort(403, "writes are disabled: the server has no API token (set PROFILER_SVC_TOKEN)")
-    sent = request.headers.get("Authorization", "")
-    scheme, _, token = sent.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected.encode()):
-        abort(401, "missing or wrong API token (send 'Authorization: Bearer <token>')")
 
 
 @bp.get("/runs")
@@ -80,13 +65,26 @@ def upload_trace():
     else:
         raise UserError("send the trace as multipart field 'file' (or as the request body)")
     form = request.form if upload is not None else request.args
-    result = ingest.ingest_stream(
+    submitted = ingest.submit_upload(
         current_app.extensions["profiler_svc.engine"], stream, filename=filename,
         blobs=current_app.extensions["profiler_svc.blobs"], name=_text(form, "name"),
         group_key=_text(form, "run"), host=_text(form, "host") or request.remote_addr,
-        workload=_text(form, "workload"),
+        workload=_text(form, "workload", limit=None),
         max_bytes=current_app.config.get("MAX_TRACE_BYTES", ingest.DEFAULT_MAX_TRACE_BYTES))
-    return jsonify(result.to_dict()), 200 if result.duplicate else 201
+    if isinstance(submitted, ingest.IngestResult):  # this content is stored already
+        return jsonify(submitted.to_dict()), 200
+    # Stored and queued: a worker analyses it (the web app never parses a trace).
+    status_url = url_for("api.upload_status", upload_id=submitted.id)
+    return (jsonify(upload_id=submitted.id, status=submitted.status, status_url=status_url, duplicate=False),
+            202, {"Location": status_url})
+
+
+@bp.get("/uploads/<int:upload_id>")
+def upload_status(upload_id):
+    """An upload's analysis: queued, running, done (with its run_id and trace_id) or failed (with why)."""
+    page = queries.upload_page(db(), upload_id)
+    page.pop("blob_path")
+    return jsonify(page)
 
 
 @bp.post("/runs/<int:run_id>/ab")
@@ -127,7 +125,7 @@ def ab_params(params) -> dict:
 
 def _text(form, key, limit=255):
     value = (form.get(key) or "").strip()
-    return value[:limit] or None
+    return (value[:limit] if limit else value) or None
 
 
 def int_arg(key, default, low, high):

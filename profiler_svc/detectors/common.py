@@ -3,6 +3,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
 import pandas as pd
 
 from ..formats import fmt_us  # noqa: F401
@@ -197,6 +198,10 @@ def module_class(module: Optional[str]) -> Optional[str]:
 def size_root_cause(sizes) -> tuple:
     """The root cause of shape findings: sizes (value, padded) that are not multiples of what they need."""
     sizes = sorted(set(sizes))
+    # a multiple of another size that padding the smaller one aligns (3060 = 3 x 1020; 3 x 1024 is aligned)
+    # is a symptom of it: hidden 1020 behind the QKV width 3060
+    sizes = [(v, p) for v, p in sizes if not any(
+        b < v and v % b == 0 and (v // b * pb) % (p & -p) == 0 for b, pb in sizes)]
     label = ", ".join(f"{v} → {p}" for v, p in sizes)
     return (f"size:{','.join(str(v) for v, _ in sizes)}",
             f"misaligned size{'s' if len(sizes) > 1 else ''}: pad {label}")
@@ -246,7 +251,7 @@ def fused(trace: Trace, kernel_rows, fused_us: float, host: bool = True) -> Chan
     """KERNEL_ROWS (one chain) become one kernel of FUSED_US in the first one's place. With HOST, the host
     work of the ops that launched only these kernels goes too, but for the first op's: the fused op costs
     the host about what one eager op did."""
-    rows = sorted(kernel_rows, key=lambda r: trace.kernels["ts"].iat[r])
+    rows = sorted(kernel_rows, key=trace.column("kernels", "ts").__getitem__)
     if not rows:
         return Change()
     intervals = host_intervals(trace, rows) if host else []
@@ -256,25 +261,23 @@ def fused(trace: Trace, kernel_rows, fused_us: float, host: bool = True) -> Chan
 def host_intervals(trace: Trace, kernel_rows) -> list:
     """Host intervals of the outermost ops that launched nothing but KERNEL_ROWS, in time order, then the
     Python between consecutive ones on the same thread."""
-    kernels = trace.kernels
-    rows = list(kernel_rows)
-    if not rows or not len(trace.cpu):
+    rows = np.asarray(list(kernel_rows), dtype=np.int64)
+    if not len(rows) or not len(trace.cpu):
         return []
-    tops = kernels["top_op"].to_numpy()[rows]
+    tops = trace.column("kernels", "top_op")[rows]
     tops = tops[tops >= 0]
     if not len(tops):
         return []
-    claimed = pd.Series(tops).value_counts()
-    launched = trace.launches_per_top_op.reindex(claimed.index).fillna(0)
-    whole = claimed.index[(claimed >= launched).to_numpy()].to_numpy()
+    ops, claimed = np.unique(tops, return_counts=True)
+    whole = ops[claimed >= trace.launches_per_top_op[ops]]
     if not len(whole):
         return []
-    cpu = trace.cpu
-    ops = cpu.loc[whole, ["ts", "end", "thread"]].sort_values("ts")
-    out = list(zip(ops["ts"].tolist(), ops["end"].tolist()))  # the first op first: fused() keeps it
+    whole = whole[np.argsort(trace.column("cpu", "ts")[whole], kind="stable")]
+    starts, ends = trace.column("cpu", "ts")[whole], trace.column("cpu", "end")[whole]
+    threads = trace.column("cpu", "thread")[whole]
+    out = list(zip(starts.tolist(), ends.tolist()))  # the first op first: fused() keeps it
     # the Python between two consecutive ops of the chain: no other outermost op ran on that thread
-    starts, ends, threads = ops["ts"].to_numpy(), ops["end"].to_numpy(), ops["thread"].to_numpy()
-    for i in range(1, len(ops)):
+    for i in range(1, len(whole)):
         gap = starts[i] - ends[i - 1]
         if threads[i] == threads[i - 1] and 0 < gap <= _GLUE_MAX_US and \
                 not trace.top_ops_between(threads[i], ends[i - 1], starts[i]):

@@ -149,12 +149,8 @@ def _channels(shapes) -> dict:
 
 def _scaled_groups(groups):
     """Each group's kernels take expected / measured of their time."""
-    change = None
-    for g in groups:
-        one = scaled([r.Index for r, _ in g["rows"]], [r.dur for r, _ in g["rows"]],
-                     min(1.0, g["expected"] / g["time"]) if g["time"] else 1.0)
-        change = one if change is None else change.merged(one)
-    return change
+    return Change.union(scaled([r.Index for r, _ in g["rows"]], [r.dur for r, _ in g["rows"]],
+                               min(1.0, g["expected"] / g["time"]) if g["time"] else 1.0) for g in groups)
 
 
 def _flops(op, inputs):
@@ -246,10 +242,9 @@ def _sdpa_math(trace, kernels):
             s_k = tensors[1][0][2] if len(tensors) > 1 and len(tensors[1][0]) == 4 else s
             expected = 4.0 * b * h * s * s_k * d / (peak_tflops(trace, q[1]) * TENSOR_CORE_EFFICIENCY * 1e6) * len(calls)
         modules = sorted({r.module for _, rows, _ in calls for r in rows if isinstance(r.module, str)})
-        change = None
-        for _, rows, _ in calls:  # each call's kernels become one fused kernel
-            one = fused(trace, [r.Index for r in rows], expected / len(calls), host=False)
-            change = one if change is None else change.merged(one)
+        # each call's kernels become one fused kernel
+        change = Change.union(fused(trace, [r.Index for r in rows], expected / len(calls), host=False)
+                              for _, rows, _ in calls)
         findings.append(Finding(
             category="fallback_kernel",
             title=f"scaled_dot_product_attention on the math path {shapes}",
@@ -340,10 +335,8 @@ def _eager_attention(trace, kernels):
         # a fused kernel still does the two GEMMs' work: the saving is the score-matrix traffic around them
         expected = sum(c[4] for c in calls)
         modules = sorted({c[2] for c in calls if isinstance(c[2], str)})
-        change = None
-        for c in calls:  # each call becomes one SDPA kernel doing the GEMMs' work, and one op on the host
-            one = fused(trace, c[5], c[4], host=True)
-            change = one if change is None else change.merged(one)
+        # each call becomes one SDPA kernel doing the GEMMs' work, and one op on the host
+        change = Change.union(fused(trace, c[5], c[4], host=True) for c in calls)
         findings.append(Finding(
             category="fallback_kernel",
             title=f"eager attention (matmul → softmax → matmul) over scores {shape}" + (f" in {cls}" if cls else ""),

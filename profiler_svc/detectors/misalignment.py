@@ -6,9 +6,10 @@ import re
 from collections import defaultdict
 
 from ..trace.model import Trace
+from ..trace.replay import Change
 from .common import (GEMM_OPS, GRANULE, VOCAB_MIN, Finding, GemmReference, Recommendation, conv_shape,
                      gemm_shape, is_gemm, is_low_alignment, is_old_arch, is_simt_matmul, name_mask, new_durations,
-                     per_step_note, scaled, size_root_cause)
+                     op_interval, per_step_note, plural, scaled, size_root_cause)
 
 
 
@@ -137,6 +138,10 @@ def _head_dim(trace, kernels):
         if d % 8 == 0 and d <= 256:
             continue
         time = float(kernel_time.reindex(rows).fillna(0).sum())
+        padding = _sdpa_padding(trace, kernels, rows)
+        pad_time = float(kernels.loc[padding, "dur"].sum())
+        pad_note = (f" Inside SDPA, {plural(len(padding), 'fill/copy kernel')} pad q/k/v and slice the output "
+                    f"({per_step_note(trace, pad_time)}): an aligned head_dim removes them." if padding else "")
         padded = round_up(d, 8) if d <= 256 else 256
         modules = sorted({m for m in cpu["module"].iloc[rows] if isinstance(m, str)})
         why = (f"head_dim {d} is not a multiple of 8" if d % 8 else f"head_dim {d} is above 256")
@@ -145,8 +150,9 @@ def _head_dim(trace, kernels):
             title=f"attention head_dim {d}: flash attention refuses it",
             detail=(f"{why}: flash and memory-efficient SDPA kernels need head_dim a multiple of 8 and at most 256, "
                     f"so {len(rows)} attention calls ({per_step_note(trace, time)}) fall back to padded or "
-                    f"unfused paths. Choose hidden_size / num_heads = {padded} (or pad q/k/v to {padded})."),
+                    f"unfused paths.{pad_note} Choose hidden_size / num_heads = {padded} (or pad q/k/v to {padded})."),
             evidence={"head_dim": d, "padded": padded, "dtypes": [dtype], "calls": len(rows), "time_us": round(time, 2),
+                      **({"padding_kernels": len(padding), "padding_time_us": round(pad_time, 2)} if padding else {}),
                       "ops": sorted(set(cpu["name"].iloc[rows])), **({"modules": modules[:10]} if modules else {})},
             # the fallback detector prices the unfused attention itself; this one says how to fix the shape
             recommendation=Recommendation(
@@ -155,8 +161,22 @@ def _head_dim(trace, kernels):
                 if padded > d else None),
             key=f"misalignment:head_dim:{d}",
             root_cause=size_root_cause([(d, padded)]),
+            change=Change(removed=set(padding), host_removed=[op_interval(trace, op) for op in
+                                                              sorted(set(kernels.loc[padding, "op"]))]),
         ))
     return findings
+
+
+def _sdpa_padding(trace, kernels, attention_rows) -> list:
+    """Kernels that SDPA runs around its attention kernel for a head_dim it must pad (fill, copy, slice)."""
+    under = kernels[kernels["top_op"].isin(attention_rows)]
+    own = under["op_name"].str.startswith(_ATTENTION_KERNEL_OPS)
+    return [int(i) for i in under.index[~own.to_numpy()] if under.at[i, "op"] >= 0]
+
+
+# SDPA's attention kernels themselves (flash, memory-efficient, cuDNN, math); anything else it launches pads
+_ATTENTION_KERNEL_OPS = ("aten::_flash_attention", "aten::_efficient_attention", "aten::_cudnn_attention",
+                         "aten::_scaled_dot_product", "aten::bmm", "aten::baddbmm", "aten::_softmax", "aten::matmul")
 
 
 def _conv_channels(trace, kernels):

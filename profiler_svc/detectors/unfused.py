@@ -359,7 +359,7 @@ def _directions(group, fused_bytes_each) -> dict:
 def _change(trace, pattern, group, fused_times) -> tuple[Change, str]:
     """Each chain becomes one kernel. A bundled swap brings its own measured host cost per call; other
     fixes (a fused optimizer, an Inductor kernel) cost the host about what the chain's first op did."""
-    change = Change()
+    changes = []
     note = ""
     for chain, fused_us in zip(group, fused_times):
         rows = [r.Index for r in chain.rows]
@@ -371,10 +371,10 @@ def _change(trace, pattern, group, fused_times) -> tuple[Change, str]:
                 one.host_added = [(float(chain.rows[0].ts), cost)]
         else:
             one = fused(trace, rows, fused_us, host=True)
-        change = change.merged(one)
+        changes.append(one)
     if pattern.swap and swap_host_cost(pattern.swap, False) is None:
         note = f" The `{pattern.swap}` swap's host cost per call is not measured: taken as the eager module's."
-    return change, note
+    return Change.union(changes), note
 
 
 def _signature(chain):

@@ -1,4 +1,4 @@
-"""Subcommands: `serve`, `ingest`, `worker`, `db upgrade`, `demo`."""
+"""Subcommands: `serve`, `ingest`, `worker`, `token`, `db upgrade`, `demo`."""
 import logging
 import sys
 
@@ -38,10 +38,15 @@ def add_commands(subparsers) -> None:
     p = subparsers.add_parser("serve", help="serve the dashboard and the API on this machine")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=_port, default=8000)
-    p.add_argument("--workers", type=_positive(int), default=2, help="gunicorn worker processes")
+    p.add_argument("--threads", type=_positive(int), default=8, help="threads that answer requests")
+    p.add_argument("--analysis-workers", type=int, default=None, metavar="N",
+                   help="analyse uploads in N worker threads of this process, each analysis in a child process "
+                        "(default: 1 on SQLite, 0 on PostgreSQL, where `profiler_svc worker` hosts do it)")
     p.set_defaults(func=cmd_serve)
 
-    p = subparsers.add_parser("worker", help="run queued A/B jobs on this machine's GPU (or CPU)")
+    p = subparsers.add_parser("worker", help="run queued jobs: analyses of uploads, A/B tests on this machine's GPU (or CPU)")
+    p.add_argument("--kind", choices=("all", "analysis", "ab"), default="all",
+                   help="which jobs to take (default: all; a GPU host without the blob store: ab)")
     p.add_argument("--once", action="store_true", help="stop when the queue is empty")
     p.add_argument("--poll", type=_positive(float), default=2.0, metavar="SECONDS", help="queue poll interval")
     p.add_argument("--lease", type=_positive(float), default=120.0, metavar="SECONDS",
@@ -52,6 +57,17 @@ def add_commands(subparsers) -> None:
     db_sub = p.add_subparsers(dest="db_command", metavar="COMMAND", required=True)
     up = db_sub.add_parser("upgrade", help="create or migrate the schema to the latest version")
     up.set_defaults(func=cmd_db_upgrade)
+
+    p = subparsers.add_parser("token", help="API tokens for the service: create, list, revoke")
+    token_sub = p.add_subparsers(dest="token_command", metavar="COMMAND", required=True)
+    t = token_sub.add_parser("create", help="make a token and print it (once: only its hash is stored)")
+    t.add_argument("name", help="who or what uses it, e.g. 'ci' or 'alice'")
+    t.set_defaults(func=cmd_token_create)
+    t = token_sub.add_parser("list", help="the tokens (never the tokens themselves): id, name, created, last used")
+    t.set_defaults(func=cmd_token_list)
+    t = token_sub.add_parser("revoke", help="revoke a token: refused from its next request on")
+    t.add_argument("id", type=_positive(int))
+    t.set_defaults(func=cmd_token_revoke)
 
     p = subparsers.add_parser("demo", help="ingest bundled GPU traces and a live CPU capture, then serve the dashboard")
     p.add_argument("--host", default="127.0.0.1")
@@ -71,6 +87,40 @@ def cmd_db_upgrade(args) -> int:
     return 0
 
 
+def cmd_token_create(args) -> int:
+    from ..storage import tokens
+    from ..storage.db import ready_engine, session_scope
+    with session_scope(ready_engine()) as session:
+        row, token = tokens.create(session, args.name)
+        token_id = row.id
+    print(token)
+    print(f"token {token_id} ({args.name}): shown once, keep it secret; "
+          f"revoke with `profiler_svc token revoke {token_id}`", file=sys.stderr)
+    return 0
+
+
+def cmd_token_list(args) -> int:
+    from ..storage import tokens
+    from ..storage.db import ready_engine, session_scope
+    with session_scope(ready_engine()) as session:
+        rows = tokens.listing(session)
+    print(f"{'id':>4}  {'name':<24} {'created':<20} {'last used':<20} revoked")
+    for t in rows:
+        print(f"{t['id']:>4}  {t['name'][:24]:<24} {t['created_at'][:19]:<20} {(t['last_used_at'] or '-')[:19]:<20} "
+              f"{(t['revoked_at'] or '-')[:19]}")
+    return 0
+
+
+def cmd_token_revoke(args) -> int:
+    from ..storage import tokens
+    from ..storage.db import ready_engine, session_scope
+    with session_scope(ready_engine()) as session:
+        row = tokens.revoke(session, args.id)
+        name = row.name
+    print(f"token {args.id} ({name}) revoked")
+    return 0
+
+
 def cmd_ingest(args) -> int:
     from ..storage.db import ready_engine
     from ..storage.ingest import ingest_path
@@ -78,30 +128,50 @@ def cmd_ingest(args) -> int:
                           workload=args.workload)
     for r in results:
         state = "already stored" if r.duplicate else "stored"
-        print(f"run {r.run_id} trace {r.trace_id}: {state}")
+        print(f"run {r.run_id} trace {r.trace_id}: {state}" + (f" ({r.note})" if r.note else ""))
     return 0
 
 
 def cmd_worker(args) -> int:
     from ..storage.db import ready_engine
-    from .worker import default_worker_id, run_worker, use_triton_interpreter_without_gpu
-    use_triton_interpreter_without_gpu()
+    from .worker import KINDS, default_worker_id, run_worker, use_triton_interpreter_without_gpu
+    if args.kind != "analysis":
+        use_triton_interpreter_without_gpu()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     engine = ready_engine()
     worker = default_worker_id()
-    print(f"worker {worker}: waiting for A/B jobs", file=sys.stderr)
-    done = run_worker(engine, once=args.once, poll_s=args.poll, worker=worker, lease_s=args.lease)
+    kinds = KINDS if args.kind == "all" else (args.kind,)
+    print(f"worker {worker}: waiting for jobs ({', '.join(kinds)})", file=sys.stderr)
+    done = run_worker(engine, once=args.once, poll_s=args.poll, worker=worker, lease_s=args.lease, kinds=kinds)
     print(f"worker {worker}: ran {done} job(s)", file=sys.stderr)
     return 0
 
 
 def cmd_serve(args) -> int:
     from ..storage.db import ready_engine
-    ready_engine()
+    engine = ready_engine()
     _check_can_listen(args.host, args.port)
     from ..web import create_app
-    serve(create_app(), args.host, args.port, workers=args.workers)
+    app = create_app()
+    analysers = args.analysis_workers if args.analysis_workers is not None else int(engine.dialect.name == "sqlite")
+    start_analysis_workers(engine, app.extensions["profiler_svc.blobs"], analysers)
+    serve(app, args.host, args.port, threads=args.threads)
     return 0
+
+
+def start_analysis_workers(engine, blobs, count: int) -> list:
+    """Threads of this process that take the analysis queue; each analysis runs in a child process
+    under its limits, so the threads that answer requests never parse a trace."""
+    import threading
+    from .worker import default_worker_id, run_worker
+    threads = []
+    for n in range(max(0, count)):
+        thread = threading.Thread(target=run_worker, args=(engine,), daemon=True, name=f"analysis-worker-{n}",
+                                  kwargs={"kinds": ("analysis",), "blobs": blobs, "poll_s": 1.0,
+                                          "worker": f"{default_worker_id()}:serve{n}"})
+        thread.start()
+        threads.append(thread)
+    return threads
 
 
 def cmd_demo(args) -> int:
@@ -111,7 +181,7 @@ def cmd_demo(args) -> int:
     app = prepare_demo(print_fn=print)
     if args.no_serve:
         return 0
-    start_background_worker(app.config["DATABASE_URL"])
+    start_background_worker(app.config["DATABASE_URL"], app.config["BLOB_DIR"])
     from werkzeug.serving import make_server
     _check_can_listen(args.host, args.port)
     server = make_server(args.host, args.port, app, threaded=True)
@@ -132,24 +202,10 @@ def _check_can_listen(host: str, port: int) -> None:
         raise UserError(f"cannot listen on {host}:{port}: {getattr(exc, 'strerror', None) or exc}") from None
 
 
-def serve(app, host: str, port: int, workers: int = 2) -> None:
-    """gunicorn when available (a production server), else Werkzeug's threaded server."""
-    from ..storage.db import after_fork
-    try:
-        from gunicorn.app.base import BaseApplication
-    except ImportError:
-        app.run(host=host, port=port, threaded=True)
-        return
-
-    class Server(BaseApplication):
-        def load_config(self):
-            self.cfg.set("bind", f"{host}:{port}")
-            self.cfg.set("workers", workers)
-            self.cfg.set("threads", 4)
-            self.cfg.set("timeout", 300)  # large uploads are analysed inside the request
-            self.cfg.set("post_fork", lambda _server, _worker: after_fork())
-
-        def load(self):
-            return app
-
-    Server().run()
+def serve(app, host: str, port: int, threads: int = 8) -> None:
+    """Waitress: it reads each request whole (headers and body) in its event loop before a thread
+    runs the app, so slow or stalled clients hold no thread, and idle connections are closed."""
+    from waitress import serve as waitress_serve
+    waitress_serve(app, host=host, port=port, threads=threads, ident="profiler_svc",
+                   connection_limit=1000, channel_timeout=60, asyncore_use_poll=True,
+                   max_request_body_size=app.config["MAX_CONTENT_LENGTH"] or (1 << 40))

@@ -6,6 +6,7 @@ workload, so the dashboard's "A/B test this swap" works on this machine (on CPU 
 Triton's interpreter when there is no GPU).
 """
 import os
+import secrets
 import threading
 from pathlib import Path
 
@@ -93,7 +94,12 @@ def prepare_demo(print_fn=print, live: bool = True):
     from ..storage.blobs import BlobStore
     from ..storage.db import get_engine, upgrade
     from ..storage.ingest import ingest_path
+    from ..workload_spec import ALLOWED_ENV
 
+    # The demo's own workload is the one this service may run.
+    allowed = os.environ.get(ALLOWED_ENV, "")
+    if WORKLOAD not in allowed:
+        os.environ[ALLOWED_ENV] = f"{allowed},{WORKLOAD}".strip(",")
     config = demo_config()
     engine = get_engine(config["DATABASE_URL"])
     upgrade(engine)
@@ -111,9 +117,12 @@ def prepare_demo(print_fn=print, live: bool = True):
         [result] = ingest_path(engine, trace, blobs=blobs, name="tiny_llama (live capture)", workload=WORKLOAD,
                                group_key=LIVE_GROUP)
         print_fn(f"live capture {trace.name}: run {result.run_id}" + (" (replaces the previous one)" if replaced else ""))
-    token = os.environ.get("PROFILER_SVC_TOKEN")
+    # A local try-out: reads are open; the A/B form needs a signed-in session, so say which token signs in.
+    token = os.environ.get("PROFILER_SVC_TOKEN") or secrets.token_urlsafe(16)
+    if live:
+        print_fn(f"sign in (for the A/B button) with the token: {token}")
     return create_app({"DATABASE_URL": config["DATABASE_URL"], "BLOB_DIR": config["BLOB_DIR"],
-                       **({"API_TOKEN": token} if token else {})})
+                       "API_TOKEN": token, "PUBLIC_READ": True})
 
 
 def _drop_run(engine, blobs, group_key: str) -> bool:
@@ -132,11 +141,13 @@ def _drop_run(engine, blobs, group_key: str) -> bool:
     return True
 
 
-def start_background_worker(database_url: str) -> threading.Thread:
-    """Run the demo's A/B jobs in this process, so the dashboard's A/B button works without a second shell."""
+def start_background_worker(database_url: str, blob_dir: str) -> threading.Thread:
+    """Run the demo's jobs (A/B tests, and the analysis of uploads) from this process, so the dashboard
+    works without a second shell; each job still runs in a child process of its own."""
+    from ..storage.blobs import BlobStore
     from ..storage.db import get_engine
     from .worker import run_worker
-    thread = threading.Thread(target=run_worker, args=(get_engine(database_url),), kwargs={"poll_s": 1.0},
-                              daemon=True, name="demo-worker")
+    thread = threading.Thread(target=run_worker, args=(get_engine(database_url),),
+                              kwargs={"poll_s": 1.0, "blobs": BlobStore(blob_dir)}, daemon=True, name="demo-worker")
     thread.start()
     return thread

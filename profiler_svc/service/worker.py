@@ -1,4 +1,10 @@
-"""`profiler_svc worker`: claim queued A/B jobs, run them on this host's GPU (or CPU), store the results."""
+"""`profiler_svc worker`: claim queued jobs, run each in a child process under limits, store the results.
+
+Two kinds of job, one queue discipline (`storage.jobs`): the analysis of an uploaded trace (CPU and
+memory limits per upload: a bomb fails its own job, nothing else) and A/B tests on this host's GPU
+(or CPU). A workload is imported only if the operator allowed it (`workload_spec`), and only in the
+child: a workload that exits, crashes or hangs fails its job with the reason.
+"""
 import logging
 import os
 import socket
@@ -7,10 +13,26 @@ import time
 
 from sqlalchemy.engine import Engine
 
+from ..errors import UserError
 from ..formats import one_line
-from ..storage import jobs
+from ..storage import ingest, jobs
+from ..storage.blobs import BlobStore
 from ..storage.db import session_scope
-from ..storage.queries import job_dict
+from ..storage.models import ABJob, AnalysisJob
+from ..storage.queries import job_dict, upload_dict
+from ..workload_spec import check_workload_allowed
+from .sandbox import JobFailed, Limits, run_isolated
+
+KINDS = ("analysis", "ab")
+_MODELS = {"analysis": AnalysisJob, "ab": ABJob}
+
+
+def analysis_limits() -> Limits:
+    """Per upload: `PROFILER_SVC_ANALYSIS_CPU_S` (default 600), `PROFILER_SVC_ANALYSIS_MEMORY_MB` (8192);
+    wall clock (a child waiting, not computing) three times the CPU limit plus a minute."""
+    cpu = float(os.environ.get("PROFILER_SVC_ANALYSIS_CPU_S") or 600)
+    return Limits(cpu_s=cpu, memory_mb=int(os.environ.get("PROFILER_SVC_ANALYSIS_MEMORY_MB") or 8192),
+                  wall_s=3 * cpu + 60)
 
 log = logging.getLogger(__name__)
 
@@ -23,12 +45,25 @@ def run_ab_job(job: dict) -> dict:
     """The real runner: load the workload, A/B-test the swap, return ABResult.to_dict().
     Imported lazily so the web app and the queue never import torch."""
     from .. import ab
+    check_workload_allowed(job["workload"])  # this host's list: checked again before any import
     workload = ab.load_workload(job["workload"])
     params = dict(job.get("params") or {})
     # A workload that brings a loss function is a training workload unless the job says otherwise.
     train = params.pop("train", workload.loss_fn is not None)
     # The factory puts the model on this host's GPU (or CPU); the worker just runs it.
     return ab.ab_test(workload.model, workload.inputs, [job["swap"]], train=train, loss_fn=workload.loss_fn, **params).to_dict()
+
+
+def run_ab_job_isolated(job: dict) -> dict:
+    """`run_ab_job` in a child process: the workload's code never runs in the worker itself."""
+    check_workload_allowed(job["workload"])
+    return run_isolated(run_ab_job, job, what=f"A/B job {job['id']} ({job['workload']})")
+
+
+def analyse_isolated(path, filename: str) -> dict:
+    """`ingest.analyse_file` in a child process under `analysis_limits()`."""
+    return run_isolated(ingest.analyse_file, str(path), filename, limits=analysis_limits(),
+                        what=f"the analysis of {filename}")
 
 
 def use_triton_interpreter_without_gpu() -> None:
@@ -42,43 +77,67 @@ def use_triton_interpreter_without_gpu() -> None:
 class _Heartbeat(threading.Thread):
     """Extends the job's lease every third of it while the runner works."""
 
-    def __init__(self, engine, job_id, worker, lease_s):
+    def __init__(self, engine, job_id, worker, lease_s, model=ABJob):
         super().__init__(daemon=True, name=f"heartbeat-{job_id}")
-        self.engine, self.job_id, self.worker, self.lease_s = engine, job_id, worker, lease_s
+        self.engine, self.job_id, self.worker, self.lease_s, self.model = engine, job_id, worker, lease_s, model
         self.stopped = threading.Event()
 
     def run(self):
         while not self.stopped.wait(self.lease_s / 3):
             try:
                 with session_scope(self.engine) as session:
-                    if not jobs.heartbeat(session, self.job_id, self.worker, self.lease_s):
+                    if not jobs.heartbeat(session, self.job_id, self.worker, self.lease_s, self.model):
                         log.warning("job %s is no longer ours", self.job_id)
                         return
             except Exception:  # a database blip: try again next beat, the lease still has time
                 log.exception("heartbeat for job %s failed", self.job_id)
 
 
-def work_once(engine: Engine, *, worker: str | None = None, runner=run_ab_job,
-              lease_s: float = jobs.DEFAULT_LEASE_S) -> int | None:
-    """Claim and run one job; returns its id, or None when the queue is empty."""
+def work_once(engine: Engine, *, worker: str | None = None, runner=run_ab_job_isolated,
+              lease_s: float = jobs.DEFAULT_LEASE_S, kinds=KINDS, blobs: BlobStore | None = None,
+              analyser=analyse_isolated) -> int | None:
+    """Claim and run one job (of the first kind in `kinds` that has one queued); returns its id, or
+    None when those queues are empty. `runner(spec)` runs an A/B job, `analyser(path, filename)` an upload."""
     worker = worker or default_worker_id()
-    with session_scope(engine) as session:
-        job = jobs.claim(session, worker, lease_s)
-        spec = job_dict(job, with_result=False) if job else None
-    if spec is None:
+    for kind in kinds:
+        model = _MODELS[kind]
+        with session_scope(engine) as session:
+            job = jobs.claim(session, worker, lease_s, model=model)
+            spec = (upload_dict(job) if kind == "analysis" else job_dict(job, with_result=False)) if job else None
+        if spec is not None:
+            break
+    else:
         return None
-    log.info("job %s: A/B %s on %s", spec["id"], spec["swap"], spec["workload"])
-    beat = _Heartbeat(engine, spec["id"], worker, lease_s)
+    blobs = blobs or ingest.default_blob_store()
+    if kind == "analysis":
+        log.info("job %s: analyse upload %s", spec["id"], spec["filename"])
+        work = lambda: analyser(blobs.path(spec["blob_path"]), spec["filename"])  # noqa: E731
+    else:
+        log.info("job %s: A/B %s on %s", spec["id"], spec["swap"], spec["workload"])
+        work = lambda: runner(spec)  # noqa: E731
+    beat = _Heartbeat(engine, spec["id"], worker, lease_s, model)
     beat.start()
     try:
-        result = runner(spec)
-        error = None
-    except Exception as exc:  # the job failed, not the worker: record why and go on
+        result, error = work(), None
+    except UserError as exc:  # the job failed, not the worker: record why and go on
+        log.warning("job %s failed: %s", spec["id"], exc)
+        result, error = None, str(exc) if kind == "analysis" or isinstance(exc, JobFailed) else one_line(exc)
+    except Exception as exc:
         log.exception("job %s failed", spec["id"])
         result, error = None, one_line(exc)
     finally:
         beat.stopped.set()
         beat.join()
+    if kind == "analysis":
+        if error is None:
+            try:
+                ingest.store_analysed_job(engine, blobs, spec["id"], worker, result)
+            except Exception as exc:  # e.g. the database refused a value: the upload's fault, say so
+                log.exception("storing the analysis of job %s failed", spec["id"])
+                error = f"{spec['filename']}: could not store the analysis: {one_line(exc)}"
+        if error is not None:
+            ingest.fail_analysis_job(engine, blobs, spec["id"], worker, error)
+        return spec["id"]
     with session_scope(engine) as session:
         if error is None:
             jobs.finish(session, spec["id"], worker, result, device=(result or {}).get("device"))
@@ -88,14 +147,21 @@ def work_once(engine: Engine, *, worker: str | None = None, runner=run_ab_job,
 
 
 def run_worker(engine: Engine, *, once: bool = False, poll_s: float = 2.0, worker: str | None = None,
-               runner=run_ab_job, lease_s: float = jobs.DEFAULT_LEASE_S) -> int:
-    """Work until interrupted; with `once`, until the queue is empty. Returns the number of jobs run."""
+               runner=run_ab_job_isolated, lease_s: float = jobs.DEFAULT_LEASE_S, kinds=KINDS,
+               blobs: BlobStore | None = None, analyser=analyse_isolated, stop: threading.Event | None = None) -> int:
+    """Work until interrupted (or `stop` is set); with `once`, until the queues are empty. Returns the
+    number of jobs run."""
     done = 0
-    while True:
-        job_id = work_once(engine, worker=worker, runner=runner, lease_s=lease_s)
+    while stop is None or not stop.is_set():
+        job_id = work_once(engine, worker=worker, runner=runner, lease_s=lease_s, kinds=kinds, blobs=blobs,
+                           analyser=analyser)
         if job_id is not None:
             done += 1
             continue
         if once:
             return done
-        time.sleep(poll_s)
+        if stop is not None:
+            stop.wait(poll_s)
+        else:
+            time.sleep(poll_s)
+    return done

@@ -65,12 +65,6 @@ def _create_engine(url: str) -> Engine:
         raise UserError(f"cannot use database URL {_redact(url)!r}: {exc}") from None
 
 
-def after_fork() -> None:
-    """In a forked child (gunicorn worker): never reuse the parent's pooled connections."""
-    for engine in _engines.values():
-        engine.dispose(close=False)
-
-
 def _sqlite_pragmas(dbapi_connection, _record):
     cursor = dbapi_connection.cursor()
     cursor.execute("PRAGMA foreign_keys=ON")

@@ -6,6 +6,8 @@ is moved into place inside it, so a failure at any step leaves no rows and no fi
 """
 import logging
 import os
+from contextlib import contextmanager
+import re
 import socket
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -20,10 +22,11 @@ from ..errors import TraceError, UserError
 from ..formats import one_line, plain_json
 from ..trace.load import MAX_TRACE_BYTES
 from ..trace.timeline import build_timeline
-from ..workload_spec import check_workload_spec
+from ..workload_spec import check_workload_allowed
+from . import jobs
 from .blobs import BlobStore
 from .db import home, session_scope
-from .models import FindingRecord, KernelSummary, Run, TraceRecord, utcnow
+from .models import AnalysisJob, FindingRecord, KernelSummary, Run, TraceRecord, utcnow
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +46,7 @@ class IngestResult:
     run_id: int
     trace_id: int
     duplicate: bool
+    note: str | None = None  # what happened to a request that was not applied as asked
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -54,36 +58,158 @@ def analyse(path: Path):
     return recommend(str(path))
 
 
+def analyse_file(path, filename: str) -> dict:
+    """Everything ingest stores about one trace file, as plain data (a worker runs this in a child
+    process under CPU and memory limits and gets the result back through a pipe). Errors name
+    `filename`, the name the user gave, never the server's path."""
+    try:
+        report = analyse(Path(path))
+    except UserError as exc:
+        raise type(exc)(_without_path(str(exc), path, filename)) from None
+    except MemoryError:
+        raise
+    except Exception as exc:  # an analyser bug must not leave a half-ingested trace either
+        log.exception("analysis failed for %s", filename)
+        raise TraceError(f"{filename}: analysis failed: {_without_path(one_line(exc), path, filename)}") from None
+    data = report.to_dict()
+    loaded = report.traces[0] if getattr(report, "traces", None) else None
+    meta = _trace_metadata(loaded)
+    ours = meta.get("profiler_svc")
+    return {"report": data, "run_meta": _run_meta(meta), "ours": ours if isinstance(ours, dict) else {},
+            "rank": getattr(loaded, "rank", None) or 0,  # the loader reads it from the trace's metadata
+            "timeline": build_timeline(getattr(loaded, "kernels", None), launches=getattr(loaded, "runtime", None))}
+
+
+def _without_path(message: str, path, filename: str) -> str:
+    path = Path(path)
+    return message.replace(str(path), filename).replace(path.name, filename)
+
+
 def ingest_stream(engine: Engine, stream, *, filename: str, blobs: BlobStore | None = None,
                   name: str | None = None, group_key: str | None = None, host: str | None = None,
                   workload: str | None = None, max_bytes: int | None = DEFAULT_MAX_TRACE_BYTES) -> IngestResult:
-    """Store one trace read from a binary stream (plain or gzip JSON)."""
-    if workload is not None:
-        check_workload_spec(workload)
+    """Store one trace read from a binary stream (plain or gzip JSON), analysed here and now (the CLI;
+    the web app queues the analysis instead: `submit_upload`)."""
     blobs = blobs or default_blob_store()
-    received = blobs.receive(stream, max_bytes=max_bytes)
-    try:
-        existing = _find_trace(engine, received.sha256)
+    filename = clean_filename(filename)
+    with _receiving(engine, blobs, stream, workload, max_bytes) as (received, existing):
         if existing:
             return existing
+        analysed = analyse_file(received.tmp_path, filename)
+        upload = Upload(received.sha256, blobs.relpath(received.sha256), filename, received.size_bytes,
+                        received.stored_bytes, name, group_key, host, workload)
         try:
-            report = analyse(received.tmp_path)
-        except UserError:
-            raise
-        except Exception as exc:  # an analyser bug must not leave a half-ingested trace either
-            log.exception("analysis failed for %s", filename)
-            raise TraceError(f"{filename}: analysis failed: {one_line(exc)}") from None
-        try:
-            return _store(engine, blobs, received, report, filename=filename, name=name,
-                          group_key=group_key, host=host, workload=workload)
+            return _store(engine, blobs, upload, analysed, move_blob=lambda: blobs.commit(received))
         except IntegrityError:
             # Someone stored the same content between our check and our commit.
-            existing = _find_trace(engine, received.sha256)
+            existing = _find_trace(engine, received.sha256, workload)
             if existing:
                 return existing
             raise
+
+
+@contextmanager
+def _receiving(engine, blobs, stream, workload, max_bytes):
+    """The upload in the blob store's temporary place (removed on leaving unless committed), and the
+    stored trace with the same content if there is one."""
+    if workload is not None:
+        check_workload_allowed(workload)
+    received = blobs.receive(stream, max_bytes=max_bytes)
+    try:
+        yield received, _find_trace(engine, received.sha256, workload)
     finally:
         received.tmp_path.unlink(missing_ok=True)
+
+
+@dataclass
+class Upload:
+    """A received trace and what its uploader asked for."""
+    sha256: str
+    blob_path: str
+    filename: str
+    size_bytes: int
+    stored_bytes: int
+    name: str | None = None
+    group_key: str | None = None
+    host: str | None = None
+    workload: str | None = None
+
+
+def submit_upload(engine: Engine, stream, *, filename: str, blobs: BlobStore, name: str | None = None,
+                  group_key: str | None = None, host: str | None = None, workload: str | None = None,
+                  max_bytes: int | None = DEFAULT_MAX_TRACE_BYTES) -> "IngestResult | AnalysisJob":
+    """Receive an upload into the blob store and queue its analysis (the web app: it never parses a
+    trace). Returns the stored trace when this content is stored already, else its analysis job
+    (a new one, the one already queued for the same content, or a failed one queued again)."""
+    filename = clean_filename(filename)
+    with _receiving(engine, blobs, stream, workload, max_bytes) as (received, existing):
+        if existing:
+            return existing
+        asked = dict(filename=filename, name=_text(name, 255), group_key=_text(group_key, 255),
+                     host=_text(host, 255), workload=workload)
+        for _ in range(2):  # a second round when a concurrent upload of the same content won the insert
+            try:
+                with Session(engine, expire_on_commit=False) as session:
+                    job = session.scalars(select(AnalysisJob)
+                                          .where(AnalysisJob.content_sha256 == received.sha256)).first()
+                    if job is not None and job.status != "failed":
+                        return job
+                    if job is None:
+                        job = AnalysisJob(content_sha256=received.sha256, blob_path=blobs.relpath(received.sha256),
+                                          size_bytes=received.size_bytes, stored_bytes=received.stored_bytes,
+                                          **asked)
+                        session.add(job)
+                    else:  # the same content failed before: try again (its blob was removed then)
+                        for key, value in dict(asked, status="queued", attempts=0, error=None, worker=None,
+                                               started_at=None, finished_at=None, created_at=utcnow()).items():
+                            setattr(job, key, value)
+                    session.flush()  # the unique content hash is checked here, before the blob moves
+                    try:
+                        blobs.commit(received)
+                        session.commit()
+                    except BaseException:  # our flushed row holds the hash: no one else has this blob
+                        session.rollback()
+                        blobs.delete(blobs.relpath(received.sha256))
+                        raise
+                    return job
+            except IntegrityError:
+                existing = _find_trace(engine, received.sha256, workload)
+                if existing:
+                    return existing
+        raise UserError("the upload raced with another upload of the same trace; send it again")
+
+
+def store_analysed_job(engine: Engine, blobs: BlobStore, job_id: int, worker: str, analysed: dict) -> IngestResult | None:
+    """A worker's analysis of a queued upload: the trace rows, and the job marked done, in one
+    transaction. None if the job is no longer this worker's."""
+    with session_scope(engine) as session:
+        job = session.get(AnalysisJob, job_id)
+        upload = Upload(job.content_sha256, job.blob_path, job.filename, job.size_bytes, job.stored_bytes,
+                        job.name, job.group_key, job.host, job.workload)
+    existing = _find_trace(engine, upload.sha256, upload.workload)  # e.g. `profiler_svc ingest` of the same file
+    if existing is None:
+        try:
+            return _store(engine, blobs, upload, analysed, job=(job_id, worker))
+        except IntegrityError:  # ... that committed while we analysed
+            existing = _find_trace(engine, upload.sha256, upload.workload)
+            if existing is None:
+                raise
+    with session_scope(engine) as session:
+        if not jobs.mark_done(session, job_id, worker, AnalysisJob, run_id=existing.run_id,
+                              trace_id=existing.trace_id, note=existing.note):
+            return None
+    return existing
+
+
+def fail_analysis_job(engine: Engine, blobs: BlobStore, job_id: int, worker: str, error: str) -> None:
+    """The upload could not be analysed: the job fails with the reason and its blob goes (no trace has it)."""
+    with session_scope(engine) as session:
+        job = session.get(AnalysisJob, job_id)
+        if not jobs.fail(session, job_id, worker, error, model=AnalysisJob):
+            return
+        sha, blob_path = job.content_sha256, job.blob_path
+    if not _find_trace(engine, sha, None):
+        blobs.delete(blob_path)
 
 
 def ingest_path(engine: Engine, path, *, name: str | None = None, group_key: str | None = None,
@@ -150,59 +276,89 @@ def _remove(engine, blobs, results) -> None:
         blobs.delete(path)
 
 
-def _find_trace(engine, sha256) -> IngestResult | None:
+def _find_trace(engine, sha256, workload=None) -> IngestResult | None:
+    """The stored trace with this content, if any; saying so when it was asked for another workload."""
     with session_scope(engine) as session:
         row = session.execute(select(TraceRecord.id, TraceRecord.run_id)
                               .where(TraceRecord.content_sha256 == sha256)).first()
-    return IngestResult(run_id=row.run_id, trace_id=row.id, duplicate=True) if row else None
+        if row is None:
+            return None
+        note = None
+        run = session.get(Run, row.run_id)
+        if workload and run.workload != workload:
+            if run.workload:
+                note = (f"already stored in run {run.id} with workload {run.workload!r}; "
+                        f"workload {workload!r} was not applied")
+            else:
+                run.workload = workload
+                note = f"already stored in run {run.id}; its workload is now {workload!r}"
+    return IngestResult(run_id=row.run_id, trace_id=row.id, duplicate=True, note=note)
 
 
-def _store(engine, blobs, received, report, *, filename, name, group_key, host, workload) -> IngestResult:
-    data = report.to_dict()
-    loaded = report.traces[0] if getattr(report, "traces", None) else None
-    meta = _trace_metadata(loaded)
-    ours = meta.get("profiler_svc") or {}
-    rank = getattr(loaded, "rank", None) or 0  # the loader reads it from the trace's metadata
-    workload = workload or ours.get("workload")
+def _store(engine, blobs, upload: Upload, analysed: dict, *, move_blob=None, job=None) -> IngestResult:
+    """The trace's rows; `move_blob` puts its file in place inside the transaction; `job` (id, worker):
+    the analysis job marked done in the same transaction."""
+    data = analysed["report"]
+    ours = analysed["ours"]
+    rank = analysed["rank"]
+    workload, note = upload.workload, None
+    if workload is None and ours.get("workload") is not None:
+        try:  # a workload named inside the trace is checked like one named by the uploader
+            workload = check_workload_allowed(ours["workload"])
+        except UserError as exc:
+            note = f"the workload in the trace's metadata was not applied: {exc}"
+    group_key = upload.group_key
     # The ranks of one captured job share the capture's run id: group them without being told.
     if group_key is None and ours.get("run"):
-        group_key = f"capture:{ours['run']}"
+        group_key = f"capture:{_text(ours['run'], 200)}"
     summary = data.get("trace", {})
     device = summary.get("device") or {}
-    timeline = build_timeline(getattr(loaded, "kernels", None), launches=getattr(loaded, "runtime", None))
 
     with Session(engine, expire_on_commit=False) as session:
-        run = _get_or_create_run(session, group_key=group_key, name=name or _default_name(filename),
-                                 host=host or ours.get("host"), workload=workload, meta=_run_meta(meta))
+        run = _get_or_create_run(session, group_key=group_key, name=upload.name or _default_name(upload.filename),
+                                 host=upload.host or _text(ours.get("host"), 255), workload=workload,
+                                 meta=analysed["run_meta"])
+        if workload and run.workload != workload:
+            note = f"run {run.id} keeps its workload {run.workload!r}; workload {workload!r} was not applied"
         trace = TraceRecord(
-            run_id=run.id, rank=rank, filename=Path(filename).name[:255],
-            content_sha256=received.sha256, size_bytes=received.size_bytes,
-            stored_bytes=received.stored_bytes, blob_path=blobs.relpath(received.sha256),
-            device_name=device.get("name"), span_us=float(summary.get("span_us") or 0),
+            run_id=run.id, rank=rank, filename=upload.filename,
+            content_sha256=upload.sha256, size_bytes=upload.size_bytes,
+            stored_bytes=upload.stored_bytes, blob_path=upload.blob_path,
+            device_name=_text(device.get("name") if isinstance(device, dict) else None, 255),
+            span_us=float(summary.get("span_us") or 0),
             gpu_busy_pct=float(summary.get("gpu_busy_pct") or 0),
             kernel_count=int(summary.get("kernel_count") or 0),
             kernel_time_us=float(summary.get("kernel_time_us") or 0),
             event_count=int(summary.get("event_count") or 0),
             summary=plain_json({**summary, **{key: data.get(key) or [] for key in REPORT_EXTRAS}}),
             steps=plain_json(data.get("steps") or {}), prediction=plain_json(data.get("prediction") or {}),
-            timeline=timeline)
+            timeline=analysed["timeline"])
         session.add(trace)
         session.flush()  # the unique content hash is checked here, before the blob moves
         session.add_all(_kernel_rows(data.get("top_kernels", []), trace.id, run.id))
         session.add_all(_finding_rows(data.get("findings", []), trace.id, run.id, rank))
         session.flush()
+        result = IngestResult(run_id=run.id, trace_id=trace.id, duplicate=False, note=note)
+        if job is not None and not jobs.mark_done(session, job[0], job[1], AnalysisJob, run_id=run.id,
+                                                  trace_id=trace.id, note=note):
+            session.rollback()  # no longer our job: another worker has it after our lease ran out
+            return None
+        if move_blob is None:
+            session.commit()
+            return result
         try:
-            blobs.commit(received)
+            move_blob()
             session.commit()
         except BaseException:
             # Our flushed row holds the content hash, so no committed trace shares this blob.
             session.rollback()
             blobs.delete(trace.blob_path)
             raise
-        return IngestResult(run_id=run.id, trace_id=trace.id, duplicate=False)
+        return result
 
 
 def _get_or_create_run(session, *, group_key, name, host, workload, meta) -> Run:
+    name, host, group_key = _text(name, 255) or "trace", _text(host, 255), _text(group_key, 255)
     if group_key is None:
         run = Run(name=name[:255], host=host, workload=workload, meta=meta)
         session.add(run)
@@ -217,6 +373,24 @@ def _get_or_create_run(session, *, group_key, name, host, workload, meta) -> Run
     if workload and not run.workload:
         run.workload = workload
     return run
+
+
+def _text(value, limit: int | None = None) -> str | None:
+    """A string for a text column: NUL removed (PostgreSQL refuses it), at most `limit` characters."""
+    if value is None:
+        return None
+    text = str(value).replace("\x00", "")
+    return text[:limit] if limit else text
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def clean_filename(filename) -> str:
+    """An uploaded file's name as stored and shown: its last path part, no control characters
+    (CR, LF, NUL would break a download's header), at most 255 characters."""
+    name = _CONTROL.sub("", str(filename or "")).replace("\\", "/").rsplit("/", 1)[-1].strip()
+    return name[:255] or "upload.json"
 
 
 def _trace_metadata(loaded) -> dict:
@@ -243,9 +417,9 @@ def _default_name(filename: str) -> str:
 def _kernel_rows(top_kernels, trace_id, run_id):
     for k in top_kernels:
         yield KernelSummary(
-            trace_id=trace_id, run_id=run_id, name=str(k.get("name", "")), count=int(k.get("count") or 0),
+            trace_id=trace_id, run_id=run_id, name=_text(k.get("name", "")), count=int(k.get("count") or 0),
             total_us=float(k.get("total_us") or 0), mean_us=float(k.get("mean_us") or 0),
-            share_pct=float(k.get("share_pct") or 0), op=k.get("op"), module=k.get("module"),
+            share_pct=float(k.get("share_pct") or 0), op=_text(k.get("op")), module=_text(k.get("module")),
             input_shapes=plain_json(k.get("input_shapes") or []), dtypes=plain_json(k.get("dtypes") or []),
             achieved_gbps=k.get("achieved_gbps"), achieved_tflops=k.get("achieved_tflops"))
 
@@ -254,11 +428,12 @@ def _finding_rows(findings, trace_id, run_id, rank):
     for f in findings:
         rec = f.get("recommendation") or {}
         yield FindingRecord(
-            trace_id=trace_id, run_id=run_id, finding_key=str(f.get("id", ""))[:255],
-            category=str(f.get("category", ""))[:32], severity=str(f.get("severity", "info"))[:16],
-            title=str(f.get("title", "")), detail=str(f.get("detail", "")),
+            trace_id=trace_id, run_id=run_id, finding_key=_text(f.get("id", ""), 255),
+            category=_text(f.get("category", ""), 32), severity=_text(f.get("severity", "info"), 16),
+            title=_text(f.get("title", "")), detail=_text(f.get("detail", "")),
             evidence=plain_json(f.get("evidence") or {}),
             saving_us_per_step=float(f.get("saving_us_per_step") or 0),
             gpu_time_saved_us_per_step=float(f.get("gpu_time_saved_us_per_step") or 0),
             rank=f.get("rank") if f.get("rank") is not None else rank,
-            summary=str(rec.get("summary") or ""), swap=rec.get("swap"), snippet=rec.get("snippet"))
+            summary=_text(rec.get("summary") or ""), swap=_text(rec.get("swap"), 255), fix=_text(rec.get("fix"), 64),
+            snippet=_text(rec.get("snippet")))

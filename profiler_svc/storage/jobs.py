@@ -1,8 +1,10 @@
-"""The A/B job queue in the database: many workers on many GPU hosts, one dashboard.
+"""The job queues in the database: A/B tests (`ABJob`) and the analysis of uploads (`AnalysisJob`);
+many workers on many hosts, one dashboard.
 
-A worker claims the oldest queued job and holds it under a lease that a heartbeat extends. A job
-whose lease ran out (the worker crashed or lost its host) goes back to the queue, up to
-``MAX_ATTEMPTS`` claims; after that it fails with the reason.
+A worker claims the oldest queued job of a kind and holds it under a lease that a heartbeat extends.
+A job whose lease ran out (the worker crashed or lost its host) goes back to the queue, up to
+``MAX_ATTEMPTS`` claims; after that it fails with the reason. The same functions serve both kinds
+(`model`: the job's table).
 """
 from datetime import timedelta
 
@@ -10,6 +12,7 @@ from sqlalchemy import select, update
 
 from ..errors import UserError
 
+from ..workload_spec import check_workload_allowed
 from .models import ABJob, ABResultRow, FindingRecord, utcnow
 from .queries import NotFound
 
@@ -31,6 +34,7 @@ def enqueue(session, run, *, swap: str | None = None, finding_id: int | None = N
     if not run.workload:
         raise UserError(f"run {run.id} has no workload to A/B test (capture it with a workload, "
                         "or ingest with --workload pkg.module:factory)")
+    check_workload_allowed(run.workload)  # a run stored before the operator's list changed
     job = ABJob(run_id=run.id, finding_id=finding.id if finding else None, swap=swap[:255],
                 workload=run.workload, params=params or {}, status="queued")
     session.add(job)
@@ -38,23 +42,23 @@ def enqueue(session, run, *, swap: str | None = None, finding_id: int | None = N
     return job
 
 
-def requeue_expired(session) -> int:
+def requeue_expired(session, model=ABJob) -> int:
     """Jobs whose worker stopped heartbeating: back to the queue, or failed after MAX_ATTEMPTS."""
     now = utcnow()
-    expired = (ABJob.status == "running") & (ABJob.lease_expires_at < now)
+    expired = (model.status == "running") & (model.lease_expires_at < now)
     failed = session.execute(
-        update(ABJob).where(expired, ABJob.attempts >= MAX_ATTEMPTS)
+        update(model).where(expired, model.attempts >= MAX_ATTEMPTS)
         .values(status="failed", finished_at=now, lease_expires_at=None,
                 error=f"worker lease expired {MAX_ATTEMPTS} times")).rowcount
     requeued = session.execute(
-        update(ABJob).where(expired).values(status="queued", worker=None, lease_expires_at=None)).rowcount
+        update(model).where(expired).values(status="queued", worker=None, lease_expires_at=None)).rowcount
     return requeued + failed
 
 
-def claim(session, worker: str, lease_s: float = DEFAULT_LEASE_S) -> ABJob | None:
+def claim(session, worker: str, lease_s: float = DEFAULT_LEASE_S, model=ABJob):
     """Take the oldest queued job, or None. Safe against any number of concurrent workers."""
-    requeue_expired(session)
-    candidates = select(ABJob.id).where(ABJob.status == "queued").order_by(ABJob.id).limit(1)
+    requeue_expired(session, model)
+    candidates = select(model.id).where(model.status == "queued").order_by(model.id).limit(1)
     if session.bind.dialect.name == "postgresql":
         candidates = candidates.with_for_update(skip_locked=True)
     job_id = session.scalar(candidates)
@@ -63,36 +67,42 @@ def claim(session, worker: str, lease_s: float = DEFAULT_LEASE_S) -> ABJob | Non
     now = utcnow()
     # The status condition makes the claim atomic on SQLite too: only one UPDATE can match.
     claimed = session.execute(
-        update(ABJob).where(ABJob.id == job_id, ABJob.status == "queued")
-        .values(status="running", worker=worker[:255], attempts=ABJob.attempts + 1, started_at=now,
+        update(model).where(model.id == job_id, model.status == "queued")
+        .values(status="running", worker=worker[:255], attempts=model.attempts + 1, started_at=now,
                 lease_expires_at=now + timedelta(seconds=lease_s))).rowcount
     if claimed != 1:
         return None
     session.flush()
-    job = session.get(ABJob, job_id, populate_existing=True)
-    return job
+    return session.get(model, job_id, populate_existing=True)
 
 
-def heartbeat(session, job_id: int, worker: str, lease_s: float = DEFAULT_LEASE_S) -> bool:
+def heartbeat(session, job_id: int, worker: str, lease_s: float = DEFAULT_LEASE_S, model=ABJob) -> bool:
     """Extend the lease; False if the job is no longer ours (requeued after a stall)."""
     return session.execute(
-        update(ABJob).where(ABJob.id == job_id, ABJob.worker == worker, ABJob.status == "running")
+        update(model).where(model.id == job_id, model.worker == worker, model.status == "running")
         .values(lease_expires_at=utcnow() + timedelta(seconds=lease_s))).rowcount == 1
 
 
+def mark_done(session, job_id: int, worker: str, model=ABJob, **values) -> bool:
+    """Our running job is done (False if it is no longer ours); `values`: more columns to set."""
+    return session.execute(
+        update(model).where(model.id == job_id, model.worker == worker, model.status == "running")
+        .values(status="done", finished_at=utcnow(), lease_expires_at=None, error=None, **values)).rowcount == 1
+
+
 def finish(session, job_id: int, worker: str, result: dict, device: str | None = None) -> bool:
-    done = session.execute(
-        update(ABJob).where(ABJob.id == job_id, ABJob.worker == worker, ABJob.status == "running")
-        .values(status="done", finished_at=utcnow(), lease_expires_at=None, error=None)).rowcount == 1
+    """An A/B job's result."""
+    done = mark_done(session, job_id, worker)
     if done:
         session.add(ABResultRow(job_id=job_id, result=result, device=device))
     return done
 
 
-def fail(session, job_id: int, worker: str, error: str) -> bool:
+def fail(session, job_id: int, worker: str, error: str, model=ABJob) -> bool:
     return session.execute(
-        update(ABJob).where(ABJob.id == job_id, ABJob.worker == worker, ABJob.status == "running")
-        .values(status="failed", finished_at=utcnow(), lease_expires_at=None, error=error[:4000])).rowcount == 1
+        update(model).where(model.id == job_id, model.worker == worker, model.status == "running")
+        .values(status="failed", finished_at=utcnow(), lease_expires_at=None,
+                error=error.replace("\x00", "")[:4000])).rowcount == 1
 
 
 def save_ab_result(result: dict, *, workload: str, params: dict | None = None, run_id: int | None = None,

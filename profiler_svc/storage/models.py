@@ -1,4 +1,4 @@
-"""SQLAlchemy 2 models: runs, their per-rank traces, the precomputed aggregates, A/B jobs.
+"""SQLAlchemy 2 models: runs, their per-rank traces, the precomputed aggregates, the job queues, API tokens.
 
 Everything a page shows is stored at ingest (kernel summaries, findings, the timeline), so no
 page ever re-reads a trace. The trace itself lives compressed in the blob store; `TraceRecord.blob_path`
@@ -106,12 +106,26 @@ class FindingRecord(Base):
     rank: Mapped[int | None] = mapped_column(Integer)
     summary: Mapped[str] = mapped_column(Text, default="")  # recommendation summary
     swap: Mapped[str | None] = mapped_column(String(255))
+    fix: Mapped[str | None] = mapped_column(String(64))  # a configuration fix of the A/B fix registry
     snippet: Mapped[str | None] = mapped_column(Text)
 
     run: Mapped[Run] = relationship(back_populates="findings")
 
 
-class ABJob(Base):
+class LeasedJob:
+    """The queue columns every kind of job shares: a worker claims it and holds it under a lease
+    (`storage.jobs`)."""
+    status: Mapped[str] = mapped_column(String(16), default="queued", index=True)  # queued|running|done|failed
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    worker: Mapped[str | None] = mapped_column(String(255))
+    lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class ABJob(LeasedJob, Base):
     """A queued A/B test of one swap on a run's workload, claimed by a worker under a lease."""
     __tablename__ = "ab_jobs"
 
@@ -121,14 +135,6 @@ class ABJob(Base):
     swap: Mapped[str] = mapped_column(String(255))
     workload: Mapped[str] = mapped_column(String(500))
     params: Mapped[dict] = mapped_column(default=dict)  # ab_test keyword arguments (rounds, train, ...)
-    status: Mapped[str] = mapped_column(String(16), default="queued", index=True)  # queued|running|done|failed
-    attempts: Mapped[int] = mapped_column(Integer, default=0)
-    worker: Mapped[str | None] = mapped_column(String(255))
-    lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    error: Mapped[str | None] = mapped_column(Text)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
     run: Mapped[Run] = relationship(back_populates="jobs")
     finding: Mapped[FindingRecord | None] = relationship()
@@ -146,3 +152,37 @@ class ABResultRow(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
     job: Mapped[ABJob] = relationship(back_populates="result")
+
+
+class AnalysisJob(LeasedJob, Base):
+    """An uploaded trace waiting for a worker to analyse it. The upload is already in the blob store
+    (content-addressed); the worker analyses it under CPU and memory limits and stores the trace rows."""
+    __tablename__ = "analysis_jobs"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    content_sha256: Mapped[str] = mapped_column(String(64), unique=True)  # of the uncompressed JSON
+    blob_path: Mapped[str] = mapped_column(String(255))
+    filename: Mapped[str] = mapped_column(String(255))
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    stored_bytes: Mapped[int] = mapped_column(BigInteger)
+    # what the upload asked for, applied when the trace is stored
+    name: Mapped[str | None] = mapped_column(String(255))
+    group_key: Mapped[str | None] = mapped_column(String(255))
+    host: Mapped[str | None] = mapped_column(String(255))
+    workload: Mapped[str | None] = mapped_column(String(500))
+    # the result, once done
+    run_id: Mapped[int | None] = mapped_column(ForeignKey("runs.id", ondelete="SET NULL"))
+    trace_id: Mapped[int | None] = mapped_column(ForeignKey("traces.id", ondelete="SET NULL"))
+    note: Mapped[str | None] = mapped_column(Text)
+
+
+class APIToken(Base):
+    """A bearer token for the API and the dashboard's sign-in; only its SHA-256 is kept."""
+    __tablename__ = "api_tokens"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(255))
+    token_sha256: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    last_used_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))

@@ -3,7 +3,7 @@ from sqlalchemy import func, or_, select
 
 from ..errors import UserError
 from ..trace.kernel_names import short_kernel_name
-from .models import ABJob, FindingRecord, KernelSummary, Run, TraceRecord
+from .models import ABJob, AnalysisJob, FindingRecord, KernelSummary, Run, TraceRecord
 
 TOP_KERNELS = 30
 
@@ -111,8 +111,7 @@ def finding_dict(f: FindingRecord, step_us: float | None = None) -> dict:
             # the report's share: the saving against the rank's step (its replayed step, as the report)
             "share_of_step_pct": round(100 * f.saving_us_per_step / step_us, 2) if step_us else None,
             "rank": f.rank,
-            "recommendation": {"summary": f.summary, "swap": f.swap, "snippet": f.snippet,
-                               "fix": getattr(f, "fix", None)}}
+            "recommendation": {"summary": f.summary, "swap": f.swap, "fix": f.fix, "snippet": f.snippet}}
 
 
 def _step_us(trace: TraceRecord) -> float | None:
@@ -158,6 +157,19 @@ def job_dict(job: ABJob, with_result: bool = True) -> dict:
     if with_result:
         out["result"] = job.result.result if job.result else None
     return out
+
+
+def upload_dict(job: AnalysisJob) -> dict:
+    """An upload's analysis job: where it stands, and the run and trace it became."""
+    return {"id": job.id, "status": job.status, "filename": job.filename, "size_bytes": job.size_bytes,
+            "blob_path": job.blob_path, "run_id": job.run_id, "trace_id": job.trace_id, "note": job.note,
+            "error": job.error, "attempts": job.attempts, "created_at": job.created_at.isoformat(),
+            "started_at": job.started_at.isoformat() if job.started_at else None,
+            "finished_at": job.finished_at.isoformat() if job.finished_at else None}
+
+
+def upload_page(session, upload_id: int) -> dict:
+    return upload_dict(get(session, AnalysisJob, upload_id))
 
 
 def _trace_for(session, run_id: int, rank: int | None) -> TraceRecord | None:

@@ -4,6 +4,7 @@ The loader tags every kernel with `kind` (gemm, conv, attention, communication, 
 distinct name; detectors ask the finer questions (FFMA path? low alignment?) of candidate rows only.
 """
 import re
+from functools import lru_cache
 
 import numpy as np
 import pandas as pd
@@ -19,41 +20,53 @@ _COMM = re.compile(r"nccl|allreduce|all_reduce|allgather|reducescatter|sendrecv"
 _SIMT = re.compile(r"ffma|simt|convolve_\w{0,64}gemm|scudnn|(?<![a-z])sgemm|gemmSN|dgemm", re.I)
 _LOW_ALIGN = re.compile(r"align[12](?!\d)", re.I)
 _OLD_ARCH = re.compile(r"(?:sm|cutlass_)(?:50|52|60|61|70|75)[_a-z]|volta_|turing_|maxwell_", re.I)
+# Detectors ask these per kernel row, and a trace repeats a few thousand names a million times: each answer
+# is computed once per distinct name.
+_by_name = lru_cache(maxsize=1 << 16)
 
 
+@_by_name
 def is_gemm(name: str) -> bool:
     return bool(_GEMM.search(name)) and not is_attention(name) and not _CONV.search(name)
 
 
+@_by_name
 def is_conv(name: str) -> bool:
     return bool(_CONV.search(name)) and not is_attention(name)
 
 
+@_by_name
 def is_attention(name: str) -> bool:
     return bool(_ATTN.search(name))
 
 
+@_by_name
 def is_communication(name: str) -> bool:
     return bool(_COMM.search(name))
 
 
+@_by_name
 def is_compute_bound_kernel(name: str) -> bool:
     return is_gemm(name) or is_conv(name) or is_attention(name)
 
 
+@_by_name
 def is_simt_matmul(name: str) -> bool:
     """A GEMM/conv kernel on the CUDA-core (FFMA) path rather than tensor cores."""
     return (is_gemm(name) or is_conv(name)) and bool(_SIMT.search(name)) and "gemv" not in name.lower()
 
 
+@_by_name
 def is_low_alignment(name: str) -> bool:
     return (is_gemm(name) or is_conv(name)) and bool(_LOW_ALIGN.search(name))
 
 
+@_by_name
 def is_old_arch(name: str) -> bool:
     return (is_gemm(name) or is_conv(name)) and bool(_OLD_ARCH.search(name))
 
 
+@_by_name
 def is_memory_bound_kernel(name: str) -> bool:
     return not (is_compute_bound_kernel(name) or is_communication(name))
 

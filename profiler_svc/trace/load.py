@@ -634,27 +634,28 @@ class TableBuilder:
         """The ops' recorded inputs as raw JSON bytes, deduplicated (shapes repeat every step); records with
         numbers no tensor has are dropped, with a warning, before any detector multiplies them."""
         seen = self.raw_seen
+        args = [e.args for e in evs]
         for field, column, sane in (("input_dims", self.raw.dims, _sane_dims),
                                     ("input_types", self.raw.types, None),
                                     ("input_strides", self.raw.strides, _sane_strides),
                                     ("concrete_inputs", self.raw.concrete, None)):
-            for e in evs:
-                raw = getattr(e.args, field) if e.args is not None else None
-                if raw is None or not len(raw):
-                    column.append(None)
+            # None where the op recorded nothing; each distinct record is checked once, in event order
+            keys = [bytes(raw) if (raw := a and getattr(a, field)) else None for a in args]
+            distinct = dict.fromkeys(keys)
+            distinct.pop(None, None)
+            for key in distinct:
+                if key in seen:
                     continue
-                key = bytes(raw)
-                kept = seen.get(key, _UNSEEN)
-                if kept is _UNSEEN:
-                    try:
-                        key.decode()  # msgspec skips raw JSON without checking its strings
-                    except UnicodeDecodeError:
-                        raise TraceError(f"{self.path}: invalid UTF-8 in the recorded inputs of "
-                                         f"{e.name[:80]!r}") from None
-                    kept = seen[key] = key if sane is None or sane(key) else None
-                if kept is None:
-                    self.ignored["inputs"] += 1
-                column.append(kept)
+                try:
+                    key.decode()  # msgspec skips raw JSON without checking its strings
+                except UnicodeDecodeError:
+                    name = evs[keys.index(key)].name
+                    raise TraceError(f"{self.path}: invalid UTF-8 in the recorded inputs of {name[:80]!r}") from None
+                seen[key] = key if sane is None or sane(key) else None
+            column.extend([seen[k] if k is not None else None for k in keys])
+            dropped = {k for k in distinct if seen[k] is None}
+            if dropped:
+                self.ignored["inputs"] += sum(1 for k in keys if k in dropped)
 
     def warnings(self) -> list[str]:
         unclosed = sum(len(stack) for stack in self.open_slices.values())
@@ -712,7 +713,6 @@ class TableBuilder:
                      warnings=self.warnings())
 
 
-_UNSEEN = object()
 _MAX_ELEMENTS = 1 << 62
 
 

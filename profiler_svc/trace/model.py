@@ -96,6 +96,7 @@ class Trace:
     thread_names: dict = field(default_factory=dict)   # thread code -> name
     warnings: list = field(default_factory=list)       # what the loader ignored in a damaged trace, one line each
     _inputs_cache: dict = field(default_factory=dict, repr=False)
+    _columns: dict = field(default_factory=dict, repr=False)
 
     # -- op inputs ---------------------------------------------------------------------------
     def op_inputs(self, row: int) -> OpInputs:
@@ -159,10 +160,18 @@ class Trace:
         return k[(k["ts"] >= start) & (k["ts"] <= end)]
 
     @cached_property
-    def launches_per_top_op(self) -> pd.Series:
-        """Outermost CPU op row -> how many kernels and memcpy/memsets it launched."""
+    def launches_per_top_op(self) -> np.ndarray:
+        """By outermost CPU op row: how many kernels and memcpy/memsets it launched."""
         tops = np.concatenate([self.kernels["top_op"].to_numpy(), self.memory["top_op"].to_numpy()])
-        return pd.Series(tops[tops >= 0]).value_counts()
+        return np.bincount(tops[tops >= 0], minlength=len(self.cpu))
+
+    def column(self, table: str, name: str) -> np.ndarray:
+        """TABLE's column NAME as a numpy array (cached: per-kernel lookups in detectors index it)."""
+        key = (table, name)
+        array = self._columns.get(key)
+        if array is None:
+            array = self._columns[key] = getattr(self, table)[name].to_numpy()
+        return array
 
     @cached_property
     def _top_op_starts(self) -> dict:

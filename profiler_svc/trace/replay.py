@@ -64,12 +64,23 @@ class Change:
     no_collective_wait: bool = False
 
     def merged(self, other: "Change") -> "Change":
-        return Change(durations={**self.durations, **other.durations}, removed=self.removed | other.removed,
-                      host_removed=self.host_removed + other.host_removed,
-                      host_added=self.host_added + other.host_added,
-                      unblocked=self.unblocked | other.unblocked, tightened=self.tightened | other.tightened,
-                      graphs=self.graphs or other.graphs,
-                      no_collective_wait=self.no_collective_wait or other.no_collective_wait)
+        return Change.union([self, other])
+
+    @staticmethod
+    def union(changes) -> "Change":
+        """All of CHANGES at once (a later one's duration for a kernel wins), in one pass: merging them one
+        by one would copy the growing whole each time."""
+        out = Change()
+        for c in changes:
+            out.durations.update(c.durations)
+            out.removed |= c.removed
+            out.host_removed += c.host_removed
+            out.host_added += c.host_added
+            out.unblocked |= c.unblocked
+            out.tightened |= c.tightened
+            out.graphs = out.graphs or c.graphs
+            out.no_collective_wait = out.no_collective_wait or c.no_collective_wait
+        return out
 
     @property
     def kernels(self) -> set:

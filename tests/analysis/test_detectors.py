@@ -192,6 +192,39 @@ def test_bert_odd_hidden_size_is_one_root_cause():
     assert any("65 → 72" in title for title in attention.evidence.get("related", []))
 
 
+def sdpa_padding_time(name):
+    """Fill/copy kernels launched inside SDPA, from the raw JSON: kernels whose correlated runtime call lies
+    within an aten::scaled_dot_product_attention op on the same thread, other than the flash kernel."""
+    with gzip.open(fixture_path(name)) as f:
+        events = json.load(f)["traceEvents"]
+    sdpa = [(e["tid"], e["ts"], e["ts"] + e["dur"]) for e in events
+            if e.get("ph") == "X" and e.get("name") == "aten::scaled_dot_product_attention"]
+    launches = {e["args"]["correlation"]: (e["tid"], e["ts"]) for e in events
+                if e.get("ph") == "X" and e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    total = count = 0
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "kernel" and "flash" not in e["name"]:
+            tid, ts = launches.get(e["args"].get("correlation"), (None, None))
+            if any(tid == t and a <= ts <= b for t, a, b in sdpa):
+                total, count = total + e["dur"], count + 1
+    return total, count
+
+
+def test_hidden_1020_is_one_size_and_head_dim_85_prices_sdpa_padding():
+    name = "gpt2_hidden1020_fp16_infer"
+    # 1020 behind every misaligned GEMM (3060 = 3 x 1020 and 4080 = 4 x 1020 align with it): one finding
+    merged = one(name, "misalignment:size:1020")
+    assert "1020 → 1024" in merged.title and len(merged.evidence["symptoms"]) == 5
+    assert not findings(name, "fallback_kernel", key="align")
+    head = one(name, "misalignment:head_dim:85")
+    pad_us, pad_kernels = sdpa_padding_time(name)
+    steps = report(name).steps["count"]
+    assert pad_kernels > 0 and head.evidence["padding_kernels"] == pad_kernels
+    # the GPU time it frees is exactly the padding kernels' (85 -> 88 needs no pad; flash takes 88 as is)
+    assert head.gpu_time_saved_us_per_step == pytest.approx(pad_us / steps, rel=0.01)
+    assert 0 < head.saving_us_per_step < report(name).steps["step_us"]["median"]
+
+
 # -- the host side ------------------------------------------------------------------------------------
 
 def test_decode_loop_host_syncs_graphs_and_phases():

@@ -44,6 +44,20 @@ def test_numerics_no_worse_than_hf(dtype, batch, seq, heads, kv_heads, dim, cos_
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family, rotary", [("phi3", 32), ("glm", 32), ("glm", 64), ("phi3", 24)])
+def test_partial_and_interleaved_rotary_no_worse_than_hf(dtype, family, rotary):
+    # Phi-3: rotate-half over the first `rotary` of 64 dims; GLM: adjacent pairs, partial or whole
+    import importlib
+
+    hf_apply = importlib.import_module(f"transformers.models.{family}.modeling_{family}").apply_rotary_pos_emb
+    q, k, _, _ = qk_cos_sin(2, 5, 4, 2, 64, seed=3)
+    cos, sin = cos_sin(2, 5, rotary, torch.Generator().manual_seed(4))
+    ours = joined(lambda *a: rope(*a, interleaved=family == "glm"))
+    hf = joined(hf_apply)
+    assert_no_worse(ours, {"hf": hf}, [q, k, cos, sin], hf, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_strided_views_as_hf_attention_passes_them(dtype):
     # HF: q = q_proj(x).view(B, S, H, D).transpose(1, 2): [B, H, S, D] with the heads interleaved
     q, k, cos, sin = qk_cos_sin(2, 6, 4, 2, 32, seed=2)
@@ -90,7 +104,7 @@ def test_empty_inputs():
 def test_bad_input():
     q, k = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
     cos = sin = torch.randn(1, 4, 8)
-    with pytest.raises(ValueError, match="head_dim must be even"):
+    with pytest.raises(ValueError, match="even number of rotary dims"):
         rope(torch.randn(1, 2, 4, 7), torch.randn(1, 2, 4, 7), torch.randn(1, 4, 7), torch.randn(1, 4, 7))
     with pytest.raises(ValueError, match="does not fit"):
         rope(q, k, torch.randn(1, 5, 8), torch.randn(1, 5, 8))

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from profiler_svc.kernels import swap, unswap
-from profiler_svc.kernels.rope import RopeAttention, attention_example_inputs, attention_plan
+from profiler_svc.kernels.rope import RopeAttention, attention_example_inputs, attention_forward, rotary_kind
 
 transformers = pytest.importorskip("transformers")
 from transformers.cache_utils import DynamicCache  # noqa: E402
@@ -107,21 +107,20 @@ def test_example_inputs_use_the_models_rotary_tables():
 def test_sliding_windows_and_qwen3_head_norms():
     # Mistral passes the config's sliding window, Qwen2/Qwen3 their own attribute: both with a
     # window shorter than the sequence, in eager attention where the window is in the mask
-    for family, kind in (("Mistral", "config"), ("Qwen2", "attr"), ("Qwen3", "attr")):
+    for family in ("Mistral", "Qwen2", "Qwen3"):
         extra = {"use_sliding_window": True, "max_window_layers": 0} if family != "Mistral" else {}
         model = tiny(family, attn="eager", sliding_window=3, **extra).eval()
         ids = torch.randint(3, 128, (2, 8), generator=torch.Generator().manual_seed(3))
         with torch.no_grad():
             expected = model(input_ids=ids).logits
         attn = model.model.layers[0].self_attn
-        assert attention_plan(attn).sliding_window == kind
         report = swap(model, ["rope", "rms_norm"])
         assert [r for r in report.swapped if r[2] == "rope"] and not report.skipped
         with torch.no_grad():
             torch.testing.assert_close(model(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
         if family == "Qwen3":  # q_norm/k_norm stay swappable inside the replacement, and come back
             new = model.model.layers[0].self_attn
-            assert attention_plan(attn).head_norms and type(new.q_norm).__name__ == "RMSNorm"
+            assert type(new.q_norm).__name__ == "RMSNorm"
             assert type(attn.q_norm).__name__ == "Qwen3RMSNorm"  # the original's own child never changed
         unswap(model)
         assert model.model.layers[0].self_attn is attn
@@ -130,7 +129,7 @@ def test_sliding_windows_and_qwen3_head_norms():
 
 
 class ScaledAttention(nn.Module):
-    """q/k/v/o projections like Llama's, but a forward that does something else (a temperature)."""
+    """q/k/v/o projections like Llama's, but a forward without rotary (a temperature)."""
 
     def __init__(self, llama_attention):
         super().__init__()
@@ -143,7 +142,7 @@ class ScaledAttention(nn.Module):
 
 
 def interleaved_rope(q, k, cos, sin, unsqueeze_dim=1):
-    """GLM-style rotary (pairs of adjacent dims), not HF's rotate-half."""
+    """Adjacent pairs, each element with its own angle: neither HF's rotate-half nor GLM's (one angle per pair)."""
     def rot(x):
         pairs = torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
         return x * cos.unsqueeze(unsqueeze_dim) + pairs * sin.unsqueeze(unsqueeze_dim)
@@ -154,9 +153,9 @@ def test_attention_that_does_not_match_is_skipped_with_a_reason():
     model = tiny(num_hidden_layers=3).eval()
     layer = model.model.layers[0]
     layer.self_attn = ScaledAttention(layer.self_attn)
-    # Llama's forward code verbatim, but its apply_rotary_pos_emb is interleaved: rejected by behaviour
-    glm_like = types.FunctionType(modeling_llama.LlamaAttention.forward.__code__,
-                                  {**modeling_llama.__dict__, "apply_rotary_pos_emb": interleaved_rope})
+    # Llama's forward code verbatim, but its apply_rotary_pos_emb is another rotation: rejected by behaviour
+    inner = getattr(modeling_llama.LlamaAttention.forward, "__wrapped__", modeling_llama.LlamaAttention.forward)
+    glm_like = types.FunctionType(inner.__code__, {**modeling_llama.__dict__, "apply_rotary_pos_emb": interleaved_rope})
     other = type("GlmLikeAttention", (modeling_llama.LlamaAttention,), {"forward": glm_like})
     model.model.layers[1].self_attn.__class__ = other
     patched = model.model.layers[2].self_attn  # a forward patched on the instance, as accelerate's hooks do
@@ -167,6 +166,35 @@ def test_attention_that_does_not_match_is_skipped_with_a_reason():
     assert report.swapped == []
     reasons = dict((name, reason) for name, _, reason in report.skipped)
     assert "has its own forward" in reasons["model.layers.2.self_attn"]
-    assert "forward not recognized: uses ['repeat', 'temperature']" in reasons["model.layers.0.self_attn"]
-    assert "not rotate-half RoPE" in reasons["model.layers.1.self_attn"]
-    assert attention_plan(nn.Linear(4, 4)) is None  # not attention at all: no reason, no entry
+    assert "neither rotate-half nor interleaved" in reasons["model.layers.1.self_attn"]
+    assert "model.layers.0.self_attn" not in reasons  # no rotary in its forward: not a candidate at all
+    assert attention_forward(layer.self_attn) is None and attention_forward(nn.Linear(4, 4)) is None
+
+
+def test_rotary_kinds_are_told_apart_by_behaviour():
+    from transformers.models.glm import modeling_glm
+    from transformers.models.phi3 import modeling_phi3
+
+    assert rotary_kind(modeling_llama.apply_rotary_pos_emb) == "half"
+    assert rotary_kind(modeling_phi3.apply_rotary_pos_emb) == "half"  # takes partial tables too
+    assert rotary_kind(modeling_glm.apply_rotary_pos_emb) == "interleaved"
+    assert rotary_kind(interleaved_rope) is None
+
+
+@pytest.mark.parametrize("family, overrides", [
+    ("Phi3", {"partial_rotary_factor": 0.5}),  # fused qkv_proj, rotary over half of each head
+    ("Glm", {}),  # interleaved pairs over half of each head
+    ("Gemma2", {}),  # eager attention with logit softcapping
+    ("Olmo2", {}),  # q/k norms over the whole projection
+])
+def test_attention_of_other_families_swapped_with_same_outputs_and_grads(family, overrides):
+    model = tiny(family, attn="eager", **overrides)
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(4))
+    logits, loss, grads = run(model, ids)
+    report = swap(model, ["rope"])
+    assert len(report.swapped) == 2 and not report.skipped
+    new_logits, _, new_grads = run(model, ids)
+    torch.testing.assert_close(new_logits, logits, rtol=1e-5, atol=1e-5)
+    for name in grads:
+        torch.testing.assert_close(new_grads[name], grads[name], rtol=1e-4, atol=1e-6)
+    unswap(model)

@@ -15,12 +15,12 @@ def test_demo_ingests_samples_and_a_live_capture(capsys):
     out = capsys.readouterr().out
     samples = sorted(p for p in SAMPLES.iterdir() if p.is_dir() or p.name.endswith(".json.gz"))
     assert len(samples) >= 6 and all(f"sample {p.name}: run" in out for p in samples)
-    assert "live capture" in out
+    assert "live capture" in out and "sign in (for the A/B button) with the token: " in out
 
     config = demo_config()
     from profiler_svc.web import create_app
     client = create_app({"DATABASE_URL": config["DATABASE_URL"], "BLOB_DIR": config["BLOB_DIR"],
-                         "SECRET_KEY": "s"}).test_client()
+                         "SECRET_KEY": "s", "PUBLIC_READ": True}).test_client()
     runs = client.get("/api/v1/runs").get_json()["runs"]
     ddp = [r for r in runs if r["name"] == "gpt2_ddp"]
     assert len(ddp) == 1 and ddp[0]["traces"] == 2  # the two ranks are one run

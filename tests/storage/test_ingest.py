@@ -2,10 +2,10 @@ import gzip
 import json
 
 import pytest
-from sqlalchemy import func, inspect, select
+from sqlalchemy import func, inspect, select, text
 
 from tests.plugins.database import stored_files, trace_variant
-from tests.plugins.traces import SMALL_TRACE, DDP
+from tests.plugins.traces import SMALL_TRACE, DDP, fixture_path
 from profiler_svc.errors import UserError
 from profiler_svc.storage import db as storage_db
 from profiler_svc.storage import ingest
@@ -20,31 +20,29 @@ def count(engine, model):
 def test_upgrade_creates_every_table_and_is_repeatable(engine):
     storage_db.upgrade(engine)  # second run: a no-op
     tables = set(inspect(engine).get_table_names())
-    assert {"runs", "traces", "kernel_summaries", "findings", "ab_jobs", "ab_results", "alembic_version"} <= tables
+    assert {"runs", "traces", "kernel_summaries", "findings", "ab_jobs", "ab_results", "analysis_jobs",
+            "api_tokens", "alembic_version"} <= tables
     with engine.connect() as conn:
-        from sqlalchemy import text
-        assert conn.execute(text("select version_num from alembic_version")).scalar() == "0002"
+        assert conn.execute(text("select version_num from alembic_version")).scalar() == "0003"
 
 
-def test_savings_migration_keeps_stored_findings(engine):
-    """0001 -> 0002: a stored finding's saving moves to saving_us_per_step; new columns get defaults."""
-    from sqlalchemy import text
-    storage_db.upgrade(engine, "0001")
+def downgrade(engine, revision):
+    from alembic import command
+    from alembic.config import Config
+    import importlib.resources
+    config = Config()
+    config.set_main_option("script_location", str(importlib.resources.files("profiler_svc.migrations")))
+    with engine.begin() as connection:
+        config.attributes["connection"] = connection
+        command.downgrade(config, revision)
+
+
+def test_migrations_keep_stored_findings(engine):
+    """0001 -> head: a stored finding's saving moves to saving_us_per_step, new columns get defaults
+    (0002); the finding's fix is empty and the job and token tables are new (0003)."""
+    downgrade(engine, "0001")
+    assert not {"analysis_jobs", "api_tokens"} & set(inspect(engine).get_table_names())
     with engine.begin() as conn:
-        conn.execute(text("delete from alembic_version"))
-        conn.execute(text("insert into alembic_version values ('0001')"))
-    with engine.begin() as conn:
-        from alembic.migration import MigrationContext
-        from alembic.operations import Operations
-        ops = Operations(MigrationContext.configure(conn))
-        columns = {c["name"] for c in inspect(conn).get_columns("findings")}
-        if "saving_us_per_step" in columns:  # the fixture's schema is at head: step it back to 0001's
-            with ops.batch_alter_table("findings") as batch:
-                batch.drop_column("gpu_time_saved_us_per_step")
-                batch.alter_column("saving_us_per_step", new_column_name="estimated_savings_us")
-            with ops.batch_alter_table("traces") as batch:
-                batch.drop_column("prediction")
-                batch.drop_column("steps")
         conn.execute(text("insert into runs (name, metadata, created_at) values ('r', '{}', '2026-11-24')"))
         run = conn.execute(text("select max(id) from runs")).scalar()
         conn.execute(text(
@@ -55,11 +53,26 @@ def test_savings_migration_keeps_stored_findings(engine):
         conn.execute(text(
             "insert into findings (trace_id, run_id, finding_key, category, severity, title, detail, evidence,"
             f" estimated_savings_us, summary) values ({trace}, {run}, 'k', 'c', 'low', 't', '', '{{}}', 123.5, '')"))
-    storage_db.upgrade(engine)
+    storage_db.upgrade(engine, "0002")
     with engine.connect() as conn:
         row = conn.execute(text("select saving_us_per_step, gpu_time_saved_us_per_step from findings")).one()
         assert tuple(row) == (123.5, 0.0)
         assert conn.execute(text("select steps, prediction from traces")).one() is not None
+    storage_db.upgrade(engine)
+    with engine.connect() as conn:
+        assert tuple(conn.execute(text("select saving_us_per_step, fix from findings")).one()) == (123.5, None)
+    assert {"analysis_jobs", "api_tokens"} <= set(inspect(engine).get_table_names())
+
+
+def test_a_findings_configuration_fix_is_stored(engine, blobs):
+    [result] = ingest.ingest_path(engine, fixture_path("resnet50_fp32_notf32_infer"), blobs=blobs)
+    report = ingest.analyse(fixture_path("resnet50_fp32_notf32_infer")).to_dict()
+    fixes = sorted(f["recommendation"]["fix"] for f in report["findings"] if f["recommendation"].get("fix"))
+    assert fixes  # fp32 convolutions without TF32: the tf32 fix
+    with storage_db.session_scope(engine) as s:
+        stored = s.scalars(select(FindingRecord.fix).where(FindingRecord.trace_id == result.trace_id,
+                                                           FindingRecord.fix.is_not(None))).all()
+    assert sorted(stored) == fixes
 
 
 def test_ingest_stores_aggregates_and_the_compressed_trace(engine, blobs):

@@ -40,6 +40,10 @@ def test_db_upgrade_ingest_and_worker(sqlite_env, capsys):
     assert capsys.readouterr().out.strip() == "run 1 trace 1: stored"
     assert main(["ingest", str(SMALL_TRACE)]) == 0
     assert capsys.readouterr().out.strip() == "run 1 trace 1: already stored"
+    # Asked again with another workload: said, not silently dropped.
+    assert main(["ingest", str(SMALL_TRACE), "--workload", "pkg.other:make"]) == 0
+    assert capsys.readouterr().out.strip() == ("run 1 trace 1: already stored (already stored in run 1 with "
+                                               "workload 'pkg.mod:make'; workload 'pkg.other:make' was not applied)")
     assert main(["ingest", str(DDP)]) == 0
     assert capsys.readouterr().out.split("\n")[:2] == ["run 2 trace 2: stored", "run 2 trace 3: stored"]
     assert main(["worker", "--once"]) == 0
@@ -49,6 +53,7 @@ def test_db_upgrade_ingest_and_worker(sqlite_env, capsys):
     (["ingest", "/no/such/trace.json"], "no such file or folder"),
     (["ingest", str(DATA / "manifest.json")], ""),
     (["ingest", str(SMALL_TRACE), "--workload", "not a workload"], "pkg.module:factory"),
+    (["ingest", str(SMALL_TRACE), "--workload", "os:system"], "'os:system' is not allowed on this service"),
 ])
 def test_ingest_bad_input_is_one_line(sqlite_env, capsys, argv, message):
     assert main(argv) == 2

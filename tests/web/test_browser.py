@@ -19,6 +19,17 @@ playwright = pytest.importorskip("playwright.sync_api")
 pytestmark = pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="chromium is not installed")
 HOSTILE = "<img src=x onerror=alert(1)><script>alert(2)</script>"
 LABELLED = fixture_path("llama_bf16_train_agent")  # module labels, swaps to A/B
+TOKEN = "browser-token"
+
+
+def sign_in(page, base):
+    """The dashboard asks for a token first; the sign-in form leads back to the page asked for."""
+    page.goto(base + "/")
+    page.wait_for_selector("input[name=token]")
+    assert "/signin" in page.url
+    page.fill("input[name=token]", TOKEN)
+    page.click("button[type=submit]")
+    page.wait_for_url(base + "/")
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +46,8 @@ def server(tmp_path_factory):
                                blobs=blobs, name=HOSTILE, group_key="hostile")[0].run_id,
         "straggler": ingest_path(engine, fixture_dir("gpt2_ddp_straggler"), blobs=blobs)[0].run_id,
     }
-    app = create_app({"DATABASE_URL": url, "BLOB_DIR": str(blobs.root), "SECRET_KEY": "browser-test"})
+    app = create_app({"DATABASE_URL": url, "BLOB_DIR": str(blobs.root), "SECRET_KEY": "browser-test",
+                      "API_TOKEN": TOKEN})
     from werkzeug.serving import make_server
     httpd = make_server("127.0.0.1", 0, app, threaded=True)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
@@ -62,7 +74,7 @@ def page():
 
 def test_run_page_answers_first_then_ab_request(server, page):
     base, runs = server
-    page.goto(base + "/")
+    sign_in(page, base)
     # the runs list names each run's top finding and what it saves
     row = page.locator("tr", has=page.locator("a.run-link", has_text="llama train"))
     assert row.locator("td.num").nth(2).inner_text().endswith(("ms", "µs"))  # span, GPU busy, saving
@@ -96,6 +108,7 @@ def test_run_page_answers_first_then_ab_request(server, page):
 
 def test_module_view_tree_opens_and_closes(server, page):
     base, runs = server
+    sign_in(page, base)
     page.goto(f"{base}/runs/{runs['llama']}")
     page.click("nav.tabs >> text=Modules & kernels")
     page.wait_for_url(f"**/runs/{runs['llama']}/modules")
@@ -115,6 +128,7 @@ def test_module_view_tree_opens_and_closes(server, page):
 
 def test_timeline_zooms_and_links_perfetto(server, page):
     base, runs = server
+    sign_in(page, base)
     page.goto(f"{base}/runs/{runs['llama']}/timeline")
     page.wait_for_selector("#timeline-chart .main-svg")
     assert page.locator("#timeline-chart .scatterlayer .trace").count() >= 3
@@ -141,6 +155,7 @@ def test_timeline_zooms_and_links_perfetto(server, page):
 
 def test_ranks_one_finding_per_cause_and_the_straggler(server, page):
     base, runs = server
+    sign_in(page, base)
     page.goto(f"{base}/runs/{runs['straggler']}")
     page.wait_for_selector("#waterfall-chart .main-svg")
     ranks = page.locator("table.ranks tbody tr")
@@ -156,6 +171,7 @@ def test_ranks_one_finding_per_cause_and_the_straggler(server, page):
 
 def test_hostile_names_render_as_text(server, page):
     base, runs = server
+    sign_in(page, base)
     page.goto(f"{base}/runs/{runs['hostile']}")
     page.wait_for_selector("#waterfall-chart .main-svg")
     assert HOSTILE in page.locator("h1").inner_text()

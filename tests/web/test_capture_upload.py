@@ -6,6 +6,7 @@ import pytest
 from tests.plugins.traces import DDP
 from profiler_svc.storage import db as storage_db
 from profiler_svc.web import create_app
+from tests.web.uploads import analyse_queued
 
 upload = pytest.importorskip("profiler_svc.agent.upload")
 
@@ -30,12 +31,15 @@ def test_uploaded_ranks_form_one_run_with_host_and_workload(service):
                                    run="20261122-ddp", host="gpu-node-3", workload="train.gpt2:make", token="tok")
                for rank in (0, 1)]
     assert [r["duplicate"] for r in replies] == [False, False]
-    assert replies[0]["run_id"] == replies[1]["run_id"]
-    run = client.get(f"/api/v1/runs/{replies[0]['run_id']}").get_json()
+    assert [r["status"] for r in replies] == ["queued", "queued"]  # acknowledged; a worker analyses them
+    assert analyse_queued(client.application) == 2
+    done = [client.get(r["status_url"], headers={"Authorization": "Bearer tok"}).get_json() for r in replies]
+    assert done[0]["run_id"] == done[1]["run_id"]
+    run = client.get(f"/api/v1/runs/{done[0]['run_id']}", headers={"Authorization": "Bearer tok"}).get_json()
     assert (run["name"], run["host"], run["workload"], run["ranks"]) == \
         ("gpt2 ddp", "gpu-node-3", "train.gpt2:make", [0, 1])
     again = upload.upload_trace(base, str(DDP / "gpt2_ddp_rank0.json.gz"), name="x", run="y", token="tok")
-    assert again["duplicate"] is True and again["trace_id"] == replies[0]["trace_id"]
+    assert again["duplicate"] is True and again["trace_id"] == done[0]["trace_id"]
 
 
 def test_a_wrong_token_is_a_one_line_upload_error(service):

@@ -10,7 +10,8 @@ from profiler_svc.formats import fmt_us
 from profiler_svc.recommendations import recommend
 from profiler_svc.storage.ingest import ingest_path
 from tests.plugins.traces import DDP, fixture_dir, fixture_path
-from tests.web.test_web import csrf_token, make_app
+from tests.web.test_web import TOKEN, csrf_token, make_app
+from tests.web.uploads import sign_in
 
 WORKLOAD = "profiler_svc.service.demo:tiny_llama"
 LABELLED = fixture_path("llama_bf16_train_agent")  # captured with profiler_svc.capture: module labels
@@ -18,7 +19,9 @@ LABELLED = fixture_path("llama_bf16_train_agent")  # captured with profiler_svc.
 
 @pytest.fixture
 def client(engine, blobs):
-    return make_app(engine, blobs).test_client()
+    client = make_app(engine, blobs).test_client()
+    assert sign_in(client, TOKEN).status_code == 303
+    return client
 
 
 def ingest(engine, blobs, path, **kwargs) -> int:
@@ -230,7 +233,7 @@ def test_compare_step_ci_breakdown_and_findings(engine, blobs, client, tmp_path)
 def test_ab_result_from_a_cpu_is_parity_only(engine, blobs):
     from profiler_svc.storage import save_ab_result
     from tests.storage.test_ab_results import result_dict
-    client = make_app(engine, blobs).test_client()
+    client = make_app(engine, blobs, PUBLIC_READ=True).test_client()
     cpu = save_ab_result(result_dict(device="cpu"), workload=WORKLOAD, engine=engine)
     gpu = save_ab_result(result_dict(), workload=WORKLOAD, engine=engine)
     cpu_page = client.get(f"/jobs/{cpu}").get_data(as_text=True)

@@ -31,7 +31,7 @@ def test_cli_json_markdown_and_dashboard_agree(capsys, engine, blobs, trace):
     assert table == text  # --format table is the text table
 
     run_id = ingest_path(engine, trace, blobs=blobs)[0].run_id
-    client = make_app(engine, blobs).test_client()
+    client = make_app(engine, blobs, PUBLIC_READ=True).test_client()
     api = client.get(f"/api/v1/runs/{run_id}").get_json()
     run_page = visible(client.get(f"/runs/{run_id}").get_data(as_text=True))
     modules_page = visible(client.get(f"/runs/{run_id}/modules").get_data(as_text=True))

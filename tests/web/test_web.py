@@ -5,6 +5,7 @@ import pytest
 
 from tests.plugins.database import stored_files, trace_variant
 from tests.plugins.traces import SMALL_TRACE, DDP, fixture_path
+from tests.web.uploads import analyse_queued, post_trace, sign_in, stored as _stored
 from profiler_svc.errors import UserError
 from profiler_svc.web import create_app
 
@@ -22,12 +23,18 @@ def make_app(engine, blobs, **config):
 
 @pytest.fixture
 def client(engine, blobs):
-    return make_app(engine, blobs).test_client()
+    """Signed in: the pages and the API's reads need it (test_access.py checks the refusals)."""
+    client = make_app(engine, blobs).test_client()
+    assert sign_in(client, TOKEN).status_code == 303
+    return client
 
 
 def upload(client, path, headers=AUTH, **fields):
-    data = {"file": (io.BytesIO(path.read_bytes()), path.name), **fields}
-    return client.post("/api/v1/traces", data=data, headers=headers, content_type="multipart/form-data")
+    return post_trace(client, path, headers, **fields)
+
+
+def stored(client, path, headers=AUTH, **fields) -> dict:
+    return _stored(client, path, headers, **fields)
 
 
 def csrf_token(html: bytes) -> str:
@@ -36,9 +43,14 @@ def csrf_token(html: bytes) -> str:
 
 def test_upload_then_every_page_and_its_json_mirror(client):
     first = upload(client, SMALL_TRACE, name="llama infer", workload="examples.tiny:make")
-    assert first.status_code == 201
-    body = first.get_json()
-    assert body["duplicate"] is False
+    assert first.status_code == 202  # stored and queued: the web app does not analyse
+    queued = client.get(first.get_json()["status_url"], headers=AUTH).get_json()
+    assert queued["status"] == "queued" and queued["run_id"] is None
+    assert upload(client, SMALL_TRACE).get_json()["upload_id"] == queued["id"]  # the same job, not a second
+    assert analyse_queued(client.application) == 1
+    done = client.get(first.get_json()["status_url"], headers=AUTH).get_json()
+    assert done["status"] == "done" and done["error"] is None
+    body = {"run_id": done["run_id"], "trace_id": done["trace_id"], "duplicate": False, "note": None}
     again = upload(client, SMALL_TRACE)
     assert again.status_code == 200 and again.get_json() == {**body, "duplicate": True}
 
@@ -67,7 +79,7 @@ def test_upload_then_every_page_and_its_json_mirror(client):
 
 
 def test_ranks_uploaded_separately_form_one_run(client):
-    ids = [upload(client, DDP / f"gpt2_ddp_rank{r}.json.gz", run="ddp-job-1").get_json() for r in (1, 0)]
+    ids = [stored(client, DDP / f"gpt2_ddp_rank{r}.json.gz", run="ddp-job-1") for r in (1, 0)]
     assert ids[0]["run_id"] == ids[1]["run_id"]
     run = client.get(f"/api/v1/runs/{ids[0]['run_id']}").get_json()
     assert run["ranks"] == [0, 1]
@@ -78,8 +90,8 @@ def test_ranks_uploaded_separately_form_one_run(client):
 
 
 def test_compare_two_runs(client, tmp_path):
-    a = upload(client, SMALL_TRACE).get_json()["run_id"]
-    b = upload(client, DDP / "gpt2_ddp_rank0.json.gz").get_json()["run_id"]
+    a = stored(client, SMALL_TRACE)["run_id"]
+    b = stored(client, DDP / "gpt2_ddp_rank0.json.gz")["run_id"]
     cmp = client.get(f"/api/v1/compare?a={a}&b={b}").get_json()
     run_a, run_b = (client.get(f"/api/v1/runs/{i}").get_json() for i in (a, b))
     assert cmp["total_delta_us"] == pytest.approx(
@@ -95,7 +107,7 @@ def test_compare_two_runs(client, tmp_path):
 
 
 def test_ab_request_from_the_page_needs_csrf(client):
-    run_id = upload(client, LABELLED, workload="examples.tiny:make").get_json()["run_id"]
+    run_id = stored(client, LABELLED, workload="examples.tiny:make")["run_id"]
     page = client.get(f"/runs/{run_id}").data
     token = csrf_token(page)
     # Without a token, or with a forged one: refused, nothing queued.
@@ -117,13 +129,13 @@ def test_api_writes_need_the_token(engine, blobs, client):
         assert upload(client, SMALL_TRACE, headers=headers).status_code == 401
         assert client.post("/api/v1/runs/1/ab", json={"swap": "rms_norm"}, headers=headers).status_code == 401
     no_token = make_app(engine, blobs, API_TOKEN=None).test_client()
-    assert upload(no_token, SMALL_TRACE, headers=AUTH).status_code == 403
+    assert upload(no_token, SMALL_TRACE, headers=AUTH).status_code == 401
     assert client.get("/api/v1/runs").get_json()["runs"] == []
     assert stored_files(blobs) == []
 
 
 def test_api_ab_request_validates_its_input(client):
-    run_id = upload(client, SMALL_TRACE, workload="examples.tiny:make").get_json()["run_id"]
+    run_id = stored(client, SMALL_TRACE, workload="examples.tiny:make")["run_id"]
     bad = [("not json", 400), ({"swap": 3}, 400), ({"swap": "rms_norm", "params": {"rounds": 10**9}}, 400),
            ({"swap": "rms_norm", "params": {"evil": 1}}, 400), ({"finding_id": "1"}, 400)]
     for body, status in bad:
@@ -154,13 +166,15 @@ def test_bad_uploads_are_clear_errors_with_nothing_stored(client, blobs):
 def test_raw_gzip_body_upload(client):
     answer = client.post("/api/v1/traces?name=raw", headers=AUTH, data=SMALL_TRACE.read_bytes(),
                          content_type="application/gzip")
-    assert answer.status_code == 201
-    assert client.get(f"/api/v1/runs/{answer.get_json()['run_id']}").get_json()["name"] == "raw"
+    assert answer.status_code == 202
+    analyse_queued(client.application)
+    run_id = client.get(answer.get_json()["status_url"], headers=AUTH).get_json()["run_id"]
+    assert client.get(f"/api/v1/runs/{run_id}").get_json()["name"] == "raw"
 
 
 def test_hostile_names_are_inert(client, tmp_path, blobs):
     hostile_trace = trace_variant(tmp_path, "hostile", kernel_name=HOSTILE)
-    body = upload(client, hostile_trace, name=HOSTILE, workload="x.y:z").get_json()
+    body = stored(client, hostile_trace, name=HOSTILE, workload="x.y:z")
     api = client.get(f"/api/v1/runs/{body['run_id']}").get_json()
     assert api["name"] == HOSTILE
     assert any(k["name"] == HOSTILE for k in api["top_kernels"])
@@ -175,8 +189,10 @@ def test_hostile_names_are_inert(client, tmp_path, blobs):
 def test_no_path_traversal(client, blobs):
     answer = client.post("/api/v1/traces", headers=AUTH, content_type="multipart/form-data",
                          data={"file": (io.BytesIO(SMALL_TRACE.read_bytes()), "../../../../tmp/evil.json.gz")})
-    assert answer.status_code == 201
-    run = client.get(f"/api/v1/runs/{answer.get_json()['run_id']}").get_json()
+    assert answer.status_code == 202
+    analyse_queued(client.application)
+    run_id = client.get(answer.get_json()["status_url"], headers=AUTH).get_json()["run_id"]
+    run = client.get(f"/api/v1/runs/{run_id}").get_json()
     assert run["traces"][0]["filename"] == "evil.json.gz"
     files = stored_files(blobs)
     assert len(files) == 1 and blobs.root in files[0].parents
@@ -192,7 +208,7 @@ def test_no_path_traversal(client, blobs):
 def test_plotly_is_served_locally(client):
     js = client.get("/vendor/plotly.min.js")
     assert js.status_code == 200 and b"plotly" in js.data[:2000].lower()
-    run_id = upload(client, SMALL_TRACE).get_json()["run_id"]
+    run_id = stored(client, SMALL_TRACE)["run_id"]
     page = client.get(f"/runs/{run_id}").get_data(as_text=True)
     assert "/vendor/plotly.min.js" in page and "cdn" not in page.lower()
 
@@ -211,7 +227,7 @@ def test_unknown_pages_are_404_pages(client):
 
 def test_every_state_changing_route_refuses_requests_without_csrf_or_token(client):
     """Walks the URL map, so a route added later is covered too."""
-    run_id = upload(client, SMALL_TRACE, workload="examples.tiny:make").get_json()["run_id"]
+    run_id = stored(client, SMALL_TRACE, workload="examples.tiny:make")["run_id"]
     app = client.application
     checked = 0
     for rule in app.url_map.iter_rules():

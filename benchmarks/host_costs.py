@@ -1,0 +1,369 @@
+"""Host µs per call of each bundled swap against the eager module it replaces (and torch's native op).
+
+    python benchmarks/host_costs.py --out kernels/host_costs.json [--md benchmarks/results/host_costs.md]
+    TRITON_INTERPRET=1 python benchmarks/host_costs.py --tiny --out /tmp/host_costs.json   # CPU smoke test
+
+Two measurements:
+
+1. Host cost per module call, at small shapes: the GPU is synchronized before each call and the call
+   itself is timed (perf_counter, no sync inside), so the figure is the host's enqueue time with an
+   idle GPU, forward (grad enabled, as in training), inference (no_grad) and forward+backward
+   (torch.autograd.grad over the input and the parameters, so no .grad accumulation). "eager" is the
+   HF module the swap replaces (transformers' own class), "ours" is what the registry puts in its
+   place (`SwapEntry.replace`), "native" torch's own fused form where there is one.
+   kernels/host_costs.json gets `swaps[name].forward_us` / `forward_backward_us`: ours − eager at the
+   smallest row count (what profiler_svc/detectors/swap_costs.py reads for the what-if replay).
+2. Where the host functions dispatch to torch's native op below a size (`NATIVE_BELOW` in the op files),
+   the wall time per call of the Triton path (dispatch off) against the native op over a sweep of rows
+   (a loop of calls, synchronized once: GPU and host time together, as a step sees them); the
+   crossover is the largest size at which native is no slower, from which the threshold is set.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+DEVICE = "cuda"
+DTYPE = torch.bfloat16
+
+
+def sync():
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def host_us(step, calls: int, warmup: int = 10) -> float:
+    """Median host time of one `step()` started on an idle GPU, µs."""
+    for _ in range(warmup):
+        step()
+    sync()
+    times = []
+    for _ in range(calls):
+        sync()
+        started = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - started)
+    sync()
+    return 1e6 * statistics.median(times)
+
+
+def wall_us(step, calls: int, warmup: int = 10) -> float:
+    """Wall time per call of `calls` back-to-back steps, synchronized once at the end, µs."""
+    for _ in range(warmup):
+        step()
+    sync()
+    started = time.perf_counter()
+    for _ in range(calls):
+        step()
+    sync()
+    return 1e6 * (time.perf_counter() - started) / calls
+
+
+# ---- the eager modules each swap replaces ---------------------------------------------------------
+
+
+def _llama_config(hidden: int):
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_attention_heads=max(hidden // 128, 1),
+                         num_key_value_heads=max(hidden // 512, 1), head_dim=min(128, hidden), max_position_embeddings=8192)
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def eager_modules(hidden: int, vocab: int) -> dict:
+    """swap name -> (eager module, inputs(rows) -> tuple, native module or None)."""
+    from transformers.activations import NewGELUActivation
+    from transformers.models.gemma.modeling_gemma import GemmaConfig, GemmaMLP
+    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
+
+    config = _llama_config(hidden)
+    rotary = LlamaRotaryEmbedding(config).to(DEVICE)
+
+    def x(rows, width=hidden, scale=1.0):
+        return (scale * torch.randn(rows, width, device=DEVICE)).to(DTYPE)
+
+    def attention_inputs(rows):
+        hidden_states = x(rows)[None]
+        cos, sin = rotary(hidden_states, torch.arange(rows, device=DEVICE)[None])
+        return hidden_states, (cos, sin), None
+
+    def ce_inputs(rows):
+        return x(rows, vocab, 3.0), torch.randint(0, vocab, (rows,), device=DEVICE)
+
+    class NativeRMSNorm(nn.Module):
+        def __init__(self, weight, eps):
+            super().__init__()
+            self.weight, self.eps = weight, eps
+
+        def forward(self, x):
+            return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
+
+    rms = LlamaRMSNorm(hidden, eps=1e-6)
+    gemma = GemmaConfig(hidden_size=hidden, intermediate_size=hidden * 11 // 4, hidden_activation="gelu_pytorch_tanh")
+    layer_norm = nn.LayerNorm(hidden)
+    softmax = nn.Softmax(dim=-1)
+    cross_entropy = nn.CrossEntropyLoss()
+    one = lambda rows: (x(rows),)  # noqa: E731
+    return {
+        "rms_norm": (rms, one, NativeRMSNorm(rms.weight, 1e-6)),
+        "layer_norm": (layer_norm, one, layer_norm),  # the eager module is torch's native op
+        "swiglu": (LlamaMLP(config), one, None),
+        "geglu": (GemmaMLP(gemma), one, None),
+        "gelu_tanh": (NewGELUActivation(), lambda rows: (x(rows, hidden * 4, 3.0),), nn.GELU(approximate="tanh")),
+        "softmax": (softmax, lambda rows: (x(rows, 4 * hidden, 3.0),), softmax),
+        "cross_entropy": (cross_entropy, ce_inputs, cross_entropy),
+        "rope": (LlamaAttention(config, 0), attention_inputs, None),
+    }
+
+
+def _place(module):
+    return module.to(device=DEVICE, dtype=DTYPE)
+
+
+def _steps(module, inputs):
+    """(forward with grad, inference forward, forward+backward) step callables on fixed inputs."""
+    first = inputs[0].requires_grad_()  # hidden states, activations or logits: the others get no gradient
+    leaves = [first] + [p for p in module.parameters() if p.requires_grad]
+    out = module(*inputs)
+    out = out[0] if isinstance(out, tuple) else out
+    grad = torch.ones_like(out) if out.dim() == 0 else torch.randn_like(out)
+
+    def forward():
+        result = module(*inputs)
+        return result[0] if isinstance(result, tuple) else result
+
+    def inference():
+        with torch.no_grad():
+            module(*inputs)
+
+    def forward_backward():
+        torch.autograd.grad(forward(), leaves, grad)
+
+    return forward, inference, forward_backward
+
+
+def measure_modules(rows_list, hidden, vocab, calls, log) -> dict:
+    from profiler_svc.kernels.swap import _entries
+
+    entries = _entries()
+    results = {}
+    for name, (eager, make_inputs, native) in eager_modules(hidden, vocab).items():
+        eager = _place(eager)
+        entry = entries.get(name)
+        try:
+            matched = entry is not None and entry.matches(eager)
+        except ValueError as err:  # the swap says why it does not apply
+            matched = f"{err}"
+        if matched is not True:
+            print(f"{name}: the registry's swap does not apply to {type(eager).__name__} ({matched or 'no match'}); "
+                  "skipped", file=log, flush=True)
+            continue
+        candidates = {"eager": eager, "ours": entry.replace(eager)}
+        if native is not None and native is not eager:
+            candidates["native"] = _place(native)
+        by_rows = {}
+        for rows in rows_list:
+            torch.manual_seed(0)
+            inputs = make_inputs(rows)
+            row = {}
+            for label, module in candidates.items():
+                fwd, inf, both = _steps(module, tuple(t.detach().clone() if isinstance(t, torch.Tensor) else t
+                                                      for t in inputs))
+                row[label] = {"forward": round(host_us(fwd, calls), 1), "inference": round(host_us(inf, calls), 1),
+                              "forward_backward": round(host_us(both, calls), 1)}
+            by_rows[rows] = row
+            print(f"{name:14s} rows {rows:6d} " + "  ".join(
+                f"{label} {v['forward']:.0f}/{v['inference']:.0f}/{v['forward_backward']:.0f}" for label, v in row.items())
+                + "  (µs fwd/inference/fwd+bwd)", file=log, flush=True)
+        results[name] = {"eager_class": type(eager).__name__, "by_rows": by_rows}
+    return results
+
+
+# ---- native-dispatch crossover -------------------------------------------------------------------
+
+
+@contextmanager
+def native_dispatch_off():
+    """The Triton path at every size (each op file's NATIVE_BELOW set to 0), restored on exit."""
+    import importlib
+
+    saved = []
+    for op in ("rms_norm", "swiglu", "gelu_tanh", "softmax", "layer_norm", "cross_entropy"):
+        mod = importlib.import_module(f"profiler_svc.kernels.{op}")
+        if hasattr(mod, "NATIVE_BELOW"):
+            saved.append((mod, mod.NATIVE_BELOW))
+            mod.NATIVE_BELOW = 0
+    try:
+        yield
+    finally:
+        for mod, value in saved:
+            mod.NATIVE_BELOW = value
+
+
+def functional_pairs(width: int, vocab: int) -> dict:
+    """op -> (ours(*inputs), native(*inputs), inputs(rows), row width)."""
+    from profiler_svc import kernels as K
+
+    def x(rows, n=width, scale=1.0):
+        return (scale * torch.randn(rows, n, device=DEVICE)).to(DTYPE).requires_grad_()
+
+    weight = lambda: (1 + 0.1 * torch.randn(width, device=DEVICE)).to(DTYPE).requires_grad_()  # noqa: E731
+    inter = width * 11 // 4
+    return {
+        "rms_norm": (lambda a, w: K.rms_norm(a, w, 1e-6), lambda a, w: F.rms_norm(a, a.shape[-1:], w, 1e-6),
+                     lambda rows: (x(rows), weight()), width),
+        "layer_norm": (lambda a, w: K.layer_norm(a, w, w, 1e-5), lambda a, w: F.layer_norm(a, a.shape[-1:], w, w, 1e-5),
+                       lambda rows: (x(rows), weight()), width),
+        "swiglu": (K.swiglu, lambda g, u: F.silu(g) * u, lambda rows: (x(rows, inter), x(rows, inter)), inter),
+        "gelu_tanh": (K.gelu_tanh, lambda a: F.gelu(a, approximate="tanh"), lambda rows: (x(rows, inter, 3.0),), inter),
+        "softmax": (K.softmax, lambda a: torch.softmax(a, -1), lambda rows: (x(rows, width, 3.0),), width),
+        "cross_entropy": (lambda a, t: K.cross_entropy(a, t), lambda a, t: F.cross_entropy(a, t),
+                          lambda rows: (x(rows, vocab, 3.0), torch.randint(0, vocab, (rows,), device=DEVICE)), vocab),
+    }
+
+
+def crossover(rows_list, width, vocab, calls, log) -> dict:
+    results = {}
+    with native_dispatch_off():
+        for op, (ours, native, make_inputs, n) in functional_pairs(width, vocab).items():
+            table = {}
+            for rows in rows_list:
+                inputs = make_inputs(rows)
+                leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+                row = {}
+                for label, fn in (("ours", ours), ("native", native)):
+                    out = fn(*inputs)
+                    grad = torch.ones_like(out) if out.dim() == 0 else torch.randn_like(out)
+
+                    def fwd(fn=fn):
+                        with torch.no_grad():
+                            fn(*inputs)
+
+                    def both(fn=fn, grad=grad):
+                        torch.autograd.grad(fn(*inputs), leaves, grad)
+
+                    row[label] = (round(wall_us(fwd, calls), 1), round(wall_us(both, calls), 1))
+                table[rows] = row
+                print(f"{op:14s} {rows:6d}×{n:<6d} ours {row['ours'][0]:8.1f}/{row['ours'][1]:8.1f}  "
+                      f"native {row['native'][0]:8.1f}/{row['native'][1]:8.1f}  (wall µs fwd/fwd+bwd)", file=log, flush=True)
+            # the largest size (elements) from the smallest up at which native is no slower, per mode
+            limits = {}
+            for i, mode in enumerate(("forward", "forward_backward")):
+                limit = 0
+                for rows in rows_list:
+                    if table[rows]["native"][i] <= table[rows]["ours"][i]:
+                        limit = rows * n
+                    else:
+                        break
+                limits[mode] = limit
+            results[op] = {"width": n, "native_no_slower_up_to_elements": limits, "by_rows": table}
+    return results
+
+
+# ---- output -------------------------------------------------------------------------------------
+
+
+def versions() -> dict:
+    info = {"torch": torch.__version__, "device": DEVICE}
+    try:
+        import triton
+        info["triton"] = triton.__version__
+    except ImportError:
+        pass
+    try:
+        import transformers
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    if DEVICE == "cuda":
+        info["device"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def costs_json(modules: dict, cross: dict, meta: dict) -> dict:
+    swaps = {}
+    for name, result in modules.items():
+        smallest = result["by_rows"][min(result["by_rows"])]
+        ours, eager = smallest["ours"], smallest["eager"]
+        swaps[name] = {
+            "forward_us": round(ours["forward"] - eager["forward"], 1),
+            "forward_backward_us": round(ours["forward_backward"] - eager["forward_backward"], 1),
+            "inference_us": round(ours["inference"] - eager["inference"], 1),
+            "eager_class": result["eager_class"],
+            "host_us_by_rows": result["by_rows"],
+        }
+    return {"what": "host µs per call that each swap adds over the eager module it replaces (negative: saves); "
+                    "forward_us / forward_backward_us at the smallest row count; benchmarks/host_costs.py",
+            **meta, "swaps": swaps, "native_crossover": cross}
+
+
+def markdown(data: dict) -> str:
+    about = ", ".join(f"{k} {v}" for k, v in data["versions"].items())
+    lines = [f"# Host cost per call\n\n{about}, {data['dtype']}, hidden {data['hidden']}.\n\nCommand: "
+             f"`{data['command']}`\n\n## Host µs per module call (idle GPU), fwd / inference / fwd+bwd\n",
+             "| swap | eager class | rows | eager | ours | native | ours − eager (fwd, fwd+bwd) |", "| --- | --- | ---: | --- | --- | --- | --- |"]
+    for name, entry in data["swaps"].items():
+        for rows, row in entry["host_us_by_rows"].items():
+            cell = lambda label: "/".join(f"{row[label][k]:.0f}" for k in ("forward", "inference", "forward_backward")) \
+                if label in row else ""  # noqa: E731
+            lines.append(f"| {name} | {entry['eager_class']} | {rows} | {cell('eager')} | {cell('ours')} | {cell('native')} | "
+                         f"{row['ours']['forward'] - row['eager']['forward']:+.0f}, "
+                         f"{row['ours']['forward_backward'] - row['eager']['forward_backward']:+.0f} |")
+    lines += ["", "## Triton path vs native op, wall µs per call (loop, one sync), fwd / fwd+bwd\n",
+              "| op | rows × width | ours | native |", "| --- | --- | --- | --- |"]
+    for op, entry in data["native_crossover"].items():
+        for rows, row in entry["by_rows"].items():
+            lines.append(f"| {op} | {rows}×{entry['width']} | {row['ours'][0]:.1f} / {row['ours'][1]:.1f} | "
+                         f"{row['native'][0]:.1f} / {row['native'][1]:.1f} |")
+        lines.append(f"| {op} | native no slower up to (elements) | fwd {entry['native_no_slower_up_to_elements']['forward']} | "
+                     f"fwd+bwd {entry['native_no_slower_up_to_elements']['forward_backward']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    global DEVICE
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="the host-cost JSON (kernels/host_costs.json)")
+    parser.add_argument("--md", help="also write a markdown table here (benchmarks/results/...)")
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny shapes, few calls (TRITON_INTERPRET=1)")
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--skip-crossover", action="store_true")
+    args = parser.parse_args(argv)
+    if args.tiny:
+        DEVICE = "cpu"
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            print("--tiny runs the Triton kernels on the CPU: set TRITON_INTERPRET=1", file=sys.stderr)
+            return 2
+        hidden, vocab, rows_list, sweep, calls = 64, 128, (2, 8), (2, 8), 3
+    elif not torch.cuda.is_available():
+        print("benchmarks/host_costs.py needs a CUDA GPU (or --tiny with TRITON_INTERPRET=1)", file=sys.stderr)
+        return 2
+    else:
+        hidden, vocab, rows_list, calls = 2048, 32000, (8, 512, 4096), args.calls
+        sweep = (1, 8, 64, 256, 1024, 2048, 4096, 8192, 16384)
+    meta = {"versions": versions(), "dtype": str(DTYPE).replace("torch.", ""), "hidden": hidden,
+            "command": "python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:])}
+    modules = measure_modules(rows_list, hidden, vocab, calls, sys.stderr)
+    cross = {} if args.skip_crossover else crossover(sweep, hidden, vocab, max(calls // 4, 3), sys.stderr)
+    data = costs_json(modules, cross, meta)
+    with open(args.out, "w") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+    text = markdown(data)
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
