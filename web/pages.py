@@ -90,7 +90,7 @@ def request_ab(run_id):
     run = queries.get(session, Run, run_id)
     choices = queries.ab_choices(queries.findings(session, run_id))
     finding_id, swap = request.form.get("finding_id", ""), request.form.get("swap") or None
-    if finding_id and not finding_id.isdigit():
+    if finding_id and not (finding_id.isascii() and finding_id.isdigit()):  # "²" is a digit to isdigit()
         raise UserError("finding_id must be an integer")
     if finding_id:
         by_finding = {f.id: f for f in run.findings}

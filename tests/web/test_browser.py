@@ -34,7 +34,13 @@ def sign_in(page, base):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    tmp_path = tmp_path_factory.mktemp("browser")
+    with pytest.MonkeyPatch.context() as env:  # one server for the module: the per-test settings, once
+        env.setenv("PROFILER_SVC_HOME", str(tmp_path_factory.mktemp("home")))
+        env.setenv("PROFILER_SVC_ALLOWED_WORKLOADS", "profiler_svc.service.demo")
+        yield from _server(tmp_path_factory.mktemp("browser"))
+
+
+def _server(tmp_path):
     url = f"sqlite:///{tmp_path / 'browser.sqlite3'}"
     engine = storage_db.get_engine(url)
     storage_db.upgrade(engine)
