@@ -57,7 +57,7 @@ def test_cli_result_joins_the_newest_run_of_its_workload_or_the_given_run(engine
 def test_dashboard_lists_and_shows_cli_results(engine, blobs):
     job_id = save_ab_result(result_dict(), workload=WORKLOAD, engine=engine)
     app = create_app({"DATABASE_URL": engine.url.render_as_string(hide_password=False), "BLOB_DIR": str(blobs.root),
-                      "API_TOKEN": "t", "SECRET_KEY": "s", "TESTING": True})
+                      "API_TOKEN": "t", "SECRET_KEY": "s", "TESTING": True, "PUBLIC_READ": True})
     client = app.test_client()
     listing = client.get("/jobs?status=done").get_data(as_text=True)
     assert f"#{job_id}" in listing and "rms_norm, rope" in listing and "cli@" in listing
