@@ -117,7 +117,7 @@ def main() -> int:
     [result] = ingest_path(engine, trace, blobs=BlobStore(work / "blobs"))
     ingest_s = time.perf_counter() - start
 
-    app = create_app({"DATABASE_URL": url, "BLOB_DIR": str(work / "blobs")})
+    app = create_app({"DATABASE_URL": url, "BLOB_DIR": str(work / "blobs"), "PUBLIC_READ": True})  # reads open
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # no line per request
     server = make_server("127.0.0.1", 0, app, threaded=True)
     threading.Thread(target=server.serve_forever, daemon=True).start()
