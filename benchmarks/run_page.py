@@ -71,6 +71,8 @@ def browser_times(base: str, paths: list[str]) -> dict:
         print("browser: chromium not installed, skipped")
         return {}
     load_ms = "performance.getEntriesByType('navigation')[0].loadEventEnd"
+    paint_ms = "(performance.getEntriesByName('first-contentful-paint')[0] || {startTime: null}).startTime"
+    charts_drawn = "[...document.querySelectorAll('.chart')].every(c => c.querySelector('.main-svg'))"
     out = {}
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium, args=["--headless", "--no-sandbox", "--disable-gpu"])
@@ -78,12 +80,16 @@ def browser_times(base: str, paths: list[str]) -> dict:
             context = browser.new_context(viewport={"width": 1400, "height": 1000})
             page = context.new_page()
             page.goto(base + path, wait_until="load")
-            cold = page.evaluate(load_ms)
+            cold, paint = page.evaluate(load_ms), page.evaluate(paint_ms)
+            page.wait_for_function(charts_drawn)
+            charts = page.evaluate("performance.now()")
             page.reload(wait_until="load")
             warm = page.evaluate(load_ms)
             context.close()
-            out[path] = {"cold_load_ms": round(cold, 1), "warm_load_ms": round(warm, 1)}
-            print(f"browser {path}: load event cold {cold:.0f} ms, warm {warm:.0f} ms")
+            out[path] = {"cold_load_ms": round(cold, 1), "cold_first_paint_ms": paint and round(paint, 1),
+                         "cold_charts_drawn_ms": round(charts, 1), "warm_load_ms": round(warm, 1)}
+            print(f"browser {path}: cold: first paint {paint or 0:.0f} ms, load event {cold:.0f} ms, charts drawn "
+                  f"by {charts:.0f} ms; warm load event {warm:.0f} ms")
         browser.close()
     return out
 

@@ -8,6 +8,7 @@ import pytest
 
 from profiler_svc.formats import fmt_us
 from profiler_svc.recommendations import recommend
+from profiler_svc.storage import queries
 from profiler_svc.storage.ingest import ingest_path
 from tests.plugins.traces import DDP, fixture_dir, fixture_path
 from tests.web.test_web import TOKEN, csrf_token, make_app
@@ -151,11 +152,13 @@ def test_ab_form_offers_only_what_applies_and_the_server_checks(engine, blobs, c
     page = client.get(f"/runs/{run_id}").get_data(as_text=True)
     form = page[page.index('id="ab"'):]
     offered = re.findall(r'<option value="(\d+)">(\w+) (\w+) ', form[:form.index("</select>")])
-    recommended = {(kind, f["recommendation"][kind]) for f in run["findings"] for kind in ("swap", "fix")
+    recommended = {(kind, f["recommendation"][kind]) for f in run["findings"] for kind in queries.AB_KINDS
                    if f["recommendation"].get(kind)}
     assert offered and {(kind, name) for _, kind, name in offered} == recommended and len(offered) == len(recommended)
     token = csrf_token(page.encode())
-    for bad in ({"swap": "no_such_swap"}, {"finding_id": "999999"}, {}, {"finding_id": "x"}):
+    fix_only = next(f["id"] for f in run["findings"] if f["recommendation"]["fix"] and not f["recommendation"]["swap"])
+    for bad in ({"swap": "no_such_swap"}, {"finding_id": "999999"}, {}, {"finding_id": "x"}, {"finding_id": "²"},
+                {"finding_id": str(fix_only)}):
         answer = client.post(f"/runs/{run_id}/ab", data={**bad, "csrf_token": token})
         assert answer.status_code in (400, 404) and "Traceback" not in answer.get_data(as_text=True)
     assert client.get("/api/v1/jobs").get_json()["jobs"] == []
