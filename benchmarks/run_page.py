@@ -1,17 +1,22 @@
-"""Run-page latency for a run ingested from a ~1M-event trace (the bar: under 300 ms).
+"""Dashboard latency, every view, for a run ingested from a ~1M-event trace (the bars: under 300 ms warm,
+under 1 s cold to the browser's load event).
 
-    python benchmarks/run_page.py [--trace BIG.json.gz] [--events 1000000] [--database-url URL]
+    python benchmarks/run_page.py [--trace BIG.json.gz] [--events 1000000] [--database-url URL] [--out FILE]
 
-Without --trace, tiles tests/data/qwen2_bf16_decode.json.gz (a real H200 decode trace) to about
---events events with benchmarks/tile_trace.py. Ingests it once (timed: analysis + storage), then
-serves the run page and its JSON through a real HTTP server (gunicorn-less: Werkzeug, one thread)
-and reports the median and max of --repeat requests each. Work files go to .bench/run_page/.
+Without --trace, tiles tests/data/qwen2_bf16_decode.json.gz (a real H200 decode trace) to about --events
+events with benchmarks/tile_trace.py. Ingests it once (timed: analysis + storage), then serves the app through
+a real HTTP server (Werkzeug, threaded) and measures every view:
+- server: the median and max of --repeat requests, and the bytes sent gzip-compressed and not;
+- browser (when Playwright and chromium are installed): time to the load event with a cold cache (a new
+  browser context: Plotly and the static files fetched) and warm (the same context, reloaded).
+Work files go to .bench/run_page/; --out writes the figures as JSON (benchmarks/results/ keeps histories).
 """
 import argparse
 import gzip
 import json
 import logging
 import os
+import shutil
 import statistics
 import sys
 import threading
@@ -33,11 +38,60 @@ def make_trace(out: Path, events: int) -> Path:
     return out
 
 
-def fetch(url: str) -> tuple[float, int]:
+def fetch(url: str, gzip_ok: bool = True) -> tuple[float, int]:
+    request = urllib.request.Request(url, headers={"Accept-Encoding": "gzip"} if gzip_ok else {})
     start = time.perf_counter()
-    with urllib.request.urlopen(url) as response:
+    with urllib.request.urlopen(request) as response:
         body = response.read()
     return (time.perf_counter() - start) * 1000, len(body)
+
+
+def server_times(base: str, paths: list[str], repeat: int) -> dict:
+    out = {}
+    for path in paths:
+        fetch(base + path)  # warm: templates compiled, connection pooled
+        times = [fetch(base + path) for _ in range(repeat)]
+        ms = [t for t, _ in times]
+        out[path] = {"median_ms": round(statistics.median(ms), 1), "max_ms": round(max(ms), 1),
+                     "gzip_bytes": times[0][1], "bytes": fetch(base + path, gzip_ok=False)[1]}
+        print(f"GET {path}: median {out[path]['median_ms']} ms, max {out[path]['max_ms']} ms over {repeat}; "
+              f"{out[path]['gzip_bytes'] / 1024:.0f} KiB gzip ({out[path]['bytes'] / 1024:.0f} KiB raw)")
+    return out
+
+
+def browser_times(base: str, paths: list[str]) -> dict:
+    """Load-event times in headless chromium: cold (new context, empty cache) and warm (reload)."""
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        print("browser: playwright not installed, skipped")
+        return {}
+    chromium = os.environ.get("PROFILER_SVC_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
+    if not os.path.exists(chromium):
+        print("browser: chromium not installed, skipped")
+        return {}
+    load_ms = "performance.getEntriesByType('navigation')[0].loadEventEnd"
+    paint_ms = "(performance.getEntriesByName('first-contentful-paint')[0] || {startTime: null}).startTime"
+    charts_drawn = "[...document.querySelectorAll('.chart')].every(c => c.querySelector('.main-svg'))"
+    out = {}
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=["--headless", "--no-sandbox", "--disable-gpu"])
+        for path in paths:
+            context = browser.new_context(viewport={"width": 1400, "height": 1000})
+            page = context.new_page()
+            page.goto(base + path, wait_until="load")
+            cold, paint = page.evaluate(load_ms), page.evaluate(paint_ms)
+            page.wait_for_function(charts_drawn)
+            charts = page.evaluate("performance.now()")
+            page.reload(wait_until="load")
+            warm = page.evaluate(load_ms)
+            context.close()
+            out[path] = {"cold_load_ms": round(cold, 1), "cold_first_paint_ms": paint and round(paint, 1),
+                         "cold_charts_drawn_ms": round(charts, 1), "warm_load_ms": round(warm, 1)}
+            print(f"browser {path}: cold: first paint {paint or 0:.0f} ms, load event {cold:.0f} ms, charts drawn "
+                  f"by {charts:.0f} ms; warm load event {warm:.0f} ms")
+        browser.close()
+    return out
 
 
 def main() -> int:
@@ -46,6 +100,8 @@ def main() -> int:
     parser.add_argument("--events", type=int, default=1_000_000)
     parser.add_argument("--database-url")
     parser.add_argument("--repeat", type=int, default=30)
+    parser.add_argument("--no-browser", action="store_true", help="server timings only")
+    parser.add_argument("--out", type=Path, help="write the figures here as JSON")
     args = parser.parse_args()
 
     work = ROOT / ".bench" / "run_page"
@@ -67,24 +123,29 @@ def main() -> int:
     [result] = ingest_path(engine, trace, blobs=BlobStore(work / "blobs"))
     ingest_s = time.perf_counter() - start
 
-    app = create_app({"DATABASE_URL": url, "BLOB_DIR": str(work / "blobs")})
+    app = create_app({"DATABASE_URL": url, "BLOB_DIR": str(work / "blobs"), "PUBLIC_READ": True})  # reads open
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # no line per request
     server = make_server("127.0.0.1", 0, app, threaded=True)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     base = f"http://127.0.0.1:{server.port}"
-    run_json = json.loads(urllib.request.urlopen(f"{base}/api/v1/runs/{result.run_id}").read())
+    run_id = result.run_id
+    run_json = json.loads(urllib.request.urlopen(f"{base}/api/v1/runs/{run_id}").read())
 
     print(f"trace: {trace} ({run_json['summary']['event_count']} events, "
           f"{run_json['summary']['kernel_count']} kernels)")
     print(f"ingest: {ingest_s:.1f} s ({'already stored' if result.duplicate else 'analysis + storage'})")
     print(f"database: {engine.url.render_as_string(hide_password=True)}")
-    for path in (f"/runs/{result.run_id}", f"/api/v1/runs/{result.run_id}"):
-        fetch(base + path)  # warm: templates compiled, connection pooled
-        times = [fetch(base + path) for _ in range(args.repeat)]
-        ms = [t for t, _ in times]
-        print(f"GET {path}: median {statistics.median(ms):.1f} ms, max {max(ms):.1f} ms "
-              f"over {args.repeat} requests ({times[0][1] / 1024:.0f} KiB)")
+    views = ["/", f"/runs/{run_id}", f"/runs/{run_id}/modules", f"/runs/{run_id}/timeline",
+             f"/compare?a={run_id}&b={run_id}", "/jobs"]
+    figures = {"trace": str(trace), "events": run_json["summary"]["event_count"],
+               "kernels": run_json["summary"]["kernel_count"], "ingest_s": round(ingest_s, 2),
+               "database": engine.dialect.name,
+               "server": server_times(base, views + [f"/api/v1/runs/{run_id}", f"/api/v1/runs/{run_id}/timeline"],
+                                      args.repeat),
+               "browser": {} if args.no_browser else browser_times(base, views)}
     server.shutdown()
+    if args.out:
+        args.out.write_text(json.dumps(figures, indent=2) + "\n")
     return 0
 
 

@@ -95,8 +95,8 @@ def request_ab(run_id):
     if finding_id:
         by_finding = {f.id: f for f in run.findings}
         finding = by_finding.get(int(finding_id))
-        if finding is None or not (finding.swap or getattr(finding, "fix", None)):
-            raise UserError(f"run {run_id} has no finding {finding_id} with a swap or fix to A/B test")
+        if finding is None or finding.id not in {c["finding_id"] for c in choices}:
+            raise UserError(f"run {run_id} has no finding {finding_id} with a swap to A/B test")
     if swap and swap not in {c["name"] for c in choices if c["kind"] == "swap"}:
         offered = ", ".join(c["name"] for c in choices if c["kind"] == "swap") or "none"
         raise UserError(f"swap {swap!r} does not apply to run {run_id} (its findings recommend: {offered})")

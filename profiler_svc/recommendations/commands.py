@@ -10,7 +10,8 @@ def add_commands(subparsers) -> None:
         description="Analyse a Kineto/Chrome trace (.json or .json.gz from any torch.profiler run, or a folder of "
                     "per-rank traces) and print findings ranked by estimated saving.")
     p.add_argument("trace", metavar="TRACE", help="trace file (.json / .json.gz) or folder of per-rank traces")
-    p.add_argument("--format", choices=("text", "json", "markdown"), default="text", help="output format")
+    p.add_argument("--format", choices=("text", "table", "json", "markdown"), default="text",
+                   help="output format (table: the same as text)")
     p.add_argument("--top", type=_positive, default=10, metavar="N", help="findings and kernels to show (default 10)")
     p.add_argument("--fail-on", choices=SEVERITIES, metavar="SEVERITY",
                    help=f"exit 1 if any finding is at least this severe ({', '.join(SEVERITIES)})")

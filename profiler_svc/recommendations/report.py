@@ -92,6 +92,9 @@ def build_report(traces: list[Trace], path: str, top: int = 20) -> Report:
             f.rank = a.trace.rank
             f.share_of_step_pct = round(100 * f.saving_us_per_step / step, 2) if step else 0.0
             f.severity = severity_for(f.saving_us_per_step, step)
+            # to the hundredth once, here: the text, JSON, markdown and the dashboard format this one value
+            f.saving_us_per_step = round(f.saving_us_per_step, 2)
+            f.gpu_time_saved_us_per_step = round(f.gpu_time_saved_us_per_step, 2)
     main = analyses[0]
     findings = _merge_ranks(analyses) + _straggler(analyses) if len(analyses) > 1 else main.findings
     findings.sort(key=lambda f: (-f.saving_us_per_step, f.category, f.title))

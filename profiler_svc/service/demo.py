@@ -12,6 +12,7 @@ from pathlib import Path
 
 SAMPLES = Path(__file__).resolve().parents[1] / "samples"
 WORKLOAD = "profiler_svc.service.demo:tiny_llama"
+LIVE_GROUP = "demo:live-capture"
 
 
 def tiny_llama():
@@ -112,14 +113,32 @@ def prepare_demo(print_fn=print, live: bool = True):
         print_fn(f"sample {path.name}: run {results[0].run_id} ({stored})")
     if live:
         trace = live_capture(config["folder"])
-        [result] = ingest_path(engine, trace, blobs=blobs, name="tiny_llama (live capture)", workload=WORKLOAD)
-        print_fn(f"live capture {trace.name}: run {result.run_id}")
+        replaced = _drop_run(engine, blobs, LIVE_GROUP)  # one live capture, the newest: `demo` twice adds nothing
+        [result] = ingest_path(engine, trace, blobs=blobs, name="tiny_llama (live capture)", workload=WORKLOAD,
+                               group_key=LIVE_GROUP)
+        print_fn(f"live capture {trace.name}: run {result.run_id}" + (" (replaces the previous one)" if replaced else ""))
     # A local try-out: reads are open; the A/B form needs a signed-in session, so say which token signs in.
     token = os.environ.get("PROFILER_SVC_TOKEN") or secrets.token_urlsafe(16)
     if live:
         print_fn(f"sign in (for the A/B button) with the token: {token}")
     return create_app({"DATABASE_URL": config["DATABASE_URL"], "BLOB_DIR": config["BLOB_DIR"],
                        "API_TOKEN": token, "PUBLIC_READ": True})
+
+
+def _drop_run(engine, blobs, group_key: str) -> bool:
+    """Delete the run of this group key with its traces' files; whether there was one."""
+    from sqlalchemy import select
+    from ..storage.db import session_scope
+    from ..storage.models import Run
+    with session_scope(engine) as session:
+        run = session.scalars(select(Run).where(Run.group_key == group_key)).first()
+        if run is None:
+            return False
+        paths = [t.blob_path for t in run.traces]
+        session.delete(run)
+    for path in paths:
+        blobs.delete(path)
+    return True
 
 
 def start_background_worker(database_url: str, blob_dir: str) -> threading.Thread:

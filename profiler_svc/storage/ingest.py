@@ -77,7 +77,7 @@ def analyse_file(path, filename: str) -> dict:
     ours = meta.get("profiler_svc")
     return {"report": data, "run_meta": _run_meta(meta), "ours": ours if isinstance(ours, dict) else {},
             "rank": getattr(loaded, "rank", None) or 0,  # the loader reads it from the trace's metadata
-            "timeline": build_timeline(getattr(loaded, "kernels", None))}
+            "timeline": build_timeline(getattr(loaded, "kernels", None), launches=getattr(loaded, "runtime", None))}
 
 
 def _without_path(message: str, path, filename: str) -> str:

@@ -230,13 +230,17 @@ def run_page(session, run_id: int, rank: int | None = None, with_timeline: bool 
     return page
 
 
+# What the A/B queue can run (jobs.enqueue): bundled swaps. Add "fix" when it takes configuration fixes too.
+AB_KINDS = ("swap",)
+
+
 def ab_choices(findings: list[dict]) -> list[dict]:
-    """What an A/B of this run can test: each bundled swap or configuration fix its findings recommend, once,
-    with the finding that recommends it most (its largest saving first)."""
+    """What an A/B of this run can test: each bundled swap its findings recommend (AB_KINDS), once, with the
+    finding that recommends it most (its largest saving first)."""
     out, seen = [], set()
     for f in findings:
         rec = f["recommendation"]
-        for kind in ("swap", "fix"):
+        for kind in AB_KINDS:
             if rec.get(kind) and (kind, rec[kind]) not in seen:
                 seen.add((kind, rec[kind]))
                 out.append({"kind": kind, "name": rec[kind], "finding_id": f["id"], "title": f["title"],

@@ -27,8 +27,10 @@ def _split_at_largest_gaps(start, end, limit):
     return first, last, busy_end
 
 
-def build_timeline(kernels: pd.DataFrame, max_segments: int = 1500, max_gaps: int = 50) -> dict:
-    """Compact JSON for the timeline chart: busy segments per (device, stream) and the top idle gaps."""
+def build_timeline(kernels: pd.DataFrame, max_segments: int = 1500, max_gaps: int = 50,
+                   launches: pd.DataFrame | None = None) -> dict:
+    """Compact JSON for the timeline chart: busy segments per (device, stream), the host's launch calls (the
+    CPU launch lane, merged the same way) and the top idle gaps."""
     if kernels is None or len(kernels) == 0:
         return {"streams": [], "gaps": {"start": [], "end": []}, "span_us": 0.0, "idle_us": 0.0}
     frame = kernels[["ts", "dur", "stream"]].assign(
@@ -57,7 +59,20 @@ def build_timeline(kernels: pd.DataFrame, max_segments: int = 1500, max_gaps: in
     top = np.sort(top)
     return {
         "streams": streams,
+        **({"launches": _launch_lane(launches, max_segments)} if launches is not None and len(launches) else {}),
         "gaps": {"start": _round(busy_end[top]), "end": _round(start[top + 1])},
         "span_us": round(float(busy_end[-1] - start[0]), 1),
         "idle_us": round(float(gaps[idle].sum()), 1),
     }
+
+
+def _launch_lane(runtime: pd.DataFrame, max_segments: int) -> dict:
+    """The CPU's kernel-launch calls (cudaLaunchKernel and kin) as busy segments, like a stream's kernels."""
+    calls = runtime[runtime["name"].str.contains("Launch", regex=False).to_numpy()].sort_values("ts", kind="stable")
+    if not len(calls):
+        return {"start": [], "end": [], "count": [], "busy_us": [], "calls": 0}
+    start = calls["ts"].to_numpy(float)
+    dur = calls["dur"].to_numpy(float)
+    first, last, busy_end = _split_at_largest_gaps(start, start + dur, max_segments)
+    return {"start": _round(start[first]), "end": _round(busy_end[last]), "count": (last - first + 1).tolist(),
+            "busy_us": _round(np.add.reduceat(dur, first)), "calls": int(len(calls))}

@@ -46,3 +46,15 @@ def test_idle_gaps_have_no_kernel_on_any_stream():
 def test_no_kernels():
     empty = pd.DataFrame({"ts": [], "dur": [], "stream": [], "device": []})
     assert build_timeline(empty) == {"streams": [], "gaps": {"start": [], "end": []}, "span_us": 0.0, "idle_us": 0.0}
+
+
+def test_launch_lane_accounts_for_every_launch_call():
+    frame = kernels(seed=2, n=2000, streams=(7,))
+    rng = np.random.default_rng(2)
+    calls = pd.DataFrame({"name": rng.choice(["cudaLaunchKernel", "cuLaunchKernelEx", "cudaMemcpyAsync"], 3000),
+                          "ts": np.sort(rng.uniform(0, 1e5, 3000)), "dur": rng.uniform(2, 8, 3000)})
+    lane = build_timeline(frame, max_segments=200, launches=calls)["launches"]
+    launched = calls[calls["name"].str.contains("Launch")]
+    assert lane["calls"] == sum(lane["count"]) == len(launched) and len(lane["start"]) <= 200
+    assert np.isclose(sum(lane["busy_us"]), launched["dur"].sum(), rtol=1e-4)
+    assert "launches" not in build_timeline(frame)

@@ -14,10 +14,10 @@ from profiler_svc.web import create_app
 WORKLOAD = "examples.tiny:make"
 
 
-def result_dict(verdict="faster") -> dict:
-    timing = Timing(timer="perf_counter", rounds=3, warmup=1, a_ms=[2.0, 2.1, 2.2], b_ms=[1.0, 1.1, 1.2],
+def result_dict(verdict="faster", device="cuda:0 (NVIDIA H100 80GB HBM3)") -> dict:
+    timing = Timing(timer="cuda_events", rounds=3, warmup=1, a_ms=[2.0, 2.1, 2.2], b_ms=[1.0, 1.1, 1.2],
                     median_a_ms=2.1, median_b_ms=1.1, speedup=2.1 / 1.1, ci_low=1.7, ci_high=2.2, ci_level=0.95)
-    return ABResult(swaps=["rms_norm", "rope"], train=True, device="cpu", verdict=verdict,
+    return ABResult(swaps=["rms_norm", "rope"], train=True, device=device, verdict=verdict,
                     swapped=[{"module": "norm", "class": "RMSNorm", "swap": "rms_norm"}], skipped=[],
                     parity_passed=True, parity_factor=2.0, timing=timing).to_dict()
 

@@ -1,5 +1,7 @@
 """`profiler_svc demo --no-serve`: the README's main job prepares its own database from the bundled
 GPU traces plus a live capture on this machine."""
+from pathlib import Path
+
 import pytest
 
 from profiler_svc.cli import main
@@ -29,7 +31,15 @@ def test_demo_ingests_samples_and_a_live_capture(capsys):
     page = client.get(f"/api/v1/runs/{llama['id']}").get_json()
     assert page["findings"] and page["summary"]["gpu_busy_pct"] > 0
 
-    # Running it again stores nothing twice.
+    # The live capture is a CPU trace: its page says why it has no kernels.
+    live_page = client.get(f"/runs/{live[0]['id']}").get_data(as_text=True)
+    assert 'id="no-kernels"' in live_page and "without a GPU" in live_page
+
+    # Running it again stores nothing twice: the samples are kept, the live capture replaced.
     assert main(["demo", "--no-serve"]) == 0
-    assert capsys.readouterr().out.count("(already stored)") == len(samples)
+    out = capsys.readouterr().out
+    assert out.count("(already stored)") == len(samples) and "replaces the previous one" in out
+    again = client.get("/api/v1/runs").get_json()["runs"]
+    assert len(again) == len(runs) and len([r for r in again if r["workload"] == WORKLOAD]) == 1
+    assert sum(1 for p in Path(config["BLOB_DIR"]).rglob("*") if p.is_file()) == sum(r["traces"] for r in again)
     storage_db._engines.pop(config["DATABASE_URL"]).dispose()

@@ -34,7 +34,8 @@ def sign_in(page, base):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as env:  # module scope: the per-test environment is not set up yet
+    with pytest.MonkeyPatch.context() as env:  # one server for the module: the per-test settings, once
+        env.setenv("PROFILER_SVC_HOME", str(tmp_path_factory.mktemp("home")))
         env.setenv("PROFILER_SVC_ALLOWED_WORKLOADS", "profiler_svc.service.demo")
         yield from _server(tmp_path_factory.mktemp("browser"))
 
@@ -63,8 +64,7 @@ def _server(tmp_path):
 
 
 @pytest.fixture
-def page(server):
-    """A browser page, signed in to the server (the dashboard asks for a token first)."""
+def page():
     with playwright.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=[
             "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -74,14 +74,13 @@ def page(server):
         page.on("pageerror", lambda exc: page.errors.append(str(exc)))
         page.on("console", lambda msg: page.errors.append(msg.text) if msg.type == "error" else None)
         page.on("dialog", lambda dialog: (page.dialogs.append(dialog.message), dialog.dismiss()))
-        sign_in(page, server[0])
         yield page
         browser.close()
 
 
 def test_run_page_answers_first_then_ab_request(server, page):
     base, runs = server
-    page.goto(base + "/")
+    sign_in(page, base)
     # the runs list names each run's top finding and what it saves
     row = page.locator("tr", has=page.locator("a.run-link", has_text="llama train"))
     assert row.locator("td.num").nth(2).inner_text().endswith(("ms", "µs"))  # span, GPU busy, saving
@@ -115,6 +114,7 @@ def test_run_page_answers_first_then_ab_request(server, page):
 
 def test_module_view_tree_opens_and_closes(server, page):
     base, runs = server
+    sign_in(page, base)
     page.goto(f"{base}/runs/{runs['llama']}")
     page.click("nav.tabs >> text=Modules & kernels")
     page.wait_for_url(f"**/runs/{runs['llama']}/modules")
@@ -134,9 +134,12 @@ def test_module_view_tree_opens_and_closes(server, page):
 
 def test_timeline_zooms_and_links_perfetto(server, page):
     base, runs = server
+    sign_in(page, base)
     page.goto(f"{base}/runs/{runs['llama']}/timeline")
     page.wait_for_selector("#timeline-chart .main-svg")
-    assert page.locator("#timeline-chart .scatterlayer .trace").count() >= 2
+    assert page.locator("#timeline-chart .scatterlayer .trace").count() >= 3
+    lanes = page.evaluate("document.getElementById('timeline-chart').data.map(t => t.name)")
+    assert lanes[0] == "CPU launches" and lanes[-1] == "GPU idle" and any(n.startswith("dev ") for n in lanes)
     drag = page.locator("#timeline-chart .nsewdrag").first
     box = drag.bounding_box()
     before = page.evaluate("document.getElementById('timeline-chart').layout.xaxis.range.slice()")
@@ -158,6 +161,7 @@ def test_timeline_zooms_and_links_perfetto(server, page):
 
 def test_ranks_one_finding_per_cause_and_the_straggler(server, page):
     base, runs = server
+    sign_in(page, base)
     page.goto(f"{base}/runs/{runs['straggler']}")
     page.wait_for_selector("#waterfall-chart .main-svg")
     ranks = page.locator("table.ranks tbody tr")
@@ -173,6 +177,7 @@ def test_ranks_one_finding_per_cause_and_the_straggler(server, page):
 
 def test_hostile_names_render_as_text(server, page):
     base, runs = server
+    sign_in(page, base)
     page.goto(f"{base}/runs/{runs['hostile']}")
     page.wait_for_selector("#waterfall-chart .main-svg")
     assert HOSTILE in page.locator("h1").inner_text()

@@ -8,6 +8,7 @@ import pytest
 
 from profiler_svc.formats import fmt_us
 from profiler_svc.recommendations import recommend
+from profiler_svc.storage import queries
 from profiler_svc.storage.ingest import ingest_path
 from tests.plugins.traces import DDP, fixture_dir, fixture_path
 from tests.web.test_web import TOKEN, csrf_token, make_app
@@ -19,7 +20,6 @@ LABELLED = fixture_path("llama_bf16_train_agent")  # captured with profiler_svc.
 
 @pytest.fixture
 def client(engine, blobs):
-    """Signed in: the pages need it."""
     client = make_app(engine, blobs).test_client()
     assert sign_in(client, TOKEN).status_code == 303
     return client
@@ -152,11 +152,13 @@ def test_ab_form_offers_only_what_applies_and_the_server_checks(engine, blobs, c
     page = client.get(f"/runs/{run_id}").get_data(as_text=True)
     form = page[page.index('id="ab"'):]
     offered = re.findall(r'<option value="(\d+)">(\w+) (\w+) ', form[:form.index("</select>")])
-    recommended = {(kind, f["recommendation"][kind]) for f in run["findings"] for kind in ("swap", "fix")
+    recommended = {(kind, f["recommendation"][kind]) for f in run["findings"] for kind in queries.AB_KINDS
                    if f["recommendation"].get(kind)}
     assert offered and {(kind, name) for _, kind, name in offered} == recommended and len(offered) == len(recommended)
     token = csrf_token(page.encode())
-    for bad in ({"swap": "no_such_swap"}, {"finding_id": "999999"}, {}, {"finding_id": "x"}):
+    fix_only = next(f["id"] for f in run["findings"] if f["recommendation"]["fix"] and not f["recommendation"]["swap"])
+    for bad in ({"swap": "no_such_swap"}, {"finding_id": "999999"}, {}, {"finding_id": "x"}, {"finding_id": "²"},
+                {"finding_id": str(fix_only)}):
         answer = client.post(f"/runs/{run_id}/ab", data={**bad, "csrf_token": token})
         assert answer.status_code in (400, 404) and "Traceback" not in answer.get_data(as_text=True)
     assert client.get("/api/v1/jobs").get_json()["jobs"] == []
@@ -229,3 +231,16 @@ def test_compare_step_ci_breakdown_and_findings(engine, blobs, client, tmp_path)
     # the same run twice says so, with no chart
     same = client.get(f"/compare?a={a}&b={a}").get_data(as_text=True)
     assert 'id="same-run"' in same and 'id="compare-chart"' not in same and 'id="compare-form"' in same
+
+
+def test_ab_result_from_a_cpu_is_parity_only(engine, blobs):
+    from profiler_svc.storage import save_ab_result
+    from tests.storage.test_ab_results import result_dict
+    client = make_app(engine, blobs, PUBLIC_READ=True).test_client()
+    cpu = save_ab_result(result_dict(device="cpu"), workload=WORKLOAD, engine=engine)
+    gpu = save_ab_result(result_dict(), workload=WORKLOAD, engine=engine)
+    cpu_page = client.get(f"/jobs/{cpu}").get_data(as_text=True)
+    assert 'id="parity-only"' in cpu_page and 'id="verdict">parity passed, timing not measured<' in cpu_page
+    assert "×" not in text_of(cpu_page) and "faster" not in text_of(cpu_page) and "plotly" not in cpu_page
+    gpu_page = client.get(f"/jobs/{gpu}").get_data(as_text=True)
+    assert 'id="verdict">faster<' in gpu_page and 'id="parity-only"' not in gpu_page and "plotly" in gpu_page

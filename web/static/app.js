@@ -105,6 +105,12 @@ function drawTimeline() {
     `dev ${s.device} · stream ${s.stream}`, s.start, s.end, "#3b6ea8", 14,
     i => `${s.count[i]} kernel(s), busy ${fmtUs(s.busy_us[i])}<br>` +
          `${(s.start[i] / 1000).toFixed(3)}–${(s.end[i] / 1000).toFixed(3)} ms`));
+  const launches = timeline.launches;
+  if (launches && launches.start.length) {
+    traces.unshift(segmentsTrace("CPU launches", launches.start, launches.end, "#8c8c8c", 14,
+      i => `${launches.count[i]} launch call(s), ${fmtUs(launches.busy_us[i])} on the CPU<br>` +
+           `${(launches.start[i] / 1000).toFixed(3)}–${(launches.end[i] / 1000).toFixed(3)} ms`));
+  }
   const gaps = timeline.gaps || {start: [], end: []};
   if (gaps.start.length) {
     traces.push(segmentsTrace("GPU idle", gaps.start, gaps.end, "#d62728", 14,
