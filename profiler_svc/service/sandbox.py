@@ -4,9 +4,11 @@ or one that crashes the interpreter fails its job with the reason, and the worke
 
 Children come from a fork server (``multiprocessing``'s "forkserver"): they start from a clean
 single-threaded process that has the analyser preloaded, never from the worker itself (which holds
-database connections and a heartbeat thread).
+database connections and a heartbeat thread). The fork server's environment is the one it was started
+with, so each child takes the worker's environment as it is when the job starts.
 """
 import multiprocessing
+import os
 import resource
 import signal
 from dataclasses import dataclass
@@ -39,7 +41,7 @@ def run_isolated(fn, *args, limits: Limits = Limits(), what: str = "the job"):
     `fn`, its arguments and its result must be picklable (`fn` a module-level function)."""
     ctx = _context()
     receiver, sender = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_child, args=(sender, limits, what, fn, args), daemon=True,
+    child = ctx.Process(target=_child, args=(sender, limits, what, fn, args, dict(os.environ)), daemon=True,
                         name=f"job-{fn.__name__}")
     child.start()
     sender.close()
@@ -75,7 +77,9 @@ def _death(exitcode, limits: Limits, what: str) -> str:
     return f"{what} exited with status {exitcode} before it finished (os._exit or a crash)"
 
 
-def _child(sender, limits: Limits, what: str, fn, args):
+def _child(sender, limits: Limits, what: str, fn, args, environ: dict):
+    os.environ.clear()
+    os.environ.update(environ)
     if limits.cpu_s:
         cpu = max(1, int(limits.cpu_s))
         resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 5))  # SIGXCPU at the soft limit

@@ -26,7 +26,7 @@ def _isolated_home(monkeypatch, tmp_path):
     monkeypatch.delenv("PROFILER_SVC_BLOB_DIR", raising=False)
     monkeypatch.delenv("PROFILER_SVC_TOKEN", raising=False)
     # the workload module prefixes the tests' runs name (the service refuses any other)
-    monkeypatch.setenv("PROFILER_SVC_ALLOWED_WORKLOADS", "examples, pkg, train, x.y:z, profiler_svc.service.demo")
+    monkeypatch.setenv("PROFILER_SVC_ALLOWED_WORKLOADS", "examples, pkg, train, x.y:z, ab_workloads, profiler_svc.service.demo")
 
 
 @pytest.fixture(scope="session")
