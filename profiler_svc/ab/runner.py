@@ -165,7 +165,8 @@ def _parity(model, inputs, step, variants, state, seed, factor, max_rel_error):
     dtypes, errors = {}, {}
     for name, variant in variants.items():
         got = _run_variant(model, step, variant, state, seed)
-        errors[name] = {key: parity.measure(t, ref[key]) for key, t in got.items() if key in ref}
+        target = {**ref, **reference.params_after(got)}
+        errors[name] = {key: parity.measure(t, target[key]) for key, t in got.items() if key in target}
         if name == "A":
             dtypes = {key: got[key].dtype for key in errors["A"]}
         del got
@@ -207,10 +208,11 @@ def _spread(model, step, variant, state, seed, reference, keys) -> dict[str, lis
         with variant.active(step.call) as call:
             _set_modes(model, step.train, for_parity=True)
             got = step.run_once(model, call, seed)
+        state.restore()  # the optimizer's state before the step, for the fp64 step from this run's gradients
+        ref.update(reference.params_after(got))
         for key in keys:
             runs[key].append(parity.measure(got[key], ref[key]) if key in got and key in ref else parity.MISSING)
         del got, ref
-        state.restore()
     return runs
 
 
@@ -230,6 +232,25 @@ class _Reference:
     def fallbacks(self) -> list[dict]:
         return self.mode.report()
 
+    def params_after(self, got: dict) -> dict[str, torch.Tensor]:
+        """The fp64 optimizer step from a run's own parameters and gradients (upcast): what its
+        "param.*" tensors are judged against. Judged from the fp64 gradients instead, the step would
+        amplify each gradient's rounding: Adam's update moves by lr*eps/(|g|+eps)^2 per unit of g."""
+        if self.step.optimizer is None:
+            return {}
+        with torch.no_grad():
+            for name, mine in self.params:
+                mine.copy_(got[f"before.{name}"])
+                grad = got.get(f"grad.{name}")
+                mine.grad = None if grad is None else grad.double()
+        optimizer = _reference_optimizer(self.step.optimizer, self.step.named_params, self.params)
+        with self.mode:
+            optimizer.step()
+        found = {f"param.{name}": mine.detach().clone() for name, mine in self.params}
+        for _, mine in self.params:
+            mine.grad = None
+        return found
+
     def run(self, parameters=None) -> dict[str, torch.Tensor]:
         """One step in float64; `parameters`: the model's own (nudged) values to use, upcast."""
         if parameters is not None:
@@ -241,7 +262,8 @@ class _Reference:
         self.mode.failed = None
         try:
             with self.mode:
-                return step.run_once(self.model, self.call, self.seed)
+                found = step.run_once(self.model, self.call, self.seed)
+            return {key: t for key, t in found.items() if not key.startswith("before.")}
         except UserError:
             raise
         except Exception as err:
@@ -292,6 +314,7 @@ class _Step:
         torch.manual_seed(seed)  # the same dropout masks / random ops in every run
         for _, p in self.named_params:
             p.grad = None
+        before = {} if self.optimizer is None else {f"before.{name}": p.detach().clone() for name, p in self.named_params}
         out, loss = self(model, call)
         found = parity.flatten(out, "output")
         if self.train:
@@ -299,6 +322,7 @@ class _Step:
             found.update({f"grad.{name}": p.grad for name, p in self.named_params if p.grad is not None})
         if self.optimizer is not None:
             found.update({f"param.{name}": p.detach().clone() for name, p in self.named_params})
+            found.update(before)  # not compared: what the fp64 step of the params is taken from
         return found
 
 

@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from ab_swaps import NOOP, WRONG, needs_kernels
-from ab_workloads import mlp
-from profiler_svc.ab import ab_test
+from ab_workloads import llama_train_adamw, mlp
+from profiler_svc.ab import ab_test, fixes
 
 transformers = pytest.importorskip("transformers")
 QUICK = dict(rounds=2, warmup=0)
@@ -140,3 +140,32 @@ def test_reference_failure_names_the_op_and_the_cause():
     with pytest.raises(UserError, match=r"float64 reference run failed: aten::\w+ got float32 and float64 inputs"
                                         r".*a step callable must build its floating inputs in the model's dtype"):
         ab_test(model, lambda m: m(x), [NOOP], **QUICK)  # x stays float32 while the reference is float64
+
+
+class _LargerStep(fixes.Change):
+    """The optimizer's learning rate times 1.01 while installed: a wrong optimizer, close to right."""
+
+    def __init__(self, optimizer):
+        self.optimizer, self.saved = optimizer, [g["lr"] for g in optimizer.param_groups]
+
+    def install(self):
+        for group in self.optimizer.param_groups:
+            group["lr"] *= 1.01
+
+    def remove(self):
+        for group, lr in zip(self.optimizer.param_groups, self.saved):
+            group["lr"] = lr
+
+
+def test_the_optimizer_step_is_judged_apart_from_the_gradients(monkeypatch):
+    """Parameters after the step are compared with an fp64 step from each run's own gradients: SDPA's
+    gradients (within their gate) pass through AdamW, whose update amplifies a gradient's rounding near
+    eps, while an optimizer 1% off fails on the parameters it steps."""
+    monkeypatch.setattr(fixes, "_REGISTRY", fixes._REGISTRY + (
+        fixes.FixEntry("test_larger_step", "lr times 1.01 (deliberately wrong)", lambda model, opt: _LargerStep(opt)),))
+    model, inputs, _, optimizer = llama_train_adamw()  # some of its k_proj gradients are within 10x of eps
+    right = ab_test(model, inputs, [], fixes=["sdpa"], train=True, optimizer=optimizer, **QUICK)
+    assert right.parity_passed, [(t.name, t.b_rms_rel, t.allowed_rms_rel) for t in right.parity if not t.passed]
+    wrong = ab_test(model, inputs, [], fixes=["test_larger_step"], train=True, optimizer=optimizer, **QUICK)
+    failed = _failed(wrong)
+    assert failed and all(name.startswith("param.") for name in failed)
