@@ -297,10 +297,20 @@ class _FusedOptimizer(Change):
         self.note = f"{type(optimizer).__name__}(fused=True): one kernel per parameter group instead of many"
 
     def install(self):
+        # the fused kernel takes each parameter's "step" on the parameter's device; foreach keeps it on the CPU
+        self.moved = []
+        for group, _ in self.saved:
+            for p in group["params"]:
+                state = self.optimizer.state.get(p)
+                if state and torch.is_tensor(state.get("step")) and state["step"].device != p.device:
+                    self.moved.append((state, state["step"]))
+                    state["step"] = state["step"].to(p.device)
         for group, _ in self.saved:
             group["fused"], group["foreach"] = True, False
 
     def remove(self):
+        for state, step in self.moved:
+            state["step"] = step
         for group, values in self.saved:
             group.pop("fused", None), group.pop("foreach", None)
             group.update(values)
