@@ -228,6 +228,8 @@ def _headline(report: Report) -> list[str]:
     if calibration.get("measured"):
         lines.append(f"unprofiled step {fmt_us(calibration['unprofiled_step_us'])}: the profiler inflated it by "
                      f"{calibration['profiler_inflation_pct']:.0f}%; host time scaled by {calibration['host_scale']:.2f}")
+        if calibration.get("note"):
+            lines.append(calibration["note"])
     elif calibration:
         lines.append("host figures are upper bounds: " + calibration["note"].split(": ", 1)[-1])
     if prediction:

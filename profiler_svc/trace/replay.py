@@ -487,12 +487,16 @@ def sensitivity(timeline: Timeline, host_scale: float = 1.0) -> dict:
             "gpu": (base - half_gpu) / (base / 2) if base else 0.0}
 
 
+# The least host time calibration assumes: below it the replay's GPU side alone is what remains.
+HOST_SCALE_FLOOR = 0.05
+
+
 def calibrate(timeline: Timeline, unprofiled_total_us: float) -> float:
     """The host-time scale at which the replayed steps take as long as they did unprofiled (1.0 when the
     profiled steps were not slower; the lowest scale tried when host time alone cannot explain it)."""
     if timeline.replay().total_us <= unprofiled_total_us:
         return 1.0
-    low, high = 0.05, 1.0
+    low, high = HOST_SCALE_FLOOR, 1.0
     if timeline.replay(host_scale=low).total_us > unprofiled_total_us:
         return low
     for _ in range(30):
@@ -506,4 +510,4 @@ def calibrate(timeline: Timeline, unprofiled_total_us: float) -> float:
     return (low + high) / 2
 
 
-__all__ = ["BLOCKING_CALLS", "Change", "Result", "Timeline", "calibrate", "sensitivity", "name_mask"]
+__all__ = ["BLOCKING_CALLS", "Change", "HOST_SCALE_FLOOR", "Result", "Timeline", "calibrate", "sensitivity", "name_mask"]

@@ -9,6 +9,7 @@ import pytest
 
 from profiler_svc import kernels
 from profiler_svc.recommendations import recommend
+from profiler_svc.recommendations.report import render_text
 from tests.plugins.traces import DDP, fixture_dir, fixture_path
 
 _cache = {}
@@ -394,6 +395,11 @@ def test_calibrated_gpu_bound_capture_prices_the_fusions():
     assert rms.severity == "high"
     assert rms.saving_us_per_step == pytest.approx(rms.gpu_time_saved_us_per_step, rel=0.15)
     assert r.prediction["step_us"] == pytest.approx(r.steps["calibration"]["unprofiled_step_us"], rel=0.05)
+    # the replayed kernels alone outlast the unprofiled step: the report says its GPU savings are upper bounds
+    assert r.steps["calibration"]["host_scale"] == 0.05 and "upper bounds" in r.steps["calibration"]["note"]
+    assert "GPU-side savings are upper bounds" in render_text(r)
+    calibrated = report("llama8_bf16_1x512_train_calibrated").steps["calibration"]
+    assert calibrated["host_scale"] > 0.05 and "note" not in calibrated
 
 
 def test_straggler_rank_and_its_cost():
