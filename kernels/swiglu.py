@@ -176,14 +176,14 @@ class GatedMLP(nn.Module):
     """down_proj(act(gate_proj(x)) · up_proj(x)) with the fused gated activation.
 
     Shares (does not copy) the three projections of the MLP it replaces, so training updates,
-    hooks and checkpoints still act on the original layers. In training, down_proj's input (the
-    activation, intermediate-sized) is not kept for the backward: it is recomputed there from gate
-    and up, which the activation's own backward keeps anyway. On the A/B Llama (8 layers, 4 x 2048
-    tokens) that is one activation-sized buffer per layer fewer at the peak (8 x 92 MB) for one
-    elementwise pass per layer (benchmarks/results/ab_llama.md). ``recompute=False`` keeps it instead.
+    hooks and checkpoints still act on the original layers. ``recompute=True`` does not keep
+    down_proj's input (the activation, intermediate-sized) for the backward but recomputes it from
+    gate and up: one activation-sized buffer per layer fewer at the peak, for one elementwise pass
+    and the saved-tensor hooks' host time per layer. Off by default: a swap is recommended for speed,
+    and the recompute made an H100 training step slower (benchmarks/results/predict_vs_ab.md).
     """
 
-    def __init__(self, gate_proj: nn.Module, up_proj: nn.Module, down_proj: nn.Module, act: int, recompute: bool = True):
+    def __init__(self, gate_proj: nn.Module, up_proj: nn.Module, down_proj: nn.Module, act: int, recompute: bool = False):
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
         self.act, self.recompute = act, recompute
