@@ -79,29 +79,52 @@ def step_function(model, inputs, train):
     return step
 
 
-def run_case(family, size, mode, args):
-    import profiler_svc
-    from profiler_svc.recommendations import recommend
-    device = "cpu" if args.smoke else "cuda"
+def make_case(family, size, mode, smoke):
+    """The model, its inputs and the timed step, built the same way (seeded) in any process."""
+    device = "cpu" if smoke else "cuda"
     train = mode == "train"
-    model, vocab = build(family, args.smoke, device, torch.float32 if args.smoke else torch.bfloat16, size)
+    model, vocab = build(family, smoke, device, torch.float32 if smoke else torch.bfloat16, size)
     model.train(train)
-    batch, seq = (1, 16) if args.smoke else SIZES[size]
+    batch, seq = (1, 16) if smoke else SIZES[size]
+    torch.manual_seed(1)
     ids = torch.randint(0, vocab, (batch, seq), device=device)
     inputs = {"input_ids": ids, **({"labels": ids} if train else {})}
-    step = step_function(model, inputs, train)
+    return model, inputs, step_function(model, inputs, train), f"{batch}x{seq}"
+
+
+def capture_case(family, size, mode, smoke, path):
+    """Capture the step (in a child process: see run_case)."""
+    import profiler_svc
+    model, _, step, _ = make_case(family, size, mode, smoke)
     for _ in range(3):
         step()
-    case = {"family": family, "size": size, "tokens": f"{batch}x{seq}", "mode": mode}
-    # the trace is kept beside the results: the analyser's prediction can be recomputed from it without a GPU
-    traces = os.path.join(args.out, "traces")
-    os.makedirs(traces, exist_ok=True)
-    with profiler_svc.capture(model, out=os.path.join(traces, f"{family}_{batch}x{seq}_{mode}.json.gz"),
-                              active=2, upload=False) as cap:
+    with profiler_svc.capture(model, out=path, active=2, upload=False) as cap:
         for _ in range(8):
             step()
             cap.step()
-    report = recommend(cap.trace_path)
+
+
+def run_case(family, size, mode, args):
+    import multiprocessing
+
+    import profiler_svc
+    from profiler_svc.recommendations import recommend
+    train = mode == "train"
+    # The trace is kept beside the results: the analyser's prediction can be recomputed from it without a GPU.
+    # It is captured in a child process: after a profiling session Kineto leaves CUPTI attached and every
+    # launch in the process dearer (H100: ~11 -> ~14 µs), which would bias the A/B towards host savings.
+    traces = os.path.join(args.out, "traces")
+    os.makedirs(traces, exist_ok=True)
+    model, inputs, step, tokens = make_case(family, size, mode, args.smoke)
+    path = os.path.join(traces, f"{family}_{tokens}_{mode}.json.gz")
+    child = multiprocessing.get_context("spawn").Process(target=capture_case,
+                                                         args=(family, size, mode, args.smoke, path))
+    child.start()
+    child.join()
+    if child.exitcode != 0 or not os.path.exists(path):
+        raise RuntimeError(f"the capture process failed (exit {child.exitcode})")
+    case = {"family": family, "size": size, "tokens": tokens, "mode": mode}
+    report = recommend(path)
     swaps = report.swaps() or (["rms_norm"] if args.smoke else [])  # a CPU trace has no kernels to name swaps
     fixes = [f.recommendation.fix for f in report.findings if getattr(f.recommendation, "fix", None)]
     predicted = report.predict(swaps=swaps)
@@ -127,6 +150,17 @@ def run_case(family, size, mode, args):
         # right direction: a saving predicted only where the A/B says faster, none where it says slower
         case["direction_right"] = (pred > 0) == (d["verdict"] == "faster") or (
             d["verdict"] == "no_difference" and abs(pred) < 0.02 * predicted.get("step_us", 1.0))
+    if args.each and len(swaps) > 1:  # which swap's price is off: each predicted and A/B-tested alone
+        case["each"] = {}
+        for swap in swaps:
+            alone = profiler_svc.ab_test(model, inputs, [swap], train=train,
+                                         loss_fn=(lambda out: out.loss) if train else None,
+                                         rounds=args.rounds, warmup=args.warmup).to_dict()
+            t = alone.get("timing") or {}
+            case["each"][swap] = {
+                "predicted_us": report.predict(swaps=[swap]).get("saving_us_per_step"),
+                "measured_us": round((t["median_a_ms"] - t["median_b_ms"]) * 1e3, 2) if t else None,
+                "verdict": alone["verdict"]}
     return case
 
 
@@ -160,6 +194,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--budget-s", type=float, default=540.0, help="stop starting cases after this long")
+    parser.add_argument("--each", action="store_true", help="also predict and A/B each named swap alone")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)

@@ -1,0 +1,118 @@
+"""Where a swap's prediction goes wrong: the analyser's priced change beside a trace of the swapped model.
+
+For one swap on one model (predict_vs_ab's configs): capture the eager step (A) and the swapped step (B) with
+profiler_svc.capture, time both unprofiled (CUDA events), and split the prediction error into
+  - GPU time: what the Change removes and re-prices, per step, against A's and B's traced GPU busy time;
+  - the new kernels: the durations the Change gives them against B's kernels that A does not have;
+  - the step: the replayed step after the Change against B's own replayed step and the unprofiled A - B.
+
+    python benchmarks/swap_trace_diff.py --out DIR [--family llama] [--size gpu] [--mode train] [--swaps rms_norm,rope]
+"""
+import argparse
+import json
+import os
+
+import torch
+
+from predict_vs_ab import SIZES, build, step_function
+
+
+def unprofiled_ms(step, steps=20, warmup=5):
+    for _ in range(warmup):
+        step()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(steps):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / steps
+
+
+def capture(model, step, path):
+    import profiler_svc
+    with profiler_svc.capture(model, out=path, active=3, upload=False) as cap:
+        for _ in range(9):
+            step()
+            cap.step()
+    return cap.trace_path
+
+
+def per_step(trace, values):
+    return round(float(values) / trace.step_count, 1)
+
+
+def diff(swap, args):
+    import profiler_svc
+    from profiler_svc.kernels.swap import swapped
+    from profiler_svc.recommendations import recommend
+    from profiler_svc.trace.replay import Change
+    train = args.mode == "train"
+    model, vocab = build(args.family, False, "cuda", torch.bfloat16, args.size)
+    model.train(train)
+    batch, seq = SIZES[args.size]
+    ids = torch.randint(0, vocab, (batch, seq), device="cuda")
+    step = step_function(model, {"input_ids": ids, **({"labels": ids} if train else {})}, train)
+    a_ms = unprofiled_ms(step)
+    a_path = capture(model, step, os.path.join(args.out, f"{swap}_A.json.gz"))
+    with swapped(model, swap):
+        b_ms = unprofiled_ms(step)
+        b_path = capture(model, step, os.path.join(args.out, f"{swap}_B.json.gz"))
+    report = recommend(a_path)
+    analysis = report.analyses[0]
+    chosen = [f for f in analysis.findings if f.recommendation.swap == swap]
+    change = Change.union([f.change for f in chosen])
+    a, b = analysis.trace, profiler_svc.load_trace(b_path)
+    kernels = a.kernels
+    removed_us = kernels.loc[sorted(change.removed), "dur"].sum() if change.removed else 0.0
+    repriced = list(change.durations)
+    old_us = kernels.loc[repriced, "dur"].sum() if repriced else 0.0
+    new_us = sum(change.durations.values())
+    a_names, b_kernels = set(kernels["name"]), b.kernels
+    only_b = b_kernels[~b_kernels["name"].isin(a_names)]
+    predicted = report.predict(swaps=[swap])
+    a_replay, b_replay = a.timeline.replay(), b.timeline.replay()
+    return {
+        "swap": swap, "findings": len(chosen),
+        "unprofiled_ms": {"A": round(a_ms, 3), "B": round(b_ms, 3), "saving": round(a_ms - b_ms, 3)},
+        "predicted_saving_ms": round(predicted.get("saving_us_per_step", 0.0) / 1e3, 3),
+        "gpu_busy_ms_per_step": {"A": round(a_replay.gpu_busy_us / a_replay.steps / 1e3, 3),
+                                 "B": round(b_replay.gpu_busy_us / b_replay.steps / 1e3, 3)},
+        "replayed_step_ms": {"A": round(a_replay.total_us / a_replay.steps / 1e3, 3),
+                             "B": round(b_replay.total_us / b_replay.steps / 1e3, 3),
+                             "A_calibrated": round(predicted.get("step_us", 0.0) / 1e3, 3),
+                             "A_after_change": round(predicted.get("step_us_after", 0.0) / 1e3, 3)},
+        "change_us_per_step": {"removed_kernels": per_step(a, removed_us), "repriced_before": per_step(a, old_us),
+                               "repriced_after": per_step(a, new_us),
+                               "removed_count": len(change.removed) / a.step_count,
+                               "repriced_count": len(repriced) / a.step_count},
+        "b_new_kernels_us_per_step": per_step(b, only_b["dur"].sum()),
+        "b_new_kernels_count_per_step": len(only_b) / b.step_count,
+        "b_new_kernels_top": only_b.groupby("name")["dur"].agg(["count", "sum"]).sort_values("sum", ascending=False)
+                                   .head(6).round(1).reset_index().to_dict("records"),
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--family", default="llama")
+    parser.add_argument("--size", default="gpu")
+    parser.add_argument("--mode", default="train")
+    parser.add_argument("--swaps", default="rms_norm,rope,swiglu")
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    rows = []
+    for swap in args.swaps.split(","):
+        rows.append(diff(swap, args))
+        print(json.dumps(rows[-1]), flush=True)
+        torch.cuda.empty_cache()
+    env = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name()}
+    with open(os.path.join(args.out, "swap_trace_diff.json"), "w") as f:
+        json.dump({"environment": env, "family": args.family, "size": args.size, "mode": args.mode, "rows": rows},
+                  f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
