@@ -70,8 +70,8 @@ def _probe_rms_norm(module: nn.Module) -> Optional[tuple[int, float, float]]:
     if hidden is None:
         return None
     device, dtype = place(module)
-    if eps is None:  # nn.RMSNorm: eps defaults to the input dtype's machine epsilon
-        eps = torch.finfo(dtype).eps
+    if eps is None:  # nn.RMSNorm: the machine epsilon of the dtype it computes in (fp32 for bf16/fp16)
+        eps = torch.finfo(torch.promote_types(dtype, torch.float32)).eps
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(3, hidden, generator=gen, device=device).to(dtype)
     for offset in (0.0, 1.0):

@@ -100,3 +100,16 @@ def test_module_shares_parameter_and_rejects_bad_weight():
     assert rel_err(m(x), reference(x.double(), m.weight.double(), 1e-5, 1.0)) < 1e-6
     with pytest.raises(ValueError, match="weight shape"):
         rms_norm(x, torch.ones(15))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_torch_rms_norm_without_eps_is_swapped_with_the_eps_it_computes_with(dtype):
+    """nn.RMSNorm(eps=None) on 16-bit inputs computes in fp32 with fp32's epsilon, not its input dtype's:
+    on small inputs (mean square ~1e-4) the two differ by far more than a rounding."""
+    from profiler_svc.kernels.swap import swapped
+    model = torch.nn.Sequential(torch.nn.RMSNorm(64, eps=None)).to(dtype)
+    x = torch.full((3, 64), 1e-2, dtype=dtype)
+    expected = model(x)
+    with swapped(model, "rms_norm"):
+        assert type(model[0]) is RMSNorm and model[0].eps == torch.finfo(torch.float32).eps
+        torch.testing.assert_close(model(x), expected)
