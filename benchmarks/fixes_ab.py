@@ -10,12 +10,11 @@ report names the fix, the predicted and measured change per step, verdict, numer
     python benchmarks/fixes_ab.py --out DIR --smoke      # CPU: tiny configs, proves the script
 """
 import argparse
-import json
 import os
-import time
-import traceback
 
 import torch
+
+from predict_vs_ab import run_cases
 
 CASES = {
     # fix: (family config, dtype, tokens, attention, with optimizer)
@@ -120,24 +119,8 @@ def main():
     env = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     import transformers
     env["transformers"] = transformers.__version__
-    cases, start = [], time.time()
-    for fix in args.fixes.split(","):
-        if time.time() - start > args.budget_s:
-            cases.append({"fix": fix, "error": "not run: budget"})
-            continue
-        t0 = time.time()
-        try:
-            case = run_case(fix, args)
-        except Exception as exc:
-            traceback.print_exc()
-            case = {"fix": fix, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]}
-        case["seconds"] = round(time.time() - t0, 1)
-        cases.append(case)
-        print(json.dumps(case), flush=True)
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        with open(os.path.join(args.out, "fixes_ab.json"), "w") as f:
-            json.dump({"environment": env, "cases": cases}, f, indent=1)
+    plan = [({"fix": fix}, (fix, args)) for fix in args.fixes.split(",")]
+    cases = run_cases(plan, run_case, os.path.join(args.out, "fixes_ab.json"), env, args.budget_s)
     with open(os.path.join(args.out, "fixes_ab.md"), "w") as f:
         f.write(table(cases) + "\n")
     print(table(cases))

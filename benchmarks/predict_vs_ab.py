@@ -164,6 +164,30 @@ def run_case(family, size, mode, args):
     return case
 
 
+def run_cases(plan, run, json_path, env, budget_s) -> list:
+    """run(*args) for each (key, args) of PLAN, one JSON line each as it ends; a case that raises or is
+    not reached within BUDGET_S becomes its key with an error. JSON_PATH holds the cases so far."""
+    cases, start = [], time.time()
+    for key, run_args in plan:
+        if time.time() - start > budget_s:
+            cases.append({**key, "error": "not run: budget"})
+            continue
+        t0 = time.time()
+        try:
+            case = run(*run_args)
+        except Exception as exc:
+            traceback.print_exc()
+            case = {**key, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]}
+        case["seconds"] = round(time.time() - t0, 1)
+        cases.append(case)
+        print(json.dumps(case), flush=True)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        with open(json_path, "w") as f:
+            json.dump({"environment": env, "cases": cases}, f, indent=1)
+    return cases
+
+
 def summarize(cases):
     timed = [c for c in cases if "measured_us" in c]
     errors = [c["error_share"] for c in timed if c.get("error_share") is not None]
@@ -205,28 +229,11 @@ def main():
         env.update(transformers=transformers.__version__, triton=triton.__version__)
     except ImportError:
         pass
-    cases, start = [], time.time()
     plan = [(f, s, m) for f in args.families.split(",") for s in args.sizes.split(",") for m in args.modes.split(",")]
     if args.smoke:
         plan = plan[:1]
-    for family, size, mode in plan:
-        if time.time() - start > args.budget_s:
-            cases.append({"family": family, "size": size, "tokens": "", "mode": mode, "error": "not run: budget"})
-            continue
-        t0 = time.time()
-        try:
-            case = run_case(family, size, mode, args)
-        except Exception as exc:
-            traceback.print_exc()
-            case = {"family": family, "size": size, "tokens": "", "mode": mode,
-                    "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]}
-        case["seconds"] = round(time.time() - t0, 1)
-        cases.append(case)
-        print(json.dumps(case), flush=True)
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        with open(os.path.join(args.out, "predict_vs_ab.json"), "w") as f:
-            json.dump({"environment": env, "cases": cases}, f, indent=1)
+    plan = [({"family": f, "size": s, "tokens": "", "mode": m}, (f, s, m, args)) for f, s, m in plan]
+    cases = run_cases(plan, run_case, os.path.join(args.out, "predict_vs_ab.json"), env, args.budget_s)
     summary, table = summarize(cases)
     with open(os.path.join(args.out, "predict_vs_ab.json"), "w") as f:
         json.dump({"environment": env, "summary": summary, "cases": cases}, f, indent=1)
