@@ -233,7 +233,6 @@ def copy_bandwidth() -> float:
     src = torch.randn(2**28, device=DEVICE)
     dst = torch.empty_like(src)
     ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
-    del src, dst
     return 2 * 2**30 / (ms * 1e-3)
 
 

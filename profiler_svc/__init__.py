@@ -33,7 +33,8 @@ _EXPORTS = {
     "TraceError": "profiler_svc.errors",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = ["ABResult", "Capture", "Report", "TraceError", "UserError", "ab_test", "available_swaps", "capture",
+           "load_trace", "recommend", "swap", "swapped", "unswap"]  # a literal, for linters: the keys of _EXPORTS
 
 
 def __getattr__(name: str):

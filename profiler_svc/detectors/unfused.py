@@ -112,7 +112,8 @@ def op_kind(name: str) -> str:
 
 
 def classify(ops: Counter) -> str:
-    has = lambda *names: all(ops.get(n, 0) for n in names)
+    def has(*names):
+        return all(ops.get(n, 0) for n in names)
     if sum(v for k, v in ops.items() if k.startswith("aten::_foreach_")) >= len(ops) and len(ops):
         return "optimizer"
     if has("aten::tanh", "aten::pow") and ops.get("aten::mul", 0) >= 3:

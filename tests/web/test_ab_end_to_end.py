@@ -11,7 +11,6 @@ from profiler_svc.storage.blobs import BlobStore
 from profiler_svc.storage.ingest import ingest_path
 from profiler_svc.service.worker import run_worker
 from profiler_svc.web import create_app
-from tests.web.uploads import sign_in
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
