@@ -14,7 +14,7 @@ from ..detectors import Finding, run_detectors
 from ..detectors.common import fmt_us, is_communication, is_compute_bound_kernel, name_mask
 from ..detectors.launch_gaps import idle_breakdown
 from ..trace.model import Trace
-from ..trace.replay import HOST_SCALE_FLOOR, Change, Timeline, calibrate, sensitivity
+from ..trace.replay import GPU_BOUND_SLACK, Change, Timeline, calibrate, sensitivity
 
 # Which finding keeps a kernel two fixes both change: the specific root cause first, generic fusion last.
 _CLAIM_ORDER = ("fallback_kernel", "misalignment", "unfused_chain", "host_sync", "launch_gaps")
@@ -162,15 +162,16 @@ def _calibration(trace: Trace, timeline: Timeline) -> tuple[float, dict]:
                              "schedule to get one): host-side figures are upper bounds, inflated by the profiler"}
     replayed = timeline.replay()
     target = unprofiled * replayed.steps
-    scale = calibrate(timeline, target)
+    calibration = calibrate(timeline, target)
     profiled = replayed.total_us / replayed.steps
     out = {"measured": True, "unprofiled_step_us": round(unprofiled, 2), "profiled_step_us": round(profiled, 2),
-           "profiler_inflation_pct": round(100 * (profiled / unprofiled - 1), 1), "host_scale": round(scale, 3)}
-    if scale <= HOST_SCALE_FLOOR:
-        # GPU-bound steps overpredicted where this happens (benchmarks/results/predict_vs_ab.md)
-        out["note"] = ("the replayed GPU work alone outlasts the unprofiled step, so the host time hidden "
-                       "behind it is unknown: GPU-side savings are upper bounds")
-    return scale, out
+           "profiler_inflation_pct": round(100 * (profiled / unprofiled - 1), 1),
+           "host_scale": round(calibration.scale, 3)}
+    if calibration.hidden_host:
+        out["note"] = (f"the GPU bounds the step and hides the host behind it: host time is taken as long as it "
+                       f"can be without lengthening the step by over {GPU_BOUND_SLACK:.0%}, so a GPU saving "
+                       f"counts only as far as the host leaves room")
+    return calibration.scale, out
 
 
 def unprofiled_step_us(trace: Trace) -> Optional[float]:

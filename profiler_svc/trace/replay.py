@@ -489,25 +489,39 @@ def sensitivity(timeline: Timeline, host_scale: float = 1.0) -> dict:
 
 # The least host time calibration assumes: below it the replay's GPU side alone is what remains.
 HOST_SCALE_FLOOR = 0.05
+# A GPU-bound step hides its host time: calibration then assumes the most host time that lengthens the
+# GPU-only replay by no more than this (a saving is credited only where the host leaves room for it).
+GPU_BOUND_SLACK = 0.02
 
 
-def calibrate(timeline: Timeline, unprofiled_total_us: float) -> float:
+@dataclass
+class Calibration:
+    scale: float       # the factor on profiled host time
+    hidden_host: bool  # the GPU-only replay outlasts the unprofiled step: the scale is the most that fits
+
+
+def calibrate(timeline: Timeline, unprofiled_total_us: float) -> Calibration:
     """The host-time scale at which the replayed steps take as long as they did unprofiled (1.0 when the
-    profiled steps were not slower; the lowest scale tried when host time alone cannot explain it)."""
+    profiled steps were not slower). When the replay's GPU side alone already takes longer, the host is
+    hidden behind the GPU and the step time cannot tell its length: the scale is then the largest at which
+    the host lengthens that GPU-only replay by at most GPU_BOUND_SLACK."""
     if timeline.replay().total_us <= unprofiled_total_us:
-        return 1.0
+        return Calibration(1.0, False)
     low, high = HOST_SCALE_FLOOR, 1.0
-    if timeline.replay(host_scale=low).total_us > unprofiled_total_us:
-        return low
+    gpu_only = timeline.replay(host_scale=low).total_us
+    hidden = gpu_only > unprofiled_total_us
+    target = gpu_only * (1 + GPU_BOUND_SLACK) if hidden else unprofiled_total_us
+    if timeline.replay(host_scale=high).total_us <= target:
+        return Calibration(high, hidden)
     for _ in range(30):
         mid = (low + high) / 2
-        if timeline.replay(host_scale=mid).total_us > unprofiled_total_us:
+        if timeline.replay(host_scale=mid).total_us > target:
             high = mid
         else:
             low = mid
         if high - low < 1e-3:
             break
-    return (low + high) / 2
+    return Calibration((low + high) / 2, hidden)
 
 
-__all__ = ["BLOCKING_CALLS", "Change", "HOST_SCALE_FLOOR", "Result", "Timeline", "calibrate", "sensitivity", "name_mask"]
+__all__ = ["BLOCKING_CALLS", "Calibration", "Change", "GPU_BOUND_SLACK", "Result", "Timeline", "calibrate", "sensitivity", "name_mask"]

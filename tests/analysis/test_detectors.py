@@ -395,11 +395,14 @@ def test_calibrated_gpu_bound_capture_prices_the_fusions():
     assert rms.severity == "high"
     assert rms.saving_us_per_step == pytest.approx(rms.gpu_time_saved_us_per_step, rel=0.15)
     assert r.prediction["step_us"] == pytest.approx(r.steps["calibration"]["unprofiled_step_us"], rel=0.05)
-    # the replayed kernels alone outlast the unprofiled step: the report says its GPU savings are upper bounds
-    assert r.steps["calibration"]["host_scale"] == 0.05 and "upper bounds" in r.steps["calibration"]["note"]
-    assert "GPU-side savings are upper bounds" in render_text(r)
+    # The replayed kernels alone outlast the unprofiled step (43.5 ms of GPU work, 44.4 ms measured), so the
+    # host hides: it is taken as long as fits in 2% more; its scale then lands where the host-bound
+    # captures of the same model measure theirs (0.42 at 1x512), not at the floor.
+    calibration = r.steps["calibration"]
+    assert 0.3 < calibration["host_scale"] < 0.6 and "hides the host" in calibration["note"]
+    assert "hides the host" in render_text(r)
     calibrated = report("llama8_bf16_1x512_train_calibrated").steps["calibration"]
-    assert calibrated["host_scale"] > 0.05 and "note" not in calibrated
+    assert calibrated["host_scale"] == pytest.approx(0.42, abs=0.02) and "note" not in calibrated
 
 
 def test_straggler_rank_and_its_cost():
