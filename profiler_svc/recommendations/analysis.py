@@ -164,8 +164,9 @@ def _calibration(trace: Trace, timeline: Timeline) -> tuple[float, dict]:
     target = unprofiled * replayed.steps
     scale = calibrate(timeline, target)
     profiled = replayed.total_us / replayed.steps
-    out = {"measured": True, "unprofiled_step_us": round(unprofiled, 2), "profiled_step_us": round(profiled, 2),
-           "profiler_inflation_pct": round(100 * (profiled / unprofiled - 1), 1), "host_scale": round(scale, 3)}
+    out: dict[str, object] = {
+        "measured": True, "unprofiled_step_us": round(unprofiled, 2), "profiled_step_us": round(profiled, 2),
+        "profiler_inflation_pct": round(100 * (profiled / unprofiled - 1), 1), "host_scale": round(scale, 3)}
     if scale <= HOST_SCALE_FLOOR:
         # GPU-bound steps overpredicted where this happens (benchmarks/results/predict_vs_ab.md)
         out["note"] = ("the replayed GPU work alone outlasts the unprofiled step, so the host time hidden "
