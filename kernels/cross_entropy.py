@@ -13,7 +13,7 @@ kernel on row chunks of hidden @ weight.T, writing each chunk's logits' gradient
 folding it into the hidden and weight gradients at once, so memory holds one chunk, never all logits.
 """
 import functools
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import triton
@@ -208,9 +208,9 @@ ONE_TILE_V = 32768
 #   it that kernel spilled). Wider rows: WIDE, two reads of each row, the second from L2.
 TILE = dict(num_warps=16, PROGRAMS_PER_SM=1.0, STAGES=3, ROW_SUM=False)
 TILE_FP64 = dict(num_warps=32, PROGRAMS_PER_SM=1.0, STAGES=1, ROW_SUM=True)
-WIDE = dict(BLOCK_N=16384, num_warps=16, PROGRAMS_PER_SM=0, PREFETCH=False, REVERSE=True, KEEP="evict_last",
-            LAST="evict_first", OUT="evict_first")
-WIDE_FWD = dict(BLOCK_N=BLOCK_V, num_warps=8, PROGRAMS_PER_SM=0, PREFETCH=True)
+WIDE: dict[str, Any] = dict(BLOCK_N=16384, num_warps=16, PROGRAMS_PER_SM=0, PREFETCH=False, REVERSE=True,
+                            KEEP="evict_last", LAST="evict_first", OUT="evict_first")
+WIDE_FWD: dict[str, Any] = dict(BLOCK_N=BLOCK_V, num_warps=8, PROGRAMS_PER_SM=0, PREFETCH=True)
 SHORT_V = 8192  # rows up to this many logits: one program per row, whole or in BLOCK_V steps
 
 
@@ -669,6 +669,7 @@ def _matches(module: nn.Module) -> bool:
 
 
 def _example_inputs(module: nn.Module) -> tuple:
+    assert isinstance(module, nn.CrossEntropyLoss)  # asked only of a module _matches accepted
     device, dtype = place(module)
     gen = torch.Generator().manual_seed(1)
     logits = (3 * torch.randn(12, 37, generator=gen)).to(device=device, dtype=dtype)
@@ -677,10 +678,15 @@ def _example_inputs(module: nn.Module) -> tuple:
     return logits, target
 
 
+def _replace(module: nn.Module) -> CrossEntropyLoss:
+    assert isinstance(module, nn.CrossEntropyLoss)  # the registry replaces only what _matches accepted
+    return CrossEntropyLoss(module.ignore_index, module.reduction, module.label_smoothing)
+
+
 SWAP = SwapEntry(
     name="cross_entropy",
     summary="Fused cross-entropy (ignore_index, mean/sum/none, label smoothing): logits read twice, no fp32 copy",
     matches=_matches,
-    replace=lambda m: CrossEntropyLoss(m.ignore_index, m.reduction, m.label_smoothing),
+    replace=_replace,
     example_inputs=_example_inputs,
 )

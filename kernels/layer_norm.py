@@ -23,6 +23,9 @@ def layer_norm(x, weight=None, bias=None, eps: float = 1e-5, *, residual=None):
 class LayerNorm(nn.Module):
     """Drop-in for nn.LayerNorm over the last dim."""
 
+    weight: Optional[nn.Parameter]  # None without elementwise_affine
+    bias: Optional[nn.Parameter]    # None without elementwise_affine or bias
+
     def __init__(self, hidden_size: int, eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True):
         super().__init__()
         self.hidden_size, self.eps = hidden_size, eps
@@ -66,7 +69,9 @@ def _probe_layer_norm(module: nn.Module) -> Optional[tuple[int, float]]:
 
 
 def _replace_layer_norm(module: nn.Module) -> LayerNorm:
-    hidden, eps = _probe_layer_norm(module)
+    probed = _probe_layer_norm(module)
+    assert probed is not None  # the registry replaces only what the probe matched
+    hidden, eps = probed
     new = LayerNorm(hidden, eps, elementwise_affine=False)
     new.weight = getattr(module, "weight", None)  # shared, not copied
     new.bias = getattr(module, "bias", None)
@@ -76,7 +81,9 @@ def _replace_layer_norm(module: nn.Module) -> LayerNorm:
 def _example_inputs(module: nn.Module) -> tuple:
     device, dtype = place(module)
     gen = torch.Generator(device=device).manual_seed(1)
-    hidden = _probe_layer_norm(module)[0]
+    probed = _probe_layer_norm(module)
+    assert probed is not None  # asked only of a matched module
+    hidden = probed[0]
     # An offset mean exercises the centering, as real activations do.
     return ((torch.randn(2, 5, hidden, generator=gen, device=device) + 3.0).to(dtype),)
 

@@ -92,7 +92,8 @@ def swaps_for_modules(tree: dict) -> dict[str, list[str]]:
     """{qualified name: [swap]} as `swap(model)` places them: the first swap in the registry's order that
     applies to each module, and nothing inside a module replaced whole (only rope's replacement keeps its
     children in place)."""
-    placed, replaced = {}, []
+    placed: dict[str, list[str]] = {}
+    replaced: list[str] = []
     for name in tree:
         if not name or any(name.startswith(prefix + ".") for prefix in replaced):
             continue

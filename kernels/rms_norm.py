@@ -35,6 +35,8 @@ def rms_norm(x, weight=None, eps: float = 1e-6, *, offset: float = 0.0, residual
 class RMSNorm(nn.Module):
     """Drop-in RMSNorm module; `offset=1.0` for Gemma's (1 + w) scaling."""
 
+    weight: Optional[nn.Parameter]  # None without elementwise_affine
+
     def __init__(self, hidden_size: int, eps: float = 1e-6, offset: float = 0.0, elementwise_affine: bool = True):
         super().__init__()
         self.eps, self.offset = eps, offset
@@ -84,7 +86,9 @@ def _probe_rms_norm(module: nn.Module) -> Optional[tuple[int, float, float]]:
 
 
 def _replace_rms_norm(module: nn.Module) -> RMSNorm:
-    hidden, eps, offset = _probe_rms_norm(module)
+    probed = _probe_rms_norm(module)
+    assert probed is not None  # the registry replaces only what the probe matched
+    hidden, eps, offset = probed
     weight = getattr(module, "weight", None)
     new = RMSNorm(hidden, eps, offset, elementwise_affine=False)
     new.weight = weight  # shared, not copied: training updates and checkpoints still hit the original
@@ -93,7 +97,9 @@ def _replace_rms_norm(module: nn.Module) -> RMSNorm:
 
 def _example_inputs(module: nn.Module) -> tuple:
     device, dtype = place(module)
-    hidden = _probe_rms_norm(module)[0]
+    probed = _probe_rms_norm(module)
+    assert probed is not None  # asked only of a matched module
+    hidden = probed[0]
     gen = torch.Generator(device=device).manual_seed(1)
     return (torch.randn(2, 5, hidden, generator=gen, device=device).to(dtype),)
 

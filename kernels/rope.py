@@ -298,8 +298,8 @@ def _fused_apply(original, interleaved: bool):
     import inspect
 
     signature = inspect.signature(original)
-    default = signature.parameters.get("unsqueeze_dim")
-    default = default.default if default is not None and default.default is not inspect.Parameter.empty else 1
+    parameter = signature.parameters.get("unsqueeze_dim")
+    default = parameter.default if parameter is not None and parameter.default is not inspect.Parameter.empty else 1
 
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
         if args or kwargs:
@@ -401,6 +401,8 @@ def _rotary_tables(module: nn.Module, hidden: torch.Tensor, position_ids: torch.
                 continue
             if cos.shape[:-1] == position_ids.shape and (head_dim is None or cos.shape[-1] <= head_dim):
                 return cos.to(hidden.dtype), sin.to(hidden.dtype)
+    if head_dim is None:  # HF's default tables need the head size
+        raise TypeError(f"{type(module).__name__} has no head_dim and no rotary module to build cos/sin with")
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, device=hidden.device, dtype=torch.float32) / head_dim))
     angles = position_ids[..., None].float() * inv_freq
     angles = torch.cat((angles, angles), dim=-1)

@@ -9,6 +9,8 @@ logsumexp (same bytes as reading a saved y, but y unrounded: as accurate as soft
 The forward stores lse only when a gradient is wanted: each per-row statistic stored slows the forward
 (benchmarks/results/kernel_settings.md, "Softmax statistics").
 """
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -209,10 +211,10 @@ def _acc_type(x: torch.Tensor):
 # REVERSE, KEEP, LAST, OUT: see the kernel. PROGRAMS_PER_SM=2 with 32 warps: only one fits on an SM (64
 # registers per thread); the others start as the first ones finish their rows. The sweep that chose
 # these: benchmarks/results/kernel_settings.md, "Softmax wide rows".
-WIDE = dict(BLOCK_N=32768, num_warps=32, PROGRAMS_PER_SM=2.0, PREFETCH=True, REVERSE=False, KEEP="evict_last",
-            LAST="evict_first", OUT="evict_first")
-WIDE_BWD = dict(BLOCK_N=16384, num_warps=32, PROGRAMS_PER_SM=0, PREFETCH=True, REVERSE=True, KEEP="evict_last",
-                LAST="evict_first", OUT="evict_first")
+WIDE: dict[str, Any] = dict(BLOCK_N=32768, num_warps=32, PROGRAMS_PER_SM=2.0, PREFETCH=True, REVERSE=False,
+                            KEEP="evict_last", LAST="evict_first", OUT="evict_first")
+WIDE_BWD: dict[str, Any] = dict(BLOCK_N=16384, num_warps=32, PROGRAMS_PER_SM=0, PREFETCH=True, REVERSE=True,
+                                KEEP="evict_last", LAST="evict_first", OUT="evict_first")
 # Backward rows up to BWD_MAX_TILE_N are read once, whole (fp32 inputs, whose math is fp64: up to
 # BWD_MAX_TILE_N_FP64). Wider ones, up to FWD_MAX_TILE_N, take the two-pass kernel, with MID_BWD: one
 # program per SM looping over rows, so that the second reads hit L2. What was tried at 32k columns:

@@ -10,7 +10,7 @@ that plan kept on the model; ab_test toggles a plan of its own.
 from __future__ import annotations
 
 import importlib
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -46,7 +46,7 @@ class SwapEntry:
     shares_children: bool = False
     # A context the parity check runs original and replacement in, for modules whose usual path has no
     # float64 kernel for the reference run (MoE experts on grouped_mm: the eager loop has one).
-    check_context: Callable[[nn.Module], object] | None = None
+    check_context: Callable[[nn.Module], AbstractContextManager[object]] | None = None
 
 
 @dataclass

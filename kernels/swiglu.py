@@ -6,6 +6,7 @@ instead of saving it. Math in fp32, rounded once. The kernels are generic over t
 activation (SiLU, tanh-GELU, erf-GELU), so geglu.py reuses them.
 """
 from contextlib import contextmanager
+from typing import cast
 
 import torch
 import triton
@@ -325,6 +326,7 @@ def gated_mlp_act(module: nn.Module):
     projections = (module.gate_up_proj,) if fused else (getattr(module, "gate_proj", None), getattr(module, "up_proj", None))
     if act_fn is None or not isinstance(down_proj, nn.Module) or not all(isinstance(p, nn.Module) for p in projections):
         return None
+    layers = cast(tuple[nn.Module, ...], projections)  # each checked just above
     act = activation_kind(act_fn)
     in_features = getattr(projections[0], "in_features", None)
     if act is None or not isinstance(in_features, int):
@@ -337,22 +339,31 @@ def gated_mlp_act(module: nn.Module):
             gate, up = module.gate_up_proj(x).chunk(2, dim=-1)
             return down_proj(act_fn(gate) * up)
     else:
-        expected = lambda _: down_proj(act_fn(projections[0](x)) * projections[1](x))  # noqa: E731  (module dtype)
+        expected = lambda _: down_proj(act_fn(layers[0](x)) * layers[1](x))  # noqa: E731  (module dtype)
     return act if _behaves(module, expected, (x,)) else None
 
 
 def mlp_example_inputs(module: nn.Module) -> tuple:
     device, dtype = place(module)
     gen = torch.Generator(device=device).manual_seed(1)
-    first = module.gate_up_proj if isinstance(getattr(module, "gate_up_proj", None), nn.Module) else module.gate_proj
+    # the first projection: a Linear, or a look-alike whose int in_features gated_mlp_act checked
+    first = cast(nn.Linear, module.gate_up_proj if isinstance(getattr(module, "gate_up_proj", None), nn.Module)
+                 else module.gate_proj)
     return (torch.randn(2, 5, first.in_features, generator=gen, device=device).to(dtype),)
 
 
 def replace_gated_mlp(module: nn.Module) -> nn.Module:
     act = gated_mlp_act(module)
     if isinstance(getattr(module, "gate_up_proj", None), nn.Module):
-        return GateUpMLP(module.gate_up_proj, module.down_proj, act)
-    return GatedMLP(module.gate_proj, module.up_proj, module.down_proj, act)
+        return GateUpMLP(_layer(module, "gate_up_proj"), _layer(module, "down_proj"), act)
+    return GatedMLP(_layer(module, "gate_proj"), _layer(module, "up_proj"), _layer(module, "down_proj"), act)
+
+
+def _layer(module: nn.Module, name: str) -> nn.Module:
+    """`module.<name>`, a layer gated_mlp_act found (nn.Module types its attributes as Tensor | Module)."""
+    layer = getattr(module, name)
+    assert isinstance(layer, nn.Module)
+    return layer
 
 
 # ---- swap: MoE experts blocks (3-D gate_up_proj / down_proj parameters) ------------------------------
@@ -363,7 +374,9 @@ def _experts_interface(module: nn.Module):
     forward = type(module).forward
     names = getattr(forward, "__code__", None) and forward.__code__.co_freevars
     if names and "experts_interface" in names:
-        return forward.__closure__[names.index("experts_interface")].cell_contents
+        closure = forward.__closure__
+        assert closure is not None  # a function with free variables holds their cells
+        return closure[names.index("experts_interface")].cell_contents
     return None
 
 
@@ -396,7 +409,9 @@ def gated_experts_act(module: nn.Module):
 def experts_example_inputs(module: nn.Module) -> tuple:
     device, dtype = place(module)
     gen = torch.Generator(device=device).manual_seed(1)
-    experts, _, hidden = module.gate_up_proj.shape
+    gate_up = module.gate_up_proj
+    assert isinstance(gate_up, nn.Parameter)  # asked only of an experts block (3-D parameters)
+    experts, _, hidden = gate_up.shape
     tokens, top_k = 6, min(2, experts)
     index = torch.stack([torch.randperm(experts, generator=gen, device=device)[:top_k] for _ in range(tokens)])
     weights = torch.rand(tokens, top_k, generator=gen, device=device).softmax(-1).to(dtype)
@@ -411,6 +426,7 @@ def eager_experts(module: nn.Module):
     if not isinstance(getattr(module, "gate_up_proj", None), nn.Parameter) or implementation in (None, "eager"):
         yield
         return
+    assert config is not None  # it named an implementation
     config._experts_implementation = "eager"
     try:
         yield

@@ -206,7 +206,7 @@ def evidence_rows(evidence, depth: int = 0) -> list[dict]:
     """A finding's evidence as rows a template draws as tables: {label, text} for a value, {label, items}
     for a list of names, {label, table: {columns, rows}} for a list of records, {label, rows} for a nested
     mapping. Values are formatted by what their key says they are (µs, %, bytes, shapes)."""
-    rows = []
+    rows: list[dict] = []
     for key, value in (evidence or {}).items():
         label = str(key).replace("_", " ")
         if isinstance(value, dict):

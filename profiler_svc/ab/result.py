@@ -55,7 +55,7 @@ class ABResult:
     def summary(self) -> str:
         """A few lines for a terminal."""
         kind = "training step (forward + backward)" if self.train else "inference (forward, no grad)"
-        counts = {}
+        counts: dict[str, int] = {}
         for row in self.swapped:
             counts[row["swap"]] = counts.get(row["swap"], 0) + 1
         lines = [f"A/B of {', '.join(self.swaps + self.fixes)} on {self.device}: {kind}"]
@@ -70,6 +70,7 @@ class ABResult:
         strict = [t for t in self.parity if t.gate == "strict"]
         if cost:
             w = worst(cost)
+            assert w is not None  # cost is not empty
             tolerance = "no tolerance set" if self.max_rel_error is None else f"tolerance {self.max_rel_error:g}"
             bad = [t for t in cost if not t.passed]
             status = "within" if not bad else f"OVER on {len(bad)} of {len(cost)} tensors:"
@@ -78,6 +79,7 @@ class ABResult:
         if strict:
             bad = [t for t in strict if not t.passed]
             w = worst(strict)
+            assert w is not None  # strict is not empty
             against = "the precision fixes alone" if cost else "eager"
             status = "passed" if not bad else f"FAILED on {len(bad)} of {len(strict)} tensors"
             lines.append(f"parity vs fp64: {status} (B within {against}'s error + {self.parity_factor:g}x its spread); "

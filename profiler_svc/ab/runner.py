@@ -21,7 +21,7 @@ from torch.nn.modules.dropout import _DropoutNd
 
 from ..errors import UserError
 from ..formats import one_line
-from ..kernels import UnknownSwapError, available_swaps, parity, plan_swaps
+from ..kernels import SwapPlan, UnknownSwapError, available_swaps, parity, plan_swaps
 from . import stats
 from .fp64 import Float64Fallback
 from .fixes import FixPlan, UnknownFixError, available_fixes, plan_fixes
@@ -77,9 +77,10 @@ def ab_test(model: nn.Module, inputs, swaps=(), *, fixes=(), train: bool = False
         state.restore()
 
     b = variants["B"]
+    assert b.fix_plan is not None  # _variants gives B every fix asked for, perhaps none
     return ABResult(
         swaps=b.swap_plan.swaps if b.swap_plan else [], train=train, device=_describe(device),
-        verdict=stats.verdict(passed, timing and timing.ci_low, timing and timing.ci_high),
+        verdict=stats.verdict(passed, timing.ci_low if timing else None, timing.ci_high if timing else None),
         swapped=[{"module": m, "class": c, "swap": s} for m, c, s, *_ in b.swap_plan.report.swapped] if b.swap_plan else [],
         skipped=[{"module": m, "swap": s, "reason": r} for m, s, r in b.swap_plan.report.skipped] if b.swap_plan else [],
         parity_passed=passed, parity_factor=parity_factor, parity=checks, timing=timing,
@@ -99,8 +100,8 @@ def ab_test(model: nn.Module, inputs, swaps=(), *, fixes=(), train: bool = False
 class _Variant:
     """What one arm installs: a swap plan and a fix plan (either may be empty)."""
     name: str
-    swap_plan: object = None  # kernels.SwapPlan
-    fix_plan: FixPlan = None
+    swap_plan: SwapPlan | None = None
+    fix_plan: FixPlan | None = None
 
     @contextmanager
     def active(self, call):
@@ -196,7 +197,7 @@ def _run_variant(model, step, variant, state, seed):
 def _spread(model, step, variant, state, seed, reference, keys) -> dict[str, list]:
     """The baseline's errors with every floating parameter nudged by up to one rounding unit (a
     random fraction of them move by one unit), each against an fp64 run of the same parameters."""
-    runs = {key: [] for key in keys}
+    runs: dict[str, list] = {key: [] for key in keys}
     generator = torch.Generator().manual_seed(seed + 1)
     for _ in range(SPREAD_RUNS):
         with torch.no_grad():
@@ -342,7 +343,7 @@ def _numeric_cost(checks) -> dict | None:
     if not cost:
         return None
     worst = max(cost, key=lambda t: t.b_rms_rel if t.b_rms_rel is not None else float("inf"))
-    by_kind = {}
+    by_kind: dict[str, dict[str, float]] = {}
     for t in cost:
         kind = "loss" if t.name == "loss" else t.name.split(".", 1)[0].split("[", 1)[0]
         row = by_kind.setdefault(kind, {"a_rms_rel": 0.0, "b_rms_rel": 0.0})

@@ -50,6 +50,7 @@ def speedup_ci(a_ms, b_ms, seed: int, level: float = CI_LEVEL,
 def verdict(parity_passed: bool, ci_low: float | None, ci_high: float | None) -> str:
     if not parity_passed:
         return "parity_failed"
+    assert ci_low is not None and ci_high is not None  # timed whenever parity passed
     if ci_low > 1.0:
         return "faster"
     if ci_high < 1.0:

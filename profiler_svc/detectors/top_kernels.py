@@ -1,5 +1,7 @@
 """Top kernels: where GPU time goes, with the op and module that launched each kernel and how close it
 runs to the device's ceilings (bandwidth for memory-bound kernels, FLOP rate for GEMMs)."""
+from typing import Any
+
 import pandas as pd
 
 from ..trace.model import Trace
@@ -104,7 +106,7 @@ def module_times(trace: Trace, n: int = 500) -> list[dict]:
     labels = cpu[(cpu["cat"] == "user_annotation").to_numpy() & cpu["name"].str.startswith("module::").to_numpy()
                  & (cpu["ts"] >= start).to_numpy() & (cpu["ts"] <= end).to_numpy()]
     host = labels.groupby("module")["dur"].sum()
-    out = {}
+    out: dict[str, dict[str, Any]] = {}  # module -> its row
     for (module, backward), row in time.iterrows():
         item = out.setdefault(module, {"module": module, "name": module.rsplit(" (", 1)[0],
                                        "class": module.rsplit(" (", 1)[-1].rstrip(")"),

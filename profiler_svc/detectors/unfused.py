@@ -9,10 +9,10 @@ import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Optional
+from typing import Any, Optional
 
 from ..trace.labels import ROOT_NAME
-from ..trace.model import Trace, element_bytes
+from ..trace.model import OpInputs, Trace, element_bytes
 from ..trace.replay import Change
 from .common import (Finding, Recommendation, fmt_us, fused, module_class, numel, op_bytes, per_step, per_step_note,
                      plural, short_kernel_name, tensor_bytes)
@@ -167,10 +167,10 @@ def detect(trace: Trace) -> list[Finding]:
     kernels = trace.window_kernels.sort_values("ts")
     # SDPA's math path is priced whole by the fallback detector; its inner elementwise kernels are not a chain here
     kernels = kernels[kernels["top_op_name"] != "aten::scaled_dot_product_attention"]
-    inputs = {}
+    inputs: dict[int | tuple[str, int], Any] = {}  # op row: _chain_info; ("top", op row): largest input bytes
     # ops with the same recorded inputs share one OpInputs (trace.op_inputs): each is worked out once; the
     # entries hold the OpInputs so that its id is not reused while these caches live
-    by_record = {}
+    by_record: dict[tuple[str, int], tuple[OpInputs, Any]] = {}
 
     list_dtype = _parameter_dtype(trace)
 

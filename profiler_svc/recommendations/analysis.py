@@ -164,9 +164,9 @@ def _calibration(trace: Trace, timeline: Timeline) -> tuple[float, dict]:
     target = unprofiled * replayed.steps
     calibration = calibrate(timeline, target)
     profiled = replayed.total_us / replayed.steps
-    out = {"measured": True, "unprofiled_step_us": round(unprofiled, 2), "profiled_step_us": round(profiled, 2),
-           "profiler_inflation_pct": round(100 * (profiled / unprofiled - 1), 1),
-           "host_scale": round(calibration.scale, 3)}
+    out: dict[str, object] = {
+        "measured": True, "unprofiled_step_us": round(unprofiled, 2), "profiled_step_us": round(profiled, 2),
+        "profiler_inflation_pct": round(100 * (profiled / unprofiled - 1), 1), "host_scale": round(calibration.scale, 3)}
     if calibration.hidden_host:
         out["note"] = (f"the GPU bounds the step and hides the host behind it: host time is taken as long as it "
                        f"can be without lengthening the step by over {GPU_BOUND_SLACK:.0%}, so a GPU saving "

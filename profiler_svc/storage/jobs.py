@@ -40,12 +40,14 @@ def enqueue(session, run, *, swap: str | None = None, finding_id: int | None = N
         if not isinstance(name, str) or not SWAP_NAME.fullmatch(name):
             raise UserError(f"not a swap or fix name: {str(name)[:80]!r} (letters, digits, '_', '-', '.'; at most 64)")
     if fixes:  # the worker tests params' swaps and fixes; `swap` labels the job
+        assert params is not None  # the fixes came from it
         params = {**params, "swaps": [swap] if swap else []}
-        swap = ", ".join([swap] * bool(swap) + list(fixes))
+        swap = ", ".join(([swap] if swap else []) + list(fixes))
     if not run.workload:
         raise UserError(f"run {run.id} has no workload to A/B test (capture it with a workload, "
                         "or ingest with --workload pkg.module:factory)")
     check_workload_allowed(run.workload)  # a run stored before the operator's list changed
+    assert swap is not None  # refused above when there is neither a swap nor a fix
     job = ABJob(run_id=run.id, finding_id=finding.id if finding else None, swap=swap[:255],
                 workload=run.workload, params=params or {}, status="queued")
     session.add(job)

@@ -338,9 +338,12 @@ def step_difference(steps_a: dict, steps_b: dict, level: float = 0.95) -> dict |
     vb = np.asarray((steps_b.get("step_us") or {}).get("values") or [], dtype=float)
     if not len(va) or not len(vb):
         return None
-    out = {"a_us": float(np.median(va)), "b_us": float(np.median(vb)), "a_steps": len(va), "b_steps": len(vb)}
-    out["delta_us"] = round(out["b_us"] - out["a_us"], 2)
-    out["delta_pct"] = round(100 * out["delta_us"] / out["a_us"], 2) if out["a_us"] else None
+    a_us, b_us = float(np.median(va)), float(np.median(vb))
+    delta_us = round(b_us - a_us, 2)
+    # None where unknown: no A time to divide by, too few steps for an interval
+    out: dict[str, float | None] = {"a_us": a_us, "b_us": b_us, "a_steps": len(va), "b_steps": len(vb)}
+    out["delta_us"] = delta_us
+    out["delta_pct"] = round(100 * delta_us / a_us, 2) if a_us else None
     out["ci_level"], out["ci_low_us"], out["ci_high_us"] = level, None, None
     if min(len(va), len(vb)) >= _MIN_STEPS_FOR_CI:
         rng = np.random.default_rng(0)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, asdict
 from typing import Optional
 
 # name fragment -> (copy bandwidth GB/s, measured?, {dtype: dense peak TFLOP/s})
-_KNOWN = [
+_KNOWN: list[tuple[str, float, bool, dict[str, float]]] = [
     ("H200", 4300, True, {"bf16": 989, "fp16": 989, "tf32": 494, "fp32": 67, "fp8": 1979}),
     ("H100 PCIe", 0.9 * 2000, False, {"bf16": 756, "fp16": 756, "tf32": 378, "fp32": 51, "fp8": 1513}),
     ("H100", 3000, True, {"bf16": 989, "fp16": 989, "tf32": 494, "fp32": 67, "fp8": 1979}),

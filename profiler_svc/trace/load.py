@@ -15,6 +15,7 @@ import re
 import sys
 import zlib
 from pathlib import Path
+from typing import Union, cast
 
 import msgspec
 import numpy as np
@@ -25,7 +26,7 @@ from . import labels
 from .device import device_from_properties
 from .kernel_names import kernel_kinds, name_mask
 from .model import RawInputs, Trace
-from .schema import ANY_DECODER, ARRAY_DECODER, TOP_LEVEL_DECODER
+from .schema import ANY_DECODER, ARRAY_DECODER, TOP_LEVEL_DECODER, TraceEvent
 
 # A decompressed trace above this is refused while it is read (gzip bombs included).
 MAX_TRACE_BYTES = int(os.environ.get("PROFILER_SVC_MAX_TRACE_BYTES", 8 << 30))
@@ -72,7 +73,7 @@ def load_traces(path, progress=None) -> list[Trace]:
     for index, trace in enumerate(traces):
         if trace.rank is None:
             trace.rank = index
-    return sorted(traces, key=lambda t: t.rank)
+    return sorted(traces, key=lambda t: cast(int, t.rank))  # every rank set just above
 
 
 def load_trace(path, progress=None) -> Trace:
@@ -502,19 +503,22 @@ def _lstrip_space(data: bytes) -> bytes:
 
 # -- tables ---------------------------------------------------------------------------------------
 
+ThreadKey = tuple[Union[int, str], Union[int, str]]  # an event's (pid, tid)
+
+
 class TableBuilder:
     """Accumulates numpy columns per table from batches of events, then links them into a Trace."""
 
     def __init__(self, path: str):
         self.path = path
-        self.parts = {"kernels": [], "memory": [], "cpu": [], "runtime": []}
+        self.parts: dict[str, list[dict]] = {"kernels": [], "memory": [], "cpu": [], "runtime": []}
         self.raw = RawInputs([], [], [], [])
-        self.raw_seen = {}       # identical input records share one bytes object
-        self.threads = {}        # code -> (pid, tid)
-        self.thread_index = {}   # (pid, tid) -> code
-        self.thread_names = {}
+        self.raw_seen: dict[bytes, bytes | None] = {}  # identical input records share one bytes object
+        self.threads: dict[int, ThreadKey] = {}        # code -> (pid, tid)
+        self.thread_index: dict[ThreadKey, int] = {}   # (pid, tid) -> code
+        self.thread_names: dict[ThreadKey, str] = {}
         self.event_count = 0
-        self.open_slices = {}    # (pid, tid) -> stack of "B" events waiting for their "E"
+        self.open_slices: dict[ThreadKey, list[TraceEvent]] = {}  # stack of "B" events waiting for their "E"
         self.ignored = {"ids": 0, "bytes": 0, "inputs": 0, "unopened": 0}
 
     def add(self, events) -> None:
@@ -641,8 +645,7 @@ class TableBuilder:
                                     ("concrete_inputs", self.raw.concrete, None)):
             # None where the op recorded nothing; each distinct record is checked once, in event order
             keys = [bytes(raw) if (raw := a and getattr(a, field)) else None for a in args]
-            distinct = dict.fromkeys(keys)
-            distinct.pop(None, None)
+            distinct = dict.fromkeys(k for k in keys if k is not None)
             for key in distinct:
                 if key in seen:
                     continue
@@ -674,7 +677,7 @@ class TableBuilder:
         if not self.event_count:
             raise TraceError(f"{self.path}: holds no events")
         kernels, memory, cpu, runtime = (_frame(self.parts[name]) for name in ("kernels", "memory", "cpu", "runtime"))
-        self.parts = None
+        self.parts.clear()  # the frames hold the columns now
         if not (len(kernels) or len(memory) or len(cpu) or len(runtime)):
             raise TraceError(f"{self.path}: none of its {self.event_count} events is a torch.profiler event "
                              "(complete or B/E events of category kernel, cpu_op, cuda_runtime, ...)")
@@ -801,7 +804,8 @@ def _link_cpu_tree(cpu: pd.DataFrame) -> None:
         names = cpu["name"].tolist()
         is_op = (cpu["cat"] == "cpu_op").tolist()
         own_module = [_module_of(name) for name in names]
-        stack, current = [], None
+        stack: list[int] = []  # the open ancestors of the current row, on its thread
+        current = None
         for i in order:
             if threads[i] != current:
                 stack, current = [], threads[i]
@@ -892,7 +896,8 @@ def _add_op_context(table: pd.DataFrame, cpu: pd.DataFrame) -> None:
     table["op_name"] = pd.Series(np.where(has, names[safe], None), dtype=object, index=table.index)
     table["top_op"] = top
     table["top_op_name"] = pd.Series(np.where(top >= 0, names[np.maximum(top, 0)], None), dtype=object, index=table.index)
-    module = np.where(has, cpu["module"].to_numpy()[safe], None)
+    # numpy's stubs read where(c, x, None) as the one-argument form (a tuple of indices) when x is untyped
+    module: np.ndarray = np.where(has, cpu["module"].to_numpy()[safe], None)  # type: ignore[assignment]
     if not has.all():
         module = np.where(has, module, _module_by_label_id(cpu, table["external_id"].to_numpy()))
     table["module"] = pd.Series(module, dtype=object, index=table.index)

@@ -91,7 +91,7 @@ class Trace:
     cpu: pd.DataFrame
     runtime: pd.DataFrame
     event_count: int
-    raw_inputs: RawInputs = None
+    raw_inputs: Optional[RawInputs] = None
     threads: dict = field(default_factory=dict)        # thread code -> (pid, tid)
     thread_names: dict = field(default_factory=dict)   # thread code -> name
     warnings: list = field(default_factory=list)       # what the loader ignored in a damaged trace, one line each

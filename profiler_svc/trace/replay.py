@@ -333,7 +333,7 @@ class Timeline:
         wait_total = 0.0
         done = -np.inf            # when all the activities launched so far are finished
         syncs = np.flatnonzero(blocking)
-        segment_starts = np.r_[0, syncs + 1]
+        segment_starts: np.ndarray = np.r_[0, syncs + 1]  # an array, so searchsorted gives one cut per start
         segment_ends = np.r_[syncs + 1, n]
         # the activities each segment launches: a slice of them in launch order (one pass per segment, not
         # one over all activities, which made a sync-heavy window quadratic)
