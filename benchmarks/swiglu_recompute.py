@@ -12,21 +12,13 @@ import torch
 
 import profiler_svc
 from predict_vs_ab import build
+from swap_trace_diff import unprofiled_ms
 
 swiglu = importlib.import_module("profiler_svc.kernels.swiglu")  # the module; the package exports the function
 
 
-def kernel_us(fn, n=50):
-    for _ in range(5):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(n):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return round(start.elapsed_time(end) / n * 1e3, 1)
+def kernel_us(fn):
+    return round(unprofiled_ms(fn, steps=50) * 1e3, 1)
 
 
 def ab(model, inputs, swaps) -> dict:
