@@ -166,7 +166,7 @@ def _parity(model, inputs, step, variants, state, seed, factor, max_rel_error):
     dtypes, errors = {}, {}
     for name, variant in variants.items():
         got = _run_variant(model, step, variant, state, seed)
-        target = {**ref, **reference.params_after(got)}
+        target = {**ref, **reference.params_after(got, [p for _, p in step.named_params])}  # restored: as before
         errors[name] = {key: parity.measure(t, target[key]) for key, t in got.items() if key in target}
         if name == "A":
             dtypes = {key: got[key].dtype for key in errors["A"]}
@@ -205,12 +205,10 @@ def _spread(model, step, variant, state, seed, reference, keys) -> dict[str, lis
                 if p.is_floating_point():
                     u = torch.rand(p.shape, generator=generator, dtype=torch.float64) * 2 - 1
                     p.copy_((p.double() * (1 + u.to(p.device) * torch.finfo(p.dtype).eps)).to(p.dtype))
+        nudged = [p.detach().clone() for _, p in step.named_params] if step.optimizer is not None else []
         ref = reference.run(parameters=[p for _, p in step.named_params])
-        with variant.active(step.call) as call:
-            _set_modes(model, step.train, for_parity=True)
-            got = step.run_once(model, call, seed)
-        state.restore()  # the optimizer's state before the step, for the fp64 step from this run's gradients
-        ref.update(reference.params_after(got))
+        got = _run_variant(model, step, variant, state, seed)  # restores the optimizer's state for params_after
+        ref.update(reference.params_after(got, nudged))
         for key in keys:
             runs[key].append(parity.measure(got[key], ref[key]) if key in got and key in ref else parity.MISSING)
         del got, ref
@@ -233,15 +231,15 @@ class _Reference:
     def fallbacks(self) -> list[dict]:
         return self.mode.report()
 
-    def params_after(self, got: dict) -> dict[str, torch.Tensor]:
-        """The fp64 optimizer step from a run's own parameters and gradients (upcast): what its
-        "param.*" tensors are judged against. Judged from the fp64 gradients instead, the step would
+    def params_after(self, got: dict, before: list) -> dict[str, torch.Tensor]:
+        """The fp64 optimizer step from a run's own parameters before its step (`before`, in named_params
+        order) and its gradients, upcast: what its "param.*" tensors are judged against. Judged from the fp64 gradients instead, the step would
         amplify each gradient's rounding: Adam's update moves by lr*eps/(|g|+eps)^2 per unit of g."""
         if self.step.optimizer is None:
             return {}
         with torch.no_grad():
-            for name, mine in self.params:
-                mine.copy_(got[f"before.{name}"])
+            for (name, mine), theirs in zip(self.params, before):
+                mine.copy_(theirs)
                 grad = got.get(f"grad.{name}")
                 mine.grad = None if grad is None else grad.double()
         optimizer = _reference_optimizer(self.step.optimizer, self.step.named_params, self.params)
@@ -263,8 +261,7 @@ class _Reference:
         self.mode.failed = None
         try:
             with self.mode:
-                found = step.run_once(self.model, self.call, self.seed)
-            return {key: t for key, t in found.items() if not key.startswith("before.")}
+                return step.run_once(self.model, self.call, self.seed)
         except UserError:
             raise
         except Exception as err:
@@ -315,7 +312,6 @@ class _Step:
         torch.manual_seed(seed)  # the same dropout masks / random ops in every run
         for _, p in self.named_params:
             p.grad = None
-        before = {} if self.optimizer is None else {f"before.{name}": p.detach().clone() for name, p in self.named_params}
         out, loss = self(model, call)
         found = parity.flatten(out, "output")
         if self.train:
@@ -323,7 +319,6 @@ class _Step:
             found.update({f"grad.{name}": p.grad for name, p in self.named_params if p.grad is not None})
         if self.optimizer is not None:
             found.update({f"param.{name}": p.detach().clone() for name, p in self.named_params})
-            found.update(before)  # not compared: what the fp64 step of the params is taken from
         return found
 
 
