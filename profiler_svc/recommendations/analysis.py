@@ -160,7 +160,7 @@ def _calibration(trace: Trace, timeline: Timeline) -> tuple[float, dict]:
         return 1.0, {"measured": False,
                      "note": "no unprofiled step time in the trace (capture with profiler_svc.capture and a "
                              "schedule to get one): host-side figures are upper bounds, inflated by the profiler"}
-    replayed = timeline.replay()
+    replayed = timeline.baseline  # shared with calibrate: one replay of the trace as profiled
     target = unprofiled * replayed.steps
     calibration = calibrate(timeline, target)
     profiled = replayed.total_us / replayed.steps

@@ -505,13 +505,14 @@ def calibrate(timeline: Timeline, unprofiled_total_us: float) -> Calibration:
     profiled steps were not slower). When the replay's GPU side alone already takes longer, the host is
     hidden behind the GPU and the step time cannot tell its length: the scale is then the largest at which
     the host lengthens that GPU-only replay by at most GPU_BOUND_SLACK."""
-    if timeline.replay().total_us <= unprofiled_total_us:
+    profiled = timeline.baseline.total_us
+    if profiled <= unprofiled_total_us:
         return Calibration(1.0, False)
     low, high = HOST_SCALE_FLOOR, 1.0
     gpu_only = timeline.replay(host_scale=low).total_us
     hidden = gpu_only > unprofiled_total_us
     target = gpu_only * (1 + GPU_BOUND_SLACK) if hidden else unprofiled_total_us
-    if timeline.replay(host_scale=high).total_us <= target:
+    if profiled <= target:
         return Calibration(high, hidden)
     for _ in range(30):
         mid = (low + high) / 2
