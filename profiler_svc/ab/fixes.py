@@ -295,6 +295,7 @@ class _FusedOptimizer(Change):
         self.optimizer = optimizer
         self.saved = [(g, {k: g[k] for k in ("fused", "foreach") if k in g}) for g in optimizer.param_groups]
         self.note = f"{type(optimizer).__name__}(fused=True): one kernel per parameter group instead of many"
+        self.moved: list = []  # (state, its own "step") for each counter install moved to its parameter's device
 
     def install(self):
         # the fused kernel takes each parameter's "step" on the parameter's device; foreach keeps it on the CPU
