@@ -5,6 +5,9 @@ profiler_svc.capture, time both unprofiled (CUDA events), and split the predicti
   - GPU time: what the Change removes and re-prices, per step, against A's and B's traced GPU busy time;
   - the new kernels: the durations the Change gives them against B's kernels that A does not have;
   - the step: the replayed step after the Change against B's own replayed step and the unprofiled A - B.
+Rows after the first run in a process that has captured (launches dearer: after_capture.py), so their
+unprofiled times are comparable with each other, not with a clean A/B. The results file's run predates
+this order: there B was timed after A's capture.
 
     python benchmarks/swap_trace_diff.py --out DIR [--family llama] [--size gpu] [--mode train] [--swaps rms_norm,rope]
 """
@@ -56,9 +59,10 @@ def diff(swap, args):
     ids = torch.randint(0, vocab, (batch, seq), device="cuda")
     step = step_function(model, {"input_ids": ids, **({"labels": ids} if train else {})}, train)
     a_ms = unprofiled_ms(step)
+    with swapped(model, swap):  # both timed before this row's captures (a capture slows the process after it)
+        b_ms = unprofiled_ms(step)
     a_path = capture(model, step, os.path.join(args.out, f"{swap}_A.json.gz"))
     with swapped(model, swap):
-        b_ms = unprofiled_ms(step)
         b_path = capture(model, step, os.path.join(args.out, f"{swap}_B.json.gz"))
     report = recommend(a_path)
     analysis = report.analyses[0]
