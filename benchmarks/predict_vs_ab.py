@@ -8,6 +8,7 @@ For each Hugging Face family (built from a config, random weights, bf16), size a
 Recorded per case: the swaps named and how many modules each replaced, the predicted and measured change per
 step, the verdict. Summary: median absolute error of the prediction as a share of the measured change, and
 whether the direction was right (never a saving predicted where the A/B says slower or no difference).
+Each A/B's full ABResult.to_dict() goes to ab_results.json in DIR.
 
     python benchmarks/predict_vs_ab.py --out DIR [--families llama,gemma] [--sizes gpu,host] [--modes train,infer]
     python benchmarks/predict_vs_ab.py --smoke --out DIR      # CPU: tiny configs, one case, proves the script
@@ -135,6 +136,8 @@ def run_case(family, size, mode, args):
     result = profiler_svc.ab_test(model, inputs, swaps, train=train, loss_fn=(lambda out: out.loss) if train else None,
                                   rounds=args.rounds, warmup=args.warmup)
     d = result.to_dict()
+    label = f"{family} {'fp32' if args.smoke else 'bf16'} {tokens} {mode}"
+    case["ab_results"] = [{"case": label, "result": d}]
     counts = {}
     for row in d["swapped"]:
         counts[row["swap"]] = counts.get(row["swap"], 0) + 1
@@ -156,6 +159,7 @@ def run_case(family, size, mode, args):
             alone = profiler_svc.ab_test(model, inputs, [swap], train=train,
                                          loss_fn=(lambda out: out.loss) if train else None,
                                          rounds=args.rounds, warmup=args.warmup).to_dict()
+            case["ab_results"].append({"case": f"{label}, {swap} alone", "result": alone})
             t = alone.get("timing") or {}
             case["each"][swap] = {
                 "predicted_us": report.predict(swaps=[swap]).get("saving_us_per_step"),
@@ -166,8 +170,11 @@ def run_case(family, size, mode, args):
 
 def run_cases(plan, run, json_path, env, budget_s) -> list:
     """run(*args) for each (key, args) of PLAN, one JSON line each as it ends; a case that raises or is
-    not reached within BUDGET_S becomes its key with an error. JSON_PATH holds the cases so far."""
-    cases, start = [], time.time()
+    not reached within BUDGET_S becomes its key with an error. JSON_PATH holds the cases so far.
+    A case's "ab_results" ([{"case": label, "result": ABResult.to_dict()}]) go to ab_results.json beside
+    JSON_PATH instead: the full results, kept for the demo's bundled samples."""
+    cases, ab_results, start = [], [], time.time()
+    ab_path = os.path.join(os.path.dirname(json_path), "ab_results.json")
     for key, run_args in plan:
         if time.time() - start > budget_s:
             cases.append({**key, "error": "not run: budget"})
@@ -178,6 +185,7 @@ def run_cases(plan, run, json_path, env, budget_s) -> list:
         except Exception as exc:
             traceback.print_exc()
             case = {**key, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]}
+        ab_results += case.pop("ab_results", [])
         case["seconds"] = round(time.time() - t0, 1)
         cases.append(case)
         print(json.dumps(case), flush=True)
@@ -185,6 +193,8 @@ def run_cases(plan, run, json_path, env, budget_s) -> list:
             torch.cuda.empty_cache()
         with open(json_path, "w") as f:
             json.dump({"environment": env, "cases": cases}, f, indent=1)
+        with open(ab_path, "w") as f:
+            json.dump(ab_results, f, indent=1)
     return cases
 
 

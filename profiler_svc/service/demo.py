@@ -1,16 +1,21 @@
 """`profiler_svc demo`: bundled GPU traces plus a live CPU capture, in a SQLite file of its own.
 
 The bundled traces (``profiler_svc/samples``) were captured on an H200 (see the manifest there);
-the live capture profiles `tiny_llama` on this machine. ``tiny_llama`` is also the run's
+bundled A/B results (``samples/ab_results/*.json``, from the benchmarks on a GPU) become done A/B
+jobs that say where they were measured; the live capture profiles `tiny_llama` on this machine. ``tiny_llama`` is also the run's
 workload, so the dashboard's "A/B test this swap" works on this machine (on CPU through
 Triton's interpreter when there is no GPU).
 """
+import hashlib
+import json
 import os
 import secrets
 import threading
 from pathlib import Path
 
 SAMPLES = Path(__file__).resolve().parents[1] / "samples"
+AB_FOLDER = "ab_results"  # in samples: bundled A/B results, not a folder of traces
+AB_SAMPLES = SAMPLES / AB_FOLDER
 WORKLOAD = "profiler_svc.service.demo:tiny_llama"
 LIVE_GROUP = "demo:live-capture"
 
@@ -89,7 +94,8 @@ def live_capture(folder: Path) -> Path:
 
 
 def prepare_demo(print_fn=print, live: bool = True):
-    """Ingest the samples (ranks of one job grouped) and a live capture; returns the Flask app."""
+    """Ingest the samples (ranks of one job grouped), store the sample A/B results and a live capture;
+    returns the Flask app."""
     from ..web import create_app
     from ..storage.blobs import BlobStore
     from ..storage.db import get_engine, upgrade
@@ -104,13 +110,19 @@ def prepare_demo(print_fn=print, live: bool = True):
     engine = get_engine(config["DATABASE_URL"])
     upgrade(engine)
     blobs = BlobStore(config["BLOB_DIR"])
-    # a sample is a trace file, or a folder of one job's per-rank traces (one run)
-    for path in sorted(p for p in SAMPLES.iterdir() if p.is_dir() or p.name.endswith(".json.gz")):
+    for path in sample_traces():
         name = path.name.removesuffix(".json.gz")
         results = ingest_path(engine, path, blobs=blobs, name=name, group_key=f"sample:{name}",
                               host="H200 (bundled sample)")
         stored = "already stored" if all(r.duplicate for r in results) else f"{len(results)} trace(s)"
         print_fn(f"sample {path.name}: run {results[0].run_id} ({stored})")
+    for path in sorted(AB_SAMPLES.glob("*.json")):
+        try:
+            sample = read_ab_sample(path)
+        except ValueError as err:  # one bad file costs its own jobs, not the demo
+            print_fn(f"sample A/B results {path.name}: skipped, {err}")
+            continue
+        print_fn(store_ab_sample(engine, blobs, path, sample))
     if live:
         trace = live_capture(config["folder"])
         replaced = _drop_run(engine, blobs, LIVE_GROUP)  # one live capture, the newest: `demo` twice adds nothing
@@ -123,6 +135,75 @@ def prepare_demo(print_fn=print, live: bool = True):
         print_fn(f"sign in (for the A/B button) with the token: {token}")
     return create_app({"DATABASE_URL": config["DATABASE_URL"], "BLOB_DIR": config["BLOB_DIR"],
                        "API_TOKEN": token, "PUBLIC_READ": True})
+
+
+def sample_traces() -> list[Path]:
+    """The bundled traces: a trace file, or a folder of one job's per-rank traces (one run)."""
+    return sorted(p for p in SAMPLES.iterdir()
+                  if (p.is_dir() and p.name != AB_FOLDER) or p.name.endswith(".json.gz"))
+
+
+def read_ab_sample(path: Path) -> dict:
+    """A bundled A/B results file: {"environment": {"gpu", "torch", ...}, "command", "results": [{"case",
+    "result": ABResult.to_dict()}]}. ValueError, in one line, when it is not that."""
+    try:
+        sample = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"not readable JSON ({err})") from None
+    if not isinstance(sample, dict):
+        raise ValueError("not an object with environment, command and results")
+    env, command, results = sample.get("environment"), sample.get("command"), sample.get("results")
+    if not isinstance(env, dict) or not isinstance(env.get("gpu"), str) or not env["gpu"].strip():
+        raise ValueError("environment.gpu (the GPU it was measured on) is missing")
+    if not all(isinstance(v, (str, int, float)) for v in env.values()):
+        raise ValueError("environment values must be strings or numbers (versions)")
+    if not isinstance(command, str) or not command.strip():
+        raise ValueError("command (what produced the results) is missing")
+    if not isinstance(results, list) or not results:
+        raise ValueError("results is not a non-empty list")
+    for i, item in enumerate(results):
+        result = item.get("result") if isinstance(item, dict) else None
+        if not isinstance(item, dict) or not isinstance(item.get("case"), str) or not isinstance(result, dict):
+            raise ValueError(f"results[{i}] is not {{\"case\": label, \"result\": ABResult.to_dict()}}")
+        # what the job page reads of a result
+        if not (isinstance(result.get("verdict"), str) and isinstance(result.get("device"), str)
+                and isinstance(result.get("swaps"), list) and isinstance(result.get("parity_passed"), bool)):
+            raise ValueError(f"results[{i}].result is not an ABResult.to_dict() (verdict, device, swaps, parity_passed)")
+    return sample
+
+
+def store_ab_sample(engine, blobs, path: Path, sample: dict) -> str:
+    """Store a bundled A/B results file as done A/B jobs of a run of its own (no traces, no workload to
+    re-run); the same file twice is stored once, a changed one replaces its jobs. Returns a line to print."""
+    from sqlalchemy import select
+    from ..storage import save_ab_result
+    from ..storage.db import session_scope
+    from ..storage.models import Run
+
+    group_key, digest = f"sample-ab:{path.stem}", hashlib.sha256(path.read_bytes()).hexdigest()
+    env = sample["environment"]
+    with session_scope(engine) as session:
+        run = session.scalars(select(Run).where(Run.group_key == group_key)).first()
+        # the job count too: a run whose storing stopped half-way is stored again
+        if run is not None and run.meta.get("sha256") == digest and len(run.jobs) == len(sample["results"]):
+            return f"sample A/B results {path.name}: run {run.id}, {len(run.jobs)} job(s) (already stored)"
+    replaced = _drop_run(engine, blobs, group_key)
+    with session_scope(engine) as session:
+        run = Run(name=f"A/B results (bundled sample): {path.stem}", group_key=group_key,
+                  host=f"{env['gpu']} (bundled sample)"[:255], workload=None,
+                  meta={"source": "bundled sample", "file": path.name, "sha256": digest,
+                        "environment": env, "command": sample["command"]})
+        session.add(run)
+        session.flush()
+        run_id = run.id
+    provenance = {"file": path.name, "gpu": env["gpu"], "command": sample["command"],
+                  "versions": {k: v for k, v in env.items() if k != "gpu"}}
+    for item in sample["results"]:
+        # the case label stands for the workload: the benchmark's model, dtype and tokens
+        save_ab_result(item["result"], workload=item["case"], run_id=run_id, engine=engine, source="sample",
+                       params={"sample": {**provenance, "case": item["case"]}}, worker=f"{env['gpu']} (bundled sample)")
+    return (f"sample A/B results {path.name}: run {run_id}, {len(sample['results'])} job(s)"
+            + (" (replaces the previous ones)" if replaced else ""))
 
 
 def _drop_run(engine, blobs, group_key: str) -> bool:

@@ -119,13 +119,15 @@ def fail(session, job_id: int, worker: str, error: str, model=ABJob) -> bool:
 
 
 def save_ab_result(result: dict, *, workload: str, params: dict | None = None, run_id: int | None = None,
-                   started_at=None, engine=None) -> int:
+                   started_at=None, engine=None, source: str = "cli", worker: str | None = None) -> int:
     """Store an A/B test run outside the queue (the `profiler_svc ab` CLI) as a done job with its result.
 
     The job belongs to `run_id` if given, else to the newest run of that workload (e.g. one ingested
     with --workload), else to a run made for the workload (no traces, one per workload, reused by
     later results). It shows on the dashboard like a queued job that a worker finished. Returns the
     job id. `engine`: the configured database by default (the SQLite file is migrated on first use).
+    `source` (params["source"], which the job page reads) and `worker`: "cli" and "cli@<this host>" by
+    default; the demo's bundled samples say where they were measured instead.
     """
     import socket
 
@@ -145,8 +147,8 @@ def save_ab_result(result: dict, *, workload: str, params: dict | None = None, r
                                          meta={"source": "profiler_svc ab"})
         now = utcnow()
         job = ABJob(run_id=run.id, swap=", ".join((result.get("swaps") or []) + (result.get("fixes") or []))[:255] or "?", workload=workload[:500],
-                    params={**(params or {}), "source": "cli"}, status="done", attempts=1,
-                    worker=f"cli@{socket.gethostname()}"[:255], created_at=started_at or now,
+                    params={**(params or {}), "source": source}, status="done", attempts=1,
+                    worker=(worker or f"cli@{socket.gethostname()}")[:255], created_at=started_at or now,
                     started_at=started_at or now, finished_at=now)
         session.add(job)
         session.flush()
