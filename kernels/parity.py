@@ -22,6 +22,11 @@ SWAP_CHECK_FACTOR = 2.0
 # A whole model: B's error may exceed eager's by this many times eager's own spread (how far eager's
 # error moves when its parameters move by a rounding unit).
 MODEL_FACTOR = 4.0
+# A tensor eager computes with a normwise error this large against fp64 is at least half rounding noise
+# (a randomly initialised ResNet-50's BatchNorm gradients: 0.6 in fp32 with TF32 convolutions, 1.3 in bf16).
+# Another summation order (channels-last, another cuDNN algorithm) draws other noise there, beyond what
+# nudging the parameters shows, and no kernel can be judged on it: B is held only to the same order of error.
+ILL_CONDITIONED = 0.5
 
 
 @dataclass
@@ -40,7 +45,9 @@ class TensorParity:
     spread_rms_rel: float | None = None  # how far eager's normwise error moves with its parameters nudged
     spread_max_abs: float | None = None  # ... and its max abs error
     allowed_rms_rel: float | None = None  # the most B's normwise error may be
-    gate: str = "strict"  # "strict": within eager's error and spread; "cost": a precision change's tolerance
+    # "strict": within eager's error and spread; "cost": a precision change's tolerance;
+    # "ill_conditioned": eager's own error is >= ILL_CONDITIONED, B within twice it
+    gate: str = "strict"
 
 
 def place(model: nn.Module) -> tuple[torch.device, torch.dtype]:
@@ -187,8 +194,15 @@ def judge_strict(name: str, ref: torch.Tensor | tuple, dtype: torch.dtype, a: Er
     B may exceed A's error by `factor` times that spread, normwise and in max abs error, plus one
     rounding of the result to the tensor's own dtype (never the model's: a float32 loss of a bf16
     model is held to float32's rounding and to the bf16 model's measured spread). A 1% bias on a bf16 model
-    moves the normwise error by far more than eager's spread does.
+    moves the normwise error by far more than eager's spread does. Where eager's own normwise error is
+    ILL_CONDITIONED or more, B is held only to twice it (gate "ill_conditioned").
     """
+    if a.rms_rel >= ILL_CONDITIONED:
+        return TensorParity(
+            name=name, shape=list(ref.shape if torch.is_tensor(ref) else ref[0]), dtype=str(dtype).removeprefix("torch."),
+            a_max_abs=a.max_abs, a_max_rel=a.max_rel, b_max_abs=b.max_abs, b_max_rel=b.max_rel,
+            allowed_abs=math.inf, passed=math.isfinite(b.max_abs) and b.rms_rel <= 2 * a.rms_rel,
+            a_rms_rel=a.rms_rel, b_rms_rel=b.rms_rel, allowed_rms_rel=2 * a.rms_rel, gate="ill_conditioned")
     spread_rms = max((abs(e.rms_rel - a.rms_rel) for e in spread_runs), default=0.0)
     spread_abs = max((abs(e.max_abs - a.max_abs) for e in spread_runs), default=0.0)
     # one rounding of the result to its own dtype: the error B may add where eager happened to be exact

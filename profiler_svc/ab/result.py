@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from ..kernels.parity import TensorParity, worst
+from ..kernels.parity import ILL_CONDITIONED, TensorParity, worst
 
 SCHEMA = "profiler_svc.ab/1"
 
@@ -68,6 +68,7 @@ class ABResult:
                   for row in self.reference_fallbacks]
         cost = [t for t in self.parity if t.gate == "cost"]
         strict = [t for t in self.parity if t.gate == "strict"]
+        noisy = [t for t in self.parity if t.gate == "ill_conditioned"]
         if cost:
             w = worst(cost)
             assert w is not None  # cost is not empty
@@ -85,6 +86,11 @@ class ABResult:
             lines.append(f"parity vs fp64: {status} (B within {against}'s error + {self.parity_factor:g}x its spread); "
                          f"worst {w.name}: B normwise err {_g(w.b_rms_rel)}, baseline {_g(w.a_rms_rel)}, allowed "
                          f"{_g(w.allowed_rms_rel)}; max abs {w.b_max_abs:.3g}, allowed {w.allowed_abs:.3g}")
+        if noisy:
+            bad = [t for t in noisy if not t.passed]
+            status = "within" if not bad else f"OVER on {len(bad)}:"
+            lines.append(f"{len(noisy)} tensors eager itself gets wrong by >= {ILL_CONDITIONED:g} of their norm "
+                         f"(ill-conditioned, not judged strictly): B {status} twice eager's error")
         if self.timing:
             t = self.timing
             lines.append(f"time: A {t.median_a_ms:.3f} ms, B {t.median_b_ms:.3f} ms "

@@ -169,3 +169,22 @@ def test_the_optimizer_step_is_judged_apart_from_the_gradients(monkeypatch):
     wrong = ab_test(model, inputs, [], fixes=["test_larger_step"], train=True, optimizer=optimizer, **QUICK)
     failed = _failed(wrong)
     assert failed and all(name.startswith("param.") for name in failed)
+
+
+def test_a_tensor_eager_gets_wrong_by_half_its_norm_is_held_to_twice_that():
+    """Eager's BatchNorm gradients on a random ResNet-50 are >= 50% rounding noise: channels-last draws
+    other noise there (0.93 against eager's 0.87, nudged spread 0.007), which says nothing of a kernel."""
+    from kernels.parity import Error, judge_strict
+    ref = ((512,), 1e-3)
+    a, spread = Error(1e-3, 0.9, 0.87), [Error(1e-3, 0.9, 0.877)]
+    other_noise = judge_strict("grad.bn.weight", ref, torch.bfloat16, a, spread, Error(1.1e-3, 1.0, 0.93), 4.0)
+    assert other_noise.passed and other_noise.gate == "ill_conditioned"
+    garbage = judge_strict("grad.bn.weight", ref, torch.bfloat16, a, spread, Error(5e-3, 5.0, 1.9), 4.0)
+    assert not garbage.passed
+    lost = judge_strict("grad.bn.weight", ref, torch.bfloat16, a, spread, Error(float("inf"), float("inf"), 0.5), 4.0)
+    assert not lost.passed
+    # below the threshold the strict gate holds: the same excess fails where eager is accurate
+    accurate = Error(1e-5, 0.01, 0.01)
+    strict = judge_strict("output", ref, torch.bfloat16, accurate, [Error(1e-5, 0.01, 0.0101)],
+                          Error(1e-5, 0.01, 0.07), 4.0)
+    assert strict.gate == "strict" and not strict.passed
