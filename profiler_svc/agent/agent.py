@@ -123,6 +123,8 @@ class Capture:
         self._profiler = torch.profiler.profile(
             activities=activities, schedule=schedule, record_shapes=self.record_shapes,
             on_trace_ready=self._write_trace, **self.profile_kwargs)
+        if self._profiler.current_action in RECORDING:
+            _drain_gpu()
         self._profiler.__enter__()
         self._sync_labels()
         self.timer.begin(profiled=self._profiler.current_action != ProfilerAction.NONE)
@@ -138,6 +140,8 @@ class Capture:
         self._end_step_mark()
         if profiler.current_action == ProfilerAction.RECORD_AND_SAVE:
             self._add_metadata(profiler)  # the cycle is saved inside this step(): last chance to add it
+        if profiler.current_action not in RECORDING and profiler.schedule(profiler.step_num + 1) in RECORDING:
+            _drain_gpu()
         profiler.step()
         self._sync_labels()
         self.timer.begin(profiled=profiler.current_action != ProfilerAction.NONE)
@@ -307,3 +311,10 @@ def _output_location(out, name, run, rank, world_size):
     if not os.access(folder, os.W_OK):
         raise UserError(f"trace folder {folder} is not writable")
     return folder, stem
+
+
+def _drain_gpu():
+    """Wait for the GPU before recording starts: kernels queued by the steps before, which the trace does
+    not hold, would otherwise run inside the first recorded step and lengthen it. Once per cycle."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()

@@ -145,8 +145,12 @@ class Trace:
         """The analysed window: the profiler steps if any, else first to last event."""
         if len(self.steps):
             start, end = float(self.steps["ts"].min()), float(self.steps["end"].max())
-            if len(self.kernels):  # GPU work launched in the last step finishes after it on the host
-                last = self.kernels[self.kernels["ts"] <= end]["end"]
+            if len(self.kernels):  # GPU work launched in the last step runs after it on the host, unless it syncs
+                k = self.kernels
+                launched = pd.Series(self.runtime["ts"].to_numpy(), index=self.runtime["correlation"].to_numpy())
+                launched = launched[~launched.index.duplicated()].reindex(k["correlation"].to_numpy()).to_numpy()
+                in_steps = np.where(np.isnan(launched), k["ts"].to_numpy(), launched) <= end
+                last = k["end"].to_numpy()[in_steps & (k["ts"].to_numpy() >= start)]
                 end = max(end, float(last.max()) if len(last) else end)
             return start, end
         ends = [t["end"].max() for t in (self.kernels, self.memory, self.cpu, self.runtime) if len(t)]
