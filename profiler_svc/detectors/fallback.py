@@ -5,6 +5,7 @@
 - scaled_dot_product_attention on the math path; eager attention (matmul -> softmax -> matmul)
 - elementwise kernels off the vectorized path because of strided (non-dense) or mixed-dtype operands
 - autocast cast storms: weights re-cast to the autocast dtype on every call
+- NCHW convolutions that cuDNN transposes to NHWC and back around each tensor-core kernel
 """
 import math
 from collections import defaultdict
@@ -15,7 +16,7 @@ import numpy as np
 from ..trace.model import Trace
 from ..trace.replay import Change
 from .common import (TENSOR_CORE_EFFICIENCY, VOCAB_MIN, Finding, GemmReference, Recommendation, conv_flops,
-                     fmt_shape, fused, gemm_shape, is_attention, is_dense, is_gemm, is_low_alignment,
+                     fmt_shape, fused, gemm_shape, is_attention, is_conv, is_dense, is_gemm, is_low_alignment,
                      is_old_arch, is_simt_matmul, module_class, name_mask, op_bytes, op_interval,
                      peak_tflops, per_step_note, scaled, short_kernel_name, size_root_cause)
 
@@ -31,6 +32,7 @@ def detect(trace: Trace) -> list[Finding]:
     findings += _eager_attention(trace, kernels)
     findings += _unvectorized_elementwise(trace, kernels)
     findings += _cast_storm(trace, kernels)
+    findings += _layout_conversions(trace, kernels)
     return findings
 
 
@@ -509,4 +511,41 @@ def _cast_storm(trace, kernels):
                       durations={k: d * 0.5 for k, d, _ in wide}),
         recommendation=Recommendation(fix, None, snippet),
         key=f"fallback_kernel:cast_storm:{src}->{dst}",
+    )]
+
+
+def _is_layout_conversion(name: str) -> bool:
+    return "nchwToNhwcKernel" in name or "nhwcToNchwKernel" in name
+
+
+def _layout_conversions(trace, kernels):
+    """cuDNN's tensor-core convolutions work in NHWC: given NCHW tensors, it transposes inputs, weights and
+    gradients to NHWC and the results back, a kernel each way per call. In channels-last they go."""
+    rows = kernels[name_mask(kernels, _is_layout_conversion)]
+    conv_ops = kernels.loc[name_mask(kernels, is_conv), "op"].nunique()
+    # A channels-last model keeps a conversion or two (its 3-channel stem): only most convolutions converting
+    # says the layout is NCHW.
+    if not len(rows) or rows["op"].nunique() < conv_ops / 2:
+        return []
+    time = float(rows["dur"].sum())
+    ops = rows.groupby("top_op_name", dropna=False)["dur"].agg(["count", "sum"]).sort_values("sum", ascending=False)
+    first = next(rows.itertuples())
+    modules = sorted({m for m in rows["module"] if isinstance(m, str)})
+    return [Finding(
+        category="fallback_kernel",
+        title=f"NCHW convolutions: cuDNN transposes to NHWC and back, {len(rows)} layout kernels",
+        detail=(f"{len(rows)} nchwToNhwc / nhwcToNchw kernels took {per_step_note(trace, time)}: cuDNN's tensor-core "
+                f"convolutions run in NHWC, so each call on NCHW (contiguous) tensors converts its operands and "
+                f"result. In channels-last memory format the model's activations and weights are already NHWC."),
+        evidence={"kernels": sorted(set(rows["name"].map(lambda n: short_kernel_name(n, 80))))[:5],
+                  "op": first.op_name, "top_op": first.top_op_name, "calls": len(rows), "time_us": round(time, 2),
+                  "by_op": [{"op": op if isinstance(op, str) else None, "kernels": int(r["count"]),
+                             "time_us": round(float(r["sum"]), 2)} for op, r in ops.head(8).iterrows()],
+                  **({"modules": modules[:10]} if modules else {})},
+        recommendation=Recommendation(
+            "Convert the model and its inputs to channels-last memory format.", None,
+            "model = model.to(memory_format=torch.channels_last)\n"
+            "images = images.to(memory_format=torch.channels_last)", "channels_last"),
+        change=scaled(rows.index.tolist(), rows["dur"].tolist(), 0.0),
+        key="fallback_kernel:layout:nchw",
     )]

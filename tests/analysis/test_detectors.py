@@ -352,6 +352,21 @@ def test_unseen_convnext_channels_last_is_not_flagged():
     assert not [f for f in r.findings if f.category in ("fallback_kernel", "misalignment")]
 
 
+def test_nchw_resnet50_layout_conversions_recommend_channels_last():
+    name = "resnet50_bf16_nchw_train_agent"
+    f = one(name, "fallback_kernel:layout:nchw")
+    assert f.recommendation.fix == "channels_last" and "channels_last" in f.recommendation.snippet
+    layout = raw_kernel_time(name, lambda n: "nchwToNhwcKernel" in n or "nhwcToNchwKernel" in n)
+    steps = report(name).steps["count"]
+    assert f.evidence["time_us"] == pytest.approx(layout, rel=1e-6)
+    assert f.gpu_time_saved_us_per_step == pytest.approx(layout / steps, rel=0.01)
+    assert 0 < f.saving_us_per_step <= f.gpu_time_saved_us_per_step
+    assert report(name).predict(fixes=["channels_last"])["saving_us_per_step"] == pytest.approx(
+        f.saving_us_per_step, rel=0.05)
+    # already channels-last: cuDNN converts nothing
+    assert not findings("resnet18_bf16_channels_last_train", key="layout")
+
+
 def test_unseen_distilbert_ffma_and_eager_attention():
     r = unseen("distilbert_fp32_notf32_train")
     assert "fallback_kernel:simt:matmul:fp32" in keys(r)
