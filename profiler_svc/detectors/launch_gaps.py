@@ -112,8 +112,10 @@ def detect(trace: Trace) -> list[Finding]:
             else:
                 rec = Recommendation(
                     "Remove per-kernel launch cost: capture the step in a CUDA graph (torch.compile "
-                    "mode=\"reduce-overhead\" does it), fuse small ops, or give each launch more work (larger batch).",
-                    None, 'model = torch.compile(model, mode="reduce-overhead")  # CUDA graphs', "cuda_graphs")
+                    "backend=\"cudagraphs\"; mode=\"reduce-overhead\" also fuses with Inductor), fuse small ops, or "
+                    "give each launch more work (larger batch).",
+                    None, 'model = torch.compile(model, backend="cudagraphs")  # CUDA graphs of eager\'s kernels',
+                    "cuda_graphs")
             change = Change(graphs=True)
         else:
             title = f"GPU idle between queued kernels: {per_step_note(trace, idle)}"
