@@ -14,7 +14,7 @@ from ..detectors import Finding, run_detectors
 from ..detectors.common import fmt_us, is_communication, is_compute_bound_kernel, name_mask
 from ..detectors.launch_gaps import idle_breakdown
 from ..trace.model import Trace
-from ..trace.replay import GPU_BOUND_SLACK, Change, Timeline, calibrate, sensitivity
+from ..trace.replay import GPU_BOUND_SLACK, Change, HostCost, Timeline, calibrate, sensitivity
 
 # Which finding keeps a kernel two fixes both change: the specific root cause first, generic fusion last.
 _CLAIM_ORDER = ("fallback_kernel", "misalignment", "unfused_chain", "host_sync", "launch_gaps")
@@ -31,7 +31,7 @@ class Analysis:
     findings: list
     steps: dict
     prediction: dict
-    host_scale: float = 1.0
+    host: HostCost = HostCost()
 
     def predict(self, findings: list) -> dict:
         """The replayed step with these findings' fixes applied together (one replay, never a sum)."""
@@ -41,8 +41,8 @@ class Analysis:
         for f in findings:
             change = change.merged(f.change)
         timeline = self.trace.timeline
-        before = timeline.replay(host_scale=self.host_scale)
-        after = timeline.replay(change, host_scale=self.host_scale)
+        before = timeline.replay(host=self.host)
+        after = timeline.replay(change, host=self.host)
         n = before.steps
         return {"step_us": round(before.total_us / n, 2), "step_us_after": round(after.total_us / n, 2),
                 "saving_us_per_step": round((before.total_us - after.total_us) / n, 2),
@@ -55,11 +55,11 @@ def analyse(trace: Trace) -> Analysis:
         return Analysis(trace, findings, _steps_without_gpu(trace), {})
     findings = _resolve_claims(_merge_root_causes(findings))
     timeline = trace.timeline
-    scale, calibration = _calibration(trace, timeline)
-    base = timeline.replay(host_scale=scale)
+    host, calibration = _calibration(trace, timeline)
+    base = timeline.replay(host=host)
     n = base.steps
     for f in findings:
-        after = timeline.replay(f.change, host_scale=scale)
+        after = timeline.replay(f.change, host=host)
         f.saving_us_per_step = (base.total_us - after.total_us) / n
         f.gpu_time_saved_us_per_step = _gpu_time_saved(trace, f.change)
     helpful = sorted((f for f in findings if f.saving_us_per_step > 0), key=lambda f: -f.saving_us_per_step)
@@ -68,7 +68,7 @@ def analyse(trace: Trace) -> Analysis:
     combined, waterfall, step = Change(), [], base.total_us / n
     for f in helpful:
         combined = combined.merged(f.change)
-        after_us = timeline.replay(combined, host_scale=scale).total_us / n
+        after_us = timeline.replay(combined, host=host).total_us / n
         waterfall.append({"finding": f.key, "title": f.title, "saving_us_per_step": round(step - after_us, 2),
                           "step_us_after": round(after_us, 2)})
         step = after_us
@@ -80,7 +80,7 @@ def analyse(trace: Trace) -> Analysis:
         "findings": [f.key for f in helpful],
         "waterfall": waterfall,
     }
-    return Analysis(trace, findings, _steps_summary(trace, timeline, base, scale, calibration), prediction, scale)
+    return Analysis(trace, findings, _steps_summary(trace, timeline, base, host, calibration), prediction, host)
 
 
 # -- one finding per root cause ------------------------------------------------------------------------
@@ -153,11 +153,11 @@ def _gpu_time_saved(trace: Trace, change: Change) -> float:
 
 # -- calibration ---------------------------------------------------------------------------------------
 
-def _calibration(trace: Trace, timeline: Timeline) -> tuple[float, dict]:
-    """The host-time scale that makes the replay take the unprofiled step time capture measured."""
+def _calibration(trace: Trace, timeline: Timeline) -> tuple[HostCost, dict]:
+    """The profiler's cost per event that makes the replay take the unprofiled step time capture measured."""
     unprofiled = unprofiled_step_us(trace)
     if not unprofiled:
-        return 1.0, {"measured": False,
+        return HostCost(), {"measured": False,
                      "note": "no unprofiled step time in the trace (capture with profiler_svc.capture and a "
                              "schedule to get one): host-side figures are upper bounds, inflated by the profiler"}
     replayed = timeline.baseline  # shared with calibrate: one replay of the trace as profiled
@@ -166,12 +166,13 @@ def _calibration(trace: Trace, timeline: Timeline) -> tuple[float, dict]:
     profiled = replayed.total_us / replayed.steps
     out: dict[str, object] = {
         "measured": True, "unprofiled_step_us": round(unprofiled, 2), "profiled_step_us": round(profiled, 2),
-        "profiler_inflation_pct": round(100 * (profiled / unprofiled - 1), 1), "host_scale": round(calibration.scale, 3)}
+        "profiler_inflation_pct": round(100 * (profiled / unprofiled - 1), 1),
+        "profiler_us_per_event": round(calibration.host.per_event_us, 2), "host_scale": round(calibration.host_share, 3)}
     if calibration.hidden_host:
         out["note"] = (f"the GPU bounds the step and hides the host behind it: host time is taken as long as it "
                        f"can be without lengthening the step by over {GPU_BOUND_SLACK:.0%}, so a GPU saving "
                        f"counts only as far as the host leaves room")
-    return calibration.scale, out
+    return calibration.host, out
 
 
 def unprofiled_step_us(trace: Trace) -> Optional[float]:
@@ -185,10 +186,10 @@ def unprofiled_step_us(trace: Trace) -> Optional[float]:
 
 # -- steps ---------------------------------------------------------------------------------------------
 
-def _steps_summary(trace: Trace, timeline: Timeline, base, scale: float, calibration: dict) -> dict:
+def _steps_summary(trace: Trace, timeline: Timeline, base, host: HostCost, calibration: dict) -> dict:
     measured = timeline.measured
     steps = measured.step_us
-    sens = sensitivity(timeline, host_scale=scale)
+    sens = sensitivity(timeline, host=host)
     return {
         "count": int(len(trace.steps)),
         "source": trace.steps_source,

@@ -227,7 +227,8 @@ def _headline(report: Report) -> list[str]:
     calibration = steps.get("calibration") or {}
     if calibration.get("measured"):
         lines.append(f"unprofiled step {fmt_us(calibration['unprofiled_step_us'])}: the profiler inflated it by "
-                     f"{calibration['profiler_inflation_pct']:.0f}%; host time scaled by {calibration['host_scale']:.2f}")
+                     f"{calibration['profiler_inflation_pct']:.0f}%; taking {calibration['profiler_us_per_event']:.1f} µs "
+                     f"of profiler cost off each recorded event leaves {calibration['host_scale']:.0%} of the host time")
         if calibration.get("note"):
             lines.append(calibration["note"])
     elif calibration:

@@ -13,12 +13,14 @@ A fix is a `Change` to those numbers: kernels shortened or removed, host time re
 that no longer block, launch overhead removed (CUDA graphs). The replayed step after the change, minus the
 step before, is what the fix buys; changes of several fixes combine in one replay, never by summing.
 
-Host time can be scaled (`host_scale`): the profiler inflates it, and a capture that timed the step
-unprofiled lets `calibrate` find the scale at which the replay matches the unprofiled step.
+The profiler inflates host time by a cost per event it records (an op, a runtime call), not in proportion:
+`HostCost` takes that cost off each host gap for the events recorded in it, and a capture that timed the
+step unprofiled lets `calibrate` find the cost at which the replay matches the unprofiled step. Op-dense
+stretches of the host (small ops, launch-bound) shrink the most; long single ops barely.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import TYPE_CHECKING, Optional
 
@@ -38,6 +40,24 @@ _DEFAULT_LATENCY_US = 5.0
 # Host cost of replaying one captured CUDA graph, and the gap between its kernels on the GPU.
 GRAPH_LAUNCH_US = 10.0
 GRAPH_KERNEL_GAP_US = 1.0
+
+
+@dataclass(frozen=True)
+class HostCost:
+    """How the replay takes the profiled host time: `per_event_us` of the profiler's own cost comes off each
+    gap between runtime calls for every CPU op recorded in it, and off each call (down to HOST_FLOOR of the
+    profiled time); the rest is multiplied by `scale` (sensitivity halves it)."""
+    per_event_us: float = 0.0
+    scale: float = 1.0
+
+    def halved(self) -> "HostCost":
+        return replace(self, scale=self.scale * 0.5)
+
+    def kept(self, profiled: np.ndarray, events) -> np.ndarray:
+        """The share of each profiled host time that remains."""
+        with np.errstate(divide="ignore", invalid="ignore"):
+            share = np.where(profiled > 0, 1.0 - self.per_event_us * events / profiled, 1.0)
+        return np.clip(share, HOST_FLOOR, 1.0) * self.scale
 
 
 @dataclass
@@ -159,11 +179,34 @@ class Timeline:
         self.host_end_ts = chain["end"].to_numpy(float)
         self.host_rows = chain.index.to_numpy()
         self.is_sync = chain["name"].isin(BLOCKING_CALLS).to_numpy()
+        self._count_host_events(trace, chain)
         self._build_gpu(trace, chain)
         self._build_steps()
         self._measure_syncs()
         self._measure_collective_waits(trace.collectives)
 
+
+    def _count_host_events(self, trace: "Trace", chain: pd.DataFrame) -> None:
+        """CPU ops the profiler recorded in each gap before a host call, and after the last one."""
+        cpu = trace.cpu
+        ts = np.sort(cpu.loc[cpu["thread"].isin(set(chain["thread"].unique().tolist())), "ts"].to_numpy(float))
+        before = np.r_[self.start, self.host_end_ts[:-1]] if len(self.host_ts) else np.zeros(0)
+        self.gap_events = np.searchsorted(ts, self.host_ts, side="right") - np.searchsorted(ts, before, side="right")
+        last = self.host_end_ts[-1] if len(self.host_ts) else self.start
+        self.tail_events = int(np.searchsorted(ts, self.host_end, side="right") - np.searchsorted(ts, last, side="right"))
+
+    @cached_property
+    def host_gaps(self) -> np.ndarray:
+        """The profiled CPU time before each host call (after the previous one returned)."""
+        before = np.r_[self.start, self.host_end_ts[:-1]] if len(self.host_ts) else np.zeros(0)
+        return np.maximum(self.host_ts - before, 0.0)
+
+    def host_share(self, host: HostCost) -> float:
+        """The share of the profiled host time (gaps and calls) that HOST keeps."""
+        own = np.where(self.is_sync, 0.0, self.host_end_ts - self.host_ts)
+        total = self.host_gaps.sum() + own.sum()
+        kept = (self.host_gaps * host.kept(self.host_gaps, self.gap_events)).sum() + (own * host.kept(own, 1)).sum()
+        return float(kept / total) if total > 0 else 1.0
 
     # -- the GPU side --------------------------------------------------------------------------------
     def _build_gpu(self, trace: "Trace", chain: pd.DataFrame) -> None:
@@ -263,7 +306,7 @@ class Timeline:
         self.gap_wait = np.maximum(in_flight(self.host_ts) - in_flight(before), 0.0)
 
     # -- the replay ----------------------------------------------------------------------------------
-    def replay(self, change: Optional[Change] = None, host_scale: float = 1.0) -> Result:
+    def replay(self, change: Optional[Change] = None, host: HostCost = HostCost()) -> Result:
         change = change or Change()
         n = len(self.host_ts)
         dur = self.gpu_dur.copy()
@@ -287,14 +330,16 @@ class Timeline:
         gaps = np.maximum(gaps, 0.0)
         wait = np.minimum(self.gap_wait, gaps) if not change.no_collective_wait else np.zeros(n)
         cpu_time = gaps - np.minimum(self.gap_wait, gaps)
-        gaps = cpu_time * host_scale
-        own = own * host_scale
+        gap_kept = host.kept(cpu_time, self.gap_events)
+        own_kept = np.where(self.is_sync, host.scale, host.kept(own, 1))  # a sync's wait is not the profiler's
+        gaps = cpu_time * gap_kept
+        own = own * own_kept
         if change.host_removed:
             # the removed CPU time inside each gap and each call, from the measure of the removed intervals
             removed_until = time_covered_by(change.host_removed)
             before = np.r_[self.start, self.host_end_ts[:-1]] if n else np.zeros(0)
-            gaps -= (removed_until(self.host_ts) - removed_until(before)) * host_scale
-            own -= np.where(self.is_sync, 0.0, removed_until(self.host_end_ts) - removed_until(self.host_ts)) * host_scale
+            gaps -= (removed_until(self.host_ts) - removed_until(before)) * gap_kept
+            own -= np.where(self.is_sync, 0.0, removed_until(self.host_end_ts) - removed_until(self.host_ts)) * own_kept
             own = np.maximum(own, 0.0)
         if change.host_added:
             at = np.array([t for t, _ in change.host_added], dtype=float)
@@ -305,7 +350,8 @@ class Timeline:
             np.add.at(gaps, idx[more], added[more])
             for i, amount in zip(idx[inside & (added < 0)], -added[inside & (added < 0)]):
                 _take_host_time(gaps, own, self.is_sync, int(i), float(amount))
-        tail_gap = max(0.0, self.host_end - (self.host_end_ts[-1] if n else self.start)) * host_scale
+        tail = max(0.0, self.host_end - (self.host_end_ts[-1] if n else self.start))
+        tail_gap = tail * float(host.kept(np.array([tail]), self.tail_events)[0])
         if change.graphs:
             keep_cost = np.zeros(n)
             keep_cost[self.step_first_host[self.step_first_host < n]] = GRAPH_LAUNCH_US
@@ -476,19 +522,19 @@ def time_covered_by(intervals):
     return lambda t: np.interp(t, x, y, left=0.0, right=y[-1])
 
 
-def sensitivity(timeline: Timeline, host_scale: float = 1.0) -> dict:
+def sensitivity(timeline: Timeline, host: HostCost = HostCost()) -> dict:
     """How much the step shortens when all host time, or all GPU time, halves: what bounds the step."""
-    base = timeline.replay(host_scale=host_scale).total_us
-    half_host = timeline.replay(host_scale=host_scale * 0.5).total_us
+    base = timeline.replay(host=host).total_us
+    half_host = timeline.replay(host=host.halved()).total_us
     kernels = timeline.kernel_rows
     halved = dict(zip(kernels.index.tolist(), (timeline.gpu_dur[kernels.to_numpy()] * 0.5).tolist()))
-    half_gpu = timeline.replay(Change(durations=halved), host_scale=host_scale).total_us
+    half_gpu = timeline.replay(Change(durations=halved), host=host).total_us
     return {"host": (base - half_host) / (base / 2) if base else 0.0,
             "gpu": (base - half_gpu) / (base / 2) if base else 0.0}
 
 
-# The least host time calibration assumes: below it the replay's GPU side alone is what remains.
-HOST_SCALE_FLOOR = 0.05
+# The least share of a profiled host time that calibration leaves: below it the GPU side is what remains.
+HOST_FLOOR = 0.05
 # A GPU-bound step hides its host time: calibration then assumes the most host time that lengthens the
 # GPU-only replay by no more than this (a saving is credited only where the host leaves room for it).
 GPU_BOUND_SLACK = 0.02
@@ -496,33 +542,45 @@ GPU_BOUND_SLACK = 0.02
 
 @dataclass
 class Calibration:
-    scale: float       # the factor on profiled host time
-    hidden_host: bool  # the GPU-only replay outlasts the unprofiled step: the scale is the most that fits
+    host: HostCost     # the profiler's cost per recorded event, taken off the host time
+    hidden_host: bool  # the GPU-only replay outlasts the unprofiled step: the cost is the least that fits
+    host_share: float  # the share of the profiled host time that remains
 
 
 def calibrate(timeline: Timeline, unprofiled_total_us: float) -> Calibration:
-    """The host-time scale at which the replayed steps take as long as they did unprofiled (1.0 when the
-    profiled steps were not slower). When the replay's GPU side alone already takes longer, the host is
-    hidden behind the GPU and the step time cannot tell its length: the scale is then the largest at which
-    the host lengthens that GPU-only replay by at most GPU_BOUND_SLACK."""
+    """The profiler's cost per recorded event at which the replayed steps take as long as they did
+    unprofiled (none when the profiled steps were not slower). When the replay's GPU side alone already takes
+    longer, the host is hidden behind the GPU and the step time cannot tell its length: the cost is then the
+    least at which the host lengthens that GPU-only replay by at most GPU_BOUND_SLACK."""
     profiled = timeline.baseline.total_us
     if profiled <= unprofiled_total_us:
-        return Calibration(1.0, False)
-    low, high = HOST_SCALE_FLOOR, 1.0
-    gpu_only = timeline.replay(host_scale=low).total_us
+        return Calibration(HostCost(), False, 1.0)
+    own = timeline.host_end_ts - timeline.host_ts
+    with np.errstate(divide="ignore", invalid="ignore"):
+        per_gap = np.where(timeline.gap_events > 0, timeline.host_gaps / timeline.gap_events, 0.0)
+    # at this cost every gap and call is down to its floor
+    high = float(max(per_gap.max(initial=0.0), own.max(initial=0.0), 1.0))
+    low = 0.0
+    gpu_only = timeline.replay(host=HostCost(high)).total_us
     hidden = gpu_only > unprofiled_total_us
     target = gpu_only * (1 + GPU_BOUND_SLACK) if hidden else unprofiled_total_us
-    if profiled <= target:
-        return Calibration(high, hidden)
-    for _ in range(30):
+    if gpu_only >= target:
+        return Calibration(HostCost(high), hidden, timeline.host_share(HostCost(high)))
+    for _ in range(40):
         mid = (low + high) / 2
-        if timeline.replay(host_scale=mid).total_us > target:
-            high = mid
-        else:
+        total = timeline.replay(host=HostCost(mid)).total_us
+        if abs(total - target) < 1e-3 * target:
+            low = high = mid
+            break
+        if total > target:
             low = mid
+        else:
+            high = mid
         if high - low < 1e-3:
             break
-    return Calibration((low + high) / 2, hidden)
+    cost = HostCost((low + high) / 2)
+    return Calibration(cost, hidden, timeline.host_share(cost))
 
 
-__all__ = ["BLOCKING_CALLS", "Calibration", "Change", "GPU_BOUND_SLACK", "Result", "Timeline", "calibrate", "sensitivity", "name_mask"]
+__all__ = ["BLOCKING_CALLS", "Calibration", "Change", "GPU_BOUND_SLACK", "HostCost", "Result", "Timeline", "calibrate",
+           "sensitivity", "name_mask"]

@@ -2,7 +2,7 @@
 import pytest
 
 from profiler_svc import load_trace
-from profiler_svc.trace.replay import Change, calibrate, sensitivity
+from profiler_svc.trace.replay import Change, HostCost, calibrate, sensitivity
 from tests.analysis.synthetic import TraceWriter
 
 
@@ -107,9 +107,12 @@ def test_a_sync_that_no_longer_blocks_lets_the_host_run_ahead(tmp_path):
     assert after.total_us == pytest.approx(2100.0 - 1004.0, abs=1.0)
 
 
-def test_calibration_finds_the_host_scale(tmp_path):
+def test_calibration_finds_the_profilers_cost_per_event(tmp_path):
     trace = host_bound(tmp_path)
     timeline = trace.timeline
     found = calibrate(timeline, 250.0)  # the unprofiled step took half as long
-    assert found.scale == pytest.approx(0.5, abs=0.02) and not found.hidden_host
-    assert calibrate(gpu_bound(tmp_path).timeline, 2000.0).scale == 1.0  # profiled was not slower
+    # one recorded op in each 50 µs gap between launches: 25 µs of profiler cost per event halves the host
+    assert found.host.per_event_us == pytest.approx(25.0, abs=1.5) and not found.hidden_host
+    assert 0.4 < found.host_share < 0.5  # the launch calls' own few µs go down to their floor as well
+    assert timeline.replay(host=found.host).total_us == pytest.approx(250.0, rel=0.01)
+    assert calibrate(gpu_bound(tmp_path).timeline, 2000.0).host == HostCost()  # profiled was not slower
