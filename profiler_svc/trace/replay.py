@@ -369,7 +369,7 @@ class Timeline:
         if change.tightened:
             rows = self.rows_of_kernels(list(change.tightened))
             gpu_gap[rows] = np.minimum(gpu_gap[rows], self.typical_gap)
-        host = np.empty(n)        # replayed start of each host call
+        called = np.empty(n)      # replayed start of each host call
         arrival = np.full(len(dur), -np.inf)
         launched = self.gpu_launch >= 0
         ends = np.full(len(dur), np.nan)
@@ -392,27 +392,27 @@ class Timeline:
             own_before = np.empty(hi - lo)  # the own time of the calls before each in the segment
             own_before[0] = 0.0
             np.cumsum(own[lo:hi - 1], out=own_before[1:])
-            host[lo:hi] = clock + np.cumsum(gaps[lo:hi]) + own_before
+            called[lo:hi] = clock + np.cumsum(gaps[lo:hi]) + own_before
             in_seg = np.sort(by_launch[cuts[seg]:np.searchsorted(launch_sorted, hi, side="left")])
-            arrival[in_seg] = np.where(alive[in_seg], host[self.gpu_launch[in_seg]] + offset[in_seg], -np.inf)
+            arrival[in_seg] = np.where(alive[in_seg], called[self.gpu_launch[in_seg]] + offset[in_seg], -np.inf)
             self._run_streams(in_seg, arrival, dur, gpu_gap, ends, free)
             computed[in_seg] = True
             if len(in_seg):
                 done = max(done, ends[in_seg].max())
             last = hi - 1
             if seg < len(syncs) and last == syncs[seg]:
-                returned = max(host[last] + own[last], done + self.sync_post[last])
-                wait_total += max(0.0, returned - (host[last] + own[last]))
+                returned = max(called[last] + own[last], done + self.sync_post[last])
+                wait_total += max(0.0, returned - (called[last] + own[last]))
                 clock = returned
             else:
-                clock = host[last] + own[last]
+                clock = called[last] + own[last]
         # activities without a launch we can see (another thread's: gloo's copies) keep their measured start,
         # unless the collectives they serve no longer hold anything up
         rest = ~computed
         arrival[rest & ~launched] = -np.inf if change.no_collective_wait else self.gpu_start[rest & ~launched]
         self._run_streams(np.flatnonzero(rest), arrival, dur, gpu_gap, ends, free)
         host_end = clock + tail_gap
-        return self._result(host, ends, dur, alive, host_end, wait_total)
+        return self._result(called, ends, dur, alive, host_end, wait_total)
 
     @cached_property
     def _launch_order(self) -> tuple:
