@@ -105,25 +105,28 @@ def capture_case(family, size, mode, smoke, path):
             cap.step()
 
 
-def run_case(family, size, mode, args):
+def capture_in_child(target, args, path):
+    """target(*args) in a spawned process, which writes the trace at PATH: after a profiling session Kineto
+    leaves CUPTI attached and every launch in the process dearer (H100: ~11 -> ~14 µs), which would bias an
+    A/B run in the same process towards host savings."""
     import multiprocessing
-
-    import profiler_svc
-    from profiler_svc.recommendations import recommend
-    train = mode == "train"
-    # The trace is kept beside the results: the analyser's prediction can be recomputed from it without a GPU.
-    # It is captured in a child process: after a profiling session Kineto leaves CUPTI attached and every
-    # launch in the process dearer (H100: ~11 -> ~14 µs), which would bias the A/B towards host savings.
-    traces = os.path.join(args.out, "traces")
-    os.makedirs(traces, exist_ok=True)
-    model, inputs, step, tokens = make_case(family, size, mode, args.smoke)
-    path = os.path.join(traces, f"{family}_{tokens}_{mode}.json.gz")
-    child = multiprocessing.get_context("spawn").Process(target=capture_case,
-                                                         args=(family, size, mode, args.smoke, path))
+    child = multiprocessing.get_context("spawn").Process(target=target, args=args)
     child.start()
     child.join()
     if child.exitcode != 0 or not os.path.exists(path):
         raise RuntimeError(f"the capture process failed (exit {child.exitcode})")
+
+
+def run_case(family, size, mode, args):
+    import profiler_svc
+    from profiler_svc.recommendations import recommend
+    train = mode == "train"
+    # The trace is kept beside the results: the analyser's prediction can be recomputed from it without a GPU.
+    traces = os.path.join(args.out, "traces")
+    os.makedirs(traces, exist_ok=True)
+    model, inputs, step, tokens = make_case(family, size, mode, args.smoke)
+    path = os.path.join(traces, f"{family}_{tokens}_{mode}.json.gz")
+    capture_in_child(capture_case, (family, size, mode, args.smoke, path), path)
     case = {"family": family, "size": size, "tokens": tokens, "mode": mode}
     report = recommend(path)
     swaps = report.swaps() or (["rms_norm"] if args.smoke else [])  # a CPU trace has no kernels to name swaps
