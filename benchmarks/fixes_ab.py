@@ -21,7 +21,7 @@ import os
 
 import torch
 
-from predict_vs_ab import capture_in_child, run_cases
+from predict_vs_ab import capture_in_child, capture_step, run_cases
 
 CASES = {
     # case: (fix, family config, dtype, batch (tokens, or images for torchvision models), attention, with optimizer)
@@ -102,17 +102,10 @@ def build(name, smoke):
 
 def capture_case(name, smoke, path):
     """Capture case NAME's step (in a child process: see predict_vs_ab.capture_in_child)."""
-    import profiler_svc
     torch.backends.cuda.matmul.allow_tf32 = False  # PyTorch's default; the tf32 case measures turning it on
     torch.backends.cudnn.benchmark = False
     model, inputs, loss_fn, optimizer, _ = build(name, smoke)
-    step = make_step(model, inputs, loss_fn, optimizer)
-    for _ in range(3):
-        step()
-    with profiler_svc.capture(model, out=path, active=2, upload=False) as cap:
-        for _ in range(8):
-            step()
-            cap.step()
+    capture_step(model, make_step(model, inputs, loss_fn, optimizer), path)
 
 
 def make_step(model, inputs, loss_fn, optimizer):

@@ -93,16 +93,21 @@ def make_case(family, size, mode, smoke):
     return model, inputs, step_function(model, inputs, train), f"{batch}x{seq}"
 
 
-def capture_case(family, size, mode, smoke, path):
-    """Capture the step (in a child process: see run_case)."""
+def capture_step(model, step, path):
+    """Three warm-up steps, then eight under profiler_svc.capture (two recorded) into PATH."""
     import profiler_svc
-    model, _, step, _ = make_case(family, size, mode, smoke)
     for _ in range(3):
         step()
     with profiler_svc.capture(model, out=path, active=2, upload=False) as cap:
         for _ in range(8):
             step()
             cap.step()
+
+
+def capture_case(family, size, mode, smoke, path):
+    """Capture the step (in a child process: see capture_in_child)."""
+    model, _, step, _ = make_case(family, size, mode, smoke)
+    capture_step(model, step, path)
 
 
 def capture_in_child(target, args, path):
