@@ -4,11 +4,15 @@ under 1 s cold to the browser's load event).
     python benchmarks/run_page.py [--trace BIG.json.gz] [--events 1000000] [--database-url URL] [--out FILE]
 
 Without --trace, tiles tests/data/qwen2_bf16_decode.json.gz (a real H200 decode trace) to about --events
-events with benchmarks/tile_trace.py. Ingests it once (timed: analysis + storage), then serves the app through
-a real HTTP server (Werkzeug, threaded) and measures every view:
+events with benchmarks/tile_trace.py. Ingests it once (timed: analysis + storage), plus what the other views
+need to draw their charts: the untiled source trace (compare: source against the big run) and a real H100
+A/B result (benchmarks/results/ab_llama.json) stored as a done job of the big run (the job page's violins).
+Then serves the app through a real HTTP server (Werkzeug, threaded) and measures every view (runs, run,
+modules, timeline, compare, jobs, job):
 - server: the median and max of --repeat requests, and the bytes sent gzip-compressed and not;
 - browser (when Playwright and chromium are installed): time to the load event with a cold cache (a new
-  browser context: Plotly and the static files fetched) and warm (the same context, reloaded).
+  browser context: Plotly and the static files fetched) and warm (the same context, reloaded); the median
+  of --browser-repeat fresh contexts.
 Work files go to .bench/run_page/; --out writes the figures as JSON (benchmarks/results/ keeps histories).
 """
 import argparse
@@ -28,14 +32,48 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
+SOURCE = ROOT / "tests/data/qwen2_bf16_decode.json.gz"
+AB_RESULTS = ROOT / "benchmarks/results/ab_llama.json"
+
+
 def make_trace(out: Path, events: int) -> Path:
     from tile_trace import tile
     if out.exists():
         return out
-    source = json.loads(gzip.decompress((ROOT / "tests/data/qwen2_bf16_decode.json.gz").read_bytes()))
+    source = json.loads(gzip.decompress(SOURCE.read_bytes()))
     with gzip.open(out, "wt", compresslevel=3) as f:
         json.dump(tile(source, events), f)
     return out
+
+
+def ab_job(engine, run_id: int) -> int:
+    """A done A/B job of the run holding a real GPU result (timing: the job page draws its violins); stored
+    once."""
+    from sqlalchemy import select
+
+    from profiler_svc.storage import save_ab_result
+    from profiler_svc.storage.db import session_scope
+    from profiler_svc.storage.models import ABJob
+
+    with session_scope(engine) as session:
+        job = session.scalars(select(ABJob.id).where(ABJob.run_id == run_id)).first()
+    if job is not None:
+        return job
+
+    def first_result(o):
+        if isinstance(o, dict):
+            if {"verdict", "device", "timing"} <= o.keys() and o["timing"]:
+                return o
+            o = list(o.values())
+        for v in o if isinstance(o, list) else []:
+            found = first_result(v)
+            if found:
+                return found
+        return None
+
+    result = first_result(json.loads(AB_RESULTS.read_text()))
+    return save_ab_result(result, workload="benchmarks/ab_llama.py", run_id=run_id, engine=engine,
+                          source="sample", worker=f"{result['device']} ({AB_RESULTS.name})")
 
 
 def fetch(url: str, gzip_ok: bool = True) -> tuple[float, int]:
@@ -59,8 +97,9 @@ def server_times(base: str, paths: list[str], repeat: int) -> dict:
     return out
 
 
-def browser_times(base: str, paths: list[str]) -> dict:
-    """Load-event times in headless chromium: cold (new context, empty cache) and warm (reload)."""
+def browser_times(base: str, paths: list[str], repeat: int = 1) -> dict:
+    """Load-event times in headless chromium: cold (new context, empty cache) and warm (reload); each the
+    median of `repeat` new contexts."""
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
@@ -76,20 +115,29 @@ def browser_times(base: str, paths: list[str]) -> dict:
     out = {}
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium, args=["--headless", "--no-sandbox", "--disable-gpu"])
+        out["chromium"] = browser.version
         for path in paths:
-            context = browser.new_context(viewport={"width": 1400, "height": 1000})
-            page = context.new_page()
-            page.goto(base + path, wait_until="load")
-            cold, paint = page.evaluate(load_ms), page.evaluate(paint_ms)
-            page.wait_for_function(charts_drawn)
-            charts = page.evaluate("performance.now()")
-            page.reload(wait_until="load")
-            warm = page.evaluate(load_ms)
-            context.close()
+            trials = []
+            for _ in range(repeat):
+                context = browser.new_context(viewport={"width": 1400, "height": 1000})
+                page = context.new_page()
+                page.on("pageerror", lambda exc, path=path: print(f"browser {path}: page error: {exc}"))
+                page.goto(base + path, wait_until="load")
+                cold, paint = page.evaluate(load_ms), page.evaluate(paint_ms)
+                page.wait_for_function(charts_drawn)
+                charts = page.evaluate("performance.now()")
+                page.reload(wait_until="load")
+                warm = page.evaluate(load_ms)
+                context.close()
+                trials.append((cold, paint, charts, warm))
+            # chromium reports no first contentful paint when the load event came first
+            cold, paint, charts, warm = (statistics.median(v) if (v := [t[i] for t in trials if t[i] is not None])
+                                         else None for i in range(4))
             out[path] = {"cold_load_ms": round(cold, 1), "cold_first_paint_ms": paint and round(paint, 1),
-                         "cold_charts_drawn_ms": round(charts, 1), "warm_load_ms": round(warm, 1)}
-            print(f"browser {path}: cold: first paint {paint or 0:.0f} ms, load event {cold:.0f} ms, charts drawn "
-                  f"by {charts:.0f} ms; warm load event {warm:.0f} ms")
+                         "cold_charts_drawn_ms": round(charts, 1), "warm_load_ms": round(warm, 1),
+                         "trials": repeat}
+            print(f"browser {path}: cold: first paint {f'{paint:.0f} ms' if paint else '–'}, load event {cold:.0f} ms, "
+                  f"charts drawn by {charts:.0f} ms; warm load event {warm:.0f} ms (medians of {repeat})")
         browser.close()
     return out
 
@@ -100,6 +148,7 @@ def main() -> int:
     parser.add_argument("--events", type=int, default=1_000_000)
     parser.add_argument("--database-url")
     parser.add_argument("--repeat", type=int, default=30)
+    parser.add_argument("--browser-repeat", type=int, default=3, help="new browser contexts per view (median)")
     parser.add_argument("--no-browser", action="store_true", help="server timings only")
     parser.add_argument("--out", type=Path, help="write the figures here as JSON")
     args = parser.parse_args()
@@ -122,6 +171,8 @@ def main() -> int:
     start = time.perf_counter()
     [result] = ingest_path(engine, trace, blobs=BlobStore(work / "blobs"))
     ingest_s = time.perf_counter() - start
+    [other] = ingest_path(engine, SOURCE, blobs=BlobStore(work / "blobs"), name="compare: the untiled source")
+    job_id = ab_job(engine, result.run_id)
 
     app = create_app({"DATABASE_URL": url, "BLOB_DIR": str(work / "blobs"), "PUBLIC_READ": True})  # reads open
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # no line per request
@@ -136,13 +187,13 @@ def main() -> int:
     print(f"ingest: {ingest_s:.1f} s ({'already stored' if result.duplicate else 'analysis + storage'})")
     print(f"database: {engine.url.render_as_string(hide_password=True)}")
     views = ["/", f"/runs/{run_id}", f"/runs/{run_id}/modules", f"/runs/{run_id}/timeline",
-             f"/compare?a={run_id}&b={run_id}", "/jobs"]
+             f"/compare?a={other.run_id}&b={run_id}", "/jobs", f"/jobs/{job_id}"]
     figures = {"trace": str(trace), "events": run_json["summary"]["event_count"],
                "kernels": run_json["summary"]["kernel_count"], "ingest_s": round(ingest_s, 2),
                "database": engine.dialect.name,
                "server": server_times(base, views + [f"/api/v1/runs/{run_id}", f"/api/v1/runs/{run_id}/timeline"],
                                       args.repeat),
-               "browser": {} if args.no_browser else browser_times(base, views)}
+               "browser": {} if args.no_browser else browser_times(base, views, args.browser_repeat)}
     server.shutdown()
     if args.out:
         args.out.write_text(json.dumps(figures, indent=2) + "\n")

@@ -18,7 +18,7 @@ from . import db
 
 bp = Blueprint("auth", __name__)
 
-OPEN_ENDPOINTS = {"static", "pages.plotly_js", "auth.signin", "auth.signout"}
+OPEN_ENDPOINTS = {"static", "auth.signin", "auth.signout"}
 READ_METHODS = ("GET", "HEAD", "OPTIONS")
 ENV_TOKEN_ID = "env"  # the session's token is the operator's PROFILER_SVC_TOKEN
 

@@ -1,10 +1,9 @@
 """HTML pages. Each renders the same dict the JSON API returns for it, as the analyser stored it."""
-import gzip
 import hashlib
 from functools import lru_cache
 from pathlib import Path
 
-from flask import Blueprint, Response, redirect, render_template, request, url_for
+from flask import Blueprint, redirect, render_template, request, url_for
 
 from ..errors import UserError
 from ..formats import fmt_us
@@ -18,6 +17,11 @@ bp = Blueprint("pages", __name__)
 
 RUNS_PER_PAGE = 100
 STATIC = Path(__file__).parent / "static"
+# The Plotly that chart pages load (the others load none), vendored (no CDN: works inside air-gapped clusters):
+# plotly.js with only the traces app.js draws, scatter, bar and violin (the waterfall is drawn with bars), built by
+# static/vendor/build-plotly.sh. 1.2 MB, 0.4 MB compressed; chromium runs it in a sixth of the time the full
+# 4.8 MB bundle takes, a third of the prebuilt cartesian one's (benchmarks/results/run_page.md).
+PLOTLY_JS = "vendor/plotly-custom.min.js"
 # Versioned URLs (?v=content hash) never change content, so browsers may keep them for a year.
 IMMUTABLE = "public, max-age=31536000, immutable"
 
@@ -25,7 +29,10 @@ IMMUTABLE = "public, max-age=31536000, immutable"
 @bp.record_once
 def _setup(state):
     app = state.app
-    try:  # compress pages, JSON and static files (plotly is served pre-compressed below)
+    # Compress pages, JSON and static files. Static files are streamed, so flask-compress encodes them as they go
+    # with zstd, br or deflate (its streaming choices): Plotly in about 15 ms (zstd) to 40 ms (br), once per browser,
+    # which keeps the versioned URL for a year.
+    try:
         from flask_compress import Compress
         app.config.setdefault("COMPRESS_ALGORITHM", ["gzip"])
         app.config.setdefault("COMPRESS_MIMETYPES", ["text/html", "text/css", "text/javascript",
@@ -49,7 +56,7 @@ def _static_version(filename: str) -> str:
 
 
 def _cache_versioned(response):
-    if request.args.get("v") and response.status_code == 200 and request.endpoint in ("static", "pages.plotly_js"):
+    if request.args.get("v") and response.status_code == 200 and request.endpoint == "static":
         response.headers["Cache-Control"] = IMMUTABLE
     return response
 
@@ -127,30 +134,8 @@ def compare():
     return render_template("compare.html", cmp=data, runs=runs)
 
 
-@bp.get("/vendor/plotly.min.js")
-def plotly_js():
-    # The copy bundled in the installed plotly package: no CDN, works inside air-gapped clusters.
-    # 4.8 MB, 1.4 MB gzipped: compressed once per process, not per request.
-    body, digest = _plotly_gzip()
-    accepts_gzip = "gzip" in request.headers.get("Accept-Encoding", "")
-    response = Response(body if accepts_gzip else gzip.decompress(body), mimetype="text/javascript")
-    if accepts_gzip:
-        response.headers["Content-Encoding"] = "gzip"
-    response.headers["Vary"] = "Accept-Encoding"
-    response.headers["Cache-Control"] = IMMUTABLE if request.args.get("v") else "public, max-age=86400"
-    response.set_etag(digest)
-    return response.make_conditional(request)
-
-
-@lru_cache(maxsize=1)
-def _plotly_gzip() -> tuple[bytes, str]:
-    import plotly
-    raw = (Path(plotly.__file__).parent / "package_data" / "plotly.min.js").read_bytes()
-    return gzip.compress(raw, compresslevel=6, mtime=0), hashlib.sha256(raw).hexdigest()[:12]
-
-
 def plotly_url() -> str:
-    return url_for("pages.plotly_js", v=_plotly_gzip()[1])
+    return static_url(PLOTLY_JS)
 
 
 bp.add_app_template_global(plotly_url, "plotly_url")

@@ -89,7 +89,7 @@ def test_run_page_answers_first_then_ab_request(server, page):
     page.wait_for_url(f"**/runs/{runs['llama']}")
     # the answer fits the first screen: the step, the step after all fixes, the waterfall, the first finding
     page.wait_for_selector("#waterfall-chart .main-svg")
-    assert page.locator("#waterfall-chart .bars path, #waterfall-chart .point path").count() >= 3
+    assert_waterfall(page)
     assert page.locator("#predicted-step").bounding_box()["y"] < 400
     first = page.locator("details.finding").first
     assert first.get_attribute("open") is not None
@@ -110,6 +110,26 @@ def test_run_page_answers_first_then_ab_request(server, page):
     assert page.locator("#job-status").inner_text() == "queued"
     assert swap in page.content()
     assert page.errors == [] and page.dialogs == []
+
+
+def assert_waterfall(page):
+    """The waterfall (floating bars: the vendored Plotly has no waterfall trace): the step now, one bar per fix
+    from where the bar before it ended to the step after that fix, and the step after all fixes."""
+    fixes = page.evaluate("JSON.parse(document.getElementById('waterfall-data').textContent).waterfall")
+    bars = page.evaluate("[...document.querySelectorAll('#waterfall-chart .bars .point path')]"
+                         ".map(p => { const b = p.getBBox(); return {x: b.x, y: b.y, right: b.x + b.width}; })")
+    assert len(bars) == len(fixes) + 2 and len(fixes) >= 2 and all(f["saving_us_per_step"] > 0 for f in fixes)
+    assert [b["y"] for b in bars] == sorted(b["y"] for b in bars)  # top to bottom
+    ends = [bars[0]["right"]] + [b["x"] for b in bars[1:-1]]  # the step after each bar, in px
+    for before, bar in zip(ends, bars[1:-1]):
+        assert bar["right"] == pytest.approx(before, abs=1)
+    assert bars[-1]["x"] == bars[0]["x"] and bars[-1]["right"] == pytest.approx(ends[-1], abs=1)
+    px_per_us = (bars[0]["right"] - bars[0]["x"]) / page.evaluate(
+        "JSON.parse(document.getElementById('waterfall-data').textContent).step_us")
+    assert [(b["right"] - b["x"]) / px_per_us for b in bars[1:-1]] == pytest.approx(
+        [f["saving_us_per_step"] for f in fixes], abs=1.5 / px_per_us)
+    labels = page.evaluate("[...document.querySelectorAll('#waterfall-chart .bars .point text')].map(t => t.textContent)")
+    assert len(labels) == len(bars) and all(t.startswith("−") for t in labels[1:-1])  # what each fix saves
 
 
 def test_module_view_tree_opens_and_closes(server, page):
@@ -140,6 +160,9 @@ def test_timeline_zooms_and_links_perfetto(server, page):
     assert page.locator("#timeline-chart .scatterlayer .trace").count() >= 3
     lanes = page.evaluate("document.getElementById('timeline-chart').data.map(t => t.name)")
     assert lanes[0] == "CPU launches" and lanes[-1] == "GPU idle" and any(n.startswith("dev ") for n in lanes)
+    # one SVG path per lane however many segments (a path per segment took half the page's time on a big trace)
+    assert page.locator("#timeline-chart .scatterlayer .js-fill").count() == len(lanes)
+    assert page.locator("#timeline-chart .scatterlayer .js-line").count() == 0
     drag = page.locator("#timeline-chart .nsewdrag").first
     box = drag.bounding_box()
     before = page.evaluate("document.getElementById('timeline-chart').layout.xaxis.range.slice()")

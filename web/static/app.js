@@ -33,27 +33,36 @@ const baseLayout = {
 const config = {displaylogo: false, responsive: true};
 
 // The step now, what each fix buys on top of the ones before it (the analyser's replay), the step after all.
+// A waterfall drawn with floating bars (a bar's `base`) and connector lines: the vendored Plotly has no waterfall
+// trace (web/pages.py PLOTLY_JS).
 function drawWaterfall() {
   const prediction = pageData("waterfall-data");
   const element = document.getElementById("waterfall-chart");
   if (!prediction || !element || typeof Plotly === "undefined") return;
   const steps = prediction.waterfall;
   const labels = ["step now"].concat(steps.map((s, i) => `${i + 1}. ${escapeText(shorten(s.title, 60))}`), ["after all fixes"]);
-  const values = [prediction.step_us / 1000].concat(steps.map(s => -s.saving_us_per_step / 1000), [0]);
+  const y = labels.map((l, i) => i);
+  // the step time (µs) before each bar and after it: a fix's bar spans the two, the first and last start at 0
+  const before = [0, prediction.step_us].concat(steps.map(s => s.step_us_after));
+  const after = [prediction.step_us].concat(steps.map(s => s.step_us_after), [prediction.step_us_after]);
+  before[before.length - 1] = 0;
+  const colors = after.map((a, i) => i === 0 || i === labels.length - 1 ? "#3b6ea8" : a <= before[i] ? "#2ca02c" : "#d62728");
   const hover = [`step now: ${fmtUs(prediction.step_us)}`].concat(
     steps.map(s => `${escapeText(shorten(s.title, 120))}<br>saves ${fmtUs(s.saving_us_per_step)} per step → ${fmtUs(s.step_us_after)}`),
     [`after all fixes: ${fmtUs(prediction.step_us_after)} (${prediction.saving_pct.toFixed(1)} % faster)`]);
+  const gap = 0.2, half = (1 - gap) / 2;
+  // a line from each bar's end to the next bar
+  const connectors = after.slice(0, -1).map((x, i) => ({type: "line", xref: "x", yref: "y", x0: x / 1000, x1: x / 1000,
+    y0: i + half, y1: i + 1 - half, line: {color: "#bbb", width: 2}, layer: "below"}));
   Plotly.newPlot(element, [{
-    type: "waterfall", orientation: "h", y: labels.map((l, i) => i), x: values,
-    measure: ["absolute"].concat(steps.map(() => "relative"), ["total"]),
-    text: values.map((v, i) => i === 0 ? fmtUs(prediction.step_us) : i === values.length - 1 ? fmtUs(prediction.step_us_after)
-                                        : "−" + fmtUs(steps[i - 1].saving_us_per_step)),
-    textposition: "outside", hovertext: hover, hoverinfo: "text", cliponaxis: false,
-    decreasing: {marker: {color: "#2ca02c"}}, totals: {marker: {color: "#3b6ea8"}}, increasing: {marker: {color: "#d62728"}},
-    connector: {line: {color: "#bbb"}},
-  }], {...baseLayout, margin: {...baseLayout.margin, l: 380, r: 80}, height: 70 + 28 * labels.length,
-       xaxis: {title: {text: "step time (ms)"}, rangemode: "tozero"},
-       yaxis: {tickvals: labels.map((l, i) => i), ticktext: labels, autorange: "reversed", fixedrange: true, automargin: true}},
+    type: "bar", orientation: "h", y,
+    base: before.map(b => b / 1000), x: after.map((a, i) => (a - before[i]) / 1000), marker: {color: colors, line: {color: colors, width: 2}},
+    text: labels.map((l, i) => i === 0 ? fmtUs(prediction.step_us) : i === labels.length - 1 ? fmtUs(prediction.step_us_after)
+                                : "−" + fmtUs(steps[i - 1].saving_us_per_step)),
+    textposition: "outside", hovertext: hover, hoverinfo: "text", cliponaxis: false, showlegend: false,
+  }], {...baseLayout, margin: {...baseLayout.margin, l: 380, r: 80}, height: 70 + 28 * labels.length, bargap: gap,
+       shapes: connectors, xaxis: {title: {text: "step time (ms)"}, rangemode: "tozero"},
+       yaxis: {tickvals: y, ticktext: labels, autorange: "reversed", fixedrange: true, automargin: true}},
     config);
 }
 
@@ -76,16 +85,20 @@ function drawBreakdown() {
        xaxis: {title: {text: "ms per step"}}, yaxis: {fixedrange: true}, legend: {orientation: "h", y: -0.6}}, config);
 }
 
-// One scatter line per row, segments separated by nulls: a single SVG path however many segments.
-function segmentsTrace(name, starts, ends, color, width, hover) {
+// One row of the timeline: its segments as rectangles from y = row - half to row + half, separated by nulls,
+// filled. Plotly draws a trace's fill as one SVG path however many segments (as lines it draws a path per
+// segment: 3000 for a big trace, half of the page's time); hover is on the segments' corners, with their text.
+function segmentsTrace(name, row, half, starts, ends, color, hover) {
   const x = [], y = [], text = [];
+  const low = row - half, high = row + half;
   for (let i = 0; i < starts.length; i++) {
-    x.push(starts[i] / 1000, ends[i] / 1000, null);
-    y.push(name, name, null);
-    text.push(hover(i), hover(i), null);
+    const s = starts[i] / 1000, e = ends[i] / 1000, label = hover(i);
+    x.push(s, e, e, s, null);
+    y.push(low, low, high, high, null);
+    text.push(label, label, label, label, null);
   }
-  return {type: "scatter", mode: "lines", x, y, text, hoverinfo: "text", name,
-          line: {color, width}, showlegend: false};
+  return {type: "scatter", mode: "none", fill: "toself", fillcolor: color, hoveron: "points", x, y, text,
+          hoverinfo: "text", name, showlegend: false};
 }
 
 // The analyser's explanation of a gap (cause, next op, host ops), matched by where the gap starts.
@@ -101,26 +114,31 @@ function drawTimeline() {
   const timeline = pageData("timeline-data");
   const element = document.getElementById("timeline-chart");
   if (!timeline || !element || typeof Plotly === "undefined") return;
-  const traces = timeline.streams.map(s => segmentsTrace(
-    `dev ${s.device} · stream ${s.stream}`, s.start, s.end, "#3b6ea8", 14,
+  const rows = timeline.streams.map(s => [
+    `dev ${s.device} · stream ${s.stream}`, s.start, s.end, "#3b6ea8",
     i => `${s.count[i]} kernel(s), busy ${fmtUs(s.busy_us[i])}<br>` +
-         `${(s.start[i] / 1000).toFixed(3)}–${(s.end[i] / 1000).toFixed(3)} ms`));
+         `${(s.start[i] / 1000).toFixed(3)}–${(s.end[i] / 1000).toFixed(3)} ms`]);
   const launches = timeline.launches;
   if (launches && launches.start.length) {
-    traces.unshift(segmentsTrace("CPU launches", launches.start, launches.end, "#8c8c8c", 14,
+    rows.unshift(["CPU launches", launches.start, launches.end, "#8c8c8c",
       i => `${launches.count[i]} launch call(s), ${fmtUs(launches.busy_us[i])} on the CPU<br>` +
-           `${(launches.start[i] / 1000).toFixed(3)}–${(launches.end[i] / 1000).toFixed(3)} ms`));
+           `${(launches.start[i] / 1000).toFixed(3)}–${(launches.end[i] / 1000).toFixed(3)} ms`]);
   }
   const gaps = timeline.gaps || {start: [], end: []};
   if (gaps.start.length) {
-    traces.push(segmentsTrace("GPU idle", gaps.start, gaps.end, "#d62728", 14,
+    rows.push(["GPU idle", gaps.start, gaps.end, "#d62728",
       i => `GPU idle ${fmtUs(gaps.end[i] - gaps.start[i])} at ${(gaps.start[i] / 1000).toFixed(3)} ms` +
-           gapExplanation(timeline.causes, gaps.start[i], gaps.end[i])));
+           gapExplanation(timeline.causes, gaps.start[i], gaps.end[i])]);
   }
+  const height = 80 + 40 * rows.length, plotHeight = height - baseLayout.margin.t - baseLayout.margin.b;
+  const half = 7 * rows.length / plotHeight;  // rows 14 px high
+  const traces = rows.map(([name, starts, ends, color, hover], row) => segmentsTrace(name, row, half, starts, ends, color, hover));
   Plotly.newPlot(element, traces, {
-    ...baseLayout, margin: {...baseLayout.margin, l: 140}, height: 80 + 40 * traces.length,
+    ...baseLayout, margin: {...baseLayout.margin, l: 140}, height,
     xaxis: {title: {text: "time (ms)"}, zeroline: false},
-    yaxis: {fixedrange: true, autorange: "reversed"}, dragmode: "zoom", hovermode: "closest",
+    yaxis: {tickvals: rows.map((r, i) => i), ticktext: rows.map(r => r[0]), range: [rows.length - 0.5, -0.5],
+            fixedrange: true, zeroline: false},
+    dragmode: "zoom", hovermode: "closest",
   }, config);
 }
 
