@@ -45,7 +45,7 @@ def swap_applies(tree, swap: str, module: str) -> Optional[bool]:
 
 
 @functools.lru_cache(maxsize=1)
-def _costs() -> dict:
+def _costs_file() -> dict:
     directory = _kernels_dir()
     if directory is None:
         return {}
@@ -54,13 +54,35 @@ def _costs() -> dict:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
-    return data.get("swaps", {}) if isinstance(data, dict) else {}
+    return data if isinstance(data, dict) else {}
 
 
-def swap_host_cost(swap: str, backward: bool) -> Optional[float]:
+def _costs() -> dict:
+    return _costs_file().get("swaps", {})
+
+
+def _triton_path_cost(swap: str) -> Optional[dict]:
+    """{"forward_us", "forward_backward_us"} of the swap's Triton path against the eager module, for a call
+    that its native dispatch does not take (a Gemma (1 + w) norm): the crossover sweep's "ours" (dispatch
+    off) at its smallest row count that the eager module was also measured at."""
+    crossover = _costs_file().get("native_crossover", {}).get(swap, {}).get("by_rows", {})
+    eager_rows = _costs().get(swap, {}).get("host_us_by_rows", {})
+    common = sorted((r for r in crossover if r in eager_rows), key=int)
+    if not common:
+        return None
+    ours, eager = crossover[common[0]].get("ours"), eager_rows[common[0]].get("eager", {})
+    try:
+        return {"forward_us": ours[0] - eager["forward"], "forward_backward_us": ours[1] - eager["forward_backward"]}
+    except (TypeError, KeyError, IndexError):
+        return None
+
+
+def swap_host_cost(swap: str, backward: bool, native_path: bool = True) -> Optional[float]:
     """Host µs per call that SWAP adds over the eager module it replaces (negative: saves), for the forward
-    or for the backward; None where the registry has no measurement."""
-    entry = _costs().get(swap)
+    or for the backward; None where the registry has no measurement. native_path=False: a call the swap's
+    dispatch to torch's native op does not take (its Triton path's cost, where that was measured)."""
+    entry = None if native_path else _triton_path_cost(swap)
+    entry = entry or _costs().get(swap)
     if not isinstance(entry, dict):
         return None
     forward, both = entry.get("forward_us"), entry.get("forward_backward_us")

@@ -443,12 +443,14 @@ def _change(trace, swap, group, fused_times) -> tuple[Change, str]:
     op did."""
     changes = []
     note = ""
+    # Gemma's (1 + w) norm (a second add in its forward) is one the rms_norm swap cannot hand to F.rms_norm
+    native_path = not (swap == "rms_norm" and _offset_norm(trace, group))
     for chain, fused_us in zip(group, fused_times):
         rows = [r.Index for r in chain.rows]
         if swap:
             # the registry's measured host cost per call, relative to the eager module (unknown: the same)
             one = fused(trace, rows, fused_us, host=False)
-            cost = swap_host_cost(swap, chain.backward)
+            cost = swap_host_cost(swap, chain.backward, native_path)
             if cost:
                 one.host_added = [(float(chain.rows[0].ts), cost)]
         else:
@@ -457,6 +459,20 @@ def _change(trace, swap, group, fused_times) -> tuple[Change, str]:
     if swap and swap_host_cost(swap, False) is None:
         note = f" The `{swap}` swap's host cost per call is not measured: taken as the eager module's."
     return Change.union(changes), note
+
+
+def _offset_norm(trace, group) -> bool:
+    """An RMSNorm that scales by (1 + w): its forward chain adds to a 1-d tensor (1 to the weight), where a
+    plain one adds only eps to the [.., 1] variance (and a residual add is as wide as the activations)."""
+    for chain in group:
+        if chain.backward:
+            continue
+        for r in chain.rows:
+            if op_kind(r.top_op_name) == "aten::add" and r.op >= 0:
+                tensors = trace.op_inputs(r.op).tensors()
+                if tensors and len(tensors[0][0]) == 1:
+                    return True
+    return False
 
 
 def _signature(chain):
