@@ -30,7 +30,7 @@ IMMUTABLE = "public, max-age=31536000, immutable"
 def _setup(state):
     app = state.app
     # Compress pages, JSON and static files. Static files are streamed, so flask-compress encodes them as they go
-    # with zstd, br or deflate (its streaming choices): Plotly in about 15 ms (zstd) to 40 ms (br), once per browser,
+    # with zstd, br or deflate (its streaming choices): Plotly in about 15 ms (zstd) to 25 ms (br), once per browser,
     # which keeps the versioned URL for a year.
     try:
         from flask_compress import Compress
