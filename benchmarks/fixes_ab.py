@@ -71,7 +71,10 @@ SMOKE = {"llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=
 
 
 def build(name, smoke):
-    """(model, inputs, loss_fn, optimizer, size) for case NAME."""
+    """(model, inputs, loss_fn, optimizer, size) for case NAME, with PyTorch's default flags (the tf32 and
+    cudnn_benchmark cases measure turning them on)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.benchmark = False
     _, family, dtype, shape, attention, with_optimizer = CASES[name]
     device = "cpu" if smoke else "cuda"
     dtype = torch.float32 if smoke else dtype
@@ -102,8 +105,6 @@ def build(name, smoke):
 
 def capture_case(name, smoke, path):
     """Capture case NAME's step (in a child process: see predict_vs_ab.capture_in_child)."""
-    torch.backends.cuda.matmul.allow_tf32 = False  # PyTorch's default; the tf32 case measures turning it on
-    torch.backends.cudnn.benchmark = False
     model, inputs, loss_fn, optimizer, _ = build(name, smoke)
     capture_step(model, make_step(model, inputs, loss_fn, optimizer), path)
 
@@ -122,8 +123,6 @@ def make_step(model, inputs, loss_fn, optimizer):
 def run_case(name, args):
     import profiler_svc
     from profiler_svc.recommendations import recommend
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.benchmark = False
     fix, family, dtype = CASES[name][:3]
     model, inputs, loss_fn, optimizer, tokens = build(name, args.smoke)
     os.makedirs(os.path.join(args.out, "traces"), exist_ok=True)

@@ -179,6 +179,9 @@ class Timeline:
         self.host_end_ts = chain["end"].to_numpy(float)
         self.host_rows = chain.index.to_numpy()
         self.is_sync = chain["name"].isin(BLOCKING_CALLS).to_numpy()
+        # where the CPU time before each host call starts: the previous call's return (the first: the step's start)
+        self.gap_starts = np.r_[self.start, self.host_end_ts[:-1]] if len(self.host_ts) else np.zeros(0)
+        self.host_gaps = np.maximum(self.host_ts - self.gap_starts, 0.0)  # the profiled CPU time before each call
         self._count_host_events(trace, chain)
         self._build_gpu(trace, chain)
         self._build_steps()
@@ -190,16 +193,10 @@ class Timeline:
         """CPU ops the profiler recorded in each gap before a host call, and after the last one."""
         cpu = trace.cpu
         ts = np.sort(cpu.loc[cpu["thread"].isin(set(chain["thread"].unique().tolist())), "ts"].to_numpy(float))
-        before = np.r_[self.start, self.host_end_ts[:-1]] if len(self.host_ts) else np.zeros(0)
-        self.gap_events = np.searchsorted(ts, self.host_ts, side="right") - np.searchsorted(ts, before, side="right")
+        self.gap_events = (np.searchsorted(ts, self.host_ts, side="right")
+                           - np.searchsorted(ts, self.gap_starts, side="right"))
         last = self.host_end_ts[-1] if len(self.host_ts) else self.start
         self.tail_events = int(np.searchsorted(ts, self.host_end, side="right") - np.searchsorted(ts, last, side="right"))
-
-    @cached_property
-    def host_gaps(self) -> np.ndarray:
-        """The profiled CPU time before each host call (after the previous one returned)."""
-        before = np.r_[self.start, self.host_end_ts[:-1]] if len(self.host_ts) else np.zeros(0)
-        return np.maximum(self.host_ts - before, 0.0)
 
     def host_share(self, host: HostCost) -> float:
         """The share of the profiled host time (gaps and calls) that HOST keeps."""
@@ -302,8 +299,7 @@ class Timeline:
         if not collectives or not n:
             return
         in_flight = time_covered_by(collectives)
-        before = np.r_[self.start, self.host_end_ts[:-1]]
-        self.gap_wait = np.maximum(in_flight(self.host_ts) - in_flight(before), 0.0)
+        self.gap_wait = np.maximum(in_flight(self.host_ts) - in_flight(self.gap_starts), 0.0)
 
     # -- the replay ----------------------------------------------------------------------------------
     def replay(self, change: Optional[Change] = None, host: HostCost = HostCost()) -> Result:
@@ -321,13 +317,9 @@ class Timeline:
             alive[self.rows_of_kernels(list(change.removed))] = False
             dur[~alive] = 0.0
         # CPU time before each host call (after the previous call returned), and each call's own time
-        gaps = np.empty(n)
-        if n:
-            gaps[0] = self.host_ts[0] - self.start
-            gaps[1:] = self.host_ts[1:] - self.host_end_ts[:-1]
+        gaps = self.host_gaps
         own = self.host_end_ts - self.host_ts
         own = np.where(self.is_sync, self.sync_pre, own)
-        gaps = np.maximum(gaps, 0.0)
         wait = np.minimum(self.gap_wait, gaps) if not change.no_collective_wait else np.zeros(n)
         cpu_time = gaps - np.minimum(self.gap_wait, gaps)
         gap_kept = host.kept(cpu_time, self.gap_events)
@@ -337,8 +329,7 @@ class Timeline:
         if change.host_removed:
             # the removed CPU time inside each gap and each call, from the measure of the removed intervals
             removed_until = time_covered_by(change.host_removed)
-            before = np.r_[self.start, self.host_end_ts[:-1]] if n else np.zeros(0)
-            gaps -= (removed_until(self.host_ts) - removed_until(before)) * gap_kept
+            gaps -= (removed_until(self.host_ts) - removed_until(self.gap_starts)) * gap_kept
             own -= np.where(self.is_sync, 0.0, removed_until(self.host_end_ts) - removed_until(self.host_ts)) * own_kept
             own = np.maximum(own, 0.0)
         if change.host_added:
