@@ -306,13 +306,18 @@ class _Step:
             self.optimizer.step()
         return out, loss
 
+    def fresh(self, model, call):
+        """One timed step, as a loop with zero_grad(set_to_none=True) runs it: the previous step's
+        gradients are neither accumulated into nor this step's memory."""
+        for _, p in self.named_params:
+            p.grad = None
+        return self(model, call)
+
     def run_once(self, model, call, seed) -> dict[str, torch.Tensor]:
         """One step from a fixed seed and no gradients: its outputs (in training also the loss and every
         parameter's gradient, and after an optimizer step every parameter's new value) by name."""
         torch.manual_seed(seed)  # the same dropout masks / random ops in every run
-        for _, p in self.named_params:
-            p.grad = None
-        out, loss = self(model, call)
+        out, loss = self.fresh(model, call)
         found = parity.flatten(out, "output")
         if self.train:
             found["loss"] = loss.detach()
@@ -365,7 +370,7 @@ def _prediction(prediction, timing) -> dict | None:
 def _timed_rounds(model, step, variants, state, device, rounds, warmup):
     """Interleaved rounds, each A B B A (B A A B on odd rounds): a variant's time in a round is the
     mean of its two runs, one in each position, because on a busy host the position within a
-    round alone can move a step's time by 10%."""
+    round alone can move a step's time by 10%. A run is a few steps back to back (stats.time_ms)."""
     times = {"A": [], "B": []}
     peaks = {"A": None, "B": None}
     gc_was_enabled = gc.isenabled()
@@ -376,11 +381,9 @@ def _timed_rounds(model, step, variants, state, device, rounds, warmup):
             for name in "ABBA" if i % 2 == 0 else "BAAB":
                 with variants[name].active(step.call) as call:
                     _set_modes(model, step.train, for_parity=False)
-                    for _, p in step.named_params:  # the previous step's gradients are not this step's memory
-                        p.grad = None
                     if device.type == "cuda":
                         torch.cuda.reset_peak_memory_stats(device)
-                    runs[name].append(stats.time_ms(lambda: step(model, call), device))
+                    runs[name].append(stats.time_ms(lambda: step.fresh(model, call), device))
                     if device.type == "cuda" and i >= warmup:
                         peaks[name] = max(peaks[name] or 0, torch.cuda.max_memory_allocated(device))
                 if step.optimizer is not None:

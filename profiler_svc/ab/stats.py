@@ -14,19 +14,31 @@ def timer_name(device: torch.device) -> str:
     return "cuda_events" if device.type == "cuda" else "perf_counter"
 
 
-def time_ms(fn, device: torch.device) -> float:
-    """Milliseconds that `fn()` takes: CUDA events on a GPU, a synchronous wall clock elsewhere."""
+STEPS_PER_RUN = 3
+
+
+def time_ms(fn, device: torch.device, steps: int = STEPS_PER_RUN) -> float:
+    """Milliseconds per call of `fn()` in a loop: one untimed lead call, then `steps` calls back to back.
+
+    As in a training loop, the host enqueues the next step while the GPU runs this one, so a step the GPU
+    bounds is timed without the host's start-up that an isolated, synchronized step would add; this is the
+    step that capture times and the analysis replays. CUDA events on a GPU, a wall clock elsewhere.
+    """
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize(device)  # nothing queued before the step is counted in it
-        start.record()
+        torch.cuda.synchronize(device)  # nothing queued before the run is counted in it
         fn()
+        start.record()
+        for _ in range(steps):
+            fn()
         end.record()
         end.synchronize()
-        return start.elapsed_time(end)
-    t0 = time.perf_counter()
+        return start.elapsed_time(end) / steps
     fn()
-    return (time.perf_counter() - t0) * 1e3
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    return (time.perf_counter() - t0) * 1e3 / steps
 
 
 def speedup_ci(a_ms, b_ms, seed: int, level: float = CI_LEVEL,

@@ -11,7 +11,7 @@ from torch import nn
 from ab_swaps import NO_GRAD, NOOP, WRONG
 from ab_workloads import mlp, mlp_train
 from profiler_svc.ab import ABResult, ab_test
-from profiler_svc.ab.stats import speedup_ci, verdict
+from profiler_svc.ab.stats import speedup_ci, time_ms, verdict
 from profiler_svc.errors import UserError
 
 FAST = dict(rounds=30, warmup=3)
@@ -196,6 +196,22 @@ def test_bootstrap_ci_and_verdicts():
     _, low_s, high_s = speedup_ci(slow, slow[::-1], seed=0)
     assert low_s <= 1.0 <= high_s and verdict(True, low_s, high_s) == "no_difference"
     assert verdict(False, low, high) == "parity_failed"
+
+
+def test_a_timed_run_is_a_loop_after_an_untimed_lead_step():
+    """A run times steps back to back after one untimed lead step: the lead step's start-up (here a
+    0.3 s sleep, as an idle GPU waiting on the host would add) is not in the per-step figure."""
+    import time
+
+    calls = []
+
+    def step():
+        calls.append(None)
+        time.sleep(0.3 if len(calls) == 1 else 0.01)
+
+    ms = time_ms(step, torch.device("cpu"), steps=3)
+    assert len(calls) == 4
+    assert 9 <= ms < 100  # three 10 ms steps, not the lead's 300 ms spread over them (~107 ms)
 
 
 def test_module_check_and_model_check_are_one_measure(monkeypatch):
