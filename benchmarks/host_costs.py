@@ -1,9 +1,10 @@
 """Host µs per call of each bundled swap against the eager module it replaces (and torch's native op).
 
     python benchmarks/host_costs.py --out kernels/host_costs.json [--md benchmarks/results/host_costs.md]
+    python benchmarks/host_costs.py --in-model-out benchmarks/results/host_costs_in_model.json
     TRITON_INTERPRET=1 python benchmarks/host_costs.py --tiny --out /tmp/host_costs.json   # CPU smoke test
 
-Two measurements:
+Three measurements:
 
 1. Host cost per module call, at small shapes: the GPU is synchronized before each call and the call
    itself is timed (perf_counter, no sync inside), so the figure is the host's enqueue time with an
@@ -17,6 +18,11 @@ Two measurements:
    the wall time per call of the Triton path (dispatch off) against the native op over a sweep of rows
    (a loop of calls, synchronized once: GPU and host time together, as a step sees them); the
    crossover is the largest size at which native is no slower, from which the threshold is set.
+3. What a swap adds to a real step's host time: predict_vs_ab's Llama and Gemma (two layers) at its two
+   sizes, each swap alone installed and removed in interleaved rounds, the host time of a step started on
+   an idle GPU, (swapped - eager) / modules swapped, for inference, the forward with grad and the backward
+   (`--in-model-out FILE`). Not what the analyser prices swaps with: summed, these figures missed the
+   A/B-measured host-bound steps by more than the per-module ones (benchmarks/results/predict_vs_ab.md).
 """
 import argparse
 import json
@@ -187,6 +193,87 @@ def measure_modules(rows_list, hidden, vocab, calls, log) -> dict:
     return results
 
 
+# ---- in a model's step -----------------------------------------------------------------------------
+# One module per call (above) pays a whole backward pass's fixed cost in each fwd+bwd, and runs hot in a
+# tight loop; in a model the autograd engine runs once per step among hundreds of other ops. The what-if
+# replay needs what a swap adds to a real step's host time: (swapped - eager) / modules swapped, here.
+IN_MODEL = {"llama": ("rms_norm", "rope", "swiglu"), "gemma": ("rms_norm", "rope", "geglu")}
+IN_MODEL_SIZES = ("host", "gpu")  # predict_vs_ab's sizes: 1x256 tokens at hidden 1024, 4x1024 at 2048
+IN_MODEL_LAYERS = 2  # few enough launches that a step never waits on a full launch queue: host time is seen whole
+
+
+def _in_model_case(family: str, size: str, tiny: bool):
+    """(model, input ids, tokens, hidden, intermediate): predict_vs_ab's family and size, two layers."""
+    from predict_vs_ab import SIZES, build
+
+    model, vocab = build(family, tiny, DEVICE, DTYPE, size, layers=IN_MODEL_LAYERS)
+    batch, seq = (1, 8) if tiny else SIZES[size]
+    ids = torch.randint(0, vocab, (batch, seq), device=DEVICE)
+    return model, ids, batch * seq, model.config.hidden_size, model.config.intermediate_size
+
+
+def _model_steps(model, ids) -> dict:
+    """inference (no_grad forward), forward (grad enabled, as in training) and train (forward, loss, backward)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def inference():
+        with torch.no_grad():
+            model(input_ids=ids)
+
+    def forward():
+        model(input_ids=ids)
+
+    def train():
+        for p in params:
+            p.grad = None
+        model(input_ids=ids, labels=ids).loss.backward()
+
+    return {"inference": inference, "forward": forward, "train": train}
+
+
+def measure_in_model(tiny: bool, rounds: int, log) -> dict:
+    """swap -> eager class -> [{elements, tokens, modules, inference_us, forward_us, backward_us}]: host µs per
+    swapped module that the swap adds to an HF model's step (negative: saves), A and B interleaved."""
+    from profiler_svc.kernels import plan_swaps
+
+    results: dict = {}
+    for family, swaps in IN_MODEL.items():
+        for size in IN_MODEL_SIZES:
+            model, ids, tokens, hidden, intermediate = _in_model_case(family, size, tiny)
+            steps = _model_steps(model, ids)
+            for name in swaps:
+                plan = plan_swaps(model, [name])
+                if not plan.changes:
+                    print(f"in model: {name} does not apply to {family}; skipped", file=log, flush=True)
+                    continue
+                deltas: dict = {mode: [] for mode in steps}
+                for i in range(rounds):
+                    for mode, step in steps.items():
+                        model.train(mode != "inference")
+                        times = {}
+                        for arm in ("AB" if i % 2 == 0 else "BA"):
+                            (plan.install if arm == "B" else plan.remove)()
+                            times[arm] = host_us(step, calls=5, warmup=2)
+                        plan.remove()
+                        deltas[mode].append((times["B"] - times["A"]) / len(plan.changes))
+                per_call = {mode: statistics.median(values) for mode, values in deltas.items()}
+                row = {"family": family, "tokens": tokens,
+                       "elements": tokens * (intermediate if name in ("swiglu", "geglu") else hidden),
+                       "modules": len(plan.changes), "offset": bool(getattr(plan.changes[0][2], "offset", 0)),
+                       "inference_us": round(per_call["inference"], 1),
+                       "forward_us": round(per_call["forward"], 1),
+                       "backward_us": round(per_call["train"] - per_call["forward"], 1)}
+                eager_class = plan.report.swapped[0][1]
+                results.setdefault(name, {}).setdefault(eager_class, []).append(row)
+                print(f"in model {family} {size} {name:8s} ({eager_class}, {row['modules']} modules): "
+                      f"inference {row['inference_us']:+.0f}  forward {row['forward_us']:+.0f}  "
+                      f"backward {row['backward_us']:+.0f} µs per call", file=log, flush=True)
+            del model, steps
+            if DEVICE == "cuda":
+                torch.cuda.empty_cache()
+    return results
+
+
 # ---- native-dispatch crossover -------------------------------------------------------------------
 
 
@@ -331,12 +418,17 @@ def markdown(data: dict) -> str:
 def main(argv=None) -> int:
     global DEVICE
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="the host-cost JSON (kernels/host_costs.json)")
+    parser.add_argument("--out", help="the host-cost JSON (kernels/host_costs.json)")
     parser.add_argument("--md", help="also write a markdown table here (benchmarks/results/...)")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny shapes, few calls (TRITON_INTERPRET=1)")
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--skip-crossover", action="store_true")
+    parser.add_argument("--rounds", type=int, default=12, help="interleaved rounds of the in-model measurement")
+    parser.add_argument("--in-model-out", metavar="JSON",
+                        help="measure only in the models (measurement 3), into this JSON")
     args = parser.parse_args(argv)
+    if not (args.out or args.in_model_out):
+        parser.error("give --out, --in-model-out or both")
     if args.tiny:
         DEVICE = "cpu"
         if os.environ.get("TRITON_INTERPRET") != "1":
@@ -351,6 +443,15 @@ def main(argv=None) -> int:
         sweep = (1, 8, 64, 256, 1024, 2048, 4096, 8192, 16384)
     meta = {"versions": versions(), "dtype": str(DTYPE).replace("torch.", ""), "hidden": hidden,
             "command": "python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:])}
+    if args.in_model_out:
+        in_model = {"what": "host µs per swapped module that the swap added to an HF model's step (negative: saves), "
+                            "by the eager class it replaced", **meta, "layers": IN_MODEL_LAYERS,
+                    "swaps": measure_in_model(args.tiny, 3 if args.tiny else args.rounds, sys.stderr)}
+        with open(args.in_model_out, "w") as f:
+            json.dump(in_model, f, indent=1)
+            f.write("\n")
+        if not args.out:
+            return 0
     modules = measure_modules(rows_list, hidden, vocab, calls, sys.stderr)
     cross = {} if args.skip_crossover else crossover(sweep, hidden, vocab, max(calls // 4, 3), sys.stderr)
     data = costs_json(modules, cross, meta)

@@ -47,7 +47,7 @@ GPU_SCALE = ("hidden_size", "intermediate_size", "num_hidden_layers")
 SMOKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, vocab_size=512)
 
 
-def build(family, smoke, device, dtype, size="host"):
+def build(family, smoke, device, dtype, size="host", layers=None):
     import transformers
     model_class, config_class, config = FAMILIES[family]
     config = dict(config)
@@ -57,6 +57,8 @@ def build(family, smoke, device, dtype, size="host"):
         config.update(SMOKE)
         config["num_key_value_heads"] = min(config["num_key_value_heads"], 4)
         config.pop("head_dim", None)
+    if layers:
+        config["num_hidden_layers"] = layers
     torch.manual_seed(0)
     cfg = getattr(transformers, config_class)(**config)
     cfg._attn_implementation = "sdpa"
