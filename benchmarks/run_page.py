@@ -12,7 +12,10 @@ modules, timeline, compare, jobs, job):
 - server: the median and max of --repeat requests, and the bytes sent gzip-compressed and not;
 - browser (when Playwright and chromium are installed): time to the load event with a cold cache (a new
   browser context: Plotly and the static files fetched) and warm (the same context, reloaded); the median
-  of --browser-repeat fresh contexts.
+  of --browser-repeat fresh contexts. Also, cold and warm, the time until the charts on the first screen are
+  drawn (the later of the load event and their "chart drawn <id>" performance marks, which app.js sets; a
+  page without the marks draws every chart before its load event), and, warm, how long a chart below the
+  first screen (drawn only when it scrolls near) takes from the scroll to drawn.
 Work files go to .bench/run_page/; --out writes the figures as JSON (benchmarks/results/ keeps histories).
 """
 import argparse
@@ -111,7 +114,17 @@ def browser_times(base: str, paths: list[str], repeat: int = 1) -> dict:
         return {}
     load_ms = "performance.getEntriesByType('navigation')[0].loadEventEnd"
     paint_ms = "(performance.getEntriesByName('first-contentful-paint')[0] || {startTime: null}).startTime"
-    charts_drawn = "[...document.querySelectorAll('.chart')].every(c => c.querySelector('.main-svg'))"
+    # the charts on the first screen (the page scrolled to the top): drawn, and by when
+    on_screen = "[...document.querySelectorAll('.chart')].filter(c => c.getBoundingClientRect().top < innerHeight)"
+    screen_drawn = f"{on_screen}.every(c => c.querySelector('.main-svg'))"
+    screen_drawn_ms = (f"Math.max({load_ms}, ...{on_screen}.map(c => (performance.getEntriesByName('chart drawn ' + c.id)"
+                       f"[0] || {{startTime: 0}}).startTime))")
+    # below it: scrolled to, one at a time, the time from the scroll to drawn
+    below = "[...document.querySelectorAll('.chart')].filter(c => !c.querySelector('.main-svg')).map(c => c.id)"
+    scroll_to = ("async id => { const c = document.getElementById(id), t = performance.now(); c.scrollIntoView();"
+                 " while (!c.querySelector('.main-svg')) await new Promise(r => setTimeout(r, 1));"
+                 " const m = performance.getEntriesByName('chart drawn ' + id)[0];"
+                 " return (m ? m.startTime : performance.now()) - t; }")
     out = {}
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium, args=["--headless", "--no-sandbox", "--disable-gpu"])
@@ -124,20 +137,26 @@ def browser_times(base: str, paths: list[str], repeat: int = 1) -> dict:
                 page.on("pageerror", lambda exc, path=path: print(f"browser {path}: page error: {exc}"))
                 page.goto(base + path, wait_until="load")
                 cold, paint = page.evaluate(load_ms), page.evaluate(paint_ms)
-                page.wait_for_function(charts_drawn)
-                charts = page.evaluate("performance.now()")
+                page.wait_for_function(screen_drawn)
+                charts = page.evaluate(screen_drawn_ms)
                 page.reload(wait_until="load")
                 warm = page.evaluate(load_ms)
+                page.wait_for_function(screen_drawn)
+                warm_charts = page.evaluate(screen_drawn_ms)
+                scroll = max((page.evaluate(scroll_to, id) for id in page.evaluate(below)), default=None)
                 context.close()
-                trials.append((cold, paint, charts, warm))
+                trials.append((cold, paint, charts, warm, warm_charts, scroll))
             # chromium reports no first contentful paint when the load event came first
-            cold, paint, charts, warm = (statistics.median(v) if (v := [t[i] for t in trials if t[i] is not None])
-                                         else None for i in range(4))
+            cold, paint, charts, warm, warm_charts, scroll = (
+                statistics.median(v) if (v := [t[i] for t in trials if t[i] is not None]) else None for i in range(6))
             out[path] = {"cold_load_ms": round(cold, 1), "cold_first_paint_ms": paint and round(paint, 1),
                          "cold_charts_drawn_ms": round(charts, 1), "warm_load_ms": round(warm, 1),
-                         "trials": repeat}
+                         "warm_charts_drawn_ms": round(warm_charts, 1),
+                         "warm_below_fold_drawn_after_scroll_ms": scroll and round(scroll, 1), "trials": repeat}
             print(f"browser {path}: cold: first paint {f'{paint:.0f} ms' if paint else '–'}, load event {cold:.0f} ms, "
-                  f"charts drawn by {charts:.0f} ms; warm load event {warm:.0f} ms (medians of {repeat})")
+                  f"first screen's charts drawn by {charts:.0f} ms; warm: load event {warm:.0f} ms, charts by "
+                  f"{warm_charts:.0f} ms" + (f", below the first screen {scroll:.0f} ms after the scroll" if scroll else "")
+                  + f" (medians of {repeat})")
         browser.close()
     return out
 

@@ -97,6 +97,11 @@ def test_run_page_answers_first_then_ab_request(server, page):
     # evidence is a table, not JSON
     evidence = first.locator(".evidence-table")
     assert evidence.locator("th").count() >= 3 and "{" not in evidence.inner_text()
+    # the breakdown, below the first screen, is drawn when it scrolls near (app.js drawWhenNear), not at load
+    breakdown = page.locator("#breakdown-chart")
+    if breakdown.bounding_box()["y"] > 1000 + 200:
+        assert breakdown.locator(".main-svg").count() == 0
+    breakdown.scroll_into_view_if_needed()
     page.wait_for_selector("#breakdown-chart .main-svg")
 
     # the A/B form offers only what the findings recommend
@@ -179,6 +184,48 @@ def test_timeline_zooms_and_links_perfetto(server, page):
     href = page.locator("a.perfetto").first.get_attribute("href")
     assert href.startswith("https://ui.perfetto.dev/#!/?url=") and "download" in href
     assert page.locator("table.gaps tbody tr").count() >= 1
+    assert page.errors == []
+
+
+def test_timeline_joins_subpixel_gaps_and_keeps_busy_time(server, page):
+    """Kernel and launch lanes are drawn with the segments less than a pixel apart joined (Plotly's time grows with
+    the segments); the joined lanes cover every stored segment and add up to the same kernels and busy time, and
+    zooming in joins them again at the new scale, so the gaps come back."""
+    base, runs = server
+    sign_in(page, base)
+    page.goto(f"{base}/runs/{runs['llama']}/timeline")
+    page.wait_for_selector("#timeline-chart .main-svg")
+    lanes = page.evaluate("""() => {
+      const t = JSON.parse(document.getElementById('timeline-data').textContent);
+      return [t.launches].concat(t.streams).map(lane => {
+        const joined = mergeSegments(lane, 1000);  // 1 ms
+        return {lane, joined, again: mergeSegments(joined, 1000)};
+      });
+    }""")
+    joined_any = False
+    for item in lanes:
+        lane, joined = item["lane"], item["joined"]
+        assert sum(joined["count"]) == sum(lane["count"])
+        assert sum(joined["busy_us"]) == pytest.approx(sum(lane["busy_us"]))
+        assert all(b - a >= 1000 for a, b in zip(joined["end"], joined["start"][1:]))
+        for s, e in zip(lane["start"], lane["end"]):  # every stored segment inside one joined segment
+            assert any(js <= s and e <= je for js, je in zip(joined["start"], joined["end"]))
+        assert item["again"] == joined  # joining is idempotent
+        joined_any |= len(joined["start"]) < len(lane["start"])
+    assert joined_any
+    # on screen: fewer corners than stored segments at first, more after zooming in
+    drawn = "document.getElementById('timeline-chart').data.filter(t => t.name !== 'GPU idle')" \
+            ".reduce((n, t) => n + t.x.filter(v => v !== null).length / 4, 0)"
+    stored = sum(len(item["lane"]["start"]) for item in lanes)
+    at_first = page.evaluate(drawn)
+    assert at_first < stored
+    idle = page.evaluate("document.getElementById('timeline-chart').data.find(t => t.name === 'GPU idle').x.length")
+    assert idle == 5 * len(page.evaluate("JSON.parse(document.getElementById('timeline-data').textContent).gaps.start"))
+    page.evaluate("""() => { const el = document.getElementById('timeline-chart'), [a, b] = el.layout.xaxis.range;
+                            return Plotly.relayout(el, {'xaxis.range': [a, a + (b - a) / 50]}); }""")
+    assert page.evaluate(drawn) > at_first
+    page.evaluate("Plotly.relayout(document.getElementById('timeline-chart'), {'xaxis.autorange': true})")
+    assert page.evaluate(drawn) <= at_first + 2
     assert page.errors == []
 
 
