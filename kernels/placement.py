@@ -19,6 +19,10 @@ _LINEAR = re.compile(r"Linear")  # nn.Linear and its quantized / LoRA look-alike
 # the order swap.py tries its swaps on a module (its _OP_FILES): whole blocks before their children's swaps
 REGISTRY_ORDER = ("rms_norm", "layer_norm", "swiglu", "geglu", "gelu_tanh", "softmax", "cross_entropy", "rope")
 
+# swap -> elements below which its host function hands a 16-bit GPU call to torch's native fused op (the
+# op file reads its threshold here; the analyser prices a call by the path it takes)
+NATIVE_BELOW = {"rms_norm": 1 << 22}
+
 # swap -> class-name pattern of the module it replaces, for the swaps matched on one leaf module
 _LEAF_CLASSES = {
     "rms_norm": re.compile(r"(RMSNorm|T5LayerNorm)$"),

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import placement
 from ._norm import check_norm_args, normalize
 from .parity import place
 from .swap import SwapEntry, behaves_like
@@ -20,7 +21,7 @@ from .swap import SwapEntry, behaves_like
 # and the host sets the time, where ours costs more (H100: 105/589 µs fwd/fwd+bwd at 8×2048 against
 # 15/133). Above it our kernel's speed pays (16384×4096 fwd+bwd: 252 µs of kernel time against 440).
 # Crossover sweep: benchmarks/host_costs.py, results in benchmarks/results/.
-NATIVE_BELOW = 1 << 22
+NATIVE_BELOW = placement.NATIVE_BELOW["rms_norm"]
 
 
 def rms_norm(x, weight=None, eps: float = 1e-6, *, offset: float = 0.0, residual=None):

@@ -44,6 +44,14 @@ def swap_applies(tree, swap: str, module: str) -> Optional[bool]:
     return bool(placement.swap_applies(tree, swap, module))
 
 
+def native_below(swap: str) -> Optional[int]:
+    """Elements below which the swap's host function runs torch's native op instead of its Triton kernel
+    (kernels/placement.py's NATIVE_BELOW), or None where it always runs its kernel."""
+    placement = _placement()
+    value = getattr(placement, "NATIVE_BELOW", {}).get(swap) if placement is not None else None
+    return value if isinstance(value, int) else None
+
+
 @functools.lru_cache(maxsize=1)
 def _costs_file() -> dict:
     directory = _kernels_dir()

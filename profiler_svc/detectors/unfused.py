@@ -16,7 +16,7 @@ from ..trace.model import OpInputs, Trace, element_bytes
 from ..trace.replay import Change
 from .common import (Finding, Recommendation, fmt_us, fused, module_class, numel, op_bytes, per_step, per_step_note,
                      plural, short_kernel_name, tensor_bytes)
-from .swap_costs import swap_applies, swap_host_cost
+from .swap_costs import native_below, swap_applies, swap_host_cost
 
 # How many kernels after an activation its gated product may come: the up projection (a GEMM, with
 # autocast's casts of its weight, or an FP8 scale) runs in between.
@@ -443,13 +443,17 @@ def _change(trace, swap, group, fused_times) -> tuple[Change, str]:
     op did."""
     changes = []
     note = ""
-    # Gemma's (1 + w) norm (a second add in its forward) is one the rms_norm swap cannot hand to F.rms_norm
-    native_path = not (swap == "rms_norm" and _offset_norm(trace, group))
+    # A swap that hands small calls to torch's native op (the registry measured its host cost there) runs its
+    # Triton kernel on larger ones and always on Gemma's (1 + w) norm (an add to the weight in its forward):
+    # each call is priced on the path it takes.
+    threshold = native_below(swap) if swap else None
+    offset_norm = swap == "rms_norm" and _offset_norm(trace, group)
     for chain, fused_us in zip(group, fused_times):
         rows = [r.Index for r in chain.rows]
         if swap:
             # the registry's measured host cost per call, relative to the eager module (unknown: the same)
             one = fused(trace, rows, fused_us, host=False)
+            native_path = threshold is None or (not offset_norm and numel(chain.shape or [0]) < threshold)
             cost = swap_host_cost(swap, chain.backward, native_path)
             if cost:
                 one.host_added = [(float(chain.rows[0].ts), cost)]
