@@ -52,6 +52,12 @@ def native_below(swap: str) -> Optional[int]:
     return value if isinstance(value, int) else None
 
 
+def native_is_eager(swap: str) -> bool:
+    """Is the swap's native path the eager ops themselves (a call there changes nothing)?"""
+    placement = _placement()
+    return placement is not None and swap in getattr(placement, "NATIVE_IS_EAGER", ())
+
+
 @functools.lru_cache(maxsize=1)
 def _costs_file() -> dict:
     directory = _kernels_dir()

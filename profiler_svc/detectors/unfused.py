@@ -16,7 +16,7 @@ from ..trace.model import OpInputs, Trace, element_bytes
 from ..trace.replay import Change
 from .common import (Finding, Recommendation, fmt_us, fused, module_class, numel, op_bytes, per_step, per_step_note,
                      plural, short_kernel_name, tensor_bytes)
-from .swap_costs import native_below, swap_applies, swap_host_cost
+from .swap_costs import native_below, native_is_eager, swap_applies, swap_host_cost
 
 # How many kernels after an activation its gated product may come: the up projection (a GEMM, with
 # autocast's casts of its weight, or an FP8 scale) runs in between.
@@ -367,9 +367,14 @@ def _finding(trace, kind, cls, group, bandwidth) -> Finding:
     backward = len(group) - len(forward)
     instances = sorted({c.module for c in group if c.module})
     fits, misfits = _swap_fit(trace, pattern, instances)
-    swap = pattern.swap if fits or misfits is None else None  # named only where it applies
+    small = _eager_size(pattern.swap, group)
+    swap = pattern.swap if (fits or misfits is None) and small is None else None  # named only where it applies
     change, cost_note = _change(trace, swap, group, fused_times)
-    if pattern.swap and not swap:
+    if small is not None:
+        cost_note += (f" The `{pattern.swap}` swap would change nothing here: below {small:,} elements a call (these "
+                      f"have {max(numel(c.shape or [0]) for c in group):,}) runs eager's own ops, which cost the host "
+                      f"less than a kernel launch.")
+    elif pattern.swap and not swap:
         cost_note += (f" No bundled swap applies: the `{pattern.swap}` swap replaces {SWAP_TARGETS[pattern.swap]}, and "
                       f"this chain is a function call inside {cls or 'the model'}'s forward (module tree of the capture).")
     elif misfits:
@@ -397,7 +402,7 @@ def _finding(trace, kind, cls, group, bandwidth) -> Finding:
         summary = (f"Swap in the bundled fused `{swap}` kernel"
                    + (f" for {len(fits)} module instance{'s' if len(fits) != 1 else ''}" if fits
                       else " (capture with profiler_svc.capture to name the module instances)") + ".")
-    elif pattern.swap:
+    elif pattern.swap and small is None:
         summary = CODE_FIXES[kind][0]
     else:
         summary = "Fuse the chain: torch.compile the module (or write the math as one kernel)."
@@ -416,7 +421,8 @@ def _finding(trace, kind, cls, group, bandwidth) -> Finding:
                   "directions": _directions(group, fused_bytes_each),
                   **({"modules": instances[:32], "module_class": cls} if instances else {}),
                   **({"swap_applies_to": len(fits), "swap_does_not_apply_to": misfits[:32]} if misfits is not None else {})},
-        recommendation=Recommendation(summary, swap, pattern.snippet if swap or not pattern.swap else CODE_FIXES[kind][1],
+        recommendation=Recommendation(summary, swap, pattern.snippet if swap or not pattern.swap
+                                      else PATTERNS["generic"].snippet if small is not None else CODE_FIXES[kind][1],
                                       "fused_optimizer" if kind == "optimizer" else None),
         change=change,
         key=f"unfused_chain:{kind}:{cls or ''}",
@@ -437,6 +443,15 @@ def _directions(group, fused_bytes_each) -> dict:
     return out
 
 
+def _eager_size(swap, group) -> Optional[int]:
+    """The swap's native threshold where every chain of the group is below it and the swap's native path is
+    eager's own ops (the gated MLPs), else None."""
+    threshold = native_below(swap) if swap else None
+    if threshold is None or not native_is_eager(swap) or not all(c.shape for c in group):
+        return None
+    return threshold if all(numel(c.shape) < threshold for c in group) else None
+
+
 def _change(trace, swap, group, fused_times) -> tuple[Change, str]:
     """Each chain becomes one kernel. A bundled swap brings its own measured host cost per call; other
     fixes (a fused optimizer, an Inductor kernel, a code change) cost the host about what the chain's first
@@ -451,9 +466,11 @@ def _change(trace, swap, group, fused_times) -> tuple[Change, str]:
     for chain, fused_us in zip(group, fused_times):
         rows = [r.Index for r in chain.rows]
         if swap:
+            native_path = threshold is None or (not offset_norm and numel(chain.shape or [0]) < threshold)
+            if threshold is not None and native_path and native_is_eager(swap):
+                continue  # the swap runs eager's own ops on this call: nothing changes
             # the registry's measured host cost per call, relative to the eager module (unknown: the same)
             one = fused(trace, rows, fused_us, host=False)
-            native_path = threshold is None or (not offset_norm and numel(chain.shape or [0]) < threshold)
             cost = swap_host_cost(swap, chain.backward, native_path)
             if cost:
                 one.host_added = [(float(chain.rows[0].ts), cost)]

@@ -5,12 +5,13 @@ replayed steps without it. Fixes are priced one at a time for each finding, and 
 report's one combined prediction. A kernel's time belongs to at most one finding: where two findings'
 fixes touch the same kernels, the more specific root cause keeps them.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import numpy as np
 
 from ..detectors import Finding, run_detectors
+from ..detectors.common import Recommendation
 from ..detectors.common import fmt_us, is_communication, is_compute_bound_kernel, name_mask
 from ..detectors.launch_gaps import idle_breakdown
 from ..trace.model import Trace
@@ -49,6 +50,15 @@ class Analysis:
                 "findings": [f.key for f in findings]}
 
 
+def _swap_would_slow(f: Finding) -> Recommendation:
+    """The finding's swap still applies (Report.predict can price it) but is not recommended: the replay says
+    the step gets slower, its host time per call costing more than the kernels it fuses save here."""
+    return replace(f.recommendation, summary=(
+        f"Keep the eager code: the bundled `{f.recommendation.swap}` swap applies but is predicted to make the step "
+        f"{fmt_us(-f.saving_us_per_step)} slower, its host time per call costing more than the fused kernels save "
+        f"at this size. torch.compile fuses the chain without that cost."))
+
+
 def analyse(trace: Trace) -> Analysis:
     findings = run_detectors(trace)
     if not trace.has_gpu:
@@ -62,6 +72,8 @@ def analyse(trace: Trace) -> Analysis:
         after = timeline.replay(f.change, host=host)
         f.saving_us_per_step = (base.total_us - after.total_us) / n
         f.gpu_time_saved_us_per_step = _gpu_time_saved(trace, f.change)
+        if f.recommendation.swap and f.saving_us_per_step < 0:
+            f.recommendation = _swap_would_slow(f)
     helpful = sorted((f for f in findings if f.saving_us_per_step > 0), key=lambda f: -f.saving_us_per_step)
     # the waterfall: the fixes applied one after another, largest first; each bar is what that fix buys on
     # top of the ones before it, and the last step is the combined prediction

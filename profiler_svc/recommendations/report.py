@@ -65,10 +65,10 @@ class Report:
         return self.analyses[0].predict(chosen) if self.analyses else {}
 
     def swaps(self) -> list[str]:
-        """Bundled swaps the findings recommend, most valuable first."""
+        """Bundled swaps the findings recommend (predicted to shorten the step), most valuable first."""
         seen = []
         for f in self.findings:
-            if f.recommendation.swap and f.recommendation.swap not in seen:
+            if f.recommendation.swap and f.saving_us_per_step > 0 and f.recommendation.swap not in seen:
                 seen.append(f.recommendation.swap)
         return seen
 

@@ -380,6 +380,22 @@ def test_a_norm_is_priced_on_the_path_its_size_takes():
         assert {round(a, 6) for _, a in f.change.host_added} == {round(a, 6) for a in expected}
 
 
+def test_a_gated_mlp_below_the_native_size_names_no_swap():
+    """Below NATIVE_BELOW elements a call to the swiglu swap runs eager's own silu(gate) * up: at 1x512 tokens
+    (512 x 5632) the swap would change nothing, so the finding names none and prices torch.compile's fusion;
+    at 4x1024 (4096 x 5632) it names the swap."""
+    from profiler_svc.detectors.swap_costs import native_below, native_is_eager
+    assert native_is_eager("swiglu") and not native_is_eager("rms_norm")
+    small = one("llama8_bf16_1x512_train_calibrated", "unfused_chain:swiglu")
+    assert math.prod(small.evidence["input_shapes"][0]) < native_below("swiglu")
+    assert small.recommendation.swap is None and "torch.compile" in small.recommendation.summary
+    assert "would change nothing here" in small.detail
+    assert 0 < small.saving_us_per_step  # the compiled fusion's
+    large = one("llama8_bf16_4x1024_train_calibrated", "unfused_chain:swiglu")
+    assert math.prod(large.evidence["input_shapes"][0]) >= native_below("swiglu")
+    assert large.recommendation.swap == "swiglu"
+
+
 def test_unseen_convnext_channels_last_is_not_flagged():
     r = unseen("convnext_bf16_channels_last_infer")
     assert not [f for f in r.findings if f.category in ("fallback_kernel", "misalignment")]
