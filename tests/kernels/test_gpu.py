@@ -1,5 +1,7 @@
 """On a GPU: each op at a realistic size, error vs fp64 no worse than eager's and torch.compile's, and
 torch.compile(fullgraph=True) with Inductor through our ops. Skipped without CUDA (CI has none)."""
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -82,3 +84,30 @@ def test_fullgraph_softmax_widths():
         torch.testing.assert_close(out, ref, rtol=0, atol=0)
         (g,), (r,) = torch.autograd.grad(out, x, dy), torch.autograd.grad(ref, x, dy)
         torch.testing.assert_close(g, r, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("approximate", [None, "tanh", "none"])
+def test_small_gated_calls_are_eagers_ops_and_large_ones_our_kernel(approximate):
+    """Below NATIVE_BELOW elements a 16-bit gated call runs eager's act(gate) * up: bitwise eager's output
+    and gradients, no Triton launch. Above, our kernel: one rounding, so not bitwise eager's."""
+    swiglu_module = importlib.import_module("profiler_svc.kernels.swiglu")  # the package's `swiglu` is the op
+
+    def eager(gate, up):
+        return (F.silu(gate) if approximate is None else F.gelu(gate, approximate=approximate)) * up
+
+    def ours(gate, up):
+        return K.swiglu(gate, up) if approximate is None else K.geglu(gate, up, approximate)
+
+    for rows, small in ((256, True), (2048, False)):
+        gen = torch.Generator(device="cuda").manual_seed(rows)
+        gate, up = (torch.randn(rows, 5632, device="cuda", generator=gen).bfloat16().requires_grad_() for _ in range(2))
+        assert (gate.numel() < swiglu_module.NATIVE_BELOW) == small
+        dy = torch.randn(rows, 5632, device="cuda", generator=gen).bfloat16()
+        got, want = ours(gate, up), eager(gate, up)
+        grads = torch.autograd.grad(got, [gate, up], dy), torch.autograd.grad(want, [gate, up], dy)
+        same = torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(*grads))
+        assert same == small
+        if approximate is None:  # Phi-3's fused gate_up, through the split entry point
+            with torch.no_grad():
+                split = swiglu_module.gated_act_split(torch.cat([gate, up], -1), swiglu_module.SILU)
+                assert torch.equal(split, F.silu(gate) * up) == small
