@@ -14,6 +14,7 @@ from ..detectors import Finding, run_detectors
 from ..detectors.common import Recommendation
 from ..detectors.common import fmt_us, is_communication, is_compute_bound_kernel, name_mask
 from ..detectors.launch_gaps import idle_breakdown
+from ..detectors.unfused import PATTERNS
 from ..trace.model import Trace
 from ..trace.replay import GPU_BOUND_SLACK, Change, HostCost, Timeline, calibrate, sensitivity
 
@@ -56,7 +57,7 @@ def _swap_would_slow(f: Finding) -> Recommendation:
     return replace(f.recommendation, summary=(
         f"Keep the eager code: the bundled `{f.recommendation.swap}` swap applies but is predicted to make the step "
         f"{fmt_us(-f.saving_us_per_step)} slower, its host time per call costing more than the fused kernels save "
-        f"at this size. torch.compile fuses the chain without that cost."))
+        f"at this size. torch.compile fuses the chain without that cost."), snippet=PATTERNS["generic"].snippet)
 
 
 def analyse(trace: Trace) -> Analysis:

@@ -36,6 +36,7 @@ def test_llama_names_the_swaps_that_apply_and_a_code_fix_for_its_functional_loss
             assert f"for {count} module instances" in finding.recommendation.summary
         else:  # predicted to slow the step: applies, but not recommended
             assert finding.recommendation.summary.startswith("Keep the eager code")
+            assert "torch.compile" in finding.recommendation.snippet and "swap(" not in finding.recommendation.snippet
     # on this host-bound step the rope swap's host time outweighs its fused kernels
     assert chains["rope"].saving_us_per_step < 0 < chains["rms_norm"].saving_us_per_step
     assert "rope" not in report.swaps() and "rms_norm" in report.swaps()
