@@ -232,7 +232,7 @@ def _headline(report: Report) -> list[str]:
         if calibration.get("note"):
             lines.append(calibration["note"])
     elif calibration:
-        lines.append("host figures are upper bounds: " + calibration["note"].split(": ", 1)[-1])
+        lines.append("host figures are upper bounds, inflated by the profiler: " + calibration["note"].split(": ", 1)[0])
     if prediction:
         lines.append(f"all recommended fixes together: {fmt_us(prediction['step_us'])} -> {fmt_us(prediction['step_us_after'])} "
                      f"per step ({prediction['saving_pct']:.1f}% faster, one replay; replay error "
