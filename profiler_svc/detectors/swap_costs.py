@@ -91,11 +91,12 @@ def _triton_path_cost(swap: str) -> Optional[dict]:
         return None
 
 
-def swap_host_cost(swap: str, backward: bool, native_path: bool = True) -> Optional[float]:
+def swap_host_cost(swap: str, backward: bool, triton_path: bool = False) -> Optional[float]:
     """Host µs per call that SWAP adds over the eager module it replaces (negative: saves), for the forward
-    or for the backward; None where the registry has no measurement. native_path=False: a call the swap's
-    dispatch to torch's native op does not take (its Triton path's cost, where that was measured)."""
-    entry = None if native_path else _triton_path_cost(swap)
+    or for the backward; None where the registry has no measurement. The registry measured each swap at a
+    small size, where a swap with a native dispatch takes it; triton_path: a call that dispatch does not take
+    (its Triton path's cost, where that was measured)."""
+    entry = _triton_path_cost(swap) if triton_path else None
     entry = entry or _costs().get(swap)
     if not isinstance(entry, dict):
         return None

@@ -443,13 +443,19 @@ def _directions(group, fused_bytes_each) -> dict:
     return out
 
 
+def _native_call(swap, chain, offset_norm: bool) -> bool:
+    """Does the swap hand this chain's call to torch's native ops (below its NATIVE_BELOW elements)? Never
+    Gemma's (1 + w) norm."""
+    threshold = native_below(swap)
+    return threshold is not None and not offset_norm and numel(chain.shape or [0]) < threshold
+
+
 def _eager_size(swap, group) -> Optional[int]:
-    """The swap's native threshold where every chain of the group is below it and the swap's native path is
-    eager's own ops (the gated MLPs), else None."""
-    threshold = native_below(swap) if swap else None
-    if threshold is None or not native_is_eager(swap) or not all(c.shape for c in group):
+    """The swap's native threshold where every chain of the group (of known shape) is below it and the swap's
+    native path is eager's own ops (the gated MLPs), else None."""
+    if not (swap and native_is_eager(swap) and all(c.shape and _native_call(swap, c, False) for c in group)):
         return None
-    return threshold if all(numel(c.shape) < threshold for c in group) else None
+    return native_below(swap)
 
 
 def _change(trace, swap, group, fused_times) -> tuple[Change, str]:
@@ -458,20 +464,19 @@ def _change(trace, swap, group, fused_times) -> tuple[Change, str]:
     op did."""
     changes = []
     note = ""
-    # A swap that hands small calls to torch's native op (the registry measured its host cost there) runs its
-    # Triton kernel on larger ones and always on Gemma's (1 + w) norm (an add to the weight in its forward):
-    # each call is priced on the path it takes.
-    threshold = native_below(swap) if swap else None
+    # A swap that hands small calls to torch's native ops runs its Triton kernel on larger ones, and always on
+    # Gemma's (1 + w) norm (an add to the weight in its forward): each call is priced on the path it takes.
+    dispatches = bool(swap) and native_below(swap) is not None
     offset_norm = swap == "rms_norm" and _offset_norm(trace, group)
     for chain, fused_us in zip(group, fused_times):
         rows = [r.Index for r in chain.rows]
         if swap:
-            native_path = threshold is None or (not offset_norm and numel(chain.shape or [0]) < threshold)
-            if threshold is not None and native_path and native_is_eager(swap):
+            native = dispatches and _native_call(swap, chain, offset_norm)
+            if native and native_is_eager(swap):
                 continue  # the swap runs eager's own ops on this call: nothing changes
             # the registry's measured host cost per call, relative to the eager module (unknown: the same)
             one = fused(trace, rows, fused_us, host=False)
-            cost = swap_host_cost(swap, chain.backward, native_path)
+            cost = swap_host_cost(swap, chain.backward, triton_path=dispatches and not native)
             if cost:
                 one.host_added = [(float(chain.rows[0].ts), cost)]
         else:

@@ -11,8 +11,7 @@ from typing import Optional
 import numpy as np
 
 from ..detectors import Finding, run_detectors
-from ..detectors.common import Recommendation
-from ..detectors.common import fmt_us, is_communication, is_compute_bound_kernel, name_mask
+from ..detectors.common import Recommendation, fmt_us, is_communication, is_compute_bound_kernel, name_mask
 from ..detectors.launch_gaps import idle_breakdown
 from ..detectors.unfused import PATTERNS
 from ..trace.model import Trace

@@ -355,7 +355,7 @@ def test_gemma_norm_is_priced_on_the_swaps_triton_path():
     from profiler_svc.detectors.swap_costs import swap_host_cost
     gemma = [f for f in unseen("gemma_bf16_train").findings if f.key.startswith("unfused_chain:rms_norm")]
     assert len(gemma) == 1
-    triton = {swap_host_cost("rms_norm", False, native_path=False), swap_host_cost("rms_norm", True, native_path=False)}
+    triton = {swap_host_cost("rms_norm", False, triton_path=True), swap_host_cost("rms_norm", True, triton_path=True)}
     assert {round(a, 6) for _, a in gemma[0].change.host_added} == {round(a, 6) for a in triton}
     assert all(a > 0 for a in triton)  # dearer than eager's module on that path
     native = {swap_host_cost("rms_norm", False), swap_host_cost("rms_norm", True)}
@@ -376,7 +376,8 @@ def test_a_norm_is_priced_on_the_path_its_size_takes():
         f = one(name, "unfused_chain:rms_norm")
         elements = math.prod(f.evidence["input_shapes"][0])
         assert (elements < threshold) == native_path
-        expected = {swap_host_cost("rms_norm", False, native_path), swap_host_cost("rms_norm", True, native_path)}
+        expected = {swap_host_cost("rms_norm", False, triton_path=not native_path),
+                    swap_host_cost("rms_norm", True, triton_path=not native_path)}
         assert {round(a, 6) for _, a in f.change.host_added} == {round(a, 6) for a in expected}
 
 
