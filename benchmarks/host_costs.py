@@ -2,6 +2,7 @@
 
     python benchmarks/host_costs.py --out kernels/host_costs.json [--md benchmarks/results/host_costs.md]
     python benchmarks/host_costs.py --in-model-out benchmarks/results/host_costs_in_model.json
+    python benchmarks/host_costs.py --ops rms_norm_offset --out kernels/host_costs.json   # re-measure some, merged
     TRITON_INTERPRET=1 python benchmarks/host_costs.py --tiny --out /tmp/host_costs.json   # CPU smoke test
 
 Three measurements:
@@ -11,7 +12,8 @@ Three measurements:
    idle GPU, forward (grad enabled, as in training), inference (no_grad) and forward+backward
    (torch.autograd.grad over the input and the parameters, so no .grad accumulation). "eager" is the
    HF module the swap replaces (transformers' own class), "ours" is what the registry puts in its
-   place (`SwapEntry.replace`), "native" torch's own fused form where there is one.
+   place (`SwapEntry.replace`), "native" torch's own fused form where there is one. A variant of a swap
+   (`rms_norm_offset`: Gemma's (1 + w) norm against GemmaRMSNorm) is measured under its own name.
    kernels/host_costs.json gets `swaps[name].forward_us` / `forward_backward_us`: ours − eager at the
    smallest row count (what profiler_svc/detectors/swap_costs.py reads for the what-if replay).
 2. Where the host functions dispatch to torch's native op below a size (`NATIVE_BELOW` in the op files),
@@ -31,6 +33,7 @@ import statistics
 import sys
 import time
 from contextlib import contextmanager
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -84,10 +87,19 @@ def _llama_config(hidden: int):
     return config
 
 
+# a measured variant of a swap -> the swap that replaces its eager module
+VARIANT_OF = {"rms_norm_offset": "rms_norm"}
+
+
+def _native_offset_rms_norm(x, weight, eps):
+    """Gemma's (1 + w) RMSNorm through torch's fused op, in fp32 as GemmaRMSNorm computes it."""
+    return F.rms_norm(x.float(), x.shape[-1:], weight.float() + 1, eps).to(x.dtype)
+
+
 def eager_modules(hidden: int, vocab: int) -> dict:
-    """swap name -> (eager module, inputs(rows) -> tuple, native module or None)."""
+    """swap (or variant) name -> (eager module, inputs(rows) -> tuple, native module or None)."""
     from transformers.activations import NewGELUActivation
-    from transformers.models.gemma.modeling_gemma import GemmaConfig, GemmaMLP
+    from transformers.models.gemma.modeling_gemma import GemmaConfig, GemmaMLP, GemmaRMSNorm
     from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
     config = _llama_config(hidden)
@@ -112,7 +124,14 @@ def eager_modules(hidden: int, vocab: int) -> dict:
         def forward(self, x):
             return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
 
+    class NativeOffsetRMSNorm(NativeRMSNorm):
+        def forward(self, x):
+            return _native_offset_rms_norm(x, self.weight, self.eps)
+
     rms = LlamaRMSNorm(hidden, eps=1e-6)
+    gemma_rms = GemmaRMSNorm(hidden, eps=1e-6)
+    with torch.no_grad():
+        gemma_rms.weight.normal_(0, 0.1)  # stored as w - 1: zeros would be a degenerate probe
     gemma = GemmaConfig(hidden_size=hidden, intermediate_size=hidden * 11 // 4, hidden_activation="gelu_pytorch_tanh")
     layer_norm = nn.LayerNorm(hidden)
     softmax = nn.Softmax(dim=-1)
@@ -120,6 +139,7 @@ def eager_modules(hidden: int, vocab: int) -> dict:
     one = lambda rows: (x(rows),)  # noqa: E731
     return {
         "rms_norm": (rms, one, NativeRMSNorm(rms.weight, 1e-6)),
+        "rms_norm_offset": (gemma_rms, one, NativeOffsetRMSNorm(gemma_rms.weight, 1e-6)),
         "layer_norm": (layer_norm, one, layer_norm),  # the eager module is torch's native op
         "swiglu": (LlamaMLP(config), one, None),
         "geglu": (GemmaMLP(gemma), one, None),
@@ -156,14 +176,16 @@ def _steps(module, inputs):
     return forward, inference, forward_backward
 
 
-def measure_modules(rows_list, hidden, vocab, calls, log) -> dict:
+def measure_modules(rows_list, hidden, vocab, calls, log, ops=None) -> dict:
     from profiler_svc.kernels.swap import _entries
 
     entries = _entries()
     results = {}
     for name, (eager, make_inputs, native) in eager_modules(hidden, vocab).items():
+        if ops is not None and name not in ops:
+            continue
         eager = _place(eager)
-        entry = entries.get(name)
+        entry = entries.get(VARIANT_OF.get(name, name))
         try:
             matched = entry is not None and entry.matches(eager)
         except ValueError as err:  # the swap says why it does not apply
@@ -279,20 +301,20 @@ def measure_in_model(tiny: bool, rounds: int, log) -> dict:
 
 @contextmanager
 def native_dispatch_off():
-    """The Triton path at every size (each op file's NATIVE_BELOW set to 0), restored on exit."""
+    """The Triton path at every size (each op file's NATIVE_BELOW* thresholds set to 0), restored on exit."""
     import importlib
 
     saved = []
     for op in ("rms_norm", "swiglu", "gelu_tanh", "softmax", "layer_norm", "cross_entropy"):
         mod = importlib.import_module(f"profiler_svc.kernels.{op}")
-        if hasattr(mod, "NATIVE_BELOW"):
-            saved.append((mod, mod.NATIVE_BELOW))
-            mod.NATIVE_BELOW = 0
+        for attr in [a for a in vars(mod) if a.startswith("NATIVE_BELOW")]:
+            saved.append((mod, attr, getattr(mod, attr)))
+            setattr(mod, attr, 0)
     try:
         yield
     finally:
-        for mod, value in saved:
-            mod.NATIVE_BELOW = value
+        for mod, attr, value in saved:
+            setattr(mod, attr, value)
 
 
 def functional_pairs(width: int, vocab: int) -> dict:
@@ -307,6 +329,8 @@ def functional_pairs(width: int, vocab: int) -> dict:
     return {
         "rms_norm": (lambda a, w: K.rms_norm(a, w, 1e-6), lambda a, w: F.rms_norm(a, a.shape[-1:], w, 1e-6),
                      lambda rows: (x(rows), weight()), width),
+        "rms_norm_offset": (lambda a, w: K.rms_norm(a, w, 1e-6, offset=1.0),
+                            lambda a, w: _native_offset_rms_norm(a, w, 1e-6), lambda rows: (x(rows), weight()), width),
         "layer_norm": (lambda a, w: K.layer_norm(a, w, w, 1e-5), lambda a, w: F.layer_norm(a, a.shape[-1:], w, w, 1e-5),
                        lambda rows: (x(rows), weight()), width),
         "swiglu": (K.swiglu, lambda g, u: F.silu(g) * u, lambda rows: (x(rows, inter), x(rows, inter)), inter),
@@ -317,10 +341,12 @@ def functional_pairs(width: int, vocab: int) -> dict:
     }
 
 
-def crossover(rows_list, width, vocab, calls, log) -> dict:
+def crossover(rows_list, width, vocab, calls, log, ops=None) -> dict:
     results = {}
     with native_dispatch_off():
         for op, (ours, native, make_inputs, n) in functional_pairs(width, vocab).items():
+            if ops is not None and op not in ops:
+                continue
             table = {}
             for rows in rows_list:
                 inputs = make_inputs(rows)
@@ -375,7 +401,9 @@ def versions() -> dict:
     return info
 
 
-def costs_json(modules: dict, cross: dict, meta: dict) -> dict:
+def costs_json(modules: dict, cross: dict, meta: dict, merge_into: Optional[dict] = None) -> dict:
+    """The host-cost JSON; with `merge_into` (the file's data), only the entries measured now are replaced,
+    each stamped with this run's command and versions."""
     swaps = {}
     for name, result in modules.items():
         smallest = result["by_rows"][min(result["by_rows"])]
@@ -387,6 +415,12 @@ def costs_json(modules: dict, cross: dict, meta: dict) -> dict:
             "eager_class": result["eager_class"],
             "host_us_by_rows": result["by_rows"],
         }
+    if merge_into is not None:
+        stamp = {"measured": {"command": meta["command"], "versions": meta["versions"]}}
+        merged = dict(merge_into)
+        merged["swaps"] = {**merge_into.get("swaps", {}), **{k: {**v, **stamp} for k, v in swaps.items()}}
+        merged["native_crossover"] = {**merge_into.get("native_crossover", {}), **{k: {**v, **stamp} for k, v in cross.items()}}
+        return merged
     return {"what": "host µs per call that each swap adds over the eager module it replaces (negative: saves); "
                     "forward_us / forward_backward_us at the smallest row count; benchmarks/host_costs.py",
             **meta, "swaps": swaps, "native_crossover": cross}
@@ -423,6 +457,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny shapes, few calls (TRITON_INTERPRET=1)")
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--skip-crossover", action="store_true")
+    parser.add_argument("--ops", help="comma-separated swaps/variants to measure; merged into an existing --out")
     parser.add_argument("--rounds", type=int, default=12, help="interleaved rounds of the in-model measurement")
     parser.add_argument("--in-model-out", metavar="JSON",
                         help="measure only in the models (measurement 3), into this JSON")
@@ -452,9 +487,14 @@ def main(argv=None) -> int:
             f.write("\n")
         if not args.out:
             return 0
-    modules = measure_modules(rows_list, hidden, vocab, calls, sys.stderr)
-    cross = {} if args.skip_crossover else crossover(sweep, hidden, vocab, max(calls // 4, 3), sys.stderr)
-    data = costs_json(modules, cross, meta)
+    ops = set(args.ops.split(",")) if args.ops else None
+    merge_into = None
+    if ops is not None and os.path.exists(args.out):
+        with open(args.out) as f:
+            merge_into = json.load(f)
+    modules = measure_modules(rows_list, hidden, vocab, calls, sys.stderr, ops)
+    cross = {} if args.skip_crossover else crossover(sweep, hidden, vocab, max(calls // 4, 3), sys.stderr, ops)
+    data = costs_json(modules, cross, meta, merge_into)
     with open(args.out, "w") as f:
         json.dump(data, f, indent=1)
         f.write("\n")

@@ -19,12 +19,14 @@ _LINEAR = re.compile(r"Linear")  # nn.Linear and its quantized / LoRA look-alike
 # the order swap.py tries its swaps on a module (its _OP_FILES): whole blocks before their children's swaps
 REGISTRY_ORDER = ("rms_norm", "layer_norm", "swiglu", "geglu", "gelu_tanh", "softmax", "cross_entropy", "rope")
 
-# swap -> elements below which its host function hands a 16-bit GPU call to torch's native ops (the op
-# file reads its threshold here; the analyser prices a call by the path it takes). The gated MLPs' native
-# path is eager's own act(gate) * up, so there a swapped call changes nothing (NATIVE_IS_EAGER); RMSNorm's
-# is the fused F.rms_norm. At 2^22 elements eager's gated pair moves 16 MB more than the fused kernel
-# (about 5 µs on an H100) and saves some 100 µs of host time per call (benchmarks/results/host_costs_h100.md).
-NATIVE_BELOW = {"rms_norm": 1 << 22, "swiglu": 1 << 22, "geglu": 1 << 22}
+# swap (or variant) -> elements below which its host function hands a 16-bit GPU call to torch's native ops
+# (the op file reads its threshold here; the analyser prices a call by the path it takes). The gated MLPs'
+# native path is eager's own act(gate) * up, so there a swapped call changes nothing (NATIVE_IS_EAGER);
+# RMSNorm's is the fused F.rms_norm, and Gemma's (1 + w) norm's ("rms_norm_offset") the same in fp32, which
+# moves 16 bytes more per element than our kernel. At 2^22 elements eager's gated pair moves 16 MB more than
+# the fused kernel (about 5 µs on an H100) and saves some 100 µs of host time per call; the thresholds are
+# the crossover sweeps' (benchmarks/results/host_costs_h100.md).
+NATIVE_BELOW = {"rms_norm": 1 << 22, "rms_norm_offset": 1 << 22, "swiglu": 1 << 22, "geglu": 1 << 22}
 NATIVE_IS_EAGER = frozenset({"swiglu", "geglu"})
 
 # swap -> class-name pattern of the module it replaces, for the swaps matched on one leaf module

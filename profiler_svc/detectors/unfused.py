@@ -443,11 +443,15 @@ def _directions(group, fused_bytes_each) -> dict:
     return out
 
 
+def _variant(swap, offset_norm: bool) -> str:
+    """The name the swap's threshold and host cost go by: Gemma's (1 + w) norm has its own."""
+    return "rms_norm_offset" if offset_norm else swap
+
+
 def _native_call(swap, chain, offset_norm: bool) -> bool:
-    """Does the swap hand this chain's call to torch's native ops (below its NATIVE_BELOW elements)? Never
-    Gemma's (1 + w) norm."""
-    threshold = native_below(swap)
-    return threshold is not None and not offset_norm and numel(chain.shape or [0]) < threshold
+    """Does the swap hand this chain's call to torch's native ops (below its NATIVE_BELOW elements)?"""
+    threshold = native_below(_variant(swap, offset_norm))
+    return threshold is not None and numel(chain.shape or [0]) < threshold
 
 
 def _eager_size(swap, group) -> Optional[int]:
@@ -464,10 +468,12 @@ def _change(trace, swap, group, fused_times) -> tuple[Change, str]:
     op did."""
     changes = []
     note = ""
-    # A swap that hands small calls to torch's native ops runs its Triton kernel on larger ones, and always on
-    # Gemma's (1 + w) norm (an add to the weight in its forward): each call is priced on the path it takes.
-    dispatches = bool(swap) and native_below(swap) is not None
+    # A swap that hands small calls to torch's native ops runs its Triton kernel on larger ones (Gemma's
+    # (1 + w) norm, an add to the weight in its forward, by its own threshold and host cost): each call is
+    # priced on the path it takes.
     offset_norm = swap == "rms_norm" and _offset_norm(trace, group)
+    variant = _variant(swap, offset_norm)
+    dispatches = bool(swap) and native_below(variant) is not None
     for chain, fused_us in zip(group, fused_times):
         rows = [r.Index for r in chain.rows]
         if swap:
@@ -476,13 +482,13 @@ def _change(trace, swap, group, fused_times) -> tuple[Change, str]:
                 continue  # the swap runs eager's own ops on this call: nothing changes
             # the registry's measured host cost per call, relative to the eager module (unknown: the same)
             one = fused(trace, rows, fused_us, host=False)
-            cost = swap_host_cost(swap, chain.backward, triton_path=dispatches and not native)
+            cost = swap_host_cost(variant, chain.backward, triton_path=dispatches and not native)
             if cost:
                 one.host_added = [(float(chain.rows[0].ts), cost)]
         else:
             one = fused(trace, rows, fused_us, host=True)
         changes.append(one)
-    if swap and swap_host_cost(swap, False) is None:
+    if swap and swap_host_cost(variant, False) is None:
         note = f" The `{swap}` swap's host cost per call is not measured: taken as the eager module's."
     return Change.union(changes), note
 

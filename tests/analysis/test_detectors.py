@@ -348,20 +348,22 @@ def test_unseen_tf32_is_not_ffma_and_syncs_are_found():
                 and any("fused_adamw" in op for op in f.evidence.get("ops", []))]
 
 
-def test_gemma_norm_is_priced_on_the_swaps_triton_path():
-    """The rms_norm swap hands a plain RMSNorm to torch's F.rms_norm (host cost below eager's), but Gemma's
-    (1 + w) norm runs its Triton kernel, which costs the host more than eager: a Gemma step at 1x256 was
-    predicted 4.3 ms faster by the first and measured 1.2 ms slower (benchmarks/results/predict_vs_ab.md)."""
-    from profiler_svc.detectors.swap_costs import swap_host_cost
-    gemma = [f for f in unseen("gemma_bf16_train").findings if f.key.startswith("unfused_chain:rms_norm")]
-    assert len(gemma) == 1
-    triton = {swap_host_cost("rms_norm", False, triton_path=True), swap_host_cost("rms_norm", True, triton_path=True)}
-    assert {round(a, 6) for _, a in gemma[0].change.host_added} == {round(a, 6) for a in triton}
-    assert all(a > 0 for a in triton)  # dearer than eager's module on that path
-    native = {swap_host_cost("rms_norm", False), swap_host_cost("rms_norm", True)}
-    llama = one("llama_bf16_train", "unfused_chain:rms_norm")
-    assert {round(a, 6) for _, a in llama.change.host_added} == {round(a, 6) for a in native}
-    assert all(a < 0 for a in native)
+def test_a_gemma_norm_is_priced_on_its_own_path_and_cost():
+    """Gemma's (1 + w) norm goes to F.rms_norm in fp32 below its own threshold and to the Triton kernel above,
+    each priced by the offset variant's measured cost against GemmaRMSNorm, not Llama's: 2048 x 2048 and
+    smaller saves host time; a 4x1024 step (4096 x 2048 per norm) pays the Triton path's cost."""
+    from profiler_svc.detectors.swap_costs import native_below, swap_host_cost
+    threshold = native_below("rms_norm_offset")
+    for name, native_path in (("gemma_bf16_train", True), ("gemma8_bf16_4x1024_train_pva", False)):
+        norms = [f for f in unseen(name).findings if f.key.startswith("unfused_chain:rms_norm")]
+        assert len(norms) == 1
+        assert (math.prod(norms[0].evidence["input_shapes"][0]) < threshold) == native_path
+        expected = {swap_host_cost("rms_norm_offset", False, triton_path=not native_path),
+                    swap_host_cost("rms_norm_offset", True, triton_path=not native_path)}
+        assert {round(a, 6) for _, a in norms[0].change.host_added} == {round(a, 6) for a in expected}
+        assert all(a < 0 for a in expected) == native_path  # the native path saves host time, the Triton one costs it
+    llama = {swap_host_cost("rms_norm", False), swap_host_cost("rms_norm", True)}
+    assert llama.isdisjoint({swap_host_cost("rms_norm_offset", False), swap_host_cost("rms_norm_offset", True)})
 
 
 def test_a_norm_is_priced_on_the_path_its_size_takes():
