@@ -217,6 +217,19 @@ def judge_strict(name: str, ref: torch.Tensor | tuple, dtype: torch.dtype, a: Er
         allowed_rms_rel=allowed_rms, gate="strict")
 
 
+def judge_choices(dtype: torch.dtype, a: float, spread: list[float], b: float, factor: float) -> TensorParity:
+    """A model's discrete choices (topk): how far B's fall short of fp64's own top k (relative to the largest
+    score), held to eager's shortfall plus `factor` times how far it moves with the parameters nudged, plus
+    one rounding unit of the model's dtype (a near-tie that rounding flips). A router that picks wrong
+    experts falls short by far more."""
+    spread_abs = max((abs(s - a) for s in spread), default=0.0)
+    allowed = a + factor * spread_abs + torch.finfo(dtype).eps
+    return TensorParity(
+        name="choices.topk", shape=[], dtype=str(dtype).removeprefix("torch."), a_max_abs=a, a_max_rel=a,
+        b_max_abs=b, b_max_rel=b, allowed_abs=allowed, passed=b <= allowed, a_rms_rel=a, b_rms_rel=b,
+        spread_rms_rel=spread_abs, spread_max_abs=spread_abs, allowed_rms_rel=allowed, gate="strict")
+
+
 def judge_cost(name: str, ref: torch.Tensor | tuple, dtype: torch.dtype, a: Error, b: Error,
                max_rel_error: float | None) -> TensorParity:
     """A precision change's numeric cost: B's error against fp64 beside eager's. It passes when B's

@@ -8,6 +8,7 @@ exceptions included, so the caller's model is exactly as it was.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import itertools
@@ -23,7 +24,7 @@ from ..errors import UserError
 from ..formats import one_line
 from ..kernels import SwapPlan, UnknownSwapError, available_swaps, parity, plan_swaps
 from . import stats
-from .fp64 import Float64Fallback
+from .fp64 import Float64Fallback, RecordChoices
 from .fixes import FixPlan, UnknownFixError, available_fixes, plan_fixes
 from .result import ABResult, Timing
 
@@ -160,17 +161,23 @@ def _parity(model, inputs, step, variants, state, seed, factor, max_rel_error):
     strictly against its baseline (P, else A): B's error within the baseline's error plus `factor`
     times the baseline's spread, measured on SPREAD_RUNS runs with the parameters nudged by a
     rounding unit, each against an fp64 run of the nudged parameters.
+
+    A model that makes discrete choices (topk: an MoE router) is judged run by run against an fp64 run that
+    takes that run's own choices (fp64.py), and each run's choices by how far fp64 ranks them from its own.
     """
     reference = _Reference(model, inputs, step, seed)
     ref = reference.run()
-    dtypes, errors = {}, {}
+    routed = reference.mode.topk_calls > 0
+    dtypes, errors, choices = {}, {}, {}
     for name, variant in variants.items():
-        got = _run_variant(model, step, variant, state, seed)
-        target = {**ref, **reference.params_after(got, [p for _, p in step.named_params])}  # restored: as before
+        got, picked = _run_variant(model, step, variant, state, seed, record=routed)
+        own = reference.run(choices=picked) if routed else ref
+        choices[name] = reference.mode.shortfall
+        target = {**own, **reference.params_after(got, [p for _, p in step.named_params])}  # restored: as before
         errors[name] = {key: parity.measure(t, target[key]) for key, t in got.items() if key in target}
         if name == "A":
             dtypes = {key: got[key].dtype for key in errors["A"]}
-        del got
+        del got, own, target
     keys = list(errors["A"])
     baseline = "P" if "P" in variants else "A"
     checks = []
@@ -180,24 +187,35 @@ def _parity(model, inputs, step, variants, state, seed, factor, max_rel_error):
     b = variants["B"]
     if (b.swap_plan and b.swap_plan.changes) or b.fix_plan.subset(precision=False).changes:
         ref = {key: (tuple(t.shape), parity.measure_scale(t)) for key, t in ref.items()}  # free the fp64 set:
-        spread = _spread(model, step, variants[baseline], state, seed, reference, keys)  # these make their own
+        spread, spread_choices = _spread(model, step, variants[baseline], state, seed, reference, keys, routed)
         checks += [parity.judge_strict(key, ref[key], dtypes[key], errors[baseline][key], spread[key],
                                        errors["B"].get(key, parity.MISSING), factor) for key in keys]
-    return checks, reference.fallbacks
+        if routed:
+            checks.append(parity.judge_choices(parity.place(model)[1], choices[baseline], spread_choices,
+                                               choices["B"], factor))
+    fallbacks = reference.fallbacks
+    if routed:
+        fallbacks.append({"op": "aten::topk", "note": "each run judged against fp64 taking that run's own top-k choices"})
+    return checks, fallbacks
 
 
-def _run_variant(model, step, variant, state, seed):
+def _run_variant(model, step, variant, state, seed, record=False):
+    """The variant's outputs and gradients, and with `record` the indices of its topk calls."""
+    recorder = RecordChoices()
     with variant.active(step.call) as call:
         _set_modes(model, step.train, for_parity=True)
-        got = step.run_once(model, call, seed)
+        with recorder if record else contextlib.nullcontext():
+            got = step.run_once(model, call, seed)
     state.restore()  # the next run starts from exactly the state this one started from
-    return got
+    return got, (recorder.indices if record else None)
 
 
-def _spread(model, step, variant, state, seed, reference, keys) -> dict[str, list]:
+def _spread(model, step, variant, state, seed, reference, keys, routed) -> tuple[dict[str, list], list[float]]:
     """The baseline's errors with every floating parameter nudged by up to one rounding unit (a
-    random fraction of them move by one unit), each against an fp64 run of the same parameters."""
+    random fraction of them move by one unit), each against an fp64 run of the same parameters (and
+    of the same choices, for a routed model), and those runs' choices' shortfalls."""
     runs: dict[str, list] = {key: [] for key in keys}
+    shortfalls = []
     generator = torch.Generator().manual_seed(seed + 1)
     for _ in range(SPREAD_RUNS):
         with torch.no_grad():
@@ -205,14 +223,15 @@ def _spread(model, step, variant, state, seed, reference, keys) -> dict[str, lis
                 if p.is_floating_point():
                     u = torch.rand(p.shape, generator=generator, dtype=torch.float64) * 2 - 1
                     p.copy_((p.double() * (1 + u.to(p.device) * torch.finfo(p.dtype).eps)).to(p.dtype))
-        nudged = [p.detach().clone() for _, p in step.named_params] if step.optimizer is not None else []
-        ref = reference.run(parameters=[p for _, p in step.named_params])
-        got = _run_variant(model, step, variant, state, seed)  # restores the optimizer's state for params_after
+        nudged = [p.detach().clone() for _, p in step.named_params]
+        got, picked = _run_variant(model, step, variant, state, seed, record=routed)  # restores the parameters
+        ref = reference.run(parameters=nudged, choices=picked)
+        shortfalls.append(reference.mode.shortfall)
         ref.update(reference.params_after(got, nudged))
         for key in keys:
             runs[key].append(parity.measure(got[key], ref[key]) if key in got and key in ref else parity.MISSING)
         del got, ref
-    return runs
+    return runs, shortfalls
 
 
 class _Reference:
@@ -250,15 +269,16 @@ class _Reference:
             mine.grad = None
         return found
 
-    def run(self, parameters=None) -> dict[str, torch.Tensor]:
-        """One step in float64; `parameters`: the model's own (nudged) values to use, upcast."""
+    def run(self, parameters=None, choices=None) -> dict[str, torch.Tensor]:
+        """One step in float64; `parameters`: the model's own (nudged) values to use, upcast; `choices`: a
+        run's topk indices to take in place of fp64's own (RecordChoices)."""
         if parameters is not None:
             with torch.no_grad():
                 for (_, mine), theirs in zip(self.params, parameters):
                     mine.copy_(theirs)
         optimizer = _reference_optimizer(self.step.optimizer, self.step.named_params, self.params)
         step = _Step(self.call, self.step.train, self.step.loss_fn, optimizer, self.params)
-        self.mode.failed = None
+        self.mode.start_run(choices)
         try:
             with self.mode:
                 return step.run_once(self.model, self.call, self.seed)

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from ab_swaps import NOOP, WRONG, needs_kernels
 from ab_workloads import llama_train_adamw, mlp
 from profiler_svc.ab import ab_test, fixes
+from profiler_svc.kernels import SwapEntry
 
 transformers = pytest.importorskip("transformers")
 QUICK = dict(rounds=2, warmup=0)
@@ -131,6 +132,91 @@ def test_reference_falls_back_for_an_op_without_float64():
     # the Linear before it is still judged against a float64 run: eager's error is a float32 one, not zero
     output = next(t for t in result.parity if t.name == "output")
     assert result.parity_passed and 0 < output.a_rms_rel < 1e-5
+
+
+class Router(torch.nn.Module):
+    """An MoE router (Mixtral's TopKRouter): softmax of the logits in fp32, the top k experts."""
+
+    def __init__(self, width, experts, k):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(experts, width) / width ** 0.5)
+        self.k = k
+
+    def forward(self, x):
+        probs = torch.softmax(torch.nn.functional.linear(x, self.weight).float(), -1)
+        top, index = torch.topk(probs, self.k, dim=-1)
+        return top / top.sum(-1, keepdim=True), index
+
+
+class LowestRouter(Router):
+    """A broken router: the k experts it scores lowest."""
+
+    def forward(self, x):
+        probs = torch.softmax(torch.nn.functional.linear(x, self.weight).float(), -1)
+        top, index = torch.topk(probs, self.k, dim=-1, largest=False)
+        return top / top.sum(-1, keepdim=True), index
+
+
+class ToyMoE(torch.nn.Module):
+    """Tokens routed to 2 of 4 experts; experts 1 and 2 score within bf16's rounding of each other on every
+    token, so bf16 and fp64 pick differently on some tokens."""
+
+    def __init__(self, width=32, experts=4):
+        super().__init__()
+        self.router = Router(width, experts, 2)
+        with torch.no_grad():
+            self.router.weight[2] = self.router.weight[1] * (1 + 1e-3)
+        self.experts = torch.nn.Parameter(torch.randn(experts, width, width) / width ** 0.5)
+        self.head = torch.nn.Linear(width, 8)
+
+    def forward(self, x):
+        weights, index = self.router(x)
+        y = torch.einsum("nd,nkde->nke", x, self.experts[index])
+        return self.head((weights.to(x.dtype)[..., None] * y).sum(1))
+
+
+def _lowest_router(router):
+    new = LowestRouter(router.weight.shape[1], router.weight.shape[0], router.k)
+    new.weight = router.weight
+    return new
+
+
+LOWEST = SwapEntry(name="test_lowest_router", summary="an MoE router picking its lowest-scored experts (wrong)",
+                   matches=lambda m: type(m) is Router, replace=_lowest_router,
+                   example_inputs=lambda m: (torch.randn(4, m.weight.shape[1], dtype=m.weight.dtype),))
+
+
+def _moe(train):
+    torch.manual_seed(0)
+    model, x = ToyMoE().to(torch.bfloat16), torch.randn(256, 32).to(torch.bfloat16)
+    target = torch.randint(0, 8, (256,))
+    return model, (x,), (lambda out: F.cross_entropy(out.float(), target)) if train else None
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_a_routed_model_is_judged_on_its_own_choices(train):
+    """Against an fp64 run that routes by its own ranking, eager bf16 looks wrong by whole experts on the
+    tokens where the near-tie flips; against one that takes eager's choices, by its rounding alone."""
+    model, inputs, loss_fn = _moe(train)
+    with torch.no_grad():
+        own = torch.topk(torch.softmax(F.linear(inputs[0].double(), model.router.weight.double()), -1), 2).indices
+        bf16 = model.router(inputs[0])[1]
+    assert (own.sort(-1).values != bf16.sort(-1).values).any(-1).sum() > 0  # some tokens flip
+    result = ab_test(model, inputs, [NOOP], train=train, loss_fn=loss_fn, **QUICK)
+    assert result.parity_passed, [(t.name, t.b_rms_rel, t.allowed_rms_rel) for t in result.parity if not t.passed]
+    output = next(t for t in result.parity if t.name == "output")
+    assert output.a_rms_rel < 4 * torch.finfo(torch.bfloat16).eps  # rounding, not a whole expert's output
+    choices = next(t for t in result.parity if t.name == "choices.topk")
+    assert 0 < choices.a_max_abs < torch.finfo(torch.bfloat16).eps  # flipped, by less than a rounding unit
+    assert "each run judged against fp64 taking that run's own top-k choices" in result.summary()
+
+
+def test_a_router_picking_the_wrong_experts_fails_parity():
+    model, inputs, loss_fn = _moe(True)
+    result = ab_test(model, inputs, [LOWEST], train=True, loss_fn=loss_fn, **QUICK)
+    assert result.verdict == "parity_failed"
+    choices = next(t for t in result.parity if t.name == "choices.topk")
+    assert not choices.passed and choices.b_max_abs > 0.1
 
 
 def test_reference_failure_names_the_op_and_the_cause():
