@@ -15,7 +15,8 @@ Three measurements:
    place (`SwapEntry.replace`), "native" torch's own fused form where there is one. A variant of a swap
    (`rms_norm_offset`: Gemma's (1 + w) norm against GemmaRMSNorm) is measured under its own name.
    kernels/host_costs.json gets `swaps[name].forward_us` / `forward_backward_us`: ours − eager at the
-   smallest row count (what profiler_svc/detectors/swap_costs.py reads for the what-if replay).
+   smallest row count (what profiler_svc/detectors/swap_costs.py reads for the what-if replay); for a call
+   a swap's native dispatch does not take, the analyser reads ours − eager at the largest row count.
 2. Where the host functions dispatch to torch's native op below a size (`NATIVE_BELOW` in the op files),
    the wall time per call of the Triton path (dispatch off) against the native op over a sweep of rows
    (a loop of calls, synchronized once: GPU and host time together, as a step sees them); the
@@ -401,6 +402,13 @@ def versions() -> dict:
     return info
 
 
+def dispatch_elements_per_row(name: str, hidden: int) -> Optional[int]:
+    """Elements per row of the tensor a dispatching swap's threshold is judged on (the norm's input, the
+    gated MLP's gate), in eager_modules' inputs: the analyser checks its Triton-path size against it."""
+    widths = {"rms_norm": hidden, "rms_norm_offset": hidden, "swiglu": hidden * 11 // 4, "geglu": hidden * 11 // 4}
+    return widths.get(name)
+
+
 def costs_json(modules: dict, cross: dict, meta: dict, merge_into: Optional[dict] = None) -> dict:
     """The host-cost JSON; with `merge_into` (the file's data), only the entries measured now are replaced,
     each stamped with this run's command and versions."""
@@ -415,6 +423,9 @@ def costs_json(modules: dict, cross: dict, meta: dict, merge_into: Optional[dict
             "eager_class": result["eager_class"],
             "host_us_by_rows": result["by_rows"],
         }
+        width = dispatch_elements_per_row(name, meta["hidden"])
+        if width:
+            swaps[name]["dispatch_elements_per_row"] = width
     if merge_into is not None:
         stamp = {"measured": {"command": meta["command"], "versions": meta["versions"]}}
         merged = dict(merge_into)

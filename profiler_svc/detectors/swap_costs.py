@@ -76,26 +76,26 @@ def _costs() -> dict:
 
 
 def _triton_path_cost(swap: str) -> Optional[dict]:
-    """{"forward_us", "forward_backward_us"} of the swap's Triton path against the eager module, for a call
-    that its native dispatch does not take (a Gemma (1 + w) norm): the crossover sweep's "ours" (dispatch
-    off) at its smallest row count that the eager module was also measured at."""
-    crossover = _costs_file().get("native_crossover", {}).get(swap, {}).get("by_rows", {})
-    eager_rows = _costs().get(swap, {}).get("host_us_by_rows", {})
-    common = sorted((r for r in crossover if r in eager_rows), key=int)
-    if not common:
+    """{"forward_us", "forward_backward_us"} of a call that the swap's native dispatch does not take: ours
+    against the eager module at the registry's largest measured size, where every dispatching swap runs its
+    Triton kernel (4096 rows; tests check rows x dispatch_elements_per_row against NATIVE_BELOW)."""
+    rows = _costs().get(swap, {}).get("host_us_by_rows", {})
+    if not rows:
         return None
-    ours, eager = crossover[common[0]].get("ours"), eager_rows[common[0]].get("eager", {})
+    measured = rows[max(rows, key=int)]
+    ours, eager = measured.get("ours", {}), measured.get("eager", {})
     try:
-        return {"forward_us": ours[0] - eager["forward"], "forward_backward_us": ours[1] - eager["forward_backward"]}
-    except (TypeError, KeyError, IndexError):
+        return {"forward_us": ours["forward"] - eager["forward"],
+                "forward_backward_us": ours["forward_backward"] - eager["forward_backward"]}
+    except (TypeError, KeyError):
         return None
 
 
 def swap_host_cost(swap: str, backward: bool, triton_path: bool = False) -> Optional[float]:
     """Host µs per call that SWAP adds over the eager module it replaces (negative: saves), for the forward
-    or for the backward; None where the registry has no measurement. The registry measured each swap at a
-    small size, where a swap with a native dispatch takes it; triton_path: a call that dispatch does not take
-    (its Triton path's cost, where that was measured)."""
+    or for the backward; None where the registry has no measurement. The registry's figure is at a small
+    size, where a swap with a native dispatch takes it; triton_path: a call that dispatch does not take (the
+    figure at the largest size it measured)."""
     entry = _triton_path_cost(swap) if triton_path else None
     entry = entry or _costs().get(swap)
     if not isinstance(entry, dict):

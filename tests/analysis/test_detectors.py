@@ -361,9 +361,30 @@ def test_a_gemma_norm_is_priced_on_its_own_path_and_cost():
         expected = {swap_host_cost("rms_norm_offset", False, triton_path=not native_path),
                     swap_host_cost("rms_norm_offset", True, triton_path=not native_path)}
         assert {round(a, 6) for _, a in norms[0].change.host_added} == {round(a, 6) for a in expected}
-        assert all(a < 0 for a in expected) == native_path  # the native path saves host time, the Triton one costs it
+    native, triton = ({swap_host_cost("rms_norm_offset", b, triton_path=t) for b in (False, True)} for t in (False, True))
+    assert native.isdisjoint(triton) and all(a < 0 for a in native)  # the fused op costs the host less than eager
     llama = {swap_host_cost("rms_norm", False), swap_host_cost("rms_norm", True)}
-    assert llama.isdisjoint({swap_host_cost("rms_norm_offset", False), swap_host_cost("rms_norm_offset", True)})
+    assert llama.isdisjoint(native)
+
+
+def test_a_triton_path_is_priced_module_against_module_at_a_size_that_takes_it():
+    """A call the native dispatch does not take is priced by the registry's own module-against-module
+    measurement at its largest size, which must be one where the swap runs its Triton kernel. The gated MLPs'
+    had been the bare activation's time less the eager MLP's (three GEMMs included): -93 / -492 µs per call
+    where the modules measure +104 / +156."""
+    import json
+    from profiler_svc.detectors.swap_costs import COSTS_FILE, _kernels_dir, native_below, swap_host_cost
+    costs = json.loads((_kernels_dir() / COSTS_FILE).read_text())["swaps"]
+    for variant in ("rms_norm", "rms_norm_offset", "swiglu", "geglu"):
+        entry = costs[variant]
+        rows = max(entry["host_us_by_rows"], key=int)
+        assert int(rows) * entry["dispatch_elements_per_row"] >= native_below(variant)
+        measured = entry["host_us_by_rows"][rows]
+        forward = measured["ours"]["forward"] - measured["eager"]["forward"]
+        both = measured["ours"]["forward_backward"] - measured["eager"]["forward_backward"]
+        assert swap_host_cost(variant, False, triton_path=True) == forward
+        assert abs(swap_host_cost(variant, True, triton_path=True) - (both - forward)) < 1e-9
+    assert swap_host_cost("swiglu", False, triton_path=True) > 0 and swap_host_cost("swiglu", True, triton_path=True) > 0
 
 
 def test_a_norm_is_priced_on_the_path_its_size_takes():
