@@ -10,8 +10,13 @@ launch that came late: the host; a launch call that itself took long: a full lau
 longest gaps with the kernels around them.
 
     python benchmarks/loop_gpu_idle.py --out FILE [--family llama] [--size gpu] [--mode train] [--swaps rms_norm,rope,swiglu]
+        [--tokens 1x256] [--triton-path]
+
+--tokens runs the size's model on another batch (1x256: the GPU-size model's host-bound step, whose loop time is
+its host time); --triton-path sends every call to the Triton kernels (no native dispatch), as at 4x1024.
 """
 import argparse
+import contextlib
 import json
 import statistics
 
@@ -82,9 +87,21 @@ def idle_anatomy(gpu, runtime, steps):
         covered = max(covered, end)
     span = covered - span_start
     gaps.sort(reverse=True)
+    calls: dict = {}
+    for start, end, name in runtime.values():
+        if start < span_start:
+            continue
+        row = calls.setdefault(name, [0, 0.0, 0.0, 0])
+        row[0] += 1
+        row[1] += end - start
+        row[2] = max(row[2], end - start)
+        row[3] += (end - start) > 100.0
+    runtime_calls = {name: {"per_step": round(n / steps, 1), "us_per_step": round(total / steps, 1), "max_us": round(top, 1),
+                            "over_100us_per_step": round(slow / steps, 1)}
+                     for name, (n, total, top, slow) in sorted(calls.items(), key=lambda kv: -kv[1][1])[:8]}
     return {"span_us_per_step": round(span / steps, 1), "busy_us_per_step": round(busy / steps, 1),
             "idle_us_per_step": round(idle / steps, 1), "idle_late_launch_us_per_step": round(late_launch / steps, 1),
-            "idle_slow_call_us_per_step": round(slow_call / steps, 1),
+            "idle_slow_call_us_per_step": round(slow_call / steps, 1), "runtime_calls": runtime_calls,
             "longest_gaps": [{"gap_us": round(g, 1), "after": a, "before": b, "launch_call": c, "call_us": d}
                              for g, a, b, c, d in gaps[:8]]}
 
@@ -97,13 +114,19 @@ def main():
     parser.add_argument("--mode", default="train")
     parser.add_argument("--swaps", default="rms_norm,rope,swiglu")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--tokens", help="batch x sequence instead of the size's (e.g. 1x256)")
+    parser.add_argument("--triton-path", action="store_true", help="no native dispatch: the Triton kernels at any size")
     args = parser.parse_args()
+    dispatch = contextlib.ExitStack()  # held for the whole run
+    if args.triton_path:
+        from host_costs import native_dispatch_off
+        dispatch.enter_context(native_dispatch_off())
     from profiler_svc.kernels import plan_swaps
 
     train = args.mode == "train"
     model, vocab = build(args.family, False, "cuda", torch.bfloat16, args.size)
     model.train(train)
-    batch, seq = SIZES[args.size]
+    batch, seq = map(int, args.tokens.split("x")) if args.tokens else SIZES[args.size]
     ids = torch.randint(0, vocab, (batch, seq), device="cuda")
     step = step_function(model, {"input_ids": ids, **({"labels": ids} if train else {})}, train)
     plan = plan_swaps(model, args.swaps.split(","))
@@ -122,9 +145,11 @@ def main():
                      "loop_ms_gpu_profiled": round(profiled_ms, 3), **idle_anatomy(gpu, runtime, STEPS)}
         print(arm, json.dumps(rows[arm]), flush=True)
     plan.remove()
+    dispatch.close()
     env = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name()}
     with open(args.out, "w") as f:
         json.dump({"environment": env, "family": args.family, "size": args.size, "mode": args.mode,
+                   "tokens": f"{batch}x{seq}", "triton_path": args.triton_path,
                    "swaps": args.swaps.split(","), "swapped": len(plan.changes), "variants": rows}, f, indent=1)
 
 
