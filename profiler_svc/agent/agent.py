@@ -106,7 +106,8 @@ class Capture:
         self.trace_paths: list[str] = []
         self.uploads: list[dict] = []  # the service's replies, one per uploaded trace
         self.steps = 0
-        self.timer = StepTimer()
+        # with 3 or more unprofiled steps one of them can time the host alone (step_timer.py), 2 still timed
+        self.timer = StepTimer(host_step=bool(self.schedule) and self.schedule["wait"] >= 3)
         self._step_range = None  # this step's ProfilerStep#N range, when capture marks steps itself
         self._numerics = None
         self._profiler: Optional[torch.profiler.profile] = None

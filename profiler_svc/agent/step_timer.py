@@ -5,6 +5,11 @@ so the profiler's own start and stop between steps are not in it. Its time is th
 two CUDA events recorded there (the step as the GPU lives it, whether the host or the GPU bounds it), or
 the wall-clock time without CUDA. Only steps the profiler did not run in count; the first step of the
 block is left out as warm-up when a later one was timed.
+
+A step the GPU bounds hides its host time, which the analysis then cannot calibrate: with `host_step`, the
+second unprofiled step starts on an idle GPU (a synchronize) and is timed on the host's clock until the next
+`cap.step()`, the host's own time for the step (an upper bound where the step itself waits on the GPU). That
+step is left out of the step times.
 """
 import statistics
 import time
@@ -13,16 +18,32 @@ import torch
 
 
 class StepTimer:
-    def __init__(self):
-        self.steps = []   # (start seconds, start event, end seconds, end event) of each unprofiled step
-        self._open = None
+    def __init__(self, host_step: bool = False):
+        self.steps: list = []   # (start seconds, start event, end seconds, end event) of each unprofiled step
+        self.host_steps_us: list[float] = []  # host-clock times of the steps started on an idle GPU
+        self._open: tuple | None = None
+        self._host_open: float | None = None
+        self._host_step = host_step
+        self._unprofiled_begun = 0
 
     def begin(self, profiled: bool) -> None:
         """A step starts; it is timed when the profiler will not run in it."""
-        self._open = None if profiled else (time.perf_counter(), self._event())
+        self._open = self._host_open = None
+        if profiled:
+            return
+        self._unprofiled_begun += 1
+        if self._host_step and self._unprofiled_begun == 2 and torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+            self._host_open = time.perf_counter()
+            return
+        self._open = (time.perf_counter(), self._event())
 
     def end(self) -> None:
-        if self._open is not None:
+        if self._host_open is not None:
+            self.host_steps_us.append((time.perf_counter() - self._host_open) * 1e6)
+            self._host_open = None
+            self.steps.append(None)  # not a loop's step: left out of the step times
+        elif self._open is not None:
             self.steps.append((*self._open, time.perf_counter(), self._event()))
             self._open = None
         else:
@@ -58,4 +79,5 @@ class StepTimer:
         return {"steps_us": [round(us, 2) for _, us in steps], "step_indices": [i for i, _ in steps],
                 "timer": "cuda_events" if cuda else "perf_counter",
                 "step_us": round(statistics.median(used), 2) if used else None,
+                "host_step_us": round(statistics.median(self.host_steps_us), 2) if self.host_steps_us else None,
                 "note": None if used else "no unprofiled step after the first (warm-up) one was timed"}

@@ -174,13 +174,19 @@ def _calibration(trace: Trace, timeline: Timeline) -> tuple[HostCost, dict]:
                              "schedule to get one): host-side figures are upper bounds, inflated by the profiler"}
     replayed = timeline.baseline  # shared with calibrate: one replay of the trace as profiled
     target = unprofiled * replayed.steps
-    calibration = calibrate(timeline, target)
+    host_step = _metadata_us(trace, "host_step_us")
+    calibration = calibrate(timeline, target, host_step * replayed.steps if host_step else None)
     profiled = replayed.total_us / replayed.steps
     out: dict[str, object] = {
         "measured": True, "unprofiled_step_us": round(unprofiled, 2), "profiled_step_us": round(profiled, 2),
         "profiler_inflation_pct": round(100 * (profiled / unprofiled - 1), 1),
         "profiler_us_per_event": round(calibration.host.per_event_us, 2), "host_scale": round(calibration.host_share, 3)}
-    if calibration.hidden_host:
+    if calibration.host_measured:
+        out["host_step_us"] = round(host_step or 0.0, 2)
+        out["note"] = (f"the GPU bounds the step and hides the host behind it: host time is taken from the step "
+                       f"capture timed on the host alone ({fmt_us(host_step or 0.0)}), so a GPU saving counts only "
+                       f"as far as the host leaves room")
+    elif calibration.hidden_host:
         out["note"] = (f"the GPU bounds the step and hides the host behind it: host time is taken as long as it "
                        f"can be without lengthening the step by over {GPU_BOUND_SLACK:.0%}, so a GPU saving "
                        f"counts only as far as the host leaves room")
@@ -189,11 +195,16 @@ def _calibration(trace: Trace, timeline: Timeline) -> tuple[HostCost, dict]:
 
 def unprofiled_step_us(trace: Trace) -> Optional[float]:
     """The step time capture measured outside the profiler (median over the steps it timed), if any."""
+    return _metadata_us(trace, "step_us")
+
+
+def _metadata_us(trace: Trace, key: str) -> Optional[float]:
+    """A positive µs figure of capture's unprofiled timing ("step_us", "host_step_us"), if any."""
     info = trace.capture_metadata.get("unprofiled")
     if not isinstance(info, dict):
         return None
-    value = info.get("step_us")
-    return float(value) if isinstance(value, (int, float)) and value > 0 else None
+    value = info.get(key)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None
 
 
 # -- steps ---------------------------------------------------------------------------------------------

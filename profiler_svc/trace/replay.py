@@ -536,13 +536,15 @@ class Calibration:
     host: HostCost     # the profiler's cost per recorded event, taken off the host time
     hidden_host: bool  # the GPU-only replay outlasts the unprofiled step: the cost is the least that fits
     host_share: float  # the share of the profiled host time that remains
+    host_measured: bool = False  # hidden, and the host's own time per step was measured: the cost matches it
 
 
-def calibrate(timeline: Timeline, unprofiled_total_us: float) -> Calibration:
+def calibrate(timeline: Timeline, unprofiled_total_us: float, host_total_us: Optional[float] = None) -> Calibration:
     """The profiler's cost per recorded event at which the replayed steps take as long as they did
     unprofiled (none when the profiled steps were not slower). When the replay's GPU side alone already takes
     longer, the host is hidden behind the GPU and the step time cannot tell its length: the cost is then the
-    least at which the host lengthens that GPU-only replay by at most GPU_BOUND_SLACK."""
+    one at which the host takes `host_total_us` (the host's own time for the steps, measured on an idle GPU),
+    else the least at which the host lengthens that GPU-only replay by at most GPU_BOUND_SLACK."""
     profiled = timeline.baseline.total_us
     if profiled <= unprofiled_total_us:
         return Calibration(HostCost(), False, 1.0)
@@ -554,6 +556,9 @@ def calibrate(timeline: Timeline, unprofiled_total_us: float) -> Calibration:
     low = 0.0
     gpu_only = timeline.replay(host=HostCost(high)).total_us
     hidden = gpu_only > unprofiled_total_us
+    if hidden and host_total_us:
+        cost = _cost_for_host_time(timeline, host_total_us, high)
+        return Calibration(cost, True, timeline.host_share(cost), host_measured=True)
     target = gpu_only * (1 + GPU_BOUND_SLACK) if hidden else unprofiled_total_us
     if gpu_only >= target:
         return Calibration(HostCost(high), hidden, timeline.host_share(HostCost(high)))
@@ -571,6 +576,25 @@ def calibrate(timeline: Timeline, unprofiled_total_us: float) -> Calibration:
             break
     cost = HostCost((low + high) / 2)
     return Calibration(cost, hidden, timeline.host_share(cost))
+
+
+def _cost_for_host_time(timeline: Timeline, host_total_us: float, high: float) -> HostCost:
+    """The per-event cost at which the replay's host time (its gaps and calls, as kept) is `host_total_us`."""
+    own = np.where(timeline.is_sync, 0.0, timeline.host_end_ts - timeline.host_ts)
+    profiled = float(timeline.host_gaps.sum() + own.sum())
+    if profiled <= 0 or host_total_us >= profiled:
+        return HostCost()
+    want = host_total_us / profiled
+    low = 0.0
+    for _ in range(50):
+        mid = (low + high) / 2
+        if timeline.host_share(HostCost(mid)) > want:
+            low = mid
+        else:
+            high = mid
+        if high - low < 1e-3:
+            break
+    return HostCost((low + high) / 2)
 
 
 __all__ = ["BLOCKING_CALLS", "Calibration", "Change", "GPU_BOUND_SLACK", "HostCost", "Result", "Timeline", "calibrate",

@@ -423,16 +423,23 @@ def test_parallel_wrapper_adds_no_name_step(model, x, tmp_path):
     assert os.path.basename(cap.trace_path).startswith("TinyModel_")
 
 
+def gpu_capture(tmp_path, width, rows, steps, sync, **schedule):
+    """Train a TinyModel on the GPU for `steps` steps under capture; the capture."""
+    torch.manual_seed(0)
+    model = TinyModel(width=width).cuda()
+    x = torch.randn(rows, width, device="cuda")
+    with profiler_svc.capture(model, out=tmp_path, **schedule) as cap:
+        for _ in range(steps):
+            train_step(model, x)
+            if sync:
+                torch.cuda.synchronize()
+            cap.step()
+    return cap
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_kernels_run_inside_module_labels(tmp_path):
-    torch.manual_seed(0)
-    model = TinyModel(width=256).cuda()
-    x = torch.randn(64, 256, device="cuda")
-    with profiler_svc.capture(model, out=tmp_path, wait=0, warmup=1, active=1) as cap:
-        for _ in range(2):
-            train_step(model, x)
-            torch.cuda.synchronize()
-            cap.step()
+    cap = gpu_capture(tmp_path, 256, 64, 2, True, wait=0, warmup=1, active=1)
     trace = load(cap.trace_path)
     kernels = profiler_svc.load_trace(cap.trace_path).kernels
     assert "blocks.0.fc (Linear)" in set(kernels["module"])  # the GEMM's kernel links to its module
@@ -574,3 +581,25 @@ def test_static_forward_is_labelled_by_hooks(tmp_path):
         out = model(x)
     assert torch.equal(out, expected)
     assert module_label("1", "Doubler") in module_labels(load(cap.trace_path))
+
+
+def test_without_cuda_every_wait_step_after_the_first_is_timed(model, x, tmp_path):
+    """No GPU to wait on: the host-alone step is not taken, the wait steps after the warm-up are all timed."""
+    if torch.cuda.is_available():
+        pytest.skip("the CPU-only behaviour")
+    with profiler_svc.capture(model, out=tmp_path, wait=4, warmup=1, active=1) as cap:
+        for _ in range(6):
+            train_step(model, x)
+            cap.step()
+    unprofiled = load(cap.trace_path)[METADATA_KEY]["unprofiled"]
+    assert unprofiled["step_indices"] == [0, 1, 2, 3] and unprofiled["host_step_us"] is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_one_wait_step_times_the_host_alone(tmp_path):
+    """With 3 or more wait steps the second starts on an idle GPU and is timed on the host's clock: a step
+    whose GPU work outlasts its launches takes the host less time than the GPU's step."""
+    cap = gpu_capture(tmp_path, 2048, 8192, 7, False, wait=5, warmup=1, active=1)
+    unprofiled = load(cap.trace_path)[METADATA_KEY]["unprofiled"]
+    assert unprofiled["step_indices"] == [0, 2, 3, 4]  # step 1 was the host-alone one
+    assert 0 < unprofiled["host_step_us"] < unprofiled["step_us"]
