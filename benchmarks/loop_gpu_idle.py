@@ -22,21 +22,16 @@ import statistics
 
 import torch
 
-from predict_vs_ab import SIZES, build, step_function
+from predict_vs_ab import make_case
+
+from profiler_svc.ab.stats import time_ms
 
 STEPS = 6
 
 
 def loop_ms(step, steps=STEPS):
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    step()
-    start.record()
-    for _ in range(steps):
-        step()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / steps
+    """ms per step of `steps` steps back to back after a lead step, as ab_test times a run."""
+    return time_ms(step, torch.device("cuda"), steps)
 
 
 def gpu_timeline(step, steps=STEPS):
@@ -123,12 +118,8 @@ def main():
         dispatch.enter_context(native_dispatch_off())
     from profiler_svc.kernels import plan_swaps
 
-    train = args.mode == "train"
-    model, vocab = build(args.family, False, "cuda", torch.bfloat16, args.size)
-    model.train(train)
-    batch, seq = map(int, args.tokens.split("x")) if args.tokens else SIZES[args.size]
-    ids = torch.randint(0, vocab, (batch, seq), device="cuda")
-    step = step_function(model, {"input_ids": ids, **({"labels": ids} if train else {})}, train)
+    tokens = tuple(map(int, args.tokens.split("x"))) if args.tokens else None
+    model, _, step, tokens_run = make_case(args.family, args.size, args.mode, False, tokens)
     plan = plan_swaps(model, args.swaps.split(","))
     times = {"A": [], "B": []}
     for i in range(args.rounds + 2):  # two warm-up rounds
@@ -149,7 +140,7 @@ def main():
     env = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name()}
     with open(args.out, "w") as f:
         json.dump({"environment": env, "family": args.family, "size": args.size, "mode": args.mode,
-                   "tokens": f"{batch}x{seq}", "triton_path": args.triton_path,
+                   "tokens": tokens_run, "triton_path": args.triton_path,
                    "swaps": args.swaps.split(","), "swapped": len(plan.changes), "variants": rows}, f, indent=1)
 
 

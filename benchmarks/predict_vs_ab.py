@@ -82,13 +82,14 @@ def step_function(model, inputs, train):
     return step
 
 
-def make_case(family, size, mode, smoke):
-    """The model, its inputs and the timed step, built the same way (seeded) in any process."""
+def make_case(family, size, mode, smoke, tokens=None):
+    """The model, its inputs and the timed step, built the same way (seeded) in any process; `tokens`:
+    (batch, sequence) in place of the size's."""
     device = "cpu" if smoke else "cuda"
     train = mode == "train"
     model, vocab = build(family, smoke, device, torch.float32 if smoke else torch.bfloat16, size)
     model.train(train)
-    batch, seq = (1, 16) if smoke else SIZES[size]
+    batch, seq = (1, 16) if smoke else tokens or SIZES[size]
     torch.manual_seed(1)
     ids = torch.randint(0, vocab, (batch, seq), device=device)
     inputs = {"input_ids": ids, **({"labels": ids} if train else {})}

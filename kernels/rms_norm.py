@@ -20,7 +20,7 @@ from .swap import SwapEntry, behaves_like
 # and single rounding, one ATen kernel each way under C++ autograd): there either kernel takes a few µs
 # and the host sets the time, where ours costs more (H100: 105/589 µs fwd/fwd+bwd at 8×2048 against
 # 15/133). Above it our kernel's speed pays (16384×4096 fwd+bwd: 252 µs of kernel time against 440).
-# Gemma's (1 + w) norm goes there in fp32, as its eager module computes, below its own (lower) threshold.
+# Gemma's (1 + w) norm goes there in fp32, as its eager module computes, below its own threshold.
 # Crossover sweep: benchmarks/host_costs.py, results in benchmarks/results/.
 NATIVE_BELOW = placement.NATIVE_BELOW["rms_norm"]
 NATIVE_BELOW_OFFSET = placement.NATIVE_BELOW["rms_norm_offset"]

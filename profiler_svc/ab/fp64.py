@@ -50,10 +50,9 @@ class Float64Fallback(TorchDispatchMode):
         self.topk_calls = 0  # in the last run
         self.choices: list[torch.Tensor] | None = None  # a run's topk indices to replay, in call order
         self.shortfall = 0.0  # the replayed choices' largest shortfall from fp64's own top k, relative
-        self.flips = 0  # replayed choices outside fp64's own top k
 
     def start_run(self, choices: list[torch.Tensor] | None = None) -> None:
-        self.failed, self.topk_calls, self.shortfall, self.flips = None, 0, 0.0, 0
+        self.failed, self.topk_calls, self.shortfall = None, 0, 0.0
         self.choices = list(choices) if choices is not None else None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -96,7 +95,6 @@ class Float64Fallback(TorchDispatchMode):
             short = (bound - chosen if largest else chosen - bound).clamp(min=0)
             scale = scores.abs().amax().item() or 1.0
             self.shortfall = max(self.shortfall, short.max().item() / scale)
-            self.flips += int((short > 0).sum().item())
         return chosen, indices
 
     def describe_failure(self) -> str | None:

@@ -198,12 +198,15 @@ class Timeline:
         last = self.host_end_ts[-1] if len(self.host_ts) else self.start
         self.tail_events = int(np.searchsorted(ts, self.host_end, side="right") - np.searchsorted(ts, last, side="right"))
 
+    def host_us(self, host: HostCost = HostCost()) -> float:
+        """The host time (gaps and calls, blocking calls' waits left out) that HOST keeps; all of it by default."""
+        own = np.where(self.is_sync, 0.0, self.host_end_ts - self.host_ts)
+        return float((self.host_gaps * host.kept(self.host_gaps, self.gap_events)).sum() + (own * host.kept(own, 1)).sum())
+
     def host_share(self, host: HostCost) -> float:
         """The share of the profiled host time (gaps and calls) that HOST keeps."""
-        own = np.where(self.is_sync, 0.0, self.host_end_ts - self.host_ts)
-        total = self.host_gaps.sum() + own.sum()
-        kept = (self.host_gaps * host.kept(self.host_gaps, self.gap_events)).sum() + (own * host.kept(own, 1)).sum()
-        return float(kept / total) if total > 0 else 1.0
+        total = self.host_us()
+        return self.host_us(host) / total if total > 0 else 1.0
 
     # -- the GPU side --------------------------------------------------------------------------------
     def _build_gpu(self, trace: "Trace", chain: pd.DataFrame) -> None:
@@ -580,15 +583,12 @@ def calibrate(timeline: Timeline, unprofiled_total_us: float, host_total_us: Opt
 
 def _cost_for_host_time(timeline: Timeline, host_total_us: float, high: float) -> HostCost:
     """The per-event cost at which the replay's host time (its gaps and calls, as kept) is `host_total_us`."""
-    own = np.where(timeline.is_sync, 0.0, timeline.host_end_ts - timeline.host_ts)
-    profiled = float(timeline.host_gaps.sum() + own.sum())
-    if profiled <= 0 or host_total_us >= profiled:
+    if host_total_us >= timeline.host_us():
         return HostCost()
-    want = host_total_us / profiled
     low = 0.0
     for _ in range(50):
         mid = (low + high) / 2
-        if timeline.host_share(HostCost(mid)) > want:
+        if timeline.host_us(HostCost(mid)) > host_total_us:
             low = mid
         else:
             high = mid
