@@ -505,6 +505,11 @@ def main(argv=None) -> int:
             merge_into = json.load(f)
     modules = measure_modules(rows_list, hidden, vocab, calls, sys.stderr, ops)
     cross = {} if args.skip_crossover else crossover(sweep, hidden, vocab, max(calls // 4, 3), sys.stderr, ops)
+    unknown = sorted(ops - set(modules) - set(cross)) if ops else []
+    if unknown:  # nothing is written: a typo must not leave the file looking re-measured
+        print(f"--ops: nothing measured for {', '.join(unknown)} (not a swap or variant this script measures)",
+              file=sys.stderr)
+        return 2
     data = costs_json(modules, cross, meta, merge_into)
     with open(args.out, "w") as f:
         json.dump(data, f, indent=1)

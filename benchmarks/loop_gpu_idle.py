@@ -22,7 +22,7 @@ import statistics
 
 import torch
 
-from predict_vs_ab import make_case
+from predict_vs_ab import case_arguments, make_case
 
 from profiler_svc.ab.stats import time_ms
 
@@ -101,15 +101,19 @@ def idle_anatomy(gpu, runtime, steps):
                              for g, a, b, c, d in gaps[:8]]}
 
 
+def batch_by_sequence(text: str) -> tuple[int, int]:
+    """"4x1024" -> (4, 1024), for argparse (which turns the ValueError into a one-line usage error)."""
+    batch, _, seq = text.partition("x")
+    if not (batch.isdigit() and seq.isdigit() and int(batch) > 0 and int(seq) > 0):
+        raise argparse.ArgumentTypeError(f"expected BATCHxSEQUENCE such as 1x256, got {text!r}")
+    return int(batch), int(seq)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--family", default="llama")
-    parser.add_argument("--size", default="gpu")
-    parser.add_argument("--mode", default="train")
-    parser.add_argument("--swaps", default="rms_norm,rope,swiglu")
+    case_arguments(parser)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--tokens", help="batch x sequence instead of the size's (e.g. 1x256)")
+    parser.add_argument("--tokens", type=batch_by_sequence, help="batch x sequence instead of the size's (e.g. 1x256)")
     parser.add_argument("--triton-path", action="store_true", help="no native dispatch: the Triton kernels at any size")
     args = parser.parse_args()
     dispatch = contextlib.ExitStack()  # held for the whole run
@@ -118,8 +122,7 @@ def main():
         dispatch.enter_context(native_dispatch_off())
     from profiler_svc.kernels import plan_swaps
 
-    tokens = tuple(map(int, args.tokens.split("x"))) if args.tokens else None
-    model, _, step, tokens_run = make_case(args.family, args.size, args.mode, False, tokens)
+    model, _, step, tokens_run = make_case(args.family, args.size, args.mode, False, args.tokens)
     plan = plan_swaps(model, args.swaps.split(","))
     times = {"A": [], "B": []}
     for i in range(args.rounds + 2):  # two warm-up rounds

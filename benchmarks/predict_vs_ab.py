@@ -96,6 +96,15 @@ def make_case(family, size, mode, smoke, tokens=None):
     return model, inputs, step_function(model, inputs, train), f"{batch}x{seq}"
 
 
+def case_arguments(parser, swaps="rms_norm,rope,swiglu"):
+    """--out, --family, --size, --mode and --swaps: one case of these configs, for the scripts that study one."""
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--family", default="llama")
+    parser.add_argument("--size", default="gpu")
+    parser.add_argument("--mode", default="train")
+    parser.add_argument("--swaps", default=swaps)
+
+
 def capture_step(model, step, path):
     """Three warm-up steps, then eight under profiler_svc.capture (two recorded) into PATH."""
     import profiler_svc

@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from predict_vs_ab import SIZES, build, step_function
+from predict_vs_ab import SIZES, build, case_arguments, step_function
 
 
 def unprofiled_ms(step, steps=20, warmup=5):
@@ -101,11 +101,7 @@ def diff(swap, args):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--family", default="llama")
-    parser.add_argument("--size", default="gpu")
-    parser.add_argument("--mode", default="train")
-    parser.add_argument("--swaps", default="rms_norm,rope,swiglu")
+    case_arguments(parser)
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     rows = []
