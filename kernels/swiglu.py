@@ -144,8 +144,8 @@ class GatedSplitFunction(torch.autograd.Function):
 
 
 # Below this many elements a 16-bit call on a GPU runs eager's act(gate) * up: the host, not the kernel,
-# sets the time there, and eager's two ATen ops cost it less than our launch (H100 host µs per call at
-# 8×5632, fwd / fwd+bwd: ours 64 / 363, torch 28 / 190). geglu shares these functions and the threshold.
+# sets the time there, and eager's two ATen ops cost it less than our launch (benchmarks/results/
+# host_costs_h100.md). geglu shares these functions and the threshold.
 NATIVE_BELOW = placement.NATIVE_BELOW["swiglu"]
 _NATIVE_ACT = {SILU: F.silu, GELU_TANH: lambda x: F.gelu(x, approximate="tanh"), GELU_ERF: F.gelu}
 
