@@ -42,11 +42,10 @@ class Analysis:
         for f in findings:
             change = change.merged(f.change)
         timeline = self.trace.timeline
-        before = timeline.replay(host=self.host)
-        after = timeline.replay(change, host=self.host)
-        n = before.steps
-        return {"step_us": round(before.total_us / n, 2), "step_us_after": round(after.total_us / n, 2),
-                "saving_us_per_step": round((before.total_us - after.total_us) / n, 2),
+        before = timeline.replay(host=self.host).loop_step_us
+        after = timeline.replay(change, host=self.host).loop_step_us
+        return {"step_us": round(before, 2), "step_us_after": round(after, 2),
+                "saving_us_per_step": round(before - after, 2),
                 "findings": [f.key for f in findings]}
 
 
@@ -67,30 +66,34 @@ def analyse(trace: Trace) -> Analysis:
     timeline = trace.timeline
     host, calibration = _calibration(trace, timeline)
     base = timeline.replay(host=host)
-    n = base.steps
+    step_us = base.loop_step_us
     for f in findings:
-        after = timeline.replay(f.change, host=host)
-        f.saving_us_per_step = (base.total_us - after.total_us) / n
+        f.saving_us_per_step = step_us - timeline.replay(f.change, host=host).loop_step_us
         f.gpu_time_saved_us_per_step = _gpu_time_saved(trace, f.change)
         if f.recommendation.swap and f.saving_us_per_step < 0:
             f.recommendation = _swap_would_slow(f)
     helpful = sorted((f for f in findings if f.saving_us_per_step > 0), key=lambda f: -f.saving_us_per_step)
     # the waterfall: the fixes applied one after another, largest first; each bar is what that fix buys on
-    # top of the ones before it, and the last step is the combined prediction
-    combined, waterfall, step = Change(), [], base.total_us / n
+    # top of the ones before it, and the last step is the combined prediction. A fix that lengthens the step
+    # on top of those (its host cost outweighing a GPU saving the others already took) stays out of it.
+    combined, waterfall, not_combined, step = Change(), [], [], step_us
     for f in helpful:
+        after_us = timeline.replay(combined.merged(f.change), host=host).loop_step_us
+        if after_us > step + 0.01:  # more than rounding
+            not_combined.append({"finding": f.key, "title": f.title, "saving_us_per_step": round(step - after_us, 2)})
+            continue
         combined = combined.merged(f.change)
-        after_us = timeline.replay(combined, host=host).total_us / n
         waterfall.append({"finding": f.key, "title": f.title, "saving_us_per_step": round(step - after_us, 2),
                           "step_us_after": round(after_us, 2)})
         step = after_us
     prediction = {
-        "step_us": round(base.total_us / n, 2),
+        "step_us": round(step_us, 2),
         "step_us_after": round(step, 2),
-        "saving_us_per_step": round(base.total_us / n - step, 2),
-        "saving_pct": round(100 * (1 - step * n / base.total_us), 2) if base.total_us else 0.0,
-        "findings": [f.key for f in helpful],
+        "saving_us_per_step": round(step_us - step, 2),
+        "saving_pct": round(100 * (1 - step / step_us), 2) if step_us else 0.0,
+        "findings": [w["finding"] for w in waterfall],
         "waterfall": waterfall,
+        "not_combined": not_combined,
     }
     return Analysis(trace, findings, _steps_summary(trace, timeline, base, host, calibration), prediction, host)
 
@@ -173,10 +176,9 @@ def _calibration(trace: Trace, timeline: Timeline) -> tuple[HostCost, dict]:
                      "note": "no unprofiled step time in the trace (capture with profiler_svc.capture and a "
                              "schedule to get one): host-side figures are upper bounds, inflated by the profiler"}
     replayed = timeline.baseline  # shared with calibrate: one replay of the trace as profiled
-    target = unprofiled * replayed.steps
     host_step = _metadata_us(trace, "host_step_us")
-    calibration = calibrate(timeline, target, host_step * replayed.steps if host_step else None)
-    profiled = replayed.total_us / replayed.steps
+    calibration = calibrate(timeline, unprofiled, host_step * replayed.steps if host_step else None)
+    profiled = replayed.loop_step_us
     out: dict[str, object] = {
         "measured": True, "unprofiled_step_us": round(unprofiled, 2), "profiled_step_us": round(profiled, 2),
         "profiler_inflation_pct": round(100 * (profiled / unprofiled - 1), 1),

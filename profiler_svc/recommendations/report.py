@@ -223,7 +223,7 @@ def _headline(report: Report) -> list[str]:
                      f"{where.get(steps['source'], steps['source'])})")
     b = steps.get("bottleneck")
     if b:
-        lines.append(f"bound by {b['kind']}: {b['detail']}")
+        lines.append(f"{'' if b['kind'] == 'balanced' else 'bound by '}{b['kind']}: {b['detail']}")
     calibration = steps.get("calibration") or {}
     if calibration.get("measured"):
         lines.append(f"unprofiled step {fmt_us(calibration['unprofiled_step_us'])}: the profiler inflated it by "
@@ -237,6 +237,8 @@ def _headline(report: Report) -> list[str]:
         lines.append(f"all recommended fixes together: {fmt_us(prediction['step_us'])} -> {fmt_us(prediction['step_us_after'])} "
                      f"per step ({prediction['saving_pct']:.1f}% faster, one replay; replay error "
                      f"{steps.get('replay_error_pct', 0):+.1f}%)")
+        for left in prediction.get("not_combined", []):
+            lines.append(f"left out of that: {left['title']}, {fmt_us(-left['saving_us_per_step'])} slower on top of the rest")
     phases = steps.get("phases")
     if phases:
         lines.append(f"generation: {phases['note']}")

@@ -141,10 +141,20 @@ class Result:
     step_us: np.ndarray        # per step
     gpu_busy_us: float         # kernel + memcpy time inside the replayed steps
     host_wait_us: float        # time blocking calls spent waiting for the GPU
+    work_end: np.ndarray       # per step: when its GPU work ends (its end, for a step without GPU work)
 
     @property
     def steps(self) -> int:
         return len(self.step_us)
+
+    @property
+    def loop_step_us(self) -> float:
+        """The step a loop repeats: from one step's GPU work ending to the next's, as CUDA events between steps
+        time it (ab_test, capture's unprofiled steps). The first step starts on an idle GPU, which a loop's
+        steps, launched while the previous one runs, do not; the last one's end waits for its GPU work."""
+        if self.steps < 2:
+            return self.total_us / max(self.steps, 1)
+        return float(self.work_end[-1] - self.work_end[0]) / (self.steps - 1)
 
 
 def chain_threads(trace: "Trace", calls: pd.DataFrame) -> set:
@@ -366,9 +376,11 @@ class Timeline:
         called = np.empty(n)      # replayed start of each host call
         arrival = np.full(len(dur), -np.inf)
         launched = self.gpu_launch >= 0
+        # activities without a launch we can see (another thread's, or queued before the window) keep their
+        # measured start, unless the collectives they serve no longer hold anything up
+        unlinked_arrival = np.full(len(dur), -np.inf) if change.no_collective_wait else self.gpu_start
         ends = np.full(len(dur), np.nan)
         free = dict(self.stream_free)
-        computed = np.zeros(len(dur), dtype=bool)
         clock = self.start
         wait_total = 0.0
         done = -np.inf            # when all the activities launched so far are finished
@@ -388,9 +400,11 @@ class Timeline:
             np.cumsum(own[lo:hi - 1], out=own_before[1:])
             called[lo:hi] = clock + np.cumsum(gaps[lo:hi]) + own_before
             in_seg = np.sort(by_launch[cuts[seg]:np.searchsorted(launch_sorted, hi, side="left")])
-            arrival[in_seg] = np.where(alive[in_seg], called[self.gpu_launch[in_seg]] + offset[in_seg], -np.inf)
+            ours = launched[in_seg]
+            arrival[in_seg[ours]] = np.where(alive[in_seg[ours]],
+                                             called[self.gpu_launch[in_seg[ours]]] + offset[in_seg[ours]], -np.inf)
+            arrival[in_seg[~ours]] = unlinked_arrival[in_seg[~ours]]
             self._run_streams(in_seg, arrival, dur, gpu_gap, ends, free)
-            computed[in_seg] = True
             if len(in_seg):
                 done = max(done, ends[in_seg].max())
             last = hi - 1
@@ -400,20 +414,18 @@ class Timeline:
                 clock = returned
             else:
                 clock = called[last] + own[last]
-        # activities without a launch we can see (another thread's: gloo's copies) keep their measured start,
-        # unless the collectives they serve no longer hold anything up
-        rest = ~computed
-        arrival[rest & ~launched] = -np.inf if change.no_collective_wait else self.gpu_start[rest & ~launched]
-        self._run_streams(np.flatnonzero(rest), arrival, dur, gpu_gap, ends, free)
         host_end = clock + tail_gap
         return self._result(called, ends, dur, alive, host_end, wait_total)
 
     @cached_property
     def _launch_order(self) -> tuple:
-        """(the launched activities' rows in launch order, their launch indices in that order)."""
-        launched = np.flatnonzero(self.gpu_launch >= 0)
-        order = launched[np.argsort(self.gpu_launch[launched], kind="stable")]
-        return order, self.gpu_launch[order]
+        """(every activity's row in launch order, its host call index in that order). An activity without a
+        launch we can see goes with the host call before its measured start: it runs in stream order with the
+        launched work around it (work queued before the window runs first, not after the whole window)."""
+        after_call = np.maximum(np.searchsorted(self.host_ts, self.gpu_start, side="right") - 1, 0)
+        key = np.where(self.gpu_launch >= 0, self.gpu_launch, after_call)
+        order = np.argsort(key, kind="stable")
+        return order, key[order]
 
     def _run_streams(self, rows, arrival, dur, gaps, ends, free) -> None:
         """Ends of the activities at ROWS (sorted), stream by stream: end = max(arrival, previous end) + duration."""
@@ -458,7 +470,8 @@ class Timeline:
         bounds[n_steps] = max(host_end, gpu_end[-1] if n_steps else host_end, bounds[n_steps - 1] if n_steps else 0)
         bounds = np.maximum.accumulate(bounds)
         return Result(total_us=float(bounds[-1] - bounds[0]), step_us=np.diff(bounds),
-                      gpu_busy_us=float(dur[alive].sum()), host_wait_us=wait_total)
+                      gpu_busy_us=float(dur[alive].sum()), host_wait_us=wait_total,
+                      work_end=np.where(np.isfinite(gpu_end), gpu_end, bounds[1:]))
 
     @cached_property
     def measured(self) -> Result:
@@ -475,10 +488,11 @@ class Timeline:
             bounds[i] = max(starts[i], gpu_end[i - 1])
         bounds[n_steps] = max(self.host_end, gpu_end[-1])
         bounds = np.maximum.accumulate(bounds)
+        work_end = np.where(np.isfinite(gpu_end), gpu_end, bounds[1:])
         wait = float(np.sum((self.host_end_ts - self.host_ts)[self.is_sync] - self.sync_pre[self.is_sync]
                             - self.sync_post[self.is_sync]))
         return Result(total_us=float(bounds[-1] - bounds[0]), step_us=np.diff(bounds),
-                      gpu_busy_us=float(self.gpu_dur.sum()), host_wait_us=wait)
+                      gpu_busy_us=float(self.gpu_dur.sum()), host_wait_us=wait, work_end=work_end)
 
     @cached_property
     def baseline(self) -> Result:
@@ -518,11 +532,11 @@ def time_covered_by(intervals):
 
 def sensitivity(timeline: Timeline, host: HostCost = HostCost()) -> dict:
     """How much the step shortens when all host time, or all GPU time, halves: what bounds the step."""
-    base = timeline.replay(host=host).total_us
-    half_host = timeline.replay(host=host.halved()).total_us
+    base = timeline.replay(host=host).loop_step_us
+    half_host = timeline.replay(host=host.halved()).loop_step_us
     kernels = timeline.kernel_rows
     halved = dict(zip(kernels.index.tolist(), (timeline.gpu_dur[kernels.to_numpy()] * 0.5).tolist()))
-    half_gpu = timeline.replay(Change(durations=halved), host=host).total_us
+    half_gpu = timeline.replay(Change(durations=halved), host=host).loop_step_us
     return {"host": (base - half_host) / (base / 2) if base else 0.0,
             "gpu": (base - half_gpu) / (base / 2) if base else 0.0}
 
@@ -542,14 +556,14 @@ class Calibration:
     host_measured: bool = False  # hidden, and the host's own time per step was measured: the cost matches it
 
 
-def calibrate(timeline: Timeline, unprofiled_total_us: float, host_total_us: Optional[float] = None) -> Calibration:
-    """The profiler's cost per recorded event at which the replayed steps take as long as they did
-    unprofiled (none when the profiled steps were not slower). When the replay's GPU side alone already takes
-    longer, the host is hidden behind the GPU and the step time cannot tell its length: the cost is then the
-    one at which the host takes `host_total_us` (the host's own time for the steps, measured on an idle GPU),
-    else the least at which the host lengthens that GPU-only replay by at most GPU_BOUND_SLACK."""
-    profiled = timeline.baseline.total_us
-    if profiled <= unprofiled_total_us:
+def calibrate(timeline: Timeline, unprofiled_step_us: float, host_total_us: Optional[float] = None) -> Calibration:
+    """The profiler's cost per recorded event at which the replayed loop step takes as long as the step did
+    unprofiled (none when the profiled step was not slower). When the replay's GPU side alone takes as long
+    (within GPU_BOUND_SLACK), the host is hidden behind the GPU and the step time cannot tell its length: the
+    cost is then the one at which the host takes `host_total_us` (the host's own time for the steps, measured
+    on an idle GPU), else the least at which the host lengthens the GPU-only replay by at most GPU_BOUND_SLACK."""
+    profiled = timeline.baseline.loop_step_us
+    if profiled <= unprofiled_step_us:
         return Calibration(HostCost(), False, 1.0)
     own = timeline.host_end_ts - timeline.host_ts
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -557,21 +571,22 @@ def calibrate(timeline: Timeline, unprofiled_total_us: float, host_total_us: Opt
     # at this cost every gap and call is down to its floor
     high = float(max(per_gap.max(initial=0.0), own.max(initial=0.0), 1.0))
     low = 0.0
-    gpu_only = timeline.replay(host=HostCost(high)).total_us
-    hidden = gpu_only > unprofiled_total_us
+    gpu_only = timeline.replay(host=HostCost(high)).loop_step_us
+    # within the slack of the unprofiled step, the GPU-only replay is that step: the host hides behind it
+    hidden = gpu_only > unprofiled_step_us * (1 - GPU_BOUND_SLACK)
     if hidden and host_total_us:
         cost = _cost_for_host_time(timeline, host_total_us, high)
         return Calibration(cost, True, timeline.host_share(cost), host_measured=True)
-    target = gpu_only * (1 + GPU_BOUND_SLACK) if hidden else unprofiled_total_us
+    target = gpu_only * (1 + GPU_BOUND_SLACK) if hidden else unprofiled_step_us
     if gpu_only >= target:
         return Calibration(HostCost(high), hidden, timeline.host_share(HostCost(high)))
     for _ in range(40):
         mid = (low + high) / 2
-        total = timeline.replay(host=HostCost(mid)).total_us
-        if abs(total - target) < 1e-3 * target:
+        step = timeline.replay(host=HostCost(mid)).loop_step_us
+        if abs(step - target) < 1e-3 * target:
             low = high = mid
             break
-        if total > target:
+        if step > target:
             low = mid
         else:
             high = mid

@@ -475,23 +475,23 @@ def test_calibrated_capture_takes_the_profiler_out():
     assert r.steps["bottleneck"]["kind"] == "launch overhead" and r.findings[0].category == "launch_gaps"
 
 
-def test_calibrated_gpu_bound_capture_prices_the_fusions():
+def test_calibrated_gpu_bound_capture_prices_the_fusions_within_the_host_room():
     r = report("llama8_bf16_4x1024_train_calibrated")
-    assert r.steps["calibration"]["measured"] and r.steps["bottleneck"]["kind"] in ("memory bandwidth", "compute")
-    rms = one("llama8_bf16_4x1024_train_calibrated", "unfused_chain:rms_norm")
-    # GPU-bound: what the fused kernels free on the GPU is what the step saves, give or take host effects
-    assert rms.severity == "high"
-    assert rms.saving_us_per_step == pytest.approx(rms.gpu_time_saved_us_per_step, rel=0.15)
-    assert r.prediction["step_us"] == pytest.approx(r.steps["calibration"]["unprofiled_step_us"], rel=0.05)
-    # The replayed kernels alone outlast the unprofiled step (43.5 ms of GPU work, 44.4 ms measured), so the
-    # host hides: it is taken as long as fits in 2% more; the profiler's cost per event it implies lands
-    # near what the host-bound capture of the same model measures (5.5 µs at 1x512), not at the floor.
     calibration = r.steps["calibration"]
-    assert 3.0 < calibration["profiler_us_per_event"] < 12.0 and "hides the host" in calibration["note"]
-    assert "hides the host" in render_text(r)
+    assert calibration["measured"] and r.steps["bottleneck"]["kind"] in ("memory bandwidth", "compute", "balanced")
+    # the replayed loop step (the steps after the first) is calibrated to the unprofiled one
+    assert r.prediction["step_us"] == pytest.approx(calibration["unprofiled_step_us"], rel=0.02)
+    assert 3.0 < calibration["profiler_us_per_event"] < 12.0
+    # The kernels alone replay at 43.1 ms a loop step against 44.4 unprofiled: the host, calibrated to fill the
+    # rest, is about as long as the GPU work, so a fusion frees less step time than GPU time. In a loop A/B
+    # the swaps bought nothing on this model and size (predict_vs_ab.md: -1.92 and -0.14 ms, no difference).
+    rms = one("llama8_bf16_4x1024_train_calibrated", "unfused_chain:rms_norm")
+    assert 0 < rms.saving_us_per_step < 0.6 * rms.gpu_time_saved_us_per_step
+    # a capture whose kernels alone replay as long as its unprofiled step says the host hides behind them
+    assert "hides the host" not in render_text(r) and "hides the host" in render_text(report("gemma8_bf16_4x1024_train_pva"))
     calibrated = report("llama8_bf16_1x512_train_calibrated").steps["calibration"]
-    assert calibrated["profiler_us_per_event"] == pytest.approx(5.5, abs=0.3) and "note" not in calibrated
-    assert calibrated["host_scale"] == pytest.approx(0.42, abs=0.02)
+    assert calibrated["profiler_us_per_event"] == pytest.approx(4.5, abs=0.3) and "note" not in calibrated
+    assert calibrated["host_scale"] == pytest.approx(0.52, abs=0.02)
 
 
 def test_straggler_rank_and_its_cost():

@@ -62,6 +62,12 @@ def test_savings_are_bounded_and_claims_disjoint(path):
     assert 0.0 <= p["saving_us_per_step"] <= step and p["step_us_after"] >= 0.0
     best = max([f.saving_us_per_step for f in r.findings] + [0.0])
     assert p["saving_us_per_step"] >= best - 1.0  # together never less than the best one alone
+    # a fix that lengthens the step on top of the others is left out of the combination, and said so
+    left_out = {n["finding"] for n in p["not_combined"]}
+    assert all(n["saving_us_per_step"] < 0 for n in p["not_combined"]) and not left_out & set(p["findings"])
+    combined = set(p["findings"]) | left_out  # every helpful finding (savings are rounded to 0.01 µs in r)
+    assert {f.key for f in r.findings if f.saving_us_per_step > 0} <= combined
+    assert combined <= {f.key for f in r.findings if f.saving_us_per_step >= 0}
     claimed = set()
     for f in r.findings:
         kernels = f.change.kernels
