@@ -106,12 +106,14 @@ def case_arguments(parser, swaps="rms_norm,rope,swiglu"):
 
 
 def capture_step(model, step, path):
-    """Three warm-up steps, then eight under profiler_svc.capture (two recorded) into PATH."""
+    """Three warm-up steps, then capture's default schedule (three steps recorded: the replay's loop step is
+    the two after the first) into PATH."""
     import profiler_svc
+    from profiler_svc.agent.agent import DEFAULT_SCHEDULE
     for _ in range(3):
         step()
-    with profiler_svc.capture(model, out=path, active=2, upload=False) as cap:
-        for _ in range(8):
+    with profiler_svc.capture(model, out=path, upload=False, **DEFAULT_SCHEDULE) as cap:  # none given: no schedule
+        for _ in range(sum(DEFAULT_SCHEDULE.values())):
             step()
             cap.step()
 
@@ -168,11 +170,7 @@ def run_case(family, size, mode, args):
         measured = (timing["median_a_ms"] - timing["median_b_ms"]) * 1e3
         case.update(measured_us=round(measured, 2), a_ms=timing["median_a_ms"], b_ms=timing["median_b_ms"],
                     speedup=timing["speedup"], ci=[timing["ci_low"], timing["ci_high"]])
-        pred = predicted.get("saving_us_per_step", 0.0)
-        case["error_share"] = round(abs(pred - measured) / abs(measured), 3) if measured else None
-        # right direction: a saving predicted only where the A/B says faster, none where it says slower
-        case["direction_right"] = (pred > 0) == (d["verdict"] == "faster") or (
-            d["verdict"] == "no_difference" and abs(pred) < 0.02 * predicted.get("step_us", 1.0))
+        case.update(score(predicted, measured, d["verdict"]))
     if args.each and len(swaps) > 1:  # which swap's price is off: each predicted and A/B-tested alone
         case["each"] = {}
         for swap in swaps:
@@ -186,6 +184,15 @@ def run_case(family, size, mode, args):
                 "measured_us": round((t["median_a_ms"] - t["median_b_ms"]) * 1e3, 2) if t else None,
                 "verdict": alone["verdict"]}
     return case
+
+
+def score(predicted: dict, measured_us: float, verdict: str) -> dict:
+    """How far a prediction is from the A/B's measured change per step, and whether its direction is right:
+    a saving predicted only where the A/B says faster, none (under 2% of the step) where it says no difference."""
+    pred = predicted.get("saving_us_per_step", 0.0)
+    return {"error_share": round(abs(pred - measured_us) / abs(measured_us), 3) if measured_us else None,
+            "direction_right": (pred > 0) == (verdict == "faster") or (
+                verdict == "no_difference" and abs(pred) < 0.02 * predicted.get("step_us", 1.0))}
 
 
 def run_cases(plan, run, json_path, env, budget_s) -> list:

@@ -1,0 +1,95 @@
+"""Re-score today's analyser against the committed predict_vs_ab A/B figures, without a GPU.
+
+Each committed run of predict_vs_ab.py kept its captured traces; this re-analyses each trace, predicts the
+step with the swaps that run A/B-tested (`Report.predict(swaps=...)`) and scores the prediction against the
+measured change as predict_vs_ab does. Cases are grouped by what bounds their step (1x256: the host; 4x1024:
+the GPU), the two regimes the bar is judged on.
+
+    python benchmarks/pva_rescore.py [--json OUT] [--cases]
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from predict_vs_ab import score  # noqa: E402
+
+import profiler_svc  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+# (results JSON, its traces, cases left out and why): every committed run that timed a loop as ab_test does
+# today and whose swaps take today's code paths. Left out: predict_vs_ab_h100_per_event_cost.json and older,
+# whose A/B timed isolated steps (each after a synchronize: the GPU-bound ones carry the host's start-up).
+RUNS = [
+    ("predict_vs_ab_h100_loop_timing_2026-11-25.json", "pva_traces_h100_2026-11-25_loop",
+     {"gemma_1x256": "measured the gated/norm Triton paths Gemma no longer takes at this size"}),
+    ("predict_vs_ab_h100_native_gated_2026-11-25.json", "pva_traces_h100_2026-11-25_native_gated",
+     {"gemma_1x256": "measured Gemma's norm on the Triton path, native since 7eed4f5"}),
+    ("predict_vs_ab_h100_gemma_offset_native_2026-11-25.json", "pva_traces_h100_2026-11-25_gemma_offset", {}),
+    ("predict_vs_ab_h100_host_all_2026-11-25.json", "pva_traces_h100_2026-11-25_host_all", {}),
+    ("predict_vs_ab_h100_host_step_2026-11-25.json", "pva_traces_h100_2026-11-25_host_step", {}),
+    ("predict_vs_ab_h100_mixtral_routing_2026-11-25.json", "pva_traces_h100_2026-11-25_mixtral_routing", {}),
+    ("predict_vs_ab_h100_loop_step_2026-11-25.json", "pva_traces_h100_2026-11-25_loop_step", {}),
+    ("predict_vs_ab_h100_loop_step_host_2026-11-25.json", "pva_traces_h100_2026-11-25_loop_step_host", {}),
+]
+
+
+def cases_of(path):
+    """The timed cases of a results file; a file of several runs keeps the last run's case for each trace."""
+    with open(path) as f:
+        data = json.load(f)
+    runs = data["runs"] if "runs" in data else [data]
+    latest = {}
+    for run in runs:
+        for case in run["cases"]:
+            if "measured_us" in case:
+                latest[f"{case['family']}_{case['tokens']}_{case['mode']}"] = case
+    return latest
+
+
+def rescore():
+    rows = []
+    for results, traces, left_out in RUNS:
+        for name, case in cases_of(os.path.join(RESULTS, results)).items():
+            trace = os.path.join(RESULTS, traces, f"{name}.json.gz")
+            if not os.path.exists(trace) or any(name.startswith(k) for k in left_out):
+                continue
+            predicted = profiler_svc.recommend(trace).predict(swaps=case["swaps"])
+            rows.append({"run": results, "case": name, "predicted_us": predicted.get("saving_us_per_step"),
+                         "measured_us": case["measured_us"], "verdict": case["verdict"],
+                         **score(predicted, case["measured_us"], case["verdict"])})
+    return rows
+
+
+def summary(rows):
+    out = {}
+    for regime, tokens in (("host-bound 1x256", "_1x256_"), ("GPU-bound 4x1024", "_4x1024_")):
+        group = [r for r in rows if tokens in r["case"]]
+        errors = [r["error_share"] for r in group if r["error_share"] is not None]
+        out[regime] = {"cases": len(group), "direction_right": sum(r["direction_right"] for r in group),
+                       "median_abs_error_share": round(statistics.median(errors), 3) if errors else None}
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write the rows and summary here")
+    parser.add_argument("--cases", action="store_true", help="print each case")
+    args = parser.parse_args()
+    rows = rescore()
+    if args.cases:
+        for r in rows:
+            print(f"{r['run'].removeprefix('predict_vs_ab_h100_')[:-5]:30s} {r['case']:22s} predicted {r['predicted_us'] / 1e3:7.2f} ms  measured "
+                  f"{r['measured_us'] / 1e3:7.2f} ({r['verdict']:13s}) error {r['error_share']}  "
+                  f"{'right' if r['direction_right'] else 'WRONG'}")
+    result = summary(rows)
+    print(json.dumps(result, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"summary": result, "cases": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
