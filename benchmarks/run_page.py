@@ -75,7 +75,7 @@ def ab_job(engine, run_id: int) -> int:
         return None
 
     result = first_result(json.loads(AB_RESULTS.read_text()))
-    return save_ab_result(result, workload="benchmarks/ab_llama.py", run_id=run_id, engine=engine,
+    return save_ab_result(result, workload="benchmarks/ab_end_to_end.py", run_id=run_id, engine=engine,
                           source="sample", worker=f"{result['device']} ({AB_RESULTS.name})")
 
 

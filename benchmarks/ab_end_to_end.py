@@ -1,7 +1,11 @@
-"""End-to-end bar: a Hugging Face LlamaForCausalLM training step (and inference), eager vs the swaps
-profiler_svc recommends for it vs Liger-Kernel's apply_liger_kernel_to_llama, on one GPU.
+"""End-to-end bar: a Hugging Face causal LM's training step (and inference), eager vs the swaps
+profiler_svc recommends for it vs Liger-Kernel's apply_liger_kernel_to_<family>, on one GPU.
 
-    python benchmarks/ab_llama.py [--out DIR] [--steps 20] [--warmup 5] [--budget-s 460] [--small]
+    python benchmarks/ab_end_to_end.py [--family llama|gemma|qwen2|mixtral] [--out DIR] [--steps 20]
+                                       [--warmup 5] [--budget-s 460] [--skip-ab] [--small]
+
+Families are built from configs of one size (hidden 2048, 8 layers, 32k vocabulary; Mixtral: 8 experts
+of 2816, top 2), random weights, bf16, SDPA.
 
 Every stage runs in its own process (this file with --child), because Liger rebinds transformers'
 module globals, which would patch every model built after it in the same process:
@@ -24,7 +28,7 @@ does by patching LlamaForCausalLM.forward; a module swap cannot reach HF's funct
 "ours_low_memory" (training only) is the same with fused_linear_cross_entropy(low_memory=True):
 gradients kept in bf16 from the forward on and the weight gradient rounded once per chunk, the
 memory layout Liger uses, against the default's fp32 accumulation.
-The table goes to stdout and DIR/ab_llama.md, the raw numbers to DIR/ab_llama.json.
+The table goes to stdout and DIR/ab_<family>.md, the raw numbers to DIR/ab_<family>.json.
 """
 import argparse
 import json
@@ -42,8 +46,17 @@ FULL = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8, num_a
             num_key_value_heads=8, vocab_size=32000, max_position_embeddings=4096)
 SMALL = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=512, max_position_embeddings=256)
-FALLBACK_SWAPS = ["rms_norm", "swiglu", "rope", "cross_entropy"]  # if capture/recommend fails
-LIGER_OPTIONS = dict(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True)
+# family -> (model class, config class, changes to FULL, changes to SMALL, the family's gated activation)
+FAMILIES = {
+    "llama": ("LlamaForCausalLM", "LlamaConfig", {}, {}, "swiglu"),
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", dict(num_key_value_heads=2), {}, "swiglu"),
+    "gemma": ("GemmaForCausalLM", "GemmaConfig", dict(num_attention_heads=8, num_key_value_heads=1, head_dim=256),
+              dict(num_key_value_heads=1, head_dim=16), "geglu"),
+    "mixtral": ("MixtralForCausalLM", "MixtralConfig", dict(intermediate_size=2816, num_local_experts=8,
+                                                            num_experts_per_tok=2),
+                dict(intermediate_size=88, num_local_experts=4, num_experts_per_tok=2), "swiglu"),
+}
+FALLBACK_SWAPS = ["rms_norm", "rope", "cross_entropy"]  # and the family's activation, if capture/recommend fails
 
 
 # ---- one model, one batch, one step ----------------------------------------------------------------
@@ -53,23 +66,31 @@ def device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def build(small: bool, liger: bool = False):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def config_of(family: str, small: bool) -> dict:
+    _, _, full, tiny, _ = FAMILIES[family]
+    return {**SMALL, **tiny} if small else {**FULL, **full}
 
+
+def build(family: str, small: bool, liger: bool = False):
+    import transformers
+
+    model_class, config_class, *_ = FAMILIES[family]
     if liger:  # before the model is built: it patches transformers' classes and module functions
-        from liger_kernel.transformers import apply_liger_kernel_to_llama
-        apply_liger_kernel_to_llama(**LIGER_OPTIONS)
+        import liger_kernel.transformers
+        # its defaults: rope, rms_norm, the gated activation and the fused linear cross-entropy loss
+        getattr(liger_kernel.transformers, f"apply_liger_kernel_to_{family}")()
     torch.manual_seed(0)
-    config = LlamaConfig(**(SMALL if small else FULL), attn_implementation="sdpa", use_cache=False)
+    config = getattr(transformers, config_class)(**config_of(family, small), attn_implementation="sdpa",
+                                                  use_cache=False)
     with device():
-        model = LlamaForCausalLM(config)
+        model = getattr(transformers, model_class)(config)
     return model.to(torch.bfloat16)
 
 
-def batch(small: bool, size: int | None = None):
+def batch(family: str, small: bool, size: int | None = None):
     rows, seq = (2, 64) if small else (4, 2048)
     gen = torch.Generator().manual_seed(1)
-    vocab = (SMALL if small else FULL)["vocab_size"]
+    vocab = config_of(family, small)["vocab_size"]
     ids = torch.randint(0, vocab, (size or rows, seq), generator=gen).to(device())
     return ids, ids.clone()  # labels = inputs: HF shifts them inside the loss
 
@@ -93,8 +114,8 @@ def stage_recommend(args) -> dict:
     import profiler_svc
     from profiler_svc.kernels import available_swaps
 
-    model = build(args.small)
-    ids, labels = batch(args.small)
+    model = build(args.family, args.small)
+    ids, labels = batch(args.family, args.small)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device().type == "cuda")
     with tempfile.TemporaryDirectory() as tmp:
         with profiler_svc.capture(model, out=tmp, wait=1, warmup=1, active=2, nvtx=False, upload=False) as cap:
@@ -106,7 +127,10 @@ def stage_recommend(args) -> dict:
         report = cap.recommend().to_dict()
     findings = report["findings"]
     recommended = list(dict.fromkeys(f["recommendation"]["swap"] for f in findings if f["recommendation"]["swap"]))
-    return {"recommended": recommended, "available": available_swaps(),
+    # HF's loss is functional, so no module swap reaches it: the finding's fix is the fused linear CE call
+    fused_loss = any("fused_linear_cross_entropy" in (f["recommendation"].get("snippet") or "")
+                     and f["saving_us_per_step"] > 0 for f in findings)
+    return {"recommended": recommended, "fused_loss": fused_loss, "available": available_swaps(),
             "findings": [f"{f['category']}: {f['title']} (swap {f['recommendation']['swap']}, "
                          f"{f['saving_us_per_step']:.0f} us per step)" for f in findings[:8]]}
 
@@ -114,8 +138,8 @@ def stage_recommend(args) -> dict:
 def stage_measure(args) -> dict:
     from profiler_svc.ab.stats import time_ms
 
-    model = build(args.small, liger=args.variant == "liger")
-    ids, labels = batch(args.small)
+    model = build(args.family, args.small, liger=args.variant == "liger")
+    ids, labels = batch(args.family, args.small)
     swapped = {}
     ours = args.variant.startswith("ours")
     fused_loss = ours and args.fused_loss and args.mode == "train"
@@ -160,8 +184,8 @@ def stage_measure(args) -> dict:
 def stage_ab(args) -> dict:
     from profiler_svc import ab_test
 
-    model = build(args.small)
-    ids, labels = batch(args.small, size=1)  # the fp64 reference of a 4 x 2048 step would need ~50 GB
+    model = build(args.family, args.small)
+    ids, labels = batch(args.family, args.small, size=1)  # the fp64 reference of a 4 x 2048 step would need ~50 GB
     out = {}
     for mode in ("train", "infer", "train_repeat"):  # the repeat: do two runs' intervals overlap?
         if mode.startswith("train"):
@@ -191,8 +215,8 @@ STAGES = {"recommend": stage_recommend, "measure": stage_measure, "ab": stage_ab
 
 
 def run_child(stage: str, extra: list, args, timeout: float) -> dict:
-    cmd = [sys.executable, __file__, "--child", stage, "--steps", str(args.steps), "--warmup", str(args.warmup),
-           *(["--small"] if args.small else []), *extra]
+    cmd = [sys.executable, __file__, "--child", stage, "--family", args.family, "--steps", str(args.steps),
+           "--warmup", str(args.warmup), *(["--small"] if args.small else []), *extra]
     t0 = time.time()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(timeout, 1))
@@ -222,15 +246,15 @@ def versions() -> str:
 
 
 def table(runs: list, rec: dict, ab: dict, args) -> str:
-    cfg = SMALL if args.small else FULL
+    cfg = config_of(args.family, args.small)
     rows, seq = (2, 64) if args.small else (4, 2048)
-    lines = ["# LlamaForCausalLM A/B: eager vs profiler_svc's recommended swaps vs Liger", "",
+    lines = [f"# {FAMILIES[args.family][0]} A/B: eager vs profiler_svc's recommended swaps vs Liger", "",
              f"{versions()}", "",
              f"Config: {cfg}, bf16, SDPA, batch {rows} x {seq} tokens; train = forward + loss + backward + "
              f"fused AdamW; infer = forward, no grad, all logits. Median of {args.steps} steps after "
              f"{args.warmup} warm-up (CUDA events); peak = torch.cuda.max_memory_allocated over the timed steps.",
              "", f"Recommended by `recommend` on a captured eager step: {rec.get('recommended')}"
-             + (f" (none: {rec.get('error', 'no swap found')}; used {FALLBACK_SWAPS})" if "fallback" in rec else ""),
+             + (f" (none: {rec.get('error', 'no swap found')}; used {rec['fallback']})" if "fallback" in rec else ""),
              ""]
     for mode in ("train", "infer"):
         lines += [f"## {mode}", "", "| variant | median ms | min-max ms | peak GB | vs eager | first loss | swapped |",
@@ -268,11 +292,15 @@ def _gb(n) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--family", choices=FAMILIES, default="llama")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--budget-s", type=float, default=460, help="stop starting stages after this long")
     p.add_argument("--small", action="store_true", help="a tiny config: a smoke test on any machine")
+    p.add_argument("--skip-ab", action="store_true", help="measure the variants only, no ab_test stage")
+    p.add_argument("--variants", type=lambda s: [x for x in s.split(",") if x], default=[],
+                   help="only these VARIANT:MODE runs, e.g. ours:train,liger:train (default: all)")
     p.add_argument("--child", choices=STAGES)
     p.add_argument("--variant", choices=("eager", "ours", "ours_low_memory", "liger"))
     p.add_argument("--mode", choices=("train", "infer"))
@@ -288,17 +316,20 @@ def main(argv=None) -> int:
     rec = run_child("recommend", [], args, min(100, left()))
     print(f"recommend: {rec}", file=sys.stderr, flush=True)
     if not rec.get("recommended"):  # capture or analysis failed, or (on a CPU) found no GPU kernels
-        rec["fallback"] = FALLBACK_SWAPS
-    recommended = rec.get("recommended") or FALLBACK_SWAPS
+        rec["fallback"] = FALLBACK_SWAPS + [FAMILIES[args.family][4]]
+    recommended = rec.get("recommended") or rec["fallback"]
     from profiler_svc.kernels import available_swaps
     # cross_entropy's module swap matches nn.CrossEntropyLoss, which HF's Llama does not use: its
     # recommendation becomes our fused linear cross-entropy in the loss (the --fused-loss step)
     module_swaps = [s for s in recommended if s in available_swaps() and s != "cross_entropy"]
-    ours = ["--swaps", ",".join(module_swaps)] + (["--fused-loss"] if "cross_entropy" in recommended else [])
+    fused_loss = "cross_entropy" in recommended or rec.get("fused_loss")
+    ours = ["--swaps", ",".join(module_swaps)] + (["--fused-loss"] if fused_loss else [])
     runs = []
     for mode in ("train", "infer"):
         # ours_low_memory: the fused loss keeps its gradients in bf16 (Liger's layout), training only
         for variant in ("eager", "ours", "ours_low_memory", "liger") if mode == "train" else ("eager", "ours", "liger"):
+            if args.variants and f"{variant}:{mode}" not in args.variants:
+                continue
             if left() < 30:
                 runs.append({"want": (variant, mode), "error": "skipped: out of time budget"})
                 continue
@@ -306,13 +337,16 @@ def main(argv=None) -> int:
                           args, min(120, left()))
             runs.append({"want": (variant, mode), **r})
             print(f"{variant} {mode}: {r}", file=sys.stderr, flush=True)
-    ab = run_child("ab", ["--swaps", ",".join(module_swaps)], args, min(180, left())) if left() > 40 \
-        else {"error": "skipped: out of time budget"}
+    if args.skip_ab:
+        ab = {"error": "skipped: --skip-ab"}
+    else:
+        ab = run_child("ab", ["--swaps", ",".join(module_swaps)], args, min(180, left())) if left() > 40 \
+            else {"error": "skipped: out of time budget"}
     text = table(runs, rec, ab, args)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "ab_llama.md").write_text(text)
-    (args.out / "ab_llama.json").write_text(json.dumps({"recommend": rec, "runs": runs, "ab": ab}, indent=1))
+    (args.out / f"ab_{args.family}.md").write_text(text)
+    (args.out / f"ab_{args.family}.json").write_text(json.dumps({"recommend": rec, "runs": runs, "ab": ab}, indent=1))
     return 0
 
 
