@@ -64,6 +64,21 @@ def test_run_page_answers_first(engine, blobs, client):
         assert fmt_us(value) in page
 
 
+def test_run_page_names_the_fixes_left_out_of_the_combined_prediction(engine, blobs, client):
+    """Real capture (Gemma, 4x1024, training): the cross-entropy fix saves alone but lengthens the step on
+    top of the norm swap, so the prediction leaves it out, and the page says which and by how much."""
+    trace = fixture_path("gemma8_bf16_4x1024_train_pva")
+    run_id = ingest(engine, blobs, trace)
+    prediction = recommend(str(trace)).to_dict()["prediction"]
+    assert prediction["not_combined"]
+    answer = text_of(client.get(f"/runs/{run_id}").get_data(as_text=True))
+    answer = answer[:answer.index("Findings, by what they save per step")]
+    assert "Left out of the combined prediction" in answer
+    for left in prediction["not_combined"]:
+        assert f"{left['title']} ({fmt_us(-left['saving_us_per_step'])} slower)" in answer
+    assert fmt_us(prediction["step_us"]) in answer  # the replayed loop step the fixes start from
+
+
 def test_runs_list_names_each_runs_top_finding(engine, blobs, client):
     labelled = ingest(engine, blobs, LABELLED)
     small = ingest(engine, blobs, fixture_path("llama_bf16_compiled_infer"))
