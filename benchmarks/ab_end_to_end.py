@@ -129,7 +129,7 @@ def stage_recommend(args) -> dict:
     recommended = list(dict.fromkeys(f["recommendation"]["swap"] for f in findings if f["recommendation"]["swap"]))
     # HF's loss is functional, so no module swap reaches it: the finding's fix is the fused linear CE call
     fused_loss = any("fused_linear_cross_entropy" in (f["recommendation"].get("snippet") or "")
-                     and f["saving_us_per_step"] > 0 for f in findings)
+                     and f["saving_us_per_step"] > 0 and not f["recommendation"].get("slows_step") for f in findings)
     return {"recommended": recommended, "fused_loss": fused_loss, "available": available_swaps(),
             "findings": [f"{f['category']}: {f['title']} (swap {f['recommendation']['swap']}, "
                          f"{f['saving_us_per_step']:.0f} us per step)" for f in findings[:8]]}

@@ -7,6 +7,7 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
+from ..detectors.common import recommended
 from ..fix_names import FIX_NAMES
 from ..errors import UserError
 from ..formats import one_line
@@ -82,8 +83,8 @@ def recommended_in_report(path: Path) -> dict[str, list[str]]:
     """Every bundled swap and fix a `recommend` JSON report recommends, in findings order, once each."""
     report = _read_report(path)
     recommendations = [(f.get("recommendation") or {}) if isinstance(f, dict) else {} for f in report["findings"]]
-    found = {kinds: list(dict.fromkeys(r[kind] for r in recommendations
-                                       if isinstance(r, dict) and isinstance(r.get(kind), str) and r[kind]))
+    found = {kinds: list(dict.fromkeys(name for name in (recommended(r, kind) for r in recommendations
+                                                         if isinstance(r, dict)) if name))
              for kinds, kind in (("swaps", "swap"), ("fixes", "fix"))}
     if not found["swaps"] and not found["fixes"]:
         raise UserError(f"report {path} recommends no bundled swap or fix")

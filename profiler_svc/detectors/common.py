@@ -23,10 +23,21 @@ class Recommendation:
     swap: Optional[str] = None    # a bundled kernel swap (profiler_svc.kernels), A/B-testable
     snippet: Optional[str] = None
     fix: Optional[str] = None     # a configuration fix of the A/B fix registry: one of FIX_NAMES
+    # the replay says applying it lengthens the step (alone, or on top of the report's other fixes): the swap
+    # or fix is named, so the step can be predicted with it, but not recommended
+    slows_step: bool = False
 
     def __post_init__(self):
         if self.fix is not None and self.fix not in FIX_NAMES:
             raise ValueError(f"unknown fix {self.fix!r}: not in FIX_NAMES")
+
+
+def recommended(recommendation, kind: str) -> Optional[str]:
+    """The bundled "swap" or "fix" (KIND) that a Recommendation, or its JSON dict, recommends applying: none
+    where the replay says it slows the step. The one rule for every consumer (reports, A/B, the dashboard)."""
+    rec = recommendation if isinstance(recommendation, dict) else vars(recommendation)
+    name = rec.get(kind)
+    return name if isinstance(name, str) and name and rec.get("slows_step") is not True else None
 
 
 @dataclass

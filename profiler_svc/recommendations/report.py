@@ -8,6 +8,7 @@ from typing import Optional
 import numpy as np
 
 from ..detectors import CATEGORIES, Finding, Recommendation, module_times, top_kernels, top_ops
+from ..detectors.common import recommended
 from ..formats import fmt_us, plain_json
 from ..trace import Trace, load_traces
 
@@ -68,8 +69,9 @@ class Report:
         """Bundled swaps the findings recommend (predicted to shorten the step), most valuable first."""
         seen = []
         for f in self.findings:
-            if f.recommendation.swap and f.saving_us_per_step > 0 and f.recommendation.swap not in seen:
-                seen.append(f.recommendation.swap)
+            swap = recommended(f.recommendation, "swap")
+            if swap and f.saving_us_per_step > 0 and swap not in seen:
+                seen.append(swap)
         return seen
 
 

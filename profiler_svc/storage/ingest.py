@@ -18,6 +18,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from ..detectors.common import recommended
 from ..errors import TraceError, UserError
 from ..formats import one_line, plain_json
 from ..trace.load import MAX_TRACE_BYTES
@@ -438,5 +439,7 @@ def _finding_rows(findings, trace_id, run_id, rank):
             saving_us_per_step=float(f.get("saving_us_per_step") or 0),
             gpu_time_saved_us_per_step=float(f.get("gpu_time_saved_us_per_step") or 0),
             rank=f.get("rank") if f.get("rank") is not None else rank,
-            summary=_text(rec.get("summary") or ""), swap=_text(rec.get("swap"), 255), fix=_text(rec.get("fix"), 64),
+            # the swap or fix it recommends applying: none where the analyser says it slows the step
+            summary=_text(rec.get("summary") or ""), swap=_text(recommended(rec, "swap"), 255),
+            fix=_text(recommended(rec, "fix"), 64),
             snippet=_text(rec.get("snippet")))

@@ -27,7 +27,7 @@ def test_json_report_contract(capsys):
         assert f["category"] in ("fallback_kernel", "unfused_chain", "misalignment", "launch_gaps", "host_sync")
         assert set(f) >= {"id", "category", "severity", "title", "detail", "evidence", "saving_us_per_step",
                           "gpu_time_saved_us_per_step", "share_of_step_pct", "recommendation"}
-        assert set(f["recommendation"]) == {"summary", "swap", "snippet", "fix"}
+        assert set(f["recommendation"]) == {"summary", "swap", "snippet", "fix", "slows_step"}
     k = report["top_kernels"][0]
     assert k["share_pct"] > 0 and k["count"] >= 1 and "op" in k and "module" in k
 

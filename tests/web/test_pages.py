@@ -170,6 +170,12 @@ def test_ab_form_offers_only_what_applies_and_the_server_checks(engine, blobs, c
     recommended = {(kind, f["recommendation"][kind]) for f in run["findings"] for kind in queries.AB_KINDS
                    if f["recommendation"].get(kind)}
     assert offered and {(kind, name) for _, kind, name in offered} == recommended and len(offered) == len(recommended)
+    # the swaps the replay says slow this step (swiglu and rope here) are in the report, not in the form
+    report = recommend(str(LABELLED)).to_dict()
+    slowing = {f["recommendation"]["swap"] for f in report["findings"] if f["recommendation"]["slows_step"]}
+    assert slowing and not slowing & {name for _, kind, name in offered if kind == "swap"}
+    assert recommended == {("swap", f["recommendation"]["swap"]) for f in report["findings"]
+                           if f["recommendation"]["swap"] and not f["recommendation"]["slows_step"]}
     token = csrf_token(page.encode())
     fix_only = next(f["id"] for f in run["findings"] if f["recommendation"]["fix"] and not f["recommendation"]["swap"])
     for bad in ({"swap": "no_such_swap"}, {"finding_id": "999999"}, {}, {"finding_id": "x"}, {"finding_id": "²"},
