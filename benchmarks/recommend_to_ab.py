@@ -62,9 +62,11 @@ def build(family: str, tiny: bool):
 
 
 def named_swaps(report: dict) -> tuple[list, list]:
-    """(swaps the findings name, in order; the findings that name none but had one in their pattern)."""
+    """(swaps the findings recommend, in order; the findings that name none but had one in their pattern). A
+    swap the replay says slows the step (recommendation.slows_step) is not recommended: a user would not apply it."""
     findings = report["findings"]
-    named = list(dict.fromkeys(f["recommendation"]["swap"] for f in findings if f["recommendation"]["swap"]))
+    named = list(dict.fromkeys(f["recommendation"]["swap"] for f in findings
+                               if f["recommendation"]["swap"] and not f["recommendation"].get("slows_step")))
     code_fixes = [f"{f['title']}: {f['recommendation']['summary']}" for f in findings
                   if f["category"] == "unfused_chain" and "swap_does_not_apply_to" in f["evidence"]
                   and not f["recommendation"]["swap"]]
