@@ -1,0 +1,29 @@
+"""How predict_vs_ab scores a prediction against an A/B, and the committed runs that pva_rescore re-scores."""
+import os
+
+import pytest
+
+from benchmarks.predict_vs_ab import score
+from benchmarks.pva_rescore import RESULTS, RUNS, cases_of
+
+STEP = {"step_us": 10000.0}
+
+
+def test_a_prediction_is_scored_by_its_error_and_direction():
+    assert score({**STEP, "saving_us_per_step": 1000.0}, 800.0, "faster") == {"error_share": 0.25,
+                                                                              "direction_right": True}
+    # a saving predicted where the A/B measured a slower step, or none where it measured a faster one
+    assert not score({**STEP, "saving_us_per_step": 500.0}, -300.0, "slower")["direction_right"]
+    assert not score({**STEP, "saving_us_per_step": -100.0}, 900.0, "faster")["direction_right"]
+
+
+@pytest.mark.parametrize("predicted, right", [(150.0, True), (-600.0, True), (500.0, False)])
+def test_no_difference_is_right_for_a_change_under_two_percent_or_a_slower_step(predicted, right):
+    assert score({**STEP, "saving_us_per_step": predicted}, 120.0, "no_difference")["direction_right"] is right
+
+
+@pytest.mark.parametrize("results, traces, left_out", RUNS, ids=[r[0] for r in RUNS])
+def test_every_run_the_rescore_reads_has_its_cases_and_traces(results, traces, left_out):
+    cases = cases_of(os.path.join(RESULTS, results))
+    found = [name for name in cases if os.path.exists(os.path.join(RESULTS, traces, f"{name}.json.gz"))]
+    assert found and all("measured_us" in cases[name] and cases[name]["swaps"] for name in found)
