@@ -143,6 +143,7 @@ class Capture:
             self._add_metadata(profiler)  # the cycle is saved inside this step(): last chance to add it
         if profiler.current_action not in RECORDING and profiler.schedule(profiler.step_num + 1) in RECORDING:
             _drain_gpu()
+            self.timer.settle()  # the GPU is idle now: reading the step events costs nothing and stays unrecorded
         profiler.step()
         self._sync_labels()
         self.timer.begin(profiled=profiler.current_action != ProfilerAction.NONE)

@@ -19,12 +19,15 @@ import torch
 
 class StepTimer:
     def __init__(self, host_step: bool = False):
-        self.steps: list = []   # (start seconds, start event, end seconds, end event) of each unprofiled step
+        # per step: None (profiled, or timed on the host alone), (start seconds, start event, end seconds,
+        # end event) of an unprofiled one, or its µs once settled
+        self.steps: list = []
         self.host_steps_us: list[float] = []  # host-clock times of the steps started on an idle GPU
         self._open: tuple | None = None
         self._host_open: float | None = None
         self._host_step = host_step
         self._unprofiled_begun = 0
+        self._cuda_timed = False  # some step was timed by CUDA events
 
     def begin(self, profiled: bool) -> None:
         """A step starts; it is timed when the profiler will not run in it."""
@@ -45,6 +48,7 @@ class StepTimer:
             self.steps.append(None)  # not a loop's step: left out of the step times
         elif self._open is not None:
             self.steps.append((*self._open, time.perf_counter(), self._event()))
+            self._cuda_timed = self._cuda_timed or self.steps[-1][1] is not None
             self._open = None
         else:
             self.steps.append(None)  # a profiled step: counted, not timed
@@ -57,27 +61,32 @@ class StepTimer:
         event.record()
         return event
 
+    def settle(self) -> None:
+        """Read the timed steps' CUDA events now, as the profiler is about to record: read inside a recorded
+        step (capture's metadata is written there), their synchronize calls would be in the user's trace."""
+        self.steps = [self._us(step) if isinstance(step, tuple) else step for step in self.steps]
+
     def unprofiled_steps_us(self) -> list:
         """(step index, µs) of each finished unprofiled step."""
-        out = []
-        for index, step in enumerate(self.steps):
-            if step is None:
-                continue
-            t0, e0, t1, e1 = step
-            if e0 is not None and e1 is not None:
-                e1.synchronize()
-                out.append((index, e0.elapsed_time(e1) * 1e3))
-            else:
-                out.append((index, (t1 - t0) * 1e6))
-        return out
+        return [(index, self._us(step)) for index, step in enumerate(self.steps) if step is not None]
+
+    @staticmethod
+    def _us(step) -> float:
+        """A timed step's µs: settled already, or from its CUDA events (else its wall clock)."""
+        if isinstance(step, float):
+            return step
+        t0, e0, t1, e1 = step
+        if e0 is not None and e1 is not None:
+            e1.synchronize()
+            return e0.elapsed_time(e1) * 1e3
+        return (t1 - t0) * 1e6
 
     def summary(self) -> dict:
         """What capture writes into the trace's metadata (docs/capture.md, "unprofiled")."""
         steps = self.unprofiled_steps_us()
         used = [us for index, us in steps if index > 0]
-        cuda = any(s is not None and s[1] is not None for s in self.steps)
         return {"steps_us": [round(us, 2) for _, us in steps], "step_indices": [i for i, _ in steps],
-                "timer": "cuda_events" if cuda else "perf_counter",
+                "timer": "cuda_events" if self._cuda_timed else "perf_counter",
                 "step_us": round(statistics.median(used), 2) if used else None,
                 "host_step_us": round(statistics.median(self.host_steps_us), 2) if self.host_steps_us else None,
                 "note": None if used else "no unprofiled step after the first (warm-up) one was timed"}

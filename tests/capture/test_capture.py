@@ -595,6 +595,43 @@ def test_without_cuda_every_wait_step_after_the_first_is_timed(model, x, tmp_pat
     assert unprofiled["step_indices"] == [0, 1, 2, 3] and unprofiled["host_step_us"] is None
 
 
+def test_step_events_are_read_before_recording_starts(model, x, tmp_path, monkeypatch):
+    """Capture writes its metadata inside the last recorded step. The timed steps' CUDA events are read
+    before recording starts: read there, their synchronize calls would be in the user's trace as host syncs
+    (they were: four cudaEventSynchronize in every capture's last step). Events stand in for CUDA's here."""
+    from profiler_svc.agent.agent import Capture
+    from profiler_svc.agent.step_timer import StepTimer
+
+    reads = []
+
+    class Event:
+        def __init__(self):
+            self.at = len(reads)
+
+        def synchronize(self):
+            reads.append(recording[0])
+
+        def elapsed_time(self, end):
+            return 1.0 + end.at  # ms
+
+    recording = [False]
+    add_metadata = Capture._add_metadata
+
+    def add_metadata_while_recording(self, profiler):
+        recording[0] = True
+        add_metadata(self, profiler)
+
+    monkeypatch.setattr(StepTimer, "_event", staticmethod(Event))
+    monkeypatch.setattr(Capture, "_add_metadata", add_metadata_while_recording)
+    with profiler_svc.capture(model, out=tmp_path, wait=2, warmup=1, active=2) as cap:
+        for _ in range(5):
+            train_step(model, x)
+            cap.step()
+    unprofiled = load(cap.trace_path)[METADATA_KEY]["unprofiled"]
+    assert reads and not any(reads) and unprofiled["timer"] == "cuda_events"
+    assert unprofiled["steps_us"] and all(us >= 1000.0 for us in unprofiled["steps_us"])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_one_wait_step_times_the_host_alone(tmp_path):
     """With 3 or more wait steps the second starts on an idle GPU and is timed on the host's clock: a step
