@@ -210,10 +210,9 @@ def test_static_files_are_compressed_and_cached(engine, blobs, client):
 def tiled(tmp_path, path, copies: int):
     """A real trace repeated in time (benchmarks/tile_trace.py): `copies` times its steps."""
     import gzip
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    from tile_trace import tile
+
+    # as a package module: benchmarks/ on sys.path would shadow the kernels package with its kernels.py
+    from benchmarks.tile_trace import tile
     source = json.loads(gzip.decompress(path.read_bytes()))
     out = tmp_path / f"tiled-{path.name}"
     out.write_bytes(gzip.compress(json.dumps(tile(source, copies * len(source["traceEvents"]))).encode()))
