@@ -46,9 +46,12 @@ GRAPH_KERNEL_GAP_US = 1.0
 class HostCost:
     """How the replay takes the profiled host time: `per_event_us` of the profiler's own cost comes off each
     gap between runtime calls for every CPU op recorded in it, and off each call (down to HOST_FLOOR of the
-    profiled time); the rest is multiplied by `scale` (sensitivity halves it)."""
+    profiled time); the rest is multiplied by `scale` (sensitivity halves it). With `even_steps`, where the
+    steps do the same work (Timeline.steps_alike), each step's host time is then brought to the median
+    step's: a step whose profiled host ran slower (a noisy moment) does not weigh on the loop step."""
     per_event_us: float = 0.0
     scale: float = 1.0
+    even_steps: bool = False
 
     def halved(self) -> "HostCost":
         return replace(self, scale=self.scale * 0.5)
@@ -211,7 +214,23 @@ class Timeline:
     def host_us(self, host: HostCost = HostCost()) -> float:
         """The host time (gaps and calls, blocking calls' waits left out) that HOST keeps; all of it by default."""
         own = np.where(self.is_sync, 0.0, self.host_end_ts - self.host_ts)
-        return float((self.host_gaps * host.kept(self.host_gaps, self.gap_events)).sum() + (own * host.kept(own, 1)).sum())
+        gaps, own = self.host_gaps * host.kept(self.host_gaps, self.gap_events), own * host.kept(own, 1)
+        return float(((gaps + own) * self._step_factor(host, gaps, own)).sum())
+
+    @cached_property
+    def steps_alike(self) -> bool:
+        """Three or more steps that do the same work: host calls per step within 5% of the median."""
+        calls = np.diff(np.r_[self.step_first_host, len(self.host_ts)])
+        return len(calls) >= 3 and bool(np.all(np.abs(calls - np.median(calls)) <= 0.05 * np.median(calls)))
+
+    def _step_factor(self, host: HostCost, gaps: np.ndarray, own: np.ndarray) -> np.ndarray | float:
+        """Per host call, what brings its step's kept host time (GAPS + OWN, per call) to the median step's,
+        where HOST evens the steps and they are alike; else 1."""
+        if not (host.even_steps and self.steps_alike):
+            return 1.0
+        per_step = np.bincount(self.call_step, weights=gaps + own, minlength=len(self.step_first_host))
+        factor = np.divide(np.median(per_step), per_step, out=np.ones_like(per_step), where=per_step > 0)
+        return factor[self.call_step]
 
     def host_share(self, host: HostCost) -> float:
         """The share of the profiled host time (gaps and calls) that HOST keeps."""
@@ -274,6 +293,7 @@ class Timeline:
         starts = self.steps["ts"].to_numpy(float)
         # the host chain index at which each step begins, and which step launched each activity
         self.step_first_host = np.searchsorted(self.host_ts, starts, side="left")
+        self.call_step = np.maximum(np.searchsorted(self.step_first_host, np.arange(len(self.host_ts)), side="right") - 1, 0)
         launched = self.gpu_launch >= 0
         step_of = np.full(len(self.gpu), -1)
         step_of[launched] = np.searchsorted(starts, self.host_ts[self.gpu_launch[launched]], side="right") - 1
@@ -339,6 +359,9 @@ class Timeline:
         own_kept = np.where(self.is_sync, host.scale, host.kept(own, 1))  # a sync's wait is not the profiler's
         gaps = cpu_time * gap_kept
         own = own * own_kept
+        factor = self._step_factor(host, gaps, np.where(self.is_sync, 0.0, own))
+        gaps = gaps * factor
+        own = np.where(self.is_sync, own, own * factor)
         if change.host_removed:
             # the removed CPU time inside each gap and each call, from the measure of the removed intervals
             removed_until = time_covered_by(change.host_removed)
@@ -571,7 +594,7 @@ def calibrate(timeline: Timeline, unprofiled_step_us: float, host_total_us: Opti
     # at this cost every gap and call is down to its floor
     high = float(max(per_gap.max(initial=0.0), own.max(initial=0.0), 1.0))
     low = 0.0
-    gpu_only = timeline.replay(host=HostCost(high)).loop_step_us
+    gpu_only = timeline.replay(host=_calibrated(high)).loop_step_us
     # within the slack of the unprofiled step, the GPU-only replay is that step: the host hides behind it
     hidden = gpu_only > unprofiled_step_us * (1 - GPU_BOUND_SLACK)
     if hidden and host_total_us:
@@ -579,10 +602,10 @@ def calibrate(timeline: Timeline, unprofiled_step_us: float, host_total_us: Opti
         return Calibration(cost, True, timeline.host_share(cost), host_measured=True)
     target = gpu_only * (1 + GPU_BOUND_SLACK) if hidden else unprofiled_step_us
     if gpu_only >= target:
-        return Calibration(HostCost(high), hidden, timeline.host_share(HostCost(high)))
+        return Calibration(_calibrated(high), hidden, timeline.host_share(_calibrated(high)))
     for _ in range(40):
         mid = (low + high) / 2
-        step = timeline.replay(host=HostCost(mid)).loop_step_us
+        step = timeline.replay(host=_calibrated(mid)).loop_step_us
         if abs(step - target) < 1e-3 * target:
             low = high = mid
             break
@@ -592,24 +615,29 @@ def calibrate(timeline: Timeline, unprofiled_step_us: float, host_total_us: Opti
             high = mid
         if high - low < 1e-3:
             break
-    cost = HostCost((low + high) / 2)
+    cost = _calibrated((low + high) / 2)
     return Calibration(cost, hidden, timeline.host_share(cost))
+
+
+def _calibrated(per_event_us: float) -> HostCost:
+    """A calibrated host: the profiler's cost per event off, and alike steps evened (HostCost.even_steps)."""
+    return HostCost(per_event_us, even_steps=True)
 
 
 def _cost_for_host_time(timeline: Timeline, host_total_us: float, high: float) -> HostCost:
     """The per-event cost at which the replay's host time (its gaps and calls, as kept) is `host_total_us`."""
-    if host_total_us >= timeline.host_us():
-        return HostCost()
+    if host_total_us >= timeline.host_us(_calibrated(0.0)):
+        return _calibrated(0.0)
     low = 0.0
     for _ in range(50):
         mid = (low + high) / 2
-        if timeline.host_us(HostCost(mid)) > host_total_us:
+        if timeline.host_us(_calibrated(mid)) > host_total_us:
             low = mid
         else:
             high = mid
         if high - low < 1e-3:
             break
-    return HostCost((low + high) / 2)
+    return _calibrated((low + high) / 2)
 
 
 __all__ = ["BLOCKING_CALLS", "Calibration", "Change", "GPU_BOUND_SLACK", "HostCost", "Result", "Timeline", "calibrate",

@@ -1,4 +1,5 @@
 """The what-if replay on small hand-built timelines whose answers are known by hand."""
+import numpy as np
 import pytest
 
 from profiler_svc import load_trace
@@ -123,6 +124,36 @@ def test_the_loop_step_overlaps_the_host_start_up_that_the_first_step_waits_for(
     assert replayed.loop_step_us == pytest.approx(1000.0, abs=1.0)  # the GPU's work per step: what a loop takes
     # a host twice as fast leaves the loop step to the GPU
     assert timeline.replay(host=HostCost().halved()).loop_step_us == pytest.approx(1000.0, abs=1.0)
+
+
+def three_host_bound_steps(tmp_path, spacing=(50, 50, 100), kernels=(10, 10, 10)):
+    """Three steps of 2 µs kernels, each launched SPACING µs after the last (Python between them): the third
+    step's host ran twice as slow under the profiler, a noisy moment."""
+    w, start = TraceWriter(), 0
+    for step, (gap, count) in enumerate(zip(spacing, kernels)):
+        w.step(step + 1, start, gap * count)
+        for i in range(count):
+            ext = w.op("aten::mul", start + i * gap, 4)
+            w.kernel(f"k{step}.{i}", start + i * gap + 8, 2, ext, launch_ts=start + i * gap + 2)
+        start += gap * count
+    return load_trace(w.write(tmp_path / "three.json")).timeline
+
+
+def test_calibration_evens_out_a_step_the_profiler_ran_slower(tmp_path):
+    timeline = three_host_bound_steps(tmp_path)
+    assert timeline.steps_alike
+    found = calibrate(timeline, 300.0)
+    assert found.host.even_steps and timeline.replay(host=found.host).loop_step_us == pytest.approx(300.0, rel=0.01)
+    # the steps repeat alike (GPU work end to end): the slow third no longer carries the loop step alone
+    periods = np.diff(timeline.replay(host=found.host).work_end)
+    assert periods[0] == pytest.approx(periods[1], rel=0.05)
+    unevened = np.diff(timeline.replay(host=HostCost(found.host.per_event_us)).work_end)
+    assert unevened[1] > 1.5 * unevened[0]
+    # steps that do different work (here a third with twice the launches) are left as they are
+    different = three_host_bound_steps(tmp_path, spacing=(50, 50, 50), kernels=(10, 10, 20))
+    assert not different.steps_alike
+    assert different.replay(host=HostCost(1.0, even_steps=True)).step_us == pytest.approx(
+        different.replay(host=HostCost(1.0)).step_us)
 
 
 def test_work_queued_before_the_window_runs_first():
