@@ -27,3 +27,15 @@ def test_every_run_the_rescore_reads_has_its_cases_and_traces(results, traces, l
     cases = cases_of(os.path.join(RESULTS, results))
     found = [name for name in cases if os.path.exists(os.path.join(RESULTS, traces, f"{name}.json.gz"))]
     assert found and all("measured_us" in cases[name] and cases[name]["swaps"] for name in found)
+
+
+def test_the_analyser_keeps_its_accuracy_on_the_committed_ab_runs():
+    """A ratchet on real data: every committed H100 capture whose A/B timed a loop, re-analysed and scored
+    (benchmarks/pva_rescore.py). The figures are this analyser's: an analyser change that predicts the
+    measured A/B changes worse fails here; one that does better should raise the bar."""
+    from benchmarks.pva_rescore import rescore, summary
+
+    result = summary(rescore())
+    host, gpu = result["host-bound 1x256"], result["GPU-bound 4x1024"]
+    assert host["cases"] == 30 and host["direction_right"] >= 28 and host["median_abs_error_share"] <= 0.31
+    assert gpu["cases"] == 23 and gpu["direction_right"] >= 11 and gpu["median_abs_error_share"] <= 1.35
