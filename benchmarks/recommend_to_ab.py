@@ -22,6 +22,8 @@ import traceback
 
 import torch
 
+from profiler_svc.detectors.common import recommended
+
 # family -> (config class, model class, overrides): the families of tests/kernels/test_coverage.py
 FAMILIES = {
     "Llama": ("LlamaConfig", "LlamaForCausalLM", {}),
@@ -65,8 +67,7 @@ def named_swaps(report: dict) -> tuple[list, list]:
     """(swaps the findings recommend, in order; the findings that name none but had one in their pattern). A
     swap the replay says slows the step (recommendation.slows_step) is not recommended: a user would not apply it."""
     findings = report["findings"]
-    named = list(dict.fromkeys(f["recommendation"]["swap"] for f in findings
-                               if f["recommendation"]["swap"] and not f["recommendation"].get("slows_step")))
+    named = list(dict.fromkeys(filter(None, (recommended(f["recommendation"], "swap") for f in findings))))
     code_fixes = [f"{f['title']}: {f['recommendation']['summary']}" for f in findings
                   if f["category"] == "unfused_chain" and "swap_does_not_apply_to" in f["evidence"]
                   and not f["recommendation"]["swap"]]

@@ -49,13 +49,18 @@ class Analysis:
                 "findings": [f.key for f in findings]}
 
 
-def _swap_would_slow(f: Finding, slower_us: float, on_top: bool = False) -> Recommendation:
-    """The finding's swap still applies (Report.predict can price it) but is not recommended: the replay says
-    the step gets slower, alone or on top of the report's other fixes, its host time per call costing more
-    than the kernels it fuses save here."""
+def _slows_step(f: Finding, slower_us: float, on_top: bool = False) -> Recommendation:
+    """The finding's fix still applies (Report.predict can price it) but is not recommended: the replay says
+    the step gets slower, alone or on top of the report's other fixes. A swap's host time per call costs more
+    than the kernels it fuses save here, so its advice becomes keeping the eager code."""
+    rec = f.recommendation
+    if not rec.swap:
+        return replace(rec, slows_step=True, summary=(
+            f"Not with the other recommended fixes: on top of them this is predicted to make the step "
+            f"{fmt_us(slower_us)} slower, so the combined prediction leaves it out. Alone: {rec.summary}"))
     where = " on top of the other recommended fixes" if on_top else ""
-    return replace(f.recommendation, slows_step=True, summary=(
-        f"Keep the eager code: the bundled `{f.recommendation.swap}` swap applies but is predicted to make the step "
+    return replace(rec, slows_step=True, summary=(
+        f"Keep the eager code: the bundled `{rec.swap}` swap applies but is predicted to make the step "
         f"{fmt_us(slower_us)} slower{where}, its host time per call costing more than the fused kernels save "
         f"at this size. torch.compile fuses the chain without that cost."), snippet=PATTERNS["generic"].snippet)
 
@@ -73,7 +78,7 @@ def analyse(trace: Trace) -> Analysis:
         f.saving_us_per_step = step_us - timeline.replay(f.change, host=host).loop_step_us
         f.gpu_time_saved_us_per_step = _gpu_time_saved(trace, f.change)
         if f.recommendation.swap and f.saving_us_per_step < 0:
-            f.recommendation = _swap_would_slow(f, -f.saving_us_per_step)
+            f.recommendation = _slows_step(f, -f.saving_us_per_step)
     helpful = sorted((f for f in findings if f.saving_us_per_step > 0), key=lambda f: -f.saving_us_per_step)
     # the waterfall: the fixes applied one after another, largest first; each bar is what that fix buys on
     # top of the ones before it, and the last step is the combined prediction. A fix that lengthens the step
@@ -83,13 +88,7 @@ def analyse(trace: Trace) -> Analysis:
         after_us = timeline.replay(combined.merged(f.change), host=host).loop_step_us
         if after_us > step + 0.01:  # more than rounding
             not_combined.append({"finding": f.key, "title": f.title, "saving_us_per_step": round(step - after_us, 2)})
-            if f.recommendation.swap:
-                f.recommendation = _swap_would_slow(f, after_us - step, on_top=True)
-            else:
-                f.recommendation = replace(f.recommendation, slows_step=True, summary=(
-                    f"Not with the other recommended fixes: on top of them this is predicted to make the step "
-                    f"{fmt_us(after_us - step)} slower, so the combined prediction leaves it out. Alone: "
-                    f"{f.recommendation.summary}"))
+            f.recommendation = _slows_step(f, after_us - step, on_top=True)
             continue
         combined = combined.merged(f.change)
         waterfall.append({"finding": f.key, "title": f.title, "saving_us_per_step": round(step - after_us, 2),

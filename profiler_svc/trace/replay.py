@@ -293,10 +293,10 @@ class Timeline:
         starts = self.steps["ts"].to_numpy(float)
         # the host chain index at which each step begins, and which step launched each activity
         self.step_first_host = np.searchsorted(self.host_ts, starts, side="left")
-        self.call_step = np.maximum(np.searchsorted(self.step_first_host, np.arange(len(self.host_ts)), side="right") - 1, 0)
+        self.call_step = np.maximum(np.searchsorted(starts, self.host_ts, side="right") - 1, 0)
         launched = self.gpu_launch >= 0
         step_of = np.full(len(self.gpu), -1)
-        step_of[launched] = np.searchsorted(starts, self.host_ts[self.gpu_launch[launched]], side="right") - 1
+        step_of[launched] = self.call_step[self.gpu_launch[launched]]
         unlinked = ~launched
         step_of[unlinked] = np.searchsorted(starts, self.gpu_start[unlinked], side="right") - 1
         self.gpu_step = step_of
@@ -423,10 +423,9 @@ class Timeline:
             np.cumsum(own[lo:hi - 1], out=own_before[1:])
             called[lo:hi] = clock + np.cumsum(gaps[lo:hi]) + own_before
             in_seg = np.sort(by_launch[cuts[seg]:np.searchsorted(launch_sorted, hi, side="left")])
-            ours = launched[in_seg]
-            arrival[in_seg[ours]] = np.where(alive[in_seg[ours]],
-                                             called[self.gpu_launch[in_seg[ours]]] + offset[in_seg[ours]], -np.inf)
-            arrival[in_seg[~ours]] = unlinked_arrival[in_seg[~ours]]
+            mine, unlinked = in_seg[launched[in_seg]], in_seg[~launched[in_seg]]
+            arrival[mine] = np.where(alive[mine], called[self.gpu_launch[mine]] + offset[mine], -np.inf)
+            arrival[unlinked] = unlinked_arrival[unlinked]
             self._run_streams(in_seg, arrival, dur, gpu_gap, ends, free)
             if len(in_seg):
                 done = max(done, ends[in_seg].max())
