@@ -56,6 +56,10 @@ FAMILIES = {
                                                             num_experts_per_tok=2),
                 dict(intermediate_size=88, num_local_experts=4, num_experts_per_tok=2), "swiglu"),
 }
+# (variant, mode) of every measure stage, in order; ours_low_memory: the fused loss keeps its gradients in bf16
+# (Liger's layout), training only
+MEASURED = [(v, "train") for v in ("eager", "ours", "ours_low_memory", "liger")] + \
+           [(v, "infer") for v in ("eager", "ours", "liger")]
 FALLBACK_SWAPS = ["rms_norm", "rope", "cross_entropy"]  # and the family's activation, if capture/recommend fails
 
 
@@ -307,6 +311,9 @@ def main(argv=None) -> int:
     p.add_argument("--swaps", type=lambda s: [x for x in s.split(",") if x], default=[])
     p.add_argument("--fused-loss", action="store_true")
     args = p.parse_args(argv)
+    unknown = set(args.variants) - {f"{v}:{m}" for v, m in MEASURED}
+    if unknown:
+        p.error(f"--variants: unknown {', '.join(sorted(unknown))} (VARIANT:MODE, e.g. ours:train)")
     if args.child:
         print(json.dumps(STAGES[args.child](args)))
         return 0
@@ -325,18 +332,16 @@ def main(argv=None) -> int:
     fused_loss = "cross_entropy" in recommended or rec.get("fused_loss")
     ours = ["--swaps", ",".join(module_swaps)] + (["--fused-loss"] if fused_loss else [])
     runs = []
-    for mode in ("train", "infer"):
-        # ours_low_memory: the fused loss keeps its gradients in bf16 (Liger's layout), training only
-        for variant in ("eager", "ours", "ours_low_memory", "liger") if mode == "train" else ("eager", "ours", "liger"):
-            if args.variants and f"{variant}:{mode}" not in args.variants:
-                continue
-            if left() < 30:
-                runs.append({"want": (variant, mode), "error": "skipped: out of time budget"})
-                continue
-            r = run_child("measure", ["--variant", variant, "--mode", mode, *(ours if variant.startswith("ours") else [])],
-                          args, min(120, left()))
-            runs.append({"want": (variant, mode), **r})
-            print(f"{variant} {mode}: {r}", file=sys.stderr, flush=True)
+    for variant, mode in MEASURED:
+        if args.variants and f"{variant}:{mode}" not in args.variants:
+            continue
+        if left() < 30:
+            runs.append({"want": (variant, mode), "error": "skipped: out of time budget"})
+            continue
+        r = run_child("measure", ["--variant", variant, "--mode", mode, *(ours if variant.startswith("ours") else [])],
+                      args, min(120, left()))
+        runs.append({"want": (variant, mode), **r})
+        print(f"{variant} {mode}: {r}", file=sys.stderr, flush=True)
     if args.skip_ab:
         ab = {"error": "skipped: --skip-ab"}
     else:

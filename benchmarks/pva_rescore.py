@@ -88,8 +88,11 @@ def main():
     result = summary(rows)
     print(json.dumps(result, indent=1))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"summary": result, "cases": rows}, f, indent=1)
+        try:
+            with open(args.json, "w") as f:
+                json.dump({"summary": result, "cases": rows}, f, indent=1)
+        except OSError as err:
+            parser.exit(2, f"pva_rescore: cannot write {args.json}: {err.strerror}\n")
 
 
 if __name__ == "__main__":
