@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 from torch._subclasses.fake_tensor import is_fake
 from torch.library import triton_op, wrap_triton
+from triton import knobs
 
 # Widest row row_tiles keeps whole in registers where the kernel names no limit of its own (the norms;
 # softmax has its own); wider rows are processed in chunks of CHUNK_N columns.
@@ -32,10 +33,9 @@ def interpreted() -> bool:
 
 def require_triton(*tensors: torch.Tensor) -> None:
     """Fail clearly where Triton cannot run: CPU tensors outside the interpreter."""
-    if interpreted():
-        return
     for t in tensors:
-        if t is not None and t.device.type != "cuda":
+        # is_cuda first: reading the environment costs a few µs of every call's host time
+        if t is not None and not t.is_cuda and not interpreted():
             raise RuntimeError("profiler_svc kernels need CUDA tensors (or TRITON_INTERPRET=1 on the CPU)")
 
 
@@ -104,7 +104,8 @@ def persistent_programs(device: torch.device, blocks: int, per_sm: float = 0) ->
 
 # The interpreter rounds fp32 -> bf16 by truncation; the GPU rounds to nearest even. Round explicitly
 # there, so CPU tests judge the same numerics the GPU produces.
-_EXACT_BF16_ROUNDING = tl.constexpr(interpreted())
+_INTERPRETER = interpreted()
+_EXACT_BF16_ROUNDING = tl.constexpr(_INTERPRETER)
 
 
 @triton.jit
@@ -144,21 +145,72 @@ def kernel_op(name: str, mutates_args=()):
     return register
 
 
-def _plain(t) -> bool:
-    return type(t) in (torch.Tensor, torch.nn.Parameter)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+# Fast-path launches: launch key -> (compiled kernel, its launcher's trailing constexpr arguments), or False
+# where a kernel must always go through Triton's own launch path (the interpreter, hooks).
+_COMPILED: dict = {}
+
+
+def _launch_key(kernel, device: int, args: tuple, kwargs: dict):
+    """What Triton specializes a compiled kernel on, for a call with plain tensors: each tensor's dtype and
+    16-byte alignment, each int's value class (1, a multiple of 16, its width), the other arguments' types,
+    the constexprs and launch options; None for anything else (fake tensors while torch.compile traces)."""
+    key = [kernel, device, tuple(kwargs.items())]
+    for a in args:
+        kind = type(a)
+        if kind in _PLAIN:
+            key.append((a.dtype, not a.data_ptr() & 15))
+        elif kind is int:
+            key.append((a == 1, not a & 15, -0x80000000 <= a <= 0x7FFFFFFF, a < 1 << 63))
+        elif kind is float or kind is bool or a is None:
+            key.append(kind)
+        else:
+            return None
+    return tuple(key)
+
+
+def _first_launch(kernel, grid, key, args, kwargs) -> None:
+    """Launch through Triton (which compiles on first use) and keep what later launches of `key` need."""
+    compiled = kernel[grid](*args, **kwargs)
+    names = getattr(kernel, "arg_names", ())[len(args):]
+    usable = (hasattr(compiled, "packed_metadata") and not getattr(kernel, "pre_run_hooks", None)
+              and all(name in kwargs for name in names))
+    _COMPILED[key] = (compiled, tuple(kwargs[name] for name in names)) if usable else False
+
+
+def _hooked(hook) -> bool:
+    """Is a launch hook set? (Triton 3.4+ keeps a chain of them, empty by default.)"""
+    return hook is not None and bool(getattr(hook, "calls", True))
 
 
 def launch(kernel, grid, *args, **kwargs):
     """Launch a Triton kernel from a kernel_op's host function.
 
-    Plain tensors (eager mode): straight to the kernel. Tensor subclasses (fake or functional tensors
-    while torch.compile traces the op): through wrap_triton, which records the launch, except under
-    the interpreter, which cannot trace and whose fake run only needs the outputs' shapes.
+    Plain tensors (eager mode): after the first launch of a specialization, straight to the compiled
+    kernel's launcher, skipping the argument binding and cache-key work of `kernel[grid](...)` (about 15 µs
+    of host time a launch on the H100's host, benchmarks/results/launch_cost_h100.json); Triton's own path
+    where a launch hook is set (its profilers). A kernel's global constexprs are checked at its first launch
+    only. Tensor subclasses (fake or functional tensors while torch.compile traces the op): through
+    wrap_triton, which records the launch. Under the interpreter, which cannot trace, a fake run (shapes
+    only) launches nothing.
     """
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    if all(_plain(t) for t in tensors):
-        kernel[grid](*args, **kwargs)
-    elif not interpreted():
+    if _INTERPRETER:
+        if not any(is_fake(t) for t in args if isinstance(t, torch.Tensor)):
+            kernel[grid](*args, **kwargs)
+        return
+    device = torch.cuda.current_device()  # the device and stream Triton's own path launches on
+    key = _launch_key(kernel, device, args, kwargs)
+    if key is None:
         wrap_triton(kernel)[grid](*args, **kwargs)
-    elif not any(is_fake(t) for t in tensors):
-        kernel[grid](*args, **kwargs)
+        return
+    entry = _COMPILED.get(key)
+    if not entry or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
+        if entry is None:
+            _first_launch(kernel, grid, key, args, kwargs)
+        else:
+            kernel[grid](*args, **kwargs)
+        return
+    compiled, constexprs = entry
+    compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+                 torch._C._cuda_getCurrentRawStream(device), compiled.function, compiled.packed_metadata,
+                 None, None, None, *args, *constexprs)

@@ -145,3 +145,32 @@ def test_small_gemma_norms_take_torchs_fused_op_in_fp32_and_stay_as_accurate():
         for (e, _), (t, _) in zip(errors(ours, [x64, w64], reference, torch.bfloat16),
                                   errors(gemma_eager, [x64, w64], reference, torch.bfloat16)):
             assert e <= 1.1 * t + 1e-7
+
+
+def test_fast_launches_respecialize_on_alignment_and_hand_hooked_launches_to_triton():
+    """launch() skips Triton's launch path after a kernel's first launch; a misaligned input (16-byte
+    alignment is part of Triton's specialization) must get its own compiled kernel and the same results,
+    and a launch hook must see every launch."""
+    from triton import knobs
+
+    from profiler_svc.kernels import _launch
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    flat = torch.randn(4096 * 2048 + 1, device="cuda", generator=gen).bfloat16()
+    w = (1 + 0.1 * torch.randn(2048, device="cuda", generator=gen)).bfloat16()
+    aligned, misaligned = flat[:-1].view(4096, 2048), flat[1:].view(4096, 2048)  # above the native-dispatch size
+    assert misaligned.data_ptr() % 16 and not aligned.data_ptr() % 16
+    for x in (aligned, misaligned, aligned, misaligned):  # a clone is aligned: the other specialization's math
+        assert torch.equal(K.rms_norm(x, w, 1e-6), K.rms_norm(x.clone(), w, 1e-6))
+    keys = [key for key, entry in _launch._COMPILED.items() if entry and key[0].__name__ == "_norm_fwd_kernel"]
+    assert {key[3][1] for key in keys} >= {True, False}  # x's alignment: two specializations
+    first = K.rms_norm(misaligned, w, 1e-6)
+    assert torch.equal(first, K.rms_norm(misaligned, w, 1e-6))
+    seen = []
+    hook = lambda metadata: seen.append(metadata.get()["name"])  # noqa: E731  (a LazyDict)
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        assert torch.equal(K.rms_norm(misaligned, w, 1e-6), first)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert seen == ["_norm_fwd_kernel"]
