@@ -13,6 +13,7 @@ import os
 import statistics
 
 import profiler_svc
+from profiler_svc.detectors.swap_costs import host_costs_from
 
 try:
     from predict_vs_ab import score  # run as a script: its folder is on the path
@@ -20,20 +21,32 @@ except ImportError:  # imported as benchmarks.pva_rescore (the tests); never put
     from benchmarks.predict_vs_ab import score  # where its kernels.py would shadow the kernels package
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-# (results JSON, its traces, cases left out and why): every committed run that timed a loop as ab_test does
-# today and whose swaps take today's code paths. Left out: predict_vs_ab_h100_per_event_cost.json and older,
-# whose A/B timed isolated steps (each after a synchronize: the GPU-bound ones carry the host's start-up).
+# The swaps' host costs that a run's B side paid (kernels/host_costs.json when it ran): the runs of the
+# first table launched their Triton kernels through Triton's own launch path, the second's through
+# kernels/_launch.py's fast path.
+TRITON_LAUNCH_COSTS = "host_costs_h100_triton_launch_2026-11-25.json"
+FAST_LAUNCH_COSTS = "host_costs_h100_fast_launch_2026-11-25.json"  # the runs since: kernels/_launch.py's fast path
+# (results JSON, its traces, cases left out and why, host costs): every committed run that timed a loop as
+# ab_test does today and whose swaps take today's code paths. Left out: predict_vs_ab_h100_per_event_cost.json
+# and older, whose A/B timed isolated steps (each after a synchronize: the GPU-bound ones carry the host's
+# start-up).
 RUNS = [
     ("predict_vs_ab_h100_loop_timing_2026-11-25.json", "pva_traces_h100_2026-11-25_loop",
-     {"gemma_1x256": "measured the gated/norm Triton paths Gemma no longer takes at this size"}),
+     {"gemma_1x256": "measured the gated/norm Triton paths Gemma no longer takes at this size"}, TRITON_LAUNCH_COSTS),
     ("predict_vs_ab_h100_native_gated_2026-11-25.json", "pva_traces_h100_2026-11-25_native_gated",
-     {"gemma_1x256": "measured Gemma's norm on the Triton path, native since 7eed4f5"}),
-    ("predict_vs_ab_h100_gemma_offset_native_2026-11-25.json", "pva_traces_h100_2026-11-25_gemma_offset", {}),
-    ("predict_vs_ab_h100_host_all_2026-11-25.json", "pva_traces_h100_2026-11-25_host_all", {}),
-    ("predict_vs_ab_h100_host_step_2026-11-25.json", "pva_traces_h100_2026-11-25_host_step", {}),
-    ("predict_vs_ab_h100_mixtral_routing_2026-11-25.json", "pva_traces_h100_2026-11-25_mixtral_routing", {}),
-    ("predict_vs_ab_h100_loop_step_2026-11-25.json", "pva_traces_h100_2026-11-25_loop_step", {}),
-    ("predict_vs_ab_h100_loop_step_host_2026-11-25.json", "pva_traces_h100_2026-11-25_loop_step_host", {}),
+     {"gemma_1x256": "measured Gemma's norm on the Triton path, native since 7eed4f5"}, TRITON_LAUNCH_COSTS),
+    ("predict_vs_ab_h100_gemma_offset_native_2026-11-25.json", "pva_traces_h100_2026-11-25_gemma_offset", {},
+     TRITON_LAUNCH_COSTS),
+    ("predict_vs_ab_h100_host_all_2026-11-25.json", "pva_traces_h100_2026-11-25_host_all", {}, TRITON_LAUNCH_COSTS),
+    ("predict_vs_ab_h100_host_step_2026-11-25.json", "pva_traces_h100_2026-11-25_host_step", {}, TRITON_LAUNCH_COSTS),
+    ("predict_vs_ab_h100_mixtral_routing_2026-11-25.json", "pva_traces_h100_2026-11-25_mixtral_routing", {},
+     TRITON_LAUNCH_COSTS),
+    ("predict_vs_ab_h100_loop_step_2026-11-25.json", "pva_traces_h100_2026-11-25_loop_step", {}, TRITON_LAUNCH_COSTS),
+    ("predict_vs_ab_h100_loop_step_host_2026-11-25.json", "pva_traces_h100_2026-11-25_loop_step_host", {},
+     TRITON_LAUNCH_COSTS),
+    ("predict_vs_ab_h100_fast_launch_2026-11-25.json", "pva_traces_h100_2026-11-25_fast_launch", {}, FAST_LAUNCH_COSTS),
+    ("predict_vs_ab_h100_fast_launch_host_2026-11-25.json", "pva_traces_h100_2026-11-25_fast_launch_host", {},
+     FAST_LAUNCH_COSTS),
 ]
 
 
@@ -52,12 +65,13 @@ def cases_of(path):
 
 def rescore():
     rows = []
-    for results, traces, left_out in RUNS:
+    for results, traces, left_out, host_costs in RUNS:
         for name, case in cases_of(os.path.join(RESULTS, results)).items():
             trace = os.path.join(RESULTS, traces, f"{name}.json.gz")
             if not os.path.exists(trace) or any(name.startswith(k) for k in left_out):
                 continue
-            predicted = profiler_svc.recommend(trace).predict(swaps=case["swaps"])
+            with host_costs_from(os.path.join(RESULTS, host_costs)):
+                predicted = profiler_svc.recommend(trace).predict(swaps=case["swaps"])
             rows.append({"run": results, "case": name, "predicted_us": predicted.get("saving_us_per_step"),
                          "measured_us": case["measured_us"], "verdict": case["verdict"],
                          **score(predicted, case["measured_us"], case["verdict"])})

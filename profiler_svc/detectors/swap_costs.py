@@ -7,6 +7,7 @@ Read as data, or loaded by path, so the analyser never imports torch or Triton t
 import functools
 import importlib.util
 import json
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
@@ -71,8 +72,26 @@ def _costs_file() -> dict:
     return data if isinstance(data, dict) else {}
 
 
+# A host-cost table that replaces the package's while `host_costs_from` is active.
+_replacement: Optional[dict] = None
+
+
+@contextmanager
+def host_costs_from(path):
+    """Price swaps with the host-cost table at `path` (a committed A/B run's, measured on the kernels that
+    run installed) instead of the package's, inside the `with` block."""
+    global _replacement
+    saved = _replacement
+    with open(path) as f:
+        _replacement = json.load(f)
+    try:
+        yield
+    finally:
+        _replacement = saved
+
+
 def _costs() -> dict:
-    return _costs_file().get("swaps", {})
+    return (_replacement if _replacement is not None else _costs_file()).get("swaps", {})
 
 
 def _triton_path_cost(swap: str) -> Optional[dict]:

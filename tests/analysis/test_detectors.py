@@ -371,7 +371,7 @@ def test_a_triton_path_is_priced_module_against_module_at_a_size_that_takes_it()
     """A call the native dispatch does not take is priced by the registry's own module-against-module
     measurement at its largest size, which must be one where the swap runs its Triton kernel. The gated MLPs'
     had been the bare activation's time less the eager MLP's (three GEMMs included): -93 / -492 µs per call
-    where the modules measure +104 / +156."""
+    where the modules then measured +104 / +156."""
     import json
     from profiler_svc.detectors.swap_costs import COSTS_FILE, _kernels_dir, native_below, swap_host_cost
     costs = json.loads((_kernels_dir() / COSTS_FILE).read_text())["swaps"]
@@ -384,7 +384,6 @@ def test_a_triton_path_is_priced_module_against_module_at_a_size_that_takes_it()
         both = measured["ours"]["forward_backward"] - measured["eager"]["forward_backward"]
         assert swap_host_cost(variant, False, triton_path=True) == forward
         assert abs(swap_host_cost(variant, True, triton_path=True) - (both - forward)) < 1e-9
-    assert swap_host_cost("swiglu", False, triton_path=True) > 0 and swap_host_cost("swiglu", True, triton_path=True) > 0
 
 
 def test_a_norm_is_priced_on_the_path_its_size_takes():
@@ -483,10 +482,16 @@ def test_calibrated_gpu_bound_capture_prices_the_fusions_within_the_host_room():
     assert r.prediction["step_us"] == pytest.approx(calibration["unprofiled_step_us"], rel=0.02)
     assert 3.0 < calibration["profiler_us_per_event"] < 12.0
     # The kernels alone replay at 43.1 ms a loop step against 44.4 unprofiled: the host, calibrated to fill the
-    # rest, is about as long as the GPU work, so a fusion frees less step time than GPU time. In a loop A/B
-    # the swaps bought nothing on this model and size (predict_vs_ab.md: -1.92 and -0.14 ms, no difference).
+    # rest, is about as long as the GPU work, so a fusion frees less step time than GPU time: each alone,
+    # and both together. (Alone, either one's sign follows the few µs a call by which the swap's host cost
+    # differs from eager's; with Triton's own launch path the swaps bought nothing in a loop A/B on this model
+    # and size, predict_vs_ab.md.)
     rms = one("llama8_bf16_4x1024_train_calibrated", "unfused_chain:rms_norm")
-    assert 0 < rms.saving_us_per_step < 0.6 * rms.gpu_time_saved_us_per_step
+    rope = one("llama8_bf16_4x1024_train_calibrated", "unfused_chain:rope")
+    for fix in (rms, rope):
+        assert fix.saving_us_per_step < fix.gpu_time_saved_us_per_step
+    together = r.predict(swaps=["rms_norm", "rope"])["saving_us_per_step"]
+    assert 0 < together < 0.6 * (rms.gpu_time_saved_us_per_step + rope.gpu_time_saved_us_per_step)
     # a capture whose kernels alone replay as long as its unprofiled step says the host hides behind them
     assert "hides the host" not in render_text(r) and "hides the host" in render_text(report("gemma8_bf16_4x1024_train_pva"))
     calibrated = report("llama8_bf16_1x512_train_calibrated").steps["calibration"]
