@@ -2,7 +2,7 @@
 profiler_svc recommends for it vs Liger-Kernel's apply_liger_kernel_to_<family>, on one GPU.
 
     python benchmarks/ab_end_to_end.py [--family llama|gemma|qwen2|mixtral] [--out DIR] [--steps 20]
-                                       [--warmup 5] [--budget-s 460] [--skip-ab] [--small]
+                                       [--warmup 5] [--budget-s 460] [--skip-ab] [--small] [--child-timeout-s 120]
 
 Families are built from configs of one size (hidden 2048, 8 layers, 32k vocabulary; Mixtral: 8 experts
 of 2816, top 2), random weights, bf16, SDPA.
@@ -303,6 +303,8 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=460, help="stop starting stages after this long")
     p.add_argument("--small", action="store_true", help="a tiny config: a smoke test on any machine")
     p.add_argument("--skip-ab", action="store_true", help="measure the variants only, no ab_test stage")
+    p.add_argument("--child-timeout-s", type=float, default=120, help="limit of one measure stage (Liger's "
+                   "Mixtral compiles its kernels for longer than the default)")
     p.add_argument("--variants", type=lambda s: [x for x in s.split(",") if x], default=[],
                    help="only these VARIANT:MODE runs, e.g. ours:train,liger:train (default: all)")
     p.add_argument("--child", choices=STAGES)
@@ -339,7 +341,7 @@ def main(argv=None) -> int:
             runs.append({"want": (variant, mode), "error": "skipped: out of time budget"})
             continue
         r = run_child("measure", ["--variant", variant, "--mode", mode, *(ours if variant.startswith("ours") else [])],
-                      args, min(120, left()))
+                      args, min(args.child_timeout_s, left()))
         runs.append({"want": (variant, mode), **r})
         print(f"{variant} {mode}: {r}", file=sys.stderr, flush=True)
     if args.skip_ab:
