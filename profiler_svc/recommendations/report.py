@@ -5,14 +5,14 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-import numpy as np
 
-from ..detectors import CATEGORIES, Finding, Recommendation, module_times, top_kernels, top_ops
+from ..detectors import CATEGORIES, Finding, module_times, top_kernels, top_ops
 from ..detectors.common import recommended
 from ..formats import fmt_us, plain_json
 from ..trace import Trace, load_traces
 
-from .analysis import Analysis, analyse
+from .analysis import analyse
+from .ranks import merge_ranks, rank_summary, straggler
 from .severity import SEVERITIES, severity_for
 
 SCHEMA = "profiler_svc.report/1"
@@ -98,7 +98,7 @@ def build_report(traces: list[Trace], path: str, top: int = 20) -> Report:
             f.saving_us_per_step = round(f.saving_us_per_step, 2)
             f.gpu_time_saved_us_per_step = round(f.gpu_time_saved_us_per_step, 2)
     main = analyses[0]
-    findings = _merge_ranks(analyses) + _straggler(analyses) if len(analyses) > 1 else main.findings
+    findings = merge_ranks(analyses) + straggler(analyses) if len(analyses) > 1 else main.findings
     findings.sort(key=lambda f: (-f.saving_us_per_step, f.category, f.title))
     counters: dict[str, int] = {}
     for f in findings:
@@ -109,7 +109,7 @@ def build_report(traces: list[Trace], path: str, top: int = 20) -> Report:
         trace=trace_summary(main.trace),
         steps=main.steps,
         prediction=main.prediction,
-        ranks=[_rank_summary(a) for a in analyses] if len(analyses) > 1 else [],
+        ranks=[rank_summary(a) for a in analyses] if len(analyses) > 1 else [],
         top_kernels=top_kernels(main.trace, top),
         findings=findings,
         top_ops=top_ops(main.trace, top),
@@ -135,68 +135,6 @@ def trace_summary(trace: Trace) -> dict:
         "numerics": trace.numerics or None,
         "workload": trace.capture_metadata.get("workload"),
     }
-
-
-def _rank_summary(a: Analysis) -> dict:
-    return {"rank": a.trace.rank, "step_us": a.steps["step_us"], "bottleneck": a.steps.get("bottleneck", {}).get("kind"),
-            "gpu_busy_pct": round(a.trace.gpu_busy_pct, 2), "prediction": a.prediction}
-
-
-def _merge_ranks(analyses: list[Analysis]) -> list[Finding]:
-    """The same problem on several ranks is one finding, with each rank's saving; its figures are the worst
-    rank's (the rank the headline names), its spread across ranks in the evidence."""
-    by_key: dict = {}
-    for a in analyses:
-        for f in a.findings:
-            by_key.setdefault(f.key or f"{f.category}:{f.title}", []).append(f)
-    out = []
-    for group in by_key.values():
-        worst = max(group, key=lambda f: f.saving_us_per_step)
-        if len(group) > 1:
-            per_rank = {str(f.rank): round(f.saving_us_per_step, 2) for f in group}
-            values = list(per_rank.values())
-            worst.evidence["ranks"] = sorted(f.rank for f in group if f.rank is not None)
-            worst.evidence["saving_us_per_step_by_rank"] = per_rank
-            worst.evidence["spread_us_per_step"] = round(max(values) - min(values), 2)
-        out.append(worst)
-    return out
-
-
-# A rank is a straggler when its own work per step exceeds the median rank's by this share of the step.
-_STRAGGLER_SHARE = 0.05
-
-
-def _straggler(analyses: list[Analysis]) -> list[Finding]:
-    """The rank the others wait for: the most work per step (its step less its own wait on collectives);
-    what it costs per step is how much less work the other ranks' median has: what they wait for it."""
-    work: dict = {}
-    for a in analyses:
-        if not a.trace.has_gpu:
-            return []
-        timeline = a.trace.timeline
-        n = timeline.measured.steps
-        work[a.trace.rank] = (timeline.measured.total_us - float(timeline.gap_wait.sum())) / n
-    if len(work) < 2:
-        return []
-    slowest = max(work, key=lambda rank: work[rank])
-    median = float(np.median([w for r, w in work.items() if r != slowest]))
-    cost = work[slowest] - median
-    step = float(np.median([a.prediction["step_us"] for a in analyses]))
-    if cost < _STRAGGLER_SHARE * step:
-        return []
-    return [Finding(
-        category="communication", title=f"rank {slowest} straggles: {fmt_us(cost)} more work per step than the median rank",
-        detail=(f"Without its waits on collectives, rank {slowest}'s step takes {fmt_us(work[slowest])} against the "
-                f"other ranks' {fmt_us(median)} (median); every collective waits for it, so they idle about "
-                f"{fmt_us(cost)} per step. Balance the work (uneven batches or sequence lengths, a rank doing extra "
-                "logging or evaluation) or look at that rank's host and GPU."),
-        evidence={"rank": slowest, "work_us_per_step_by_rank": {str(r): round(v, 2) for r, v in work.items()},
-                  "others_median_work_us_per_step": round(median, 2), "ranks": sorted(work)},
-        recommendation=Recommendation("Balance the work across ranks; see what the slowest rank does that others "
-                                      "do not (its findings, its host ops).", None, None),
-        key="communication:straggler", rank=slowest, saving_us_per_step=cost,
-        share_of_step_pct=round(100 * cost / step, 2) if step else 0.0,
-        severity=severity_for(cost, step))]
 
 
 def recommend(path, top: int = 20, progress=None) -> Report:

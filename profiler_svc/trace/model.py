@@ -194,13 +194,13 @@ class Trace:
 
     @cached_property
     def collectives(self) -> list:
-        """(start, end) of every collective in flight: gloo/NCCL ops on the host, NCCL kernels on the GPU."""
+        """(start, end) of every collective call on the host (gloo, NCCL, c10d ops): time the host spends in
+        one is waiting (gloo's wait, an NCCL enqueue blocked behind kernels still waiting for peers). An NCCL
+        kernel in flight on the GPU does not hold the host, which goes on launching the backward meanwhile;
+        what peers cost there is measured across ranks (recommendations.ranks)."""
         cpu = self.cpu
         ops = cpu[name_mask(cpu, lambda n: n.startswith(COLLECTIVE_OP_PREFIXES))]
-        k = self.kernels
-        comm = k[(k["kind"] == "communication").to_numpy()]
-        return sorted(zip(np.r_[ops["ts"].to_numpy(), comm["ts"].to_numpy()].tolist(),
-                          np.r_[ops["end"].to_numpy(), comm["end"].to_numpy()].tolist()))
+        return sorted(zip(ops["ts"].tolist(), ops["end"].tolist()))
 
     @cached_property
     def timeline(self) -> "Timeline":

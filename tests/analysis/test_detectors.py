@@ -507,3 +507,69 @@ def test_straggler_rank_and_its_cost():
     assert straggler.saving_us_per_step == pytest.approx(30_000, rel=0.2)
     assert r.steps["bottleneck"]["kind"] == "communication"
     assert not [f for f in r.findings if f.category == "launch_gaps" and f.severity in ("medium", "high")]
+
+
+def raw_collective_waits(folder):
+    """Per rank, µs per profiled step its NCCL kernels ran beyond the same collective's shortest run on any
+    rank (matched by name and order), from the raw JSON: the time they spent waiting for a peer."""
+    runs = {}
+    for path in sorted(fixture_dir(folder).glob("*.json.gz")):
+        with gzip.open(path) as f:
+            trace = json.load(f)
+        events = trace["traceEvents"]
+        steps = [e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith("ProfilerStep#")]
+        start, end = min(e["ts"] for e in steps), max(e["ts"] + e["dur"] for e in steps)
+        comm = sorted((e["ts"], e["name"], e["dur"]) for e in events if e.get("cat") == "kernel"
+                      and e["name"].startswith("ncclDevKernel") and start <= e["ts"] < end)
+        seen: dict = {}
+        keyed = {}
+        for _, name, dur in comm:
+            seen[name] = seen.get(name, 0) + 1
+            keyed[(name, seen[name])] = dur
+        runs[trace["distributedInfo"]["rank"]] = (keyed, len(steps))
+    shortest = {key: min(keyed[key] for keyed, _ in runs.values()) for key in next(iter(runs.values()))[0]}
+    return {rank: sum(d - shortest[key] for key, d in keyed.items()) / n for rank, (keyed, n) in runs.items()}
+
+
+@pytest.mark.parametrize("folder, slowest", [("llama_nccl_ddp_straggler", 1), ("llama_nccl_fsdp2", 0),
+                                             ("llama_nccl_ddp", 1)])
+def test_nccl_straggler_is_the_rank_whose_collectives_never_wait(folder, slowest):
+    r = recommend(fixture_dir(folder))
+    [straggler] = [f for f in r.findings if f.key == "communication:straggler"]
+    assert straggler.rank == slowest and straggler.evidence["method"] == "collective kernels"
+    waits = raw_collective_waits(folder)
+    assert straggler.evidence["collective_wait_us_per_step_by_rank"] == {
+        str(rank): pytest.approx(w, rel=1e-3, abs=1.0) for rank, w in waits.items()}
+    assert waits[slowest] < 0.05 * waits[1 - slowest]  # it is late to (nearly) every collective
+    # what the others lose is the part of their waiting on their step's critical path: at most all of it
+    lost = straggler.evidence["step_lost_us_per_step_by_rank"][str(1 - slowest)]
+    assert straggler.saving_us_per_step == lost and 0 < lost <= waits[1 - slowest]
+
+
+def test_nccl_planted_straggler_costs_its_sleep():
+    # rank 1 slept 20 ms at the start of every step. Rank 0's step replayed without its waits shortens by
+    # 81% of that (16.2 ms): its own kernels still bound it where the sleep had it idle
+    r = recommend(fixture_dir("llama_nccl_ddp_straggler"))
+    [straggler] = [f for f in r.findings if f.key == "communication:straggler"]
+    assert 0.75 * 20_000 <= straggler.saving_us_per_step <= 20_000
+
+
+@pytest.mark.parametrize("folder", ["llama_nccl_ddp", "llama_nccl_ddp_straggler", "llama_nccl_fsdp2",
+                                    "llama_nccl_ddp_hostsync"])
+def test_nccl_kernels_in_flight_are_not_host_waits(folder):
+    """The host goes on launching while an NCCL kernel waits on the GPU: only its time inside collective
+    calls (the enqueue, blocked or not) counts as waiting on communication."""
+    for trace in recommend(fixture_dir(folder)).traces:
+        cpu = trace.cpu
+        in_calls = cpu.loc[cpu["name"].str.startswith(("nccl:", "c10d::", "gloo:")), "dur"].sum()
+        assert trace.timeline.gap_wait.sum() <= in_calls
+
+
+def test_nccl_planted_host_sync_is_the_rank_that_reads_the_loss_mid_step():
+    # rank 0 reads the loss before backward as well as at the end of each step: two aten::item a step
+    r = recommend(fixture_dir("llama_nccl_ddp_hostsync"))
+    [sync] = [f for f in r.findings if f.key.startswith("host_sync:aten::item")]
+    counts = {t.rank: int((t.cpu["name"] == "aten::item").sum()) for t in r.traces}
+    assert counts == {0: 4, 1: 2}
+    assert sync.rank == 0 and sync.evidence["calls"] == counts[0]
+    assert sync.evidence["saving_us_per_step_by_rank"]["0"] > sync.evidence["saving_us_per_step_by_rank"]["1"]
