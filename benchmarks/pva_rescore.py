@@ -47,6 +47,8 @@ RUNS = [
     ("predict_vs_ab_h100_fast_launch_2026-11-25.json", "pva_traces_h100_2026-11-25_fast_launch", {}, FAST_LAUNCH_COSTS),
     ("predict_vs_ab_h100_fast_launch_host_2026-11-25.json", "pva_traces_h100_2026-11-25_fast_launch_host", {},
      FAST_LAUNCH_COSTS),
+    ("predict_vs_ab_h100_fast_launch_mixtral_2026-11-27.json", "pva_traces_h100_2026-11-27_fast_launch_mixtral", {},
+     FAST_LAUNCH_COSTS),
 ]
 
 
