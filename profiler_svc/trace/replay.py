@@ -123,18 +123,25 @@ class Change:
                     or self.tightened or self.graphs or self.no_collective_wait)
 
 
-def _take_host_time(gaps, own, is_sync, i: int, amount: float) -> None:
-    """A fix that saves AMOUNT µs of host work from call I on: the host time before and inside the calls from
-    there shrinks until AMOUNT is used up (one gap alone is often shorter than what a swap saves)."""
-    while amount > 0 and i < len(gaps):
-        take = min(gaps[i], amount)
-        gaps[i] -= take
-        amount -= take
-        if amount > 0 and not is_sync[i]:
-            take = min(own[i], amount)
-            own[i] -= take
-            amount -= take
-        i += 1
+def take_host_time(gaps: np.ndarray, own: np.ndarray, is_sync: np.ndarray, at: np.ndarray, amounts: np.ndarray) -> None:
+    """Fixes that save AMOUNTS µs of host work from calls AT on: from each, the host time before and inside the
+    calls shrinks until its amount is used up (one gap alone is often shorter than what a swap saves), the
+    earliest time left first. A blocking call's own time is its wait, never taken.
+
+    In one pass: the host time in order (each call's gap, then its own time) serves the savings like a queue,
+    and what is still owed after each slot follows Lindley's recursion owed = max(0, owed + saved - time),
+    whose closed form is a running minimum of cumulative sums."""
+    n = len(gaps)
+    time = np.empty(2 * n)
+    time[0::2] = np.maximum(gaps, 0.0)
+    time[1::2] = np.where(is_sync, 0.0, own)
+    saved = np.zeros(2 * n)
+    np.add.at(saved, 2 * np.asarray(at, dtype=np.int64), amounts)
+    balance = np.cumsum(saved - time)
+    owed = balance - np.minimum(np.minimum.accumulate(balance), 0.0)
+    taken = np.clip(np.r_[0.0, owed[:-1]] + saved - owed, 0.0, time)
+    gaps[:] = time[0::2] - taken[0::2]
+    own[:] = np.where(is_sync, own, time[1::2] - taken[1::2])
 
 
 @dataclass
@@ -375,8 +382,8 @@ class Timeline:
             inside = idx < n
             more = inside & (added > 0)
             np.add.at(gaps, idx[more], added[more])
-            for i, amount in zip(idx[inside & (added < 0)], -added[inside & (added < 0)]):
-                _take_host_time(gaps, own, self.is_sync, int(i), float(amount))
+            saving = inside & (added < 0)
+            take_host_time(gaps, own, self.is_sync, idx[saving], -added[saving])
         tail = max(0.0, self.host_end - (self.host_end_ts[-1] if n else self.start))
         tail_gap = tail * float(host.kept(np.array([tail]), self.tail_events)[0])
         if change.graphs:

@@ -203,3 +203,34 @@ def test_a_gpu_bound_step_takes_its_host_time_from_the_step_timed_on_the_host():
     # the longer the host, the less of the swaps' GPU saving the step keeps: 9.7 ms with a 20 ms host, 3.9
     # with one as long as the GPU's 34 ms, 1.6 unmeasured (as long as fits in 2% more: 36 ms)
     assert savings[None] < savings[34.0] < savings[20.0] and savings[34.0] < 0.6 * savings[20.0]
+
+
+def _take_host_time_one_by_one(gaps, own, is_sync, at, amounts):
+    """The definition, one saving after another: each takes the host time from its call on, in order."""
+    for i, amount in zip(at, amounts):
+        while amount > 0 and i < len(gaps):
+            take = min(gaps[i], amount)
+            gaps[i] -= take
+            amount -= take
+            if amount > 0 and not is_sync[i]:
+                take = min(own[i], amount)
+                own[i] -= take
+                amount -= take
+            i += 1
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_host_savings_taken_in_one_pass_match_taking_them_one_by_one(seed):
+    from profiler_svc.trace.replay import take_host_time
+
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 400))
+    gaps, own = rng.exponential(8.0, n), rng.exponential(4.0, n)
+    is_sync = rng.random(n) < 0.1
+    at = rng.integers(0, n, int(rng.integers(1, 60)))  # in any order: a change lists its savings as it likes
+    amounts = rng.exponential(rng.choice([5.0, 60.0, 400.0]), len(at))  # some run past the last call
+    expected_gaps, expected_own = gaps.copy(), own.copy()
+    _take_host_time_one_by_one(expected_gaps, expected_own, is_sync, at, amounts)
+    take_host_time(gaps, own, is_sync, at, amounts)
+    np.testing.assert_allclose(gaps, expected_gaps, atol=1e-9)
+    np.testing.assert_allclose(own, expected_own, atol=1e-9)
