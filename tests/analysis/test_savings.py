@@ -74,3 +74,16 @@ def test_savings_are_bounded_and_claims_disjoint(path):
         assert not (kernels & claimed), f.title
         claimed |= kernels
     assert "total_estimated_savings_us" not in r.to_dict()["summary"]
+
+
+RANK_FOLDERS = sorted({p.parent for p in GPU_FIXTURES if "_rank" in p.name})
+
+
+@pytest.mark.parametrize("folder", RANK_FOLDERS, ids=lambda p: p.name)
+def test_a_folder_of_ranks_has_one_finding_per_cause_each_within_its_ranks_step(folder):
+    r = recommend(folder)
+    assert len(r.ranks) == len(list(folder.glob("*.json.gz"))) > 1
+    steps = {x["rank"]: x["prediction"]["step_us"] for x in r.ranks}
+    for f in r.findings:
+        assert f.rank in steps and f.saving_us_per_step <= steps[f.rank], f.title
+    assert len({f.key for f in r.findings}) == len(r.findings)
