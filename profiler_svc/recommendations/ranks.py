@@ -51,6 +51,7 @@ def straggler(analyses: list[Analysis]) -> list[Finding]:
     step = float(np.median([a.prediction["step_us"] for a in analyses]))
     if cost < STRAGGLER_SHARE * step:
         return []
+    _name_what_bounds_the_waiting_ranks(analyses, rank, evidence.get("step_lost_us_per_step_by_rank", {}))
     return [Finding(
         category="communication", title=f"rank {rank} straggles: its peers wait {fmt_us(cost)} per step for it",
         detail=detail, evidence=evidence,
@@ -59,6 +60,17 @@ def straggler(analyses: list[Analysis]) -> list[Finding]:
         key="communication:straggler", rank=rank, saving_us_per_step=round(cost, 2),
         share_of_step_pct=round(100 * cost / step, 2) if step else 0.0,
         severity=severity_for(cost, step))]
+
+
+def _name_what_bounds_the_waiting_ranks(analyses: list[Analysis], straggler_rank, lost: dict) -> None:
+    """A rank whose step waits for the straggler is bound by that wait, whatever its own kernels or host do."""
+    for a in analyses:
+        waited = lost.get(str(a.trace.rank), 0.0)
+        step = a.prediction.get("step_us") or 0.0
+        if a.trace.rank != straggler_rank and step and waited >= STRAGGLER_SHARE * step:
+            a.steps["bottleneck"] = {**a.steps.get("bottleneck", {}), "kind": "communication", "detail": (
+                f"its collective kernels wait for rank {straggler_rank}, the straggler: the step would be "
+                f"{fmt_us(waited)} shorter without that wait")}
 
 
 def collective_skew(analyses: list[Analysis]) -> Optional[list[dict]]:

@@ -544,6 +544,11 @@ def test_nccl_straggler_is_the_rank_whose_collectives_never_wait(folder, slowest
     # what the others lose is the part of their waiting on their step's critical path: at most all of it
     lost = straggler.evidence["step_lost_us_per_step_by_rank"][str(1 - slowest)]
     assert straggler.saving_us_per_step == lost and 0 < lost <= waits[1 - slowest]
+    # the waiting rank is bound by that wait, and says for whom
+    [waiting] = [x for x in r.ranks if x["rank"] == 1 - slowest]
+    assert waiting["bottleneck"] == "communication"
+    if slowest == 1:  # the headline is rank 0's
+        assert "wait for rank 1, the straggler" in r.steps["bottleneck"]["detail"]
 
 
 def test_nccl_planted_straggler_costs_its_sleep():
