@@ -43,7 +43,8 @@ def merge_ranks(analyses: list[Analysis]) -> list[Finding]:
 
 def straggler(analyses: list[Analysis]) -> list[Finding]:
     """The rank the others wait for, from their collective kernels (NCCL) where every rank has the same ones,
-    else from the host work each rank does outside its collective calls (gloo)."""
+    else from the host work each rank does outside its collective calls (gloo). Over NCCL, the ranks whose
+    steps that wait lengthens get it as their bottleneck."""
     if len(analyses) < 2 or not all(a.trace.has_gpu for a in analyses):
         return []
     skew = collective_skew(analyses)
