@@ -111,16 +111,15 @@ def _from_kernels(analyses: list[Analysis], skew: list[dict]) -> tuple:
         trace, rank = a.trace, a.trace.rank
         dur = trace.kernels["dur"].to_numpy()
         waited[rank] = float(sum(dur[row] - floor for row, floor in floors.items())) / trace.step_count
-        timeline = trace.timeline
-        before = timeline.replay(host=a.host).loop_step_us
-        lost[rank] = before - timeline.replay(Change(durations=floors), host=a.host).loop_step_us
+        # the rank's own replayed step is its prediction's (analyse): replay only the change
+        lost[rank] = a.prediction["step_us"] - trace.timeline.replay(Change(durations=floors), host=a.host).loop_step_us
     slowest = min(waited, key=lambda rank: waited[rank])
     cost = float(np.median([v for r, v in lost.items() if r != slowest]))
     others_wait = float(np.median([w for r, w in waited.items() if r != slowest]))
-    detail = (f"The other ranks' collective kernels (NCCL) run {fmt_us(others_wait)} per step longer than rank {slowest}'s, which join last: they wait for it. Replayed with those waits "
-              f"gone, their step shortens by {fmt_us(cost)} (median over the other ranks). Balance the work (uneven "
-              "batches or sequence lengths, a rank doing extra logging, evaluation or host syncs) or look at that "
-              "rank's host and GPU.")
+    detail = (f"The other ranks' collective kernels (NCCL) run {fmt_us(others_wait)} per step longer than rank "
+              f"{slowest}'s, which join last: they wait for it. Replayed with those waits gone, their step shortens "
+              f"by {fmt_us(cost)} (median over the other ranks). Balance the work (uneven batches or sequence "
+              "lengths, a rank doing extra logging, evaluation or host syncs) or look at that rank's host and GPU.")
     evidence = {"rank": slowest, "method": "collective kernels",
                 "collective_wait_us_per_step_by_rank": {str(r): round(v, 2) for r, v in waited.items()},
                 "step_lost_us_per_step_by_rank": {str(r): round(v, 2) for r, v in lost.items()},

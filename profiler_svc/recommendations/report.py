@@ -5,7 +5,6 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-
 from ..detectors import CATEGORIES, Finding, module_times, top_kernels, top_ops
 from ..detectors.common import recommended
 from ..formats import fmt_us, plain_json
