@@ -68,15 +68,15 @@ def cases_of(path):
 def rescore():
     rows = []
     for results, traces, left_out, host_costs in RUNS:
-        for name, case in cases_of(os.path.join(RESULTS, results)).items():
-            trace = os.path.join(RESULTS, traces, f"{name}.json.gz")
-            if not os.path.exists(trace) or any(name.startswith(k) for k in left_out):
-                continue
-            with host_costs_from(os.path.join(RESULTS, host_costs)):
+        with host_costs_from(os.path.join(RESULTS, host_costs)):
+            for name, case in cases_of(os.path.join(RESULTS, results)).items():
+                trace = os.path.join(RESULTS, traces, f"{name}.json.gz")
+                if not os.path.exists(trace) or any(name.startswith(k) for k in left_out):
+                    continue
                 predicted = profiler_svc.recommend(trace).predict(swaps=case["swaps"])
-            rows.append({"run": results, "case": name, "predicted_us": predicted.get("saving_us_per_step"),
-                         "measured_us": case["measured_us"], "verdict": case["verdict"],
-                         **score(predicted, case["measured_us"], case["verdict"])})
+                rows.append({"run": results, "case": name, "predicted_us": predicted.get("saving_us_per_step"),
+                             "measured_us": case["measured_us"], "verdict": case["verdict"],
+                             **score(predicted, case["measured_us"], case["verdict"])})
     return rows
 
 
