@@ -186,13 +186,12 @@ def _hooked(hook) -> bool:
 def launch(kernel, grid, *args, **kwargs):
     """Launch a Triton kernel from a kernel_op's host function.
 
-    Plain tensors (eager mode): after the first launch of a specialization, straight to the compiled
-    kernel's launcher, skipping the argument binding and cache-key work of `kernel[grid](...)` (about 15 µs
-    of host time a launch on the H100's host, benchmarks/results/launch_cost_h100.json); Triton's own path
-    where a launch hook is set (its profilers). A kernel's global constexprs are checked at its first launch
-    only. Tensor subclasses (fake or functional tensors while torch.compile traces the op): through
-    wrap_triton, which records the launch. Under the interpreter, which cannot trace, a fake run (shapes
-    only) launches nothing.
+    Plain tensors (eager mode): after the first launch of a specialization, straight to the compiled kernel's
+    launcher, skipping the argument binding and cache-key work of `kernel[grid](...)` (measured in
+    benchmarks/results/launch_cost_h100_2026-11-25.json); Triton's own path where a launch hook is set (its
+    profilers). A kernel's global constexprs are checked at its first launch only. Tensor subclasses (fake or
+    functional tensors while torch.compile traces the op): through wrap_triton, which records the launch. Under
+    the interpreter, which cannot trace, a fake run (shapes only) launches nothing.
     """
     if _INTERPRETER:
         if not any(is_fake(t) for t in args if isinstance(t, torch.Tensor)):
