@@ -30,14 +30,14 @@ from ..trace.labels import METADATA_KEY
 from ..workload_spec import check_workload_spec
 from .hooks import ModuleLabels, class_name
 from .metadata import numerics, rank_and_world_size, static_metadata
-from .step_timer import StepTimer
+from .step_timer import StepTimer, host_alone_steps
 from .upload import UploadError, upload_trace
 
 DEFAULT_OUT = "profiler_svc_traces"
 URL_ENV = "PROFILER_SVC_URL"
-# The wait steps run unprofiled and all but the first (warm-up) are timed to calibrate the analysis: one
-# timed step is at the mercy of a noisy host, four give a median.
-DEFAULT_SCHEDULE = {"wait": 5, "warmup": 1, "active": 3}
+# The wait steps run unprofiled and all but the first (warm-up) are timed to calibrate the analysis: three on
+# the host alone (their fastest is the host's step), three in the loop (their median is the step).
+DEFAULT_SCHEDULE = {"wait": 7, "warmup": 1, "active": 3}
 RECORDING = (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE)
 
 if TYPE_CHECKING:
@@ -49,9 +49,9 @@ class Capture:
 
     out: a folder (default ``profiler_svc_traces``) or a ``.json.gz`` file path.
     wait/warmup/active/repeat: the profiler schedule, counted in ``cap.step()`` calls. Give none
-        of them to record the whole block; missing ones default to wait=5, warmup=1, active=3. The wait
-        steps after the first run unprofiled and are timed, so the analysis can take the profiler's
-        own cost out of its figures.
+        of them to record the whole block; missing ones default to wait=7, warmup=1, active=3. The wait
+        steps after the first run unprofiled and are timed (some on the host alone: step_timer.py), so
+        the analysis can take the profiler's own cost out of its figures.
     nvtx: NVTX ranges per module call (domain ``profiler_svc``) when Nsight Systems listens.
     upload: service URL to POST traces to (default ``$PROFILER_SVC_URL``; False: never).
     workload: ``"pkg.module:factory"`` that rebuilds the workload, for the A/B service.
@@ -106,8 +106,7 @@ class Capture:
         self.trace_paths: list[str] = []
         self.uploads: list[dict] = []  # the service's replies, one per uploaded trace
         self.steps = 0
-        # with 3 or more unprofiled steps one of them can time the host alone (step_timer.py), 2 still timed
-        self.timer = StepTimer(host_step=bool(self.schedule) and self.schedule["wait"] >= 3)
+        self.timer = StepTimer(host_steps=host_alone_steps(self.schedule["wait"]) if self.schedule else 0)
         self._step_range = None  # this step's ProfilerStep#N range, when capture marks steps itself
         self._numerics = None
         self._profiler: Optional[torch.profiler.profile] = None

@@ -6,10 +6,12 @@ two CUDA events recorded there (the step as the GPU lives it, whether the host o
 the wall-clock time without CUDA. Only steps the profiler did not run in count; the first step of the
 block is left out as warm-up when a later one was timed.
 
-A step the GPU bounds hides its host time, which the analysis then cannot calibrate: with `host_step`, the
-second unprofiled step starts on an idle GPU (a synchronize) and is timed on the host's clock until the next
-`cap.step()`, the host's own time for the step (an upper bound where the step itself waits on the GPU). That
-step is left out of the step times.
+A step the GPU bounds hides its host time, which the analysis then cannot calibrate: with `host_steps=k`, the
+k unprofiled steps after the first each start on an idle GPU (a synchronize) and are timed on the host's clock
+until the next `cap.step()`, the host's own time for the step (an upper bound where the step itself waits on
+the GPU). Those steps are left out of the step times. The fastest of them is the host's time: noise (a garbage
+collection, a descheduled thread) only adds to a host's step, and on the H100 one such sample of a training
+step ranged 26-37 ms over nine tries (benchmarks/results/predict_vs_ab.md, 2026-11-27).
 """
 import statistics
 import time
@@ -17,15 +19,21 @@ import time
 import torch
 
 
+def host_alone_steps(wait: int) -> int:
+    """How many of `wait` unprofiled steps to time on the host alone: up to 3 after the warm-up one, leaving
+    at least as many to time the loop's step."""
+    return max(0, min(3, (wait - 1) // 2))
+
+
 class StepTimer:
-    def __init__(self, host_step: bool = False):
+    def __init__(self, host_steps: int = 0):
         # per step: None (profiled, or timed on the host alone), (start seconds, start event, end seconds,
         # end event) of an unprofiled one, or its µs once settled
         self.steps: list = []
         self.host_steps_us: list[float] = []  # host-clock times of the steps started on an idle GPU
         self._open: tuple | None = None
         self._host_open: float | None = None
-        self._host_step = host_step
+        self._host_steps = host_steps
         self._unprofiled_begun = 0
         self._cuda_timed = False  # some step was timed by CUDA events
 
@@ -35,7 +43,7 @@ class StepTimer:
         if profiled:
             return
         self._unprofiled_begun += 1
-        if self._host_step and self._unprofiled_begun == 2 and torch.cuda.is_available() and torch.cuda.is_initialized():
+        if 2 <= self._unprofiled_begun <= 1 + self._host_steps and torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
             self._host_open = time.perf_counter()
             return
@@ -88,5 +96,6 @@ class StepTimer:
         return {"steps_us": [round(us, 2) for _, us in steps], "step_indices": [i for i, _ in steps],
                 "timer": "cuda_events" if self._cuda_timed else "perf_counter",
                 "step_us": round(statistics.median(used), 2) if used else None,
-                "host_step_us": round(statistics.median(self.host_steps_us), 2) if self.host_steps_us else None,
+                "host_step_us": round(min(self.host_steps_us), 2) if self.host_steps_us else None,
+                "host_steps_us": [round(us, 2) for us in self.host_steps_us],
                 "note": None if used else "no unprofiled step after the first (warm-up) one was timed"}

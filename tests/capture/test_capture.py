@@ -633,10 +633,39 @@ def test_step_events_are_read_before_recording_starts(model, x, tmp_path, monkey
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_one_wait_step_times_the_host_alone(tmp_path):
-    """With 3 or more wait steps the second starts on an idle GPU and is timed on the host's clock: a step
+def test_wait_steps_time_the_host_alone(tmp_path):
+    """With 5 wait steps the second and third start on an idle GPU and are timed on the host's clock: a step
     whose GPU work outlasts its launches takes the host less time than the GPU's step."""
     cap = gpu_capture(tmp_path, 2048, 8192, 7, False, wait=5, warmup=1, active=1)
     unprofiled = load(cap.trace_path)[METADATA_KEY]["unprofiled"]
-    assert unprofiled["step_indices"] == [0, 2, 3, 4]  # step 1 was the host-alone one
+    assert unprofiled["step_indices"] == [0, 3, 4]  # steps 1 and 2 were timed on the host alone
+    assert len(unprofiled["host_steps_us"]) == 2 and unprofiled["host_step_us"] == min(unprofiled["host_steps_us"])
     assert 0 < unprofiled["host_step_us"] < unprofiled["step_us"]
+
+
+@pytest.mark.parametrize("wait, host_alone, loop_timed", [(2, [], [1]), (3, [1], [2]), (4, [1], [2, 3]),
+                                                           (5, [1, 2], [3, 4]), (7, [1, 2, 3], [4, 5, 6]),
+                                                           (9, [1, 2, 3], [4, 5, 6, 7, 8])])
+def test_which_wait_steps_time_the_host_alone(monkeypatch, wait, host_alone, loop_timed):
+    """Up to three wait steps after the warm-up one are timed on the host alone, never more than are left to
+    time the loop's step; the host's step is the fastest of them. A fake clock and CUDA stand in for a GPU."""
+    from profiler_svc.agent import step_timer
+
+    clock = [0.0]
+    synchronized = []
+    monkeypatch.setattr(step_timer.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(step_timer.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(step_timer.torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(step_timer.torch.cuda, "synchronize", lambda: synchronized.append(len(timer.steps)))
+    monkeypatch.setattr(step_timer.StepTimer, "_event", staticmethod(lambda: None))  # wall clock for the loop
+    timer = step_timer.StepTimer(host_steps=step_timer.host_alone_steps(wait))
+    host_ms = [9.0, 7.0, 8.0, 6.0, 5.0]
+    for index in range(wait):
+        timer.begin(profiled=False)
+        clock[0] += (host_ms[index - 1] if index in host_alone else 10.0) / 1e3
+        timer.end()
+    summary = timer.summary()
+    assert synchronized == host_alone
+    assert summary["step_indices"] == [0] + loop_timed
+    assert summary["host_steps_us"] == pytest.approx([host_ms[i - 1] * 1e3 for i in host_alone])
+    assert summary["host_step_us"] == (pytest.approx(min(host_ms[:len(host_alone)]) * 1e3) if host_alone else None)
