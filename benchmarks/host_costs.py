@@ -402,10 +402,11 @@ def versions() -> dict:
     return info
 
 
-def dispatch_elements_per_row(name: str, hidden: int) -> Optional[int]:
+def dispatch_elements_per_row(name: str, hidden: int, vocab: int) -> Optional[int]:
     """Elements per row of the tensor a dispatching swap's threshold is judged on (the norm's input, the
-    gated MLP's gate), in eager_modules' inputs: the analyser checks its Triton-path size against it."""
-    widths = {"rms_norm": hidden, "rms_norm_offset": hidden, "swiglu": hidden * 11 // 4, "geglu": hidden * 11 // 4}
+    gated MLP's gate, the logits), in eager_modules' inputs: the analyser checks its Triton-path size against it."""
+    widths = {"rms_norm": hidden, "rms_norm_offset": hidden, "layer_norm": hidden, "swiglu": hidden * 11 // 4,
+              "geglu": hidden * 11 // 4, "gelu_tanh": hidden * 4, "softmax": hidden * 4, "cross_entropy": vocab}
     return widths.get(name)
 
 
@@ -423,7 +424,7 @@ def costs_json(modules: dict, cross: dict, meta: dict, merge_into: Optional[dict
             "eager_class": result["eager_class"],
             "host_us_by_rows": result["by_rows"],
         }
-        width = dispatch_elements_per_row(name, meta["hidden"])
+        width = dispatch_elements_per_row(name, meta["hidden"], meta["vocab"])
         if width:
             swaps[name]["dispatch_elements_per_row"] = width
     if merge_into is not None:
@@ -439,8 +440,13 @@ def costs_json(modules: dict, cross: dict, meta: dict, merge_into: Optional[dict
 
 def markdown(data: dict) -> str:
     about = ", ".join(f"{k} {v}" for k, v in data["versions"].items())
+    remeasured: dict = {}  # command -> the entries it re-measured (merged in with --ops)
+    for name, entry in data["swaps"].items():
+        if "measured" in entry:
+            remeasured.setdefault(entry["measured"]["command"], []).append(name)
+    since = "".join(f"\n\nRe-measured with `{command}`: {', '.join(names)}." for command, names in remeasured.items())
     lines = [f"# Host cost per call\n\n{about}, {data['dtype']}, hidden {data['hidden']}.\n\nCommand: "
-             f"`{data['command']}`\n\n## Host µs per module call (idle GPU), fwd / inference / fwd+bwd\n",
+             f"`{data['command']}`{since}\n\n## Host µs per module call (idle GPU), fwd / inference / fwd+bwd\n",
              "| swap | eager class | rows | eager | ours | native | ours − eager (fwd, fwd+bwd) |", "| --- | --- | ---: | --- | --- | --- | --- |"]
     for name, entry in data["swaps"].items():
         for rows, row in entry["host_us_by_rows"].items():
@@ -487,7 +493,7 @@ def main(argv=None) -> int:
     else:
         hidden, vocab, rows_list, calls = 2048, 32000, (8, 512, 4096), args.calls
         sweep = (1, 8, 64, 256, 1024, 2048, 4096, 8192, 16384)
-    meta = {"versions": versions(), "dtype": str(DTYPE).replace("torch.", ""), "hidden": hidden,
+    meta = {"versions": versions(), "dtype": str(DTYPE).replace("torch.", ""), "hidden": hidden, "vocab": vocab,
             "command": "python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:])}
     if args.in_model_out:
         in_model = {"what": "host µs per swapped module that the swap added to an HF model's step (negative: saves), "

@@ -39,6 +39,12 @@ def require_triton(*tensors: torch.Tensor) -> None:
             raise RuntimeError("profiler_svc kernels need CUDA tensors (or TRITON_INTERPRET=1 on the CPU)")
 
 
+def takes_native(t: torch.Tensor, below: int) -> bool:
+    """Does a call on `t` go to torch's native op: a 16-bit GPU tensor of fewer than `below` elements (the op
+    file's NATIVE_BELOW: there the host, not the kernel, sets the time), outside torch.compile's tracing?"""
+    return t.numel() < below and t.is_cuda and t.element_size() == 2 and not torch.compiler.is_compiling()
+
+
 def as_rows(x: torch.Tensor) -> torch.Tensor:
     """(..., N) -> (M, N) with unit column stride, copying only when the input's layout needs it."""
     rows = x.reshape(-1, x.shape[-1])

@@ -18,9 +18,13 @@ from typing import Any, Optional
 import torch
 import triton
 import triton.language as tl
+import torch.nn.functional as F
 from torch import nn
 
-from ._launch import device_pipeline_stages, kernel_op, launch, persistent_programs, require_triton, round_to
+from . import placement
+from ._launch import (
+    device_pipeline_stages, kernel_op, launch, persistent_programs, require_triton, round_to, takes_native,
+)
 from .parity import place
 from .swap import SwapEntry
 
@@ -389,9 +393,17 @@ def _check(logits_or_hidden, target, reduction, label_smoothing, what="logits"):
         raise ValueError(f"{what} must be floating point, got {logits_or_hidden.dtype}")
 
 
+# Below this many logits a 16-bit call on a GPU goes to F.cross_entropy on an fp32 copy (HF's own loss path:
+# two ATen kernels each way and a cast): there the host sets the time, and ours costs it more (placement.py).
+NATIVE_BELOW = placement.NATIVE_BELOW["cross_entropy"]
+
+
 def cross_entropy(logits, target, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0):
     """F.cross_entropy with class indices: logits (N, C) or (N, C, d1, ...) and target (N,) or (N, d1, ...)."""
     _check(logits, target, reduction, label_smoothing)
+    if takes_native(logits, NATIVE_BELOW):  # fp32 logits, as HF's loss: the loss stays fp32 as ours does
+        return F.cross_entropy(logits.float(), target, ignore_index=ignore_index, reduction=reduction,
+                               label_smoothing=label_smoothing)
     if logits.dim() > 2:  # class dim is 1, as in F.cross_entropy
         logits = logits.movedim(1, -1)
     if logits.shape[:-1] != target.shape:

@@ -8,12 +8,14 @@ launch are _elementwise.py's, shared with the gated activations (swiglu.py, gegl
 import torch
 import triton
 import triton.language as tl
+import torch.nn.functional as F
 from torch import nn
 
+from . import placement
 from ._elementwise import (
     GELU_TANH, act_and_derivative, act_value, check_float, gelu_flavour, launch_elementwise, needs_grad, upcast,
 )
-from ._launch import kernel_op, round_to
+from ._launch import kernel_op, round_to, takes_native
 from .parity import place
 from .swap import SwapEntry
 
@@ -69,9 +71,16 @@ class GeluFunction(torch.autograd.Function):
         return gelu_bwd(dy.contiguous(), x, ctx.flavour), None
 
 
+# Below this many elements a 16-bit call on a GPU goes to F.gelu(approximate="tanh") (fp32 inside, one rounding,
+# one ATen kernel each way): there the host sets the time, and ours costs it more (placement.py).
+NATIVE_BELOW = placement.NATIVE_BELOW["gelu_tanh"]
+
+
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     """F.gelu(x, approximate='tanh'), fused forward and backward."""
     check_float(x)
+    if takes_native(x, NATIVE_BELOW):
+        return F.gelu(x, approximate="tanh")
     if not needs_grad(x):  # inference: skip the autograd.Function's host time
         return gelu_fwd(x.contiguous(), GELU_TANH)
     return GeluFunction.apply(x, GELU_TANH)

@@ -9,14 +9,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import placement
+from ._launch import takes_native
 from ._norm import check_norm_args, normalize
 from .parity import place
 from .swap import SwapEntry, behaves_like
 
 
+# Below this many elements a 16-bit LayerNorm on a GPU goes to F.layer_norm (the same fp32 math and single
+# rounding, one ATen kernel each way): there the host sets the time, and ours costs it more (placement.py).
+NATIVE_BELOW = placement.NATIVE_BELOW["layer_norm"]
+
+
 def layer_norm(x, weight=None, bias=None, eps: float = 1e-5, *, residual=None):
     """LayerNorm over the last dim; returns y, or (y, x + residual) when `residual` is given."""
     check_norm_args(x, weight, bias, residual)
+    if (residual is None and takes_native(x, NATIVE_BELOW)
+            and all(p is None or p.dtype == x.dtype for p in (weight, bias))):
+        return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
     return normalize(x, weight, bias, float(eps), 0.0, True, residual)
 
 

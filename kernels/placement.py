@@ -26,7 +26,11 @@ REGISTRY_ORDER = ("rms_norm", "layer_norm", "swiglu", "geglu", "gelu_tanh", "sof
 # moves 16 bytes more per element than our kernel. At 2^22 elements eager's gated pair moves 16 MB more than
 # the fused kernel (about 5 µs on an H100) and saves some 100 µs of host time per call; the thresholds are
 # the crossover sweeps' (benchmarks/results/host_costs_h100.md).
-NATIVE_BELOW = {"rms_norm": 1 << 22, "rms_norm_offset": 1 << 22, "swiglu": 1 << 22, "geglu": 1 << 22}
+# LayerNorm, softmax, cross-entropy and tanh-GELU hand such calls to F.layer_norm, torch.softmax,
+# F.cross_entropy (on fp32 logits, as HF's loss) and F.gelu: one ATen kernel each way, which the sweeps found no
+# slower than our Triton path up to 2^23-2^25 elements, at a fifth to a third of its host time per call.
+NATIVE_BELOW = {"rms_norm": 1 << 22, "rms_norm_offset": 1 << 22, "swiglu": 1 << 22, "geglu": 1 << 22,
+                "layer_norm": 1 << 22, "softmax": 1 << 22, "cross_entropy": 1 << 22, "gelu_tanh": 1 << 22}
 NATIVE_IS_EAGER = frozenset({"swiglu", "geglu"})
 
 # swap -> class-name pattern of the module it replaces, for the swaps matched on one leaf module

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import placement
+from ._launch import takes_native
 from ._norm import check_norm_args, normalize
 from .parity import place
 from .swap import SwapEntry, behaves_like
@@ -29,8 +30,7 @@ NATIVE_BELOW_OFFSET = placement.NATIVE_BELOW["rms_norm_offset"]
 def rms_norm(x, weight=None, eps: float = 1e-6, *, offset: float = 0.0, residual=None):
     """RMSNorm over the last dim; returns y, or (y, x + residual) when `residual` is given."""
     check_norm_args(x, weight, None, residual)
-    if (residual is None and x.numel() < (NATIVE_BELOW_OFFSET if offset else NATIVE_BELOW) and x.is_cuda
-            and x.element_size() == 2 and not torch.compiler.is_compiling()):
+    if residual is None and takes_native(x, NATIVE_BELOW_OFFSET if offset else NATIVE_BELOW):
         if not offset and (weight is None or weight.dtype == x.dtype):
             return F.rms_norm(x, x.shape[-1:], weight, eps)
         if offset and weight is not None:  # (offset + w) and the norm in fp32, one rounding at the end

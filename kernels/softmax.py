@@ -16,7 +16,10 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from ._launch import as_rows, kernel_op, launch, persistent_programs, require_triton, round_to, row_tiles
+from . import placement
+from ._launch import (
+    as_rows, kernel_op, launch, persistent_programs, require_triton, round_to, row_tiles, takes_native,
+)
 from .parity import place
 from .swap import SwapEntry, behaves_like
 
@@ -298,6 +301,11 @@ class SoftmaxFunction(torch.autograd.Function):
         return softmax_bwd(as_rows(dy), x2, lse).view(dy.shape)
 
 
+# Below this many elements a 16-bit softmax on a GPU goes to torch.softmax (fp32 inside, one rounding, one ATen
+# kernel each way): there the host sets the time, and ours costs it more (placement.py).
+NATIVE_BELOW = placement.NATIVE_BELOW["softmax"]
+
+
 def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Softmax along `dim` (the last dim is the fast path; any other is moved there and back)."""
     require_triton(x)
@@ -305,6 +313,8 @@ def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         raise ValueError(f"softmax needs a floating-point tensor, got {x.dtype}")
     if x.dim() == 0:
         return torch.ones_like(x)
+    if takes_native(x, NATIVE_BELOW):
+        return torch.softmax(x, dim)
     dim = dim % x.dim()
     if dim != x.dim() - 1:
         return softmax(x.movedim(dim, -1)).movedim(-1, dim)

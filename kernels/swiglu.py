@@ -18,7 +18,7 @@ from . import placement
 from ._elementwise import (
     ACT_NAMES, GELU_ERF, GELU_TANH, SILU, act_and_derivative, act_value, activation_kind, check_float, launch_elementwise, needs_grad, upcast,
 )
-from ._launch import kernel_op, round_to
+from ._launch import kernel_op, round_to, takes_native
 from .parity import place
 from .swap import SwapEntry, behaves_like
 
@@ -151,7 +151,7 @@ _NATIVE_ACT = {SILU: F.silu, GELU_TANH: lambda x: F.gelu(x, approximate="tanh"),
 
 
 def _native(t: torch.Tensor) -> bool:
-    return t.numel() < NATIVE_BELOW and t.is_cuda and t.element_size() == 2 and not torch.compiler.is_compiling()
+    return takes_native(t, NATIVE_BELOW)
 
 
 def gated_act_split(gate_up: torch.Tensor, act: int, reuse_input: bool = False) -> torch.Tensor:

@@ -375,7 +375,8 @@ def test_a_triton_path_is_priced_module_against_module_at_a_size_that_takes_it()
     import json
     from profiler_svc.detectors.swap_costs import COSTS_FILE, _kernels_dir, native_below, swap_host_cost
     costs = json.loads((_kernels_dir() / COSTS_FILE).read_text())["swaps"]
-    for variant in ("rms_norm", "rms_norm_offset", "swiglu", "geglu"):
+    from profiler_svc.kernels.placement import NATIVE_BELOW
+    for variant in NATIVE_BELOW:
         entry = costs[variant]
         rows = max(entry["host_us_by_rows"], key=int)
         assert int(rows) * entry["dispatch_elements_per_row"] >= native_below(variant)

@@ -44,7 +44,8 @@ def compiled(name, eager):
 def test_no_worse_than_eager_and_compile(name, dtype, n):
     ours, eager, reference = CASES[name]
     gen = torch.Generator(device="cuda").manual_seed(n)
-    x = (2 * torch.randn(512, n, device="cuda", dtype=torch.float64, generator=gen)).requires_grad_()
+    # 1024 rows: above the 16-bit native-dispatch size (2^22 elements) at every width, so our kernels run
+    x = (2 * torch.randn(1024, n, device="cuda", dtype=torch.float64, generator=gen)).requires_grad_()
     w = (1 + 0.1 * torch.randn(n, device="cuda", dtype=torch.float64, generator=gen)).requires_grad_()
     mine = errors(ours, [x, w], reference, dtype)
     for fn in (eager, compiled(name, eager)):
@@ -54,9 +55,10 @@ def test_no_worse_than_eager_and_compile(name, dtype, n):
 
 
 def test_fullgraph_inductor_matches_eager():
-    x = torch.randn(256, 1000, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    rows = 4608  # x 1000 columns: above the 16-bit native-dispatch size, so eager runs our kernels too
+    x = torch.randn(rows, 1000, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(1000, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    t = torch.randint(0, 1000, (256,), device="cuda")
+    t = torch.randint(0, 1000, (rows,), device="cuda")
 
     def step(x, w):
         h, s = K.rms_norm(x, w, 1e-6, residual=x * 2)
@@ -72,9 +74,11 @@ def test_fullgraph_inductor_matches_eager():
         torch.testing.assert_close(g, r, rtol=2e-2, atol=2e-2)
 
 
-def test_fullgraph_softmax_widths():
+def test_fullgraph_softmax_widths(monkeypatch):
     """torch.compile(fullgraph=True) through each of softmax's kernels: whole rows, the 16-bit whole-row
     backward on int32 pairs (20000 columns), its odd-width fallback, and the two-pass wide rows."""
+    # eager ours at these small sizes too, not torch.softmax (compiled, the op never hands off)
+    monkeypatch.setattr(importlib.import_module("profiler_svc.kernels.softmax"), "NATIVE_BELOW", 0)
     for n in (1000, 20000, 20001, 70000):
         torch._dynamo.reset()  # static shapes: the ops take concrete widths (see docs/kernels.md)
         compiled = torch.compile(lambda x: K.softmax(x), fullgraph=True, dynamic=False)
@@ -111,6 +115,50 @@ def test_small_gated_calls_are_eagers_ops_and_large_ones_our_kernel(approximate)
             with torch.no_grad():
                 split = swiglu_module.gated_act_split(torch.cat([gate, up], -1), swiglu_module.SILU)
                 assert torch.equal(split, F.silu(gate) * up) == small
+
+
+NATIVE_OPS = {  # op -> (ours, torch's op its small calls go to, second input), on x of [rows, width]
+    "layer_norm": (lambda x, w: K.layer_norm(x, w, w, 1e-5), lambda x, w: F.layer_norm(x, x.shape[-1:], w, w, 1e-5),
+                   "weight"),
+    "softmax": (lambda x, _: K.softmax(x), lambda x, _: torch.softmax(x, -1), None),
+    "cross_entropy": (K.cross_entropy, lambda x, t: F.cross_entropy(x.float(), t), "target"),
+    "gelu_tanh": (lambda x, _: K.gelu_tanh(x), lambda x, _: F.gelu(x, approximate="tanh"), None),
+}
+
+
+@pytest.mark.parametrize("op", sorted(NATIVE_OPS))
+def test_small_calls_take_torchs_op_and_large_ones_our_kernel(op):
+    """Below NATIVE_BELOW elements a 16-bit call runs torch's own op: bitwise its output and gradient, and no
+    Triton launch. Above, our kernel launches."""
+    from triton import knobs
+
+    module = importlib.import_module(f"profiler_svc.kernels.{op}")  # the package's attribute is the op
+    ours, native, second = NATIVE_OPS[op]
+    width = 32000 if op == "cross_entropy" else 2048
+    for rows in (64, 4096):
+        small = rows * width < module.NATIVE_BELOW
+        assert small == (rows == 64)
+        gen = torch.Generator(device="cuda").manual_seed(rows)
+        x = (3 * torch.randn(rows, width, device="cuda", generator=gen)).bfloat16().requires_grad_()
+        other = {"weight": lambda: (1 + 0.1 * torch.randn(width, device="cuda", generator=gen)).bfloat16(),
+                 "target": lambda: torch.randint(0, width, (rows,), device="cuda", generator=gen),
+                 None: lambda: None}[second]()
+        seen = []
+        hook = lambda metadata: seen.append(metadata.get()["name"])  # noqa: E731  (a LazyDict)
+        knobs.runtime.launch_enter_hook.add(hook)
+        try:
+            got = ours(x, other)
+            (grad,) = torch.autograd.grad(got, x, torch.ones_like(got))
+        finally:
+            knobs.runtime.launch_enter_hook.remove(hook)
+        want = native(x, other)
+        (want_grad,) = torch.autograd.grad(want, x, torch.ones_like(want))
+        assert bool(seen) != small
+        assert got.dtype == want.dtype
+        if small:
+            assert torch.equal(got, want) and torch.equal(grad, want_grad)
+        else:
+            torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 
 
 def test_small_gemma_norms_take_torchs_fused_op_in_fp32_and_stay_as_accurate():
