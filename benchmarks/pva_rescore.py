@@ -49,6 +49,10 @@ RUNS = [
      FAST_LAUNCH_COSTS),
     ("predict_vs_ab_h100_fast_launch_mixtral_2026-11-27.json", "pva_traces_h100_2026-11-27_fast_launch_mixtral", {},
      FAST_LAUNCH_COSTS),
+    # capture's host step the fastest of three host-alone samples; only four of its eight traces came back
+    ("predict_vs_ab_h100_host_min_2026-11-27.json", "pva_traces_h100_2026-11-27_host_min", {}, FAST_LAUNCH_COSTS),
+    ("predict_vs_ab_h100_host_min_mixtral_2026-11-27.json", "pva_traces_h100_2026-11-27_host_min_mixtral", {},
+     FAST_LAUNCH_COSTS),
 ]
 
 

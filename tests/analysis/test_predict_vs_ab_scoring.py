@@ -40,4 +40,4 @@ def test_the_analyser_keeps_its_accuracy_on_the_committed_ab_runs():
     result = summary(rescore())
     host, gpu = result["host-bound 1x256"], result["GPU-bound 4x1024"]
     assert host["cases"] == 40 and host["direction_right"] >= 38 and host["median_abs_error_share"] <= 0.29
-    assert gpu["cases"] == 33 and gpu["direction_right"] >= 21 and gpu["median_abs_error_share"] <= 0.89
+    assert gpu["cases"] == 38 and gpu["direction_right"] >= 26 and gpu["median_abs_error_share"] <= 0.78
