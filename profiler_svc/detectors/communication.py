@@ -5,7 +5,7 @@ waiting, not launch overhead, and neither faster kernels nor CUDA graphs shorten
 (DDP's buckets, FSDP's prefetch), a faster backend (NCCL rather than gloo for CUDA tensors), or less to
 send. The fix is priced as the upper bound: the step with no wait on collectives.
 """
-from ..trace.model import Trace
+from ..trace.model import COLLECTIVE_OP_PREFIXES, Trace
 from ..trace.replay import Change, time_covered_by
 from .common import Finding, Recommendation, fmt_us, name_mask, per_step
 
@@ -22,7 +22,7 @@ def detect(trace: Trace) -> list[Finding]:
     if span <= 0 or wait < _MIN_SHARE * span:
         return []
     cpu = trace.cpu
-    ops = cpu[name_mask(cpu, lambda n: n.startswith(("gloo:", "nccl:")))]
+    ops = cpu[name_mask(cpu, lambda n: n.startswith(COLLECTIVE_OP_PREFIXES))]
     backend = "gloo" if len(ops) and ops["name"].str.startswith("gloo:").any() else "nccl"
     kinds = sorted(set(ops["name"].tolist()))[:6]
     k = trace.window_kernels

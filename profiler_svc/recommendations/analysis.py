@@ -15,7 +15,7 @@ from ..detectors.common import Recommendation, fmt_us, is_communication, is_comp
 from ..detectors.launch_gaps import idle_breakdown
 from ..detectors.unfused import PATTERNS
 from ..trace.model import Trace
-from ..trace.replay import GPU_BOUND_SLACK, Change, HostCost, Timeline, calibrate, sensitivity
+from ..trace.replay import GPU_BOUND_SLACK, Change, HostCost, Timeline, calibrate, sensitivity, time_covered_by
 
 # Which finding keeps a kernel two fixes both change: the specific root cause first, generic fusion last.
 _CLAIM_ORDER = ("fallback_kernel", "misalignment", "unfused_chain", "host_sync", "launch_gaps")
@@ -284,9 +284,8 @@ def _bottleneck(trace: Trace, sens: dict, base) -> dict:
 
 
 def _collective_host_time(trace: Trace) -> float:
-    cpu = trace.cpu
-    mask = name_mask(cpu, lambda n: n.startswith(("gloo:", "nccl:", "c10d::", "record_param_comms")))
-    return float(cpu.loc[mask, "dur"].sum()) if mask.any() else 0.0
+    """Host time inside collective calls: their union, as c10d's op and the backend's nest inside each other."""
+    return float(time_covered_by(trace.collectives)(np.inf)) if trace.collectives else 0.0
 
 
 def _breakdown(trace: Trace) -> dict:
