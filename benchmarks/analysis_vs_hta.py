@@ -7,6 +7,8 @@ Each tool runs in its own fresh process (imports included) under /usr/bin/time, 
 CPU time (user + system) and peak RSS; the two tools alternate, so drift on a shared machine hits both alike.
 HTA does TraceAnalysis load + get_gpu_kernel_breakdown + get_idle_time_breakdown (its comparable analyses);
 we run the full `recommend` (load, every detector, the what-if replay and calibration, the report).
+With --hta-linear-steps, HTA runs with its per-event ProfilerStep scan made linear (hta_linear_steps.py): on a
+tiled trace's hundreds of steps that scan is most of HTA's time.
 With --out, the run is appended to that markdown file (created with a header if absent): the bar, the
 machine, versions, the command, and for each trace its size in events and MB, every run and the medians.
 """
@@ -58,12 +60,13 @@ def event_count(trace: Path) -> int:
     return load_trace(trace).event_count
 
 
-def measure(trace: Path, repeat: int) -> dict:
+def measure(trace: Path, repeat: int, hta_linear_steps: bool) -> dict:
     hta_dir = Path(tempfile.mkdtemp(prefix="hta-"))
     os.symlink(trace, hta_dir / trace.name)  # HTA reads a folder of rank traces
     ours_cmd = [sys.executable, "-m", "profiler_svc.cli", "recommend", str(trace), "--format", "json",
                 "-o", os.devnull]
-    hta_cmd = [sys.executable, "-c", HTA_SCRIPT, str(hta_dir)]
+    hta_cmd = ([sys.executable, str(Path(__file__).parent / "hta_linear_steps.py"), str(hta_dir)]
+               if hta_linear_steps else [sys.executable, "-c", HTA_SCRIPT, str(hta_dir)])
     runs = []
     try:
         for i in range(repeat):  # interleaved, so drift hits both alike
@@ -134,10 +137,12 @@ def main():
     parser.add_argument("traces", nargs="+")
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--out", help="markdown file to append this run to")
+    parser.add_argument("--hta-linear-steps", action="store_true",
+                        help="HTA with its O(events x steps) ProfilerStep lookup made linear")
     args = parser.parse_args()
     started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     load_before = os.getloadavg()[0]
-    results = [measure(Path(t).resolve(), args.repeat) for t in args.traces]
+    results = [measure(Path(t).resolve(), args.repeat, args.hta_linear_steps) for t in args.traces]
     text = markdown(results, sys.argv[1:], started, load_before)
     print(text)
     if args.out:
