@@ -16,9 +16,9 @@ import functools
 from typing import Any, Optional
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
-import torch.nn.functional as F
 from torch import nn
 
 from . import placement
@@ -401,14 +401,13 @@ NATIVE_BELOW = placement.NATIVE_BELOW["cross_entropy"]
 def cross_entropy(logits, target, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0):
     """F.cross_entropy with class indices: logits (N, C) or (N, C, d1, ...) and target (N,) or (N, d1, ...)."""
     _check(logits, target, reduction, label_smoothing)
+    classes_last = logits.movedim(1, -1) if logits.dim() > 2 else logits  # class dim is 1, as in F.cross_entropy
+    if classes_last.shape[:-1] != target.shape:
+        raise ValueError(f"target shape {tuple(target.shape)} does not fit logits {tuple(classes_last.shape)}")
     if takes_native(logits, NATIVE_BELOW):  # fp32 logits, as HF's loss: the loss stays fp32 as ours does
         return F.cross_entropy(logits.float(), target, ignore_index=ignore_index, reduction=reduction,
                                label_smoothing=label_smoothing)
-    if logits.dim() > 2:  # class dim is 1, as in F.cross_entropy
-        logits = logits.movedim(1, -1)
-    if logits.shape[:-1] != target.shape:
-        raise ValueError(f"target shape {tuple(target.shape)} does not fit logits {tuple(logits.shape)}")
-    rows = logits.reshape(-1, logits.shape[-1])
+    rows = classes_last.reshape(-1, classes_last.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     target_rows, ignore_index, smoothing = target.reshape(-1), int(ignore_index), float(label_smoothing)

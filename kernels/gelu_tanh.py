@@ -6,9 +6,9 @@ fp32 (fp64 for fp64 inputs), rounded once to the input dtype. The activation mat
 launch are _elementwise.py's, shared with the gated activations (swiglu.py, geglu.py).
 """
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
-import torch.nn.functional as F
 from torch import nn
 
 from . import placement
