@@ -193,7 +193,7 @@ def _calibration(trace: Trace, timeline: Timeline) -> tuple[HostCost, dict]:
         "profiler_us_per_event": round(calibration.host.per_event_us, 2), "host_scale": round(calibration.host_share, 3)}
     if calibration.host_measured:
         out["host_step_us"] = round(host_step or 0.0, 2)
-        samples = trace.capture_metadata["unprofiled"].get("host_steps_us")  # a dict: host_step came from it
+        samples = _unprofiled(trace).get("host_steps_us")
         timed = (f"the fastest of the {len(samples)} steps capture timed on the host alone"
                  if isinstance(samples, list) and len(samples) > 1 else "the step capture timed on the host alone")
         out["note"] = (f"the GPU bounds the step and hides the host behind it: host time is taken from {timed} "
@@ -210,12 +210,15 @@ def unprofiled_step_us(trace: Trace) -> Optional[float]:
     return _metadata_us(trace, "step_us")
 
 
+def _unprofiled(trace: Trace) -> dict:
+    """Capture's timing of the unprofiled steps (docs/capture.md, "unprofiled"), or {} where there is none."""
+    info = trace.capture_metadata.get("unprofiled")
+    return info if isinstance(info, dict) else {}
+
+
 def _metadata_us(trace: Trace, key: str) -> Optional[float]:
     """A positive µs figure of capture's unprofiled timing ("step_us", "host_step_us"), if any."""
-    info = trace.capture_metadata.get("unprofiled")
-    if not isinstance(info, dict):
-        return None
-    value = info.get(key)
+    value = _unprofiled(trace).get(key)
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None
 
 
