@@ -17,23 +17,14 @@ import torch
 
 from predict_vs_ab import make_case
 
+from profiler_svc.ab.stats import time_ms
+
 CASES = [("llama", "gpu", "infer", "rms_norm,rope"), ("phi3", "gpu", "train", "rms_norm,rope"),
          ("llama", "gpu", "train", "rms_norm,rope"), ("gemma", "gpu", "infer", "rms_norm,rope")]
 
 
-def loop_ms(step, steps=3, reps=7):
-    out = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        step()
-        start.record()
-        for _ in range(steps):
-            step()
-        end.record()
-        end.synchronize()
-        out.append(start.elapsed_time(end) / steps)
-    return out
+def loop_ms(step, reps=7):
+    return [time_ms(step, torch.device("cuda")) for _ in range(reps)]
 
 
 def host_alone_ms(step, reps=9):

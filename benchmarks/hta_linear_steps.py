@@ -9,7 +9,7 @@ is most of HTA's time there, while a real 1M-event capture of a few large steps 
 loop runs once per step over a numpy column instead (the same last-match-wins result), so the comparison
 holds without the tiling's help.
 """
-import sys
+import argparse
 
 import numpy as np
 import pandas as pd
@@ -51,11 +51,15 @@ def check(trace_dir: str) -> None:
 
 
 def main() -> None:
-    if sys.argv[1] == "--check":
-        return check(sys.argv[2])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("trace_dir", help="a folder of rank traces, as HTA reads them")
+    parser.add_argument("--check", action="store_true", help="compare the iteration column with HTA's own")
+    args = parser.parse_args()
+    if args.check:
+        return check(args.trace_dir)
     hta_trace.add_iteration = add_iteration
     from hta.trace_analysis import TraceAnalysis
-    analyzer = TraceAnalysis(trace_dir=sys.argv[1])
+    analyzer = TraceAnalysis(trace_dir=args.trace_dir)
     analyzer.get_gpu_kernel_breakdown(visualize=False)
     analyzer.get_idle_time_breakdown(visualize=False)
 
