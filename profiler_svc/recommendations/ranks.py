@@ -14,6 +14,8 @@ from .severity import severity_for
 
 # A rank is a straggler when what its peers lose waiting for it is at least this share of the step.
 STRAGGLER_SHARE = 0.05
+# A straggler that runs its peers' host ops, each this much slower, may be slow only under the profiler.
+EVEN_SLOWDOWN = 1.1
 
 
 def rank_summary(a: Analysis) -> dict:
@@ -53,6 +55,13 @@ def straggler(analyses: list[Analysis]) -> list[Finding]:
     if cost < STRAGGLER_SHARE * step:
         return []
     _name_what_bounds_the_waiting_ranks(analyses, rank, evidence.get("step_lost_us_per_step_by_rank", {}))
+    pace = _even_slowdown(analyses, rank)
+    if pace is not None:
+        evidence["host_pace_vs_peers"] = round(pace, 3)
+        detail += (f" Rank {rank} ran the same host ops as its peers (the same count of each), about {pace - 1:.0%} "
+                   "slower per op (median): the profiler's cost differs between processes, so part of this wait may "
+                   "exist only while profiling, which the unprofiled step (the job's, on every rank) cannot tell. "
+                   "Capture again: a rank slow only under the profiler is seldom the same one twice.")
     return [Finding(
         category="communication", title=f"rank {rank} straggles: its peers wait {fmt_us(cost)} per step for it",
         detail=detail, evidence=evidence,
@@ -72,6 +81,25 @@ def _name_what_bounds_the_waiting_ranks(analyses: list[Analysis], straggler_rank
             a.steps["bottleneck"] = {**a.steps.get("bottleneck", {}), "kind": "communication", "detail": (
                 f"its collective kernels wait for rank {straggler_rank}, the straggler: the step would be "
                 f"{fmt_us(waited)} shorter without that wait")}
+
+
+def _even_slowdown(analyses: list[Analysis], rank) -> Optional[float]:
+    """How much slower RANK's host ran than its peers' (median CPU time before each CUDA runtime call, against
+    the peers' median), where it is at least EVEN_SLOWDOWN and RANK ran the same host ops as every peer (counts
+    per op name in the replayed steps): a slowness spread evenly over the same work, not extra work of its own
+    (a sleep, a sync, a data-loading wait shows up in a few gaps and leaves the median alone)."""
+    def ops(a: Analysis) -> pd.Series:
+        cpu, timeline = a.trace.cpu, a.trace.timeline
+        inside = ((cpu["ts"] >= timeline.start) & (cpu["ts"] < timeline.host_end)).to_numpy()
+        return cpu.loc[inside, "name"].value_counts().sort_index()
+    mine = next(a for a in analyses if a.trace.rank == rank)
+    peers = [a for a in analyses if a is not mine]
+    counts = ops(mine)
+    if not all(ops(a).equals(counts) for a in peers):
+        return None
+    pace = float(np.median(mine.trace.timeline.host_gaps)) / float(np.median(
+        [np.median(a.trace.timeline.host_gaps) for a in peers]))
+    return pace if pace >= EVEN_SLOWDOWN else None
 
 
 def collective_skew(analyses: list[Analysis]) -> Optional[list[dict]]:

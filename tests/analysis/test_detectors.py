@@ -510,16 +510,22 @@ def test_straggler_rank_and_its_cost():
     assert not [f for f in r.findings if f.category == "launch_gaps" and f.severity in ("medium", "high")]
 
 
-def raw_collective_waits(folder):
-    """Per rank, µs per profiled step its NCCL kernels ran beyond the same collective's shortest run on any
-    rank (matched by name and order), from the raw JSON: the time they spent waiting for a peer."""
-    runs = {}
+def raw_ranks(folder):
+    """Per rank file of FOLDER, from the raw JSON: (rank, its events, the profiled steps, their start and end)."""
     for path in sorted(fixture_dir(folder).glob("*.json.gz")):
         with gzip.open(path) as f:
             trace = json.load(f)
         events = trace["traceEvents"]
         steps = [e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith("ProfilerStep#")]
-        start, end = min(e["ts"] for e in steps), max(e["ts"] + e["dur"] for e in steps)
+        yield (trace["distributedInfo"]["rank"], events, steps, min(e["ts"] for e in steps),
+               max(e["ts"] + e["dur"] for e in steps))
+
+
+def raw_collective_waits(folder):
+    """Per rank, µs per profiled step its NCCL kernels ran beyond the same collective's shortest run on any
+    rank (matched by name and order), from the raw JSON: the time they spent waiting for a peer."""
+    runs = {}
+    for rank, events, steps, start, end in raw_ranks(folder):
         comm = sorted((e["ts"], e["name"], e["dur"]) for e in events if e.get("cat") == "kernel"
                       and e["name"].startswith("ncclDevKernel") and start <= e["ts"] < end)
         seen: dict = {}
@@ -527,7 +533,7 @@ def raw_collective_waits(folder):
         for _, name, dur in comm:
             seen[name] = seen.get(name, 0) + 1
             keyed[(name, seen[name])] = dur
-        runs[trace["distributedInfo"]["rank"]] = (keyed, len(steps))
+        runs[rank] = (keyed, len(steps))
     shortest = {key: min(keyed[key] for keyed, _ in runs.values()) for key in next(iter(runs.values()))[0]}
     return {rank: sum(d - shortest[key] for key, d in keyed.items()) / n for rank, (keyed, n) in runs.items()}
 
@@ -550,6 +556,38 @@ def test_nccl_straggler_is_the_rank_whose_collectives_never_wait(folder, slowest
     assert waiting["bottleneck"] == "communication"
     if slowest == 1:  # the headline is rank 0's
         assert "wait for rank 1, the straggler" in r.steps["bottleneck"]["detail"]
+
+
+def raw_host_pace(folder):
+    """Per rank, from the raw JSON: the median CPU time between consecutive CUDA runtime/driver calls of the
+    threads that launch kernels, in the profiled steps."""
+    pace = {}
+    for rank, events, _, start, end in raw_ranks(folder):
+        launchers = {e["tid"] for e in events if e.get("name") == "cudaLaunchKernel"}
+        calls = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")
+                       and e["tid"] in launchers and start <= e["ts"] < end)
+        gaps = sorted(max(0.0, b[0] - a[1]) for a, b in zip(calls, calls[1:]))
+        mid = len(gaps) // 2
+        pace[rank] = gaps[mid] if len(gaps) % 2 else (gaps[mid - 1] + gaps[mid]) / 2
+    return pace
+
+
+@pytest.mark.parametrize("folder, caveat", [("llama_nccl_ddp", True), ("llama_nccl_fsdp2", True),
+                                            ("llama_nccl_ddp_straggler", False), ("gpt2_ddp_straggler", False)])
+def test_straggler_slow_only_per_op_says_the_profiler_may_cause_it(folder, caveat):
+    """Nothing is planted in the DDP and FSDP2 captures: their straggler runs the same host ops as its peer, each
+    slower (the profiler's cost differs by process), and the finding says so. A planted straggler (a sleep at
+    the start of each step) runs its ops at its peer's pace: no such caveat."""
+    r = recommend(fixture_dir(folder))
+    [straggler] = [f for f in r.findings if f.key == "communication:straggler"]
+    pace = raw_host_pace(folder)
+    ratio = pace[straggler.rank] / pace[1 - straggler.rank]
+    if caveat:
+        assert ratio > 1.1 and straggler.evidence["host_pace_vs_peers"] == pytest.approx(ratio, rel=0.01)
+        assert "may exist only while profiling" in straggler.detail
+    else:
+        assert ratio < 1.1 and "host_pace_vs_peers" not in straggler.evidence
+        assert "profiling" not in straggler.detail
 
 
 def test_nccl_planted_straggler_costs_its_sleep():
