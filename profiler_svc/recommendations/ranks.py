@@ -14,7 +14,7 @@ from .severity import severity_for
 
 # A rank is a straggler when what its peers lose waiting for it is at least this share of the step.
 STRAGGLER_SHARE = 0.05
-# A straggler that runs its peers' host ops, each this much slower, may be slow only under the profiler.
+# A straggler that runs its peers' host ops, each this much slower, may be slow only in this capture.
 EVEN_SLOWDOWN = 1.1
 
 
@@ -59,9 +59,9 @@ def straggler(analyses: list[Analysis]) -> list[Finding]:
     if pace is not None:
         evidence["host_pace_vs_peers"] = round(pace, 3)
         detail += (f" Rank {rank} ran the same host ops as its peers (the same count of each), about {pace - 1:.0%} "
-                   "slower per op (median): the profiler's cost differs between processes, so part of this wait may "
-                   "exist only while profiling, which the unprofiled step (the job's, on every rank) cannot tell. "
-                   "Capture again: a rank slow only under the profiler is seldom the same one twice.")
+                   "slower per op (median): no extra work of its own. A process's host pace wanders between rounds "
+                   "of the same work, profiled or not, and the profiler's cost differs between processes: capture "
+                   "again before rebalancing; a slowness that moves between ranks is the host's, not the work's.")
     return [Finding(
         category="communication", title=f"rank {rank} straggles: its peers wait {fmt_us(cost)} per step for it",
         detail=detail, evidence=evidence,
