@@ -1,5 +1,7 @@
 """Several ranks of one job: the same problem on each is one finding, and the rank the others wait for is a
-cause of its own (the straggler), priced by what its peers lose waiting for it."""
+cause of its own (the straggler), priced by what its peers lose waiting for it: over NCCL from the ranks
+replayed together (trace.job_replay)."""
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -7,9 +9,10 @@ import pandas as pd
 
 from ..detectors import Finding, Recommendation
 from ..formats import fmt_us
-from ..trace.replay import Change
+from ..trace.job_replay import JobReplay, keyed_by_name_and_order
+from ..trace.replay import HostCost
 
-from .analysis import Analysis
+from .analysis import Analysis, unprofiled_step_us
 from .severity import severity_for
 
 # A rank is a straggler when what its peers lose waiting for it is at least this share of the step.
@@ -21,6 +24,25 @@ EVEN_SLOWDOWN = 1.1
 def rank_summary(a: Analysis) -> dict:
     return {"rank": a.trace.rank, "step_us": a.steps["step_us"], "bottleneck": a.steps.get("bottleneck", {}).get("kind"),
             "gpu_busy_pct": round(a.trace.gpu_busy_pct, 2), "prediction": a.prediction}
+
+
+@dataclass
+class Job:
+    """The ranks replayed together, their hosts calibrated to the job's unprofiled step."""
+    replay: JobReplay
+    hosts: list[HostCost]
+    per_event_us: Optional[float]  # the profiler's cost per event calibration took off (None: not calibrated)
+    step_us: float                 # the job's replayed step
+
+
+def job_of(analyses: list[Analysis]) -> Optional[Job]:
+    """The job's joint replay, or None where the ranks share no collective kernel (gloo's run on the host)."""
+    replay = JobReplay.of([a.trace for a in analyses])
+    if replay is None:
+        return None
+    unprofiled = [u for u in (unprofiled_step_us(a.trace) for a in analyses) if u]
+    hosts, per_event = replay.calibrate(float(np.median(unprofiled)) if len(unprofiled) == len(analyses) else None)
+    return Job(replay, hosts, per_event, replay.step_us(replay.replay(hosts)))
 
 
 def merge_ranks(analyses: list[Analysis]) -> list[Finding]:
@@ -44,14 +66,17 @@ def merge_ranks(analyses: list[Analysis]) -> list[Finding]:
 
 
 def straggler(analyses: list[Analysis]) -> list[Finding]:
-    """The rank the others wait for, from their collective kernels (NCCL) where every rank has the same ones,
-    else from the host work each rank does outside its collective calls (gloo). Over NCCL, the ranks whose
-    steps that wait lengthens get it as their bottleneck."""
+    """The rank the others wait for: from the ranks replayed together where collective kernels couple them
+    (NCCL), else from the host work each rank does outside its collective calls (gloo). Over NCCL, the ranks
+    whose steps that wait lengthens get it as their bottleneck."""
     if len(analyses) < 2 or not all(a.trace.has_gpu for a in analyses):
         return []
-    skew = collective_skew(analyses)
-    rank, cost, detail, evidence = _from_kernels(analyses, skew) if skew is not None else _from_host_work(analyses)
-    step = float(np.median([a.prediction["step_us"] for a in analyses]))
+    job = job_of(analyses)
+    if job is not None:
+        rank, cost, detail, evidence, step = _from_job_replay(analyses, job)
+    else:
+        rank, cost, detail, evidence = _from_host_work(analyses)
+        step = float(np.median([a.prediction["step_us"] for a in analyses]))
     if cost < STRAGGLER_SHARE * step:
         return []
     _name_what_bounds_the_waiting_ranks(analyses, rank, evidence.get("step_lost_us_per_step_by_rank", {}))
@@ -102,57 +127,53 @@ def _even_slowdown(analyses: list[Analysis], rank) -> Optional[float]:
     return pace if pace >= EVEN_SLOWDOWN else None
 
 
-def collective_skew(analyses: list[Analysis]) -> Optional[list[dict]]:
-    """Per rank, the collective kernels that ran longer than the same collective on the fastest rank:
-    trace.kernels row -> that shortest duration. A collective kernel runs from its launch until every peer
-    has joined, so the time beyond its shortest run across ranks is waiting for a late peer. Collectives
-    are matched by name and order (each communicator issues them in the same order on every rank); None
-    where the ranks' collectives differ or there are none (gloo's run on the host)."""
+def collective_waits(analyses: list[Analysis]) -> Optional[dict]:
+    """Per rank, µs per step its collective kernels ran beyond the same collective's shortest run on any rank: a
+    collective kernel runs from its launch until every peer has joined, so that is waiting for a late peer.
+    None where the ranks' collectives differ or there are none (gloo's run on the host)."""
     keyed = []
     for a in analyses:
         k = a.trace.window_kernels
-        comm = k[(k["kind"] == "communication").to_numpy()].sort_values("ts", kind="stable")
+        comm = k[(k["kind"] == "communication").to_numpy()]
         if not len(comm):
             return None
-        occurrence = comm.groupby("name", sort=False).cumcount()
-        keyed.append(pd.DataFrame({"dur": comm["dur"].to_numpy(float), "row": comm.index.to_numpy()},
-                                  index=pd.MultiIndex.from_arrays([comm["name"].to_numpy(), occurrence.to_numpy()])))
+        rows = keyed_by_name_and_order(comm)
+        keyed.append(pd.Series(a.trace.kernels["dur"].to_numpy()[rows.to_numpy()], index=rows.index))
     keys = keyed[0].index
     if any(len(t) != len(keys) or not t.index.sort_values().equals(keys.sort_values()) for t in keyed[1:]):
         return None
-    shortest = pd.concat([t["dur"] for t in keyed], axis=1).min(axis=1)
-    out = []
-    for t in keyed:
-        floor = shortest.reindex(t.index).to_numpy()
-        longer = t["dur"].to_numpy() > floor
-        out.append(dict(zip(t["row"].to_numpy()[longer].tolist(), floor[longer].tolist())))
-    return out
+    shortest = pd.concat(keyed, axis=1).min(axis=1)
+    return {a.trace.rank: float((t - shortest.reindex(t.index)).sum()) / a.trace.step_count
+            for a, t in zip(analyses, keyed)}
 
 
-def _from_kernels(analyses: list[Analysis], skew: list[dict]) -> tuple:
-    """Each rank's step replayed with its collective kernels cut to their shortest run across ranks: what
-    waiting for peers costs it. The straggler is the rank whose collectives wait least; its cost is the
-    median of what the others lose."""
-    waited: dict = {}
-    lost: dict = {}
-    for a, floors in zip(analyses, skew):
-        trace, rank = a.trace, a.trace.rank
-        dur = trace.kernels["dur"].to_numpy()
-        waited[rank] = float(sum(dur[row] - floor for row, floor in floors.items())) / trace.step_count
-        # the rank's own replayed step is its prediction's (analyse): replay only the change
-        lost[rank] = a.prediction["step_us"] - trace.timeline.replay(Change(durations=floors), host=a.host).loop_step_us
-    slowest = min(waited, key=lambda rank: waited[rank])
-    cost = float(np.median([v for r, v in lost.items() if r != slowest]))
-    others_wait = float(np.median([w for r, w in waited.items() if r != slowest]))
-    detail = (f"The other ranks' collective kernels (NCCL) run {fmt_us(others_wait)} per step longer than rank "
-              f"{slowest}'s, which join last: they wait for it. Replayed with those waits gone, their step shortens "
-              f"by {fmt_us(cost)} (median over the other ranks). Balance the work (uneven batches or sequence "
-              "lengths, a rank doing extra logging, evaluation or host syncs) or look at that rank's host and GPU.")
-    evidence = {"rank": slowest, "method": "collective kernels",
-                "collective_wait_us_per_step_by_rank": {str(r): round(v, 2) for r, v in waited.items()},
-                "step_lost_us_per_step_by_rank": {str(r): round(v, 2) for r, v in lost.items()},
-                "ranks": sorted(waited)}
-    return slowest, cost, detail, evidence
+def _from_job_replay(analyses: list[Analysis], job: Job) -> tuple:
+    """The ranks replayed together and each alone: the straggler is the slowest alone, and what it costs is how
+    much longer the job's step is than the other ranks' alone (their median)."""
+    step = job.step_us
+    alone: dict = {a.trace.rank: r.loop_step_us
+                   for a, r in zip(analyses, job.replay.replay(job.hosts, together=False))}
+    slowest = max(alone, key=lambda rank: alone[rank])
+    cost = step - float(np.median([v for r, v in alone.items() if r != slowest]))
+    detail = (f"Replayed together, each collective kernel from its last peer's start, the job's step takes "
+              f"{fmt_us(step)}; each rank alone, its collectives at their shortest run: "
+              + ", ".join(f"rank {r} {fmt_us(v)}" for r, v in alone.items())
+              + f". The others wait for rank {slowest}: without that wait their step would be {fmt_us(cost)} "
+              "shorter (median over the other ranks). Balance the work (uneven batches or sequence lengths, a rank "
+              "doing extra logging, evaluation or host syncs) or look at that rank's host and GPU.")
+    evidence = {"rank": slowest, "method": "joint replay", "job_step_us": round(step, 2),
+                "step_alone_us_by_rank": {str(r): round(v, 2) for r, v in alone.items()},
+                "step_lost_us_per_step_by_rank": {str(r): round(step - v, 2) for r, v in alone.items()},
+                "clock_offset_us_by_rank": {str(a.trace.rank): round(float(o), 2)
+                                            for a, o in zip(analyses, job.replay.clock_offsets)},
+                "host_pace_by_rank": {str(a.trace.rank): round(float(p), 3)
+                                      for a, p in zip(analyses, job.replay.host_pace)},
+                "profiler_us_per_event": None if job.per_event_us is None else round(job.per_event_us, 2),
+                "ranks": sorted(alone)}
+    waits = collective_waits(analyses)
+    if waits is not None:
+        evidence["collective_wait_us_per_step_by_rank"] = {str(r): round(v, 2) for r, v in waits.items()}
+    return slowest, cost, detail, evidence, step
 
 
 def _from_host_work(analyses: list[Analysis]) -> tuple:

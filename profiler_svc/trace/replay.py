@@ -37,6 +37,14 @@ BLOCKING_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSy
                   "cuStreamSynchronize", "cuCtxSynchronize", "cuEventSynchronize", "cudaMemcpy2D")
 # Launch latency assumed where the trace shows no launch-bound activity to measure it on.
 _DEFAULT_LATENCY_US = 5.0
+# An activity that started this much later than its launch latency or queue gap explain, within
+# STREAM_WAIT_NEAR_US after an activity on another stream ended, waited for that one (a stream-event wait).
+STREAM_WAIT_SLACK_US = 5.0
+STREAM_WAIT_NEAR_US = 20.0
+# Replays of a step whose activities wait on other streams (or other ranks) repeat until no start moves more
+# than this, and at most so many times.
+SETTLE_US = 0.5
+SETTLE_ROUNDS = 64
 # Host cost of replaying one captured CUDA graph, and the gap between its kernels on the GPU.
 GRAPH_LAUNCH_US = 10.0
 GRAPH_KERNEL_GAP_US = 1.0
@@ -76,6 +84,8 @@ class Change:
     tightened: trace.kernels index of queued kernels that no longer idle after their predecessor.
     graphs: the steps run as captured CUDA graphs: host time between launches and launch latency vanish.
     no_collective_wait: the host no longer waits for collectives (communication fully overlapped).
+    not_before: trace.kernels index -> the earliest the kernel can start (µs, the trace's clock): a collective
+        starts no earlier than its last peer on the other ranks (job_replay).
     """
     durations: dict = field(default_factory=dict)
     removed: set = field(default_factory=set)
@@ -85,6 +95,7 @@ class Change:
     tightened: set = field(default_factory=set)
     graphs: bool = False
     no_collective_wait: bool = False
+    not_before: dict = field(default_factory=dict)
 
     def merged(self, other: "Change") -> "Change":
         return Change.union([self, other])
@@ -103,6 +114,7 @@ class Change:
             out.tightened |= c.tightened
             out.graphs = out.graphs or c.graphs
             out.no_collective_wait = out.no_collective_wait or c.no_collective_wait
+            out.not_before.update(c.not_before)
         return out
 
     @property
@@ -115,12 +127,12 @@ class Change:
         return Change(durations={k: v for k, v in self.durations.items() if k not in kernels},
                       removed=self.removed - kernels, host_removed=self.host_removed, host_added=self.host_added,
                       unblocked=self.unblocked, tightened=self.tightened, graphs=self.graphs,
-                      no_collective_wait=self.no_collective_wait)
+                      no_collective_wait=self.no_collective_wait, not_before=self.not_before)
 
     @property
     def empty(self) -> bool:
         return not (self.durations or self.removed or self.host_removed or self.host_added or self.unblocked
-                    or self.tightened or self.graphs or self.no_collective_wait)
+                    or self.tightened or self.graphs or self.no_collective_wait or self.not_before)
 
 
 def take_host_time(gaps: np.ndarray, own: np.ndarray, is_sync: np.ndarray, at: np.ndarray, amounts: np.ndarray) -> None:
@@ -152,6 +164,7 @@ class Result:
     gpu_busy_us: float         # kernel + memcpy time inside the replayed steps
     host_wait_us: float        # time blocking calls spent waiting for the GPU
     work_end: np.ndarray       # per step: when its GPU work ends (its end, for a step without GPU work)
+    ends: np.ndarray           # per activity (Timeline.gpu row): when it ends (NaN: not replayed)
 
     @property
     def steps(self) -> int:
@@ -207,6 +220,7 @@ class Timeline:
         self._build_steps()
         self._measure_syncs()
         self._measure_collective_waits(trace.collectives)
+        self._infer_stream_waits()
 
 
     def _count_host_events(self, trace: "Trace", chain: pd.DataFrame) -> None:
@@ -341,6 +355,34 @@ class Timeline:
         in_flight = time_covered_by(collectives)
         self.gap_wait = np.maximum(in_flight(self.host_ts) - in_flight(self.gap_starts), 0.0)
 
+    def _infer_stream_waits(self) -> None:
+        """Activities that waited for one on another stream (cudaStreamWaitEvent, whose stream and event the trace
+        does not name): each started later than its launch latency or queue gap explain, right as an activity on
+        another stream ended. The replay starts it no earlier than that activity's replayed end (plus the measured
+        lag), instead of keeping the measured wait as a fixed delay: shorter work before it then moves it."""
+        self.wait_rows = self.wait_on = np.zeros(0, dtype=np.int64)
+        self.wait_lag = np.zeros(0)
+        if len(self.stream_bounds) <= 2:  # one stream
+            return
+        start, stream = self.gpu_start, self.gpu_stream
+        end = start + self.gpu_dur
+        late = (self.gpu_gap > self.typical_gap + STREAM_WAIT_SLACK_US) | (
+            self.waited_for_launch & (np.nan_to_num(self.gpu_offset) > self.typical_offset + STREAM_WAIT_SLACK_US))
+        rows = np.flatnonzero(late)
+        order = np.argsort(end, kind="stable")
+        ends = end[order]
+        last = np.searchsorted(ends, start[rows] + 1.0, side="right") - 1  # the last to end by each start
+        producer = np.full(len(rows), -1, dtype=np.int64)
+        for back in range(8):  # the latest-ending activity on another stream, among the few that ended last
+            k = np.maximum(last - back, 0)
+            j = order[k]
+            ok = (producer < 0) & (last - back >= 0) & (stream[j] != stream[rows]) & (
+                ends[k] >= start[rows] - STREAM_WAIT_NEAR_US)
+            producer[ok] = j[ok]
+        found = producer >= 0
+        self.wait_rows, self.wait_on = rows[found], producer[found]
+        self.wait_lag = np.maximum(start[self.wait_rows] - end[self.wait_on], 0.0)
+
     # -- the replay ----------------------------------------------------------------------------------
     def replay(self, change: Optional[Change] = None, host: HostCost = HostCost()) -> Result:
         change = change or Change()
@@ -403,12 +445,38 @@ class Timeline:
         if change.tightened:
             rows = self.rows_of_kernels(list(change.tightened))
             gpu_gap[rows] = np.minimum(gpu_gap[rows], self.typical_gap)
-        called = np.empty(n)      # replayed start of each host call
-        arrival = np.full(len(dur), -np.inf)
-        launched = self.gpu_launch >= 0
         # activities without a launch we can see (another thread's, or queued before the window) keep their
         # measured start, unless the collectives they serve no longer hold anything up
         unlinked_arrival = np.full(len(dur), -np.inf) if change.no_collective_wait else self.gpu_start
+        floor = np.full(len(dur), -np.inf)
+        if change.not_before:
+            rows = self.kernel_rows.reindex(list(change.not_before)).to_numpy()
+            found = ~np.isnan(rows)
+            floor[rows[found].astype(np.int64)] = np.fromiter(change.not_before.values(), float)[found]
+        waiting = self.wait_rows[alive[self.wait_rows]]
+        waited_on, lag = self.wait_on[alive[self.wait_rows]], self.wait_lag[alive[self.wait_rows]]
+        # a wait on another stream is the replayed producer's end, not the measured delay
+        offset[waiting] = np.minimum(offset[waiting], self.typical_offset)
+        gpu_gap[waiting] = np.minimum(gpu_gap[waiting], self.typical_gap)
+        floor[~alive] = -np.inf  # a kernel fused away waits for nothing
+        for _ in range(SETTLE_ROUNDS):
+            called, ends, host_end, wait_total = self._run(gaps, own, offset, dur, alive, gpu_gap, blocking,
+                                                           np.maximum(unlinked_arrival, floor), floor, tail_gap)
+            if not len(waiting):
+                break
+            want = np.nan_to_num(ends[waited_on], nan=-np.inf) + lag
+            if not np.any(want > floor[waiting] + SETTLE_US):
+                break
+            floor[waiting] = np.maximum(floor[waiting], want)
+        return self._result(called, ends, dur, alive, host_end, wait_total)
+
+    def _run(self, gaps, own, offset, dur, alive, gpu_gap, blocking, unlinked_arrival, floor, tail_gap):
+        """One pass over the host calls and the activities they launch: (each call's start, each activity's end,
+        the host's end, the host's time blocked in syncs)."""
+        n = len(self.host_ts)
+        called = np.empty(n)      # replayed start of each host call
+        arrival = np.full(len(dur), -np.inf)
+        launched = self.gpu_launch >= 0
         ends = np.full(len(dur), np.nan)
         free = dict(self.stream_free)
         clock = self.start
@@ -433,6 +501,7 @@ class Timeline:
             mine, unlinked = in_seg[launched[in_seg]], in_seg[~launched[in_seg]]
             arrival[mine] = np.where(alive[mine], called[self.gpu_launch[mine]] + offset[mine], -np.inf)
             arrival[unlinked] = unlinked_arrival[unlinked]
+            arrival[mine] = np.maximum(arrival[mine], floor[mine])
             self._run_streams(in_seg, arrival, dur, gpu_gap, ends, free)
             if len(in_seg):
                 done = max(done, ends[in_seg].max())
@@ -443,8 +512,7 @@ class Timeline:
                 clock = returned
             else:
                 clock = called[last] + own[last]
-        host_end = clock + tail_gap
-        return self._result(called, ends, dur, alive, host_end, wait_total)
+        return called, ends, clock + tail_gap, wait_total
 
     @cached_property
     def _launch_order(self) -> tuple:
@@ -500,7 +568,7 @@ class Timeline:
         bounds = np.maximum.accumulate(bounds)
         return Result(total_us=float(bounds[-1] - bounds[0]), step_us=np.diff(bounds),
                       gpu_busy_us=float(dur[alive].sum()), host_wait_us=wait_total,
-                      work_end=np.where(np.isfinite(gpu_end), gpu_end, bounds[1:]))
+                      work_end=np.where(np.isfinite(gpu_end), gpu_end, bounds[1:]), ends=ends)
 
     @cached_property
     def measured(self) -> Result:
@@ -521,7 +589,7 @@ class Timeline:
         wait = float(np.sum((self.host_end_ts - self.host_ts)[self.is_sync] - self.sync_pre[self.is_sync]
                             - self.sync_post[self.is_sync]))
         return Result(total_us=float(bounds[-1] - bounds[0]), step_us=np.diff(bounds),
-                      gpu_busy_us=float(self.gpu_dur.sum()), host_wait_us=wait, work_end=work_end)
+                      gpu_busy_us=float(self.gpu_dur.sum()), host_wait_us=wait, work_end=work_end, ends=ends)
 
     @cached_property
     def baseline(self) -> Result:
