@@ -7,7 +7,8 @@ into typed structs (unknown fields skipped), which become numpy columns before t
 memory holds the tables of the events kept, never the document, and whitespace between events is skipped
 for free. Bad input of any kind is a one-line TraceError; caps on one event, the top-level fields, nesting
 depth, names and the gzip ratio bound both the memory and the work per input byte.
-The only Python loop over events afterwards is the per-thread stack sweep that finds each CPU event's parent.
+Linking is numpy's: each CPU event's parent (the stack sweep's answer), its module and its top-level op
+come from pointer jumping, a few rounds over arrays instead of a Python loop over events.
 """
 import math
 import os
@@ -42,6 +43,7 @@ _MAX_DEPTH = 64             # Kineto nests 7 deep; msgspec would raise Recursion
 _MAX_GZIP_RATIO = 100
 _GZIP_RATIO_AFTER = 16 << 20
 _MAX_DURATION_US = 86400e6  # a day: no profiled event lasts longer, and no trace spans more
+_LINK_ROUNDS = 64
 _JSON_SPACE = b" \t\r\n"
 _BOM = b"\xef\xbb\xbf"
 # Category names across Kineto versions (PyTorch 1.8 wrote "Kernel", "Runtime", "Operator", ...),
@@ -791,39 +793,75 @@ def _origin(*tables) -> float:
 def _link_cpu_tree(cpu: pd.DataFrame) -> None:
     """parent (row of the innermost enclosing CPU event on the same thread), module label, top-level op."""
     n = len(cpu)
-    parent = [-1] * n
-    module = [None] * n
-    top = [-1] * n
-    if n:
-        thread_codes = cpu["thread"].to_numpy()
-        ts = cpu["ts"].to_numpy()
-        # parents first: by thread, then start, then longest first
-        order = np.lexsort((-cpu["dur"].to_numpy(), ts, thread_codes)).tolist()
-        starts, ends = ts.tolist(), cpu["end"].to_numpy().tolist()
-        threads = thread_codes.tolist()
-        names = cpu["name"].tolist()
-        is_op = (cpu["cat"] == "cpu_op").tolist()
-        own_module = [_module_of(name) for name in names]
-        stack: list[int] = []  # the open ancestors of the current row, on its thread
-        current = None
-        for i in order:
-            if threads[i] != current:
-                stack, current = [], threads[i]
-            t = starts[i]
-            while stack and ends[stack[-1]] <= t:
-                stack.pop()
-            p = stack[-1] if stack else -1
-            parent[i] = p
-            module[i] = own_module[i] or (module[p] if p >= 0 else None)
-            top[i] = i if (is_op[i] and (p < 0 or not is_op[p])) else (top[p] if p >= 0 else -1)
-            stack.append(i)
-        cpu["order"] = np.argsort(np.array(order, dtype=np.int64))  # position in parent-first order
-    else:
-        cpu["order"] = np.zeros(0, dtype=np.int64)
-    cpu["parent"] = np.array(parent, dtype=np.int64)
-    cpu["module"] = _objects(module)
-    cpu["top"] = np.array(top, dtype=np.int64)
+    if not n:
+        for column in ("order", "parent", "module", "top"):
+            cpu[column] = _objects([]) if column == "module" else np.zeros(0, dtype=np.int64)
+        cpu["backward"] = False
+        return
+    thread, ts = cpu["thread"].to_numpy(), cpu["ts"].to_numpy()
+    # parents first: by thread, then start, then longest first
+    order = np.lexsort((-cpu["dur"].to_numpy(), ts, thread))
+    start, end, thread = ts[order], cpu["end"].to_numpy()[order], thread[order]
+    # In that order an event's parent is the latest earlier one on its thread still open at its start
+    # (what a stack sweep finds); each candidate that ended jumps to its own candidate, in rounds.
+    candidate = np.arange(-1, n - 1)
+    candidate[np.flatnonzero(thread[1:] != thread[:-1]) + 1] = -1
+    todo = np.flatnonzero(candidate >= 0)
+    for _ in range(_LINK_ROUNDS):
+        if not len(todo):
+            break
+        c = candidate[todo]
+        ended = end[c] <= start[todo]
+        todo, c = todo[ended], c[ended]
+        candidate[todo] = candidate[c]
+        todo = todo[candidate[todo] >= 0]
+    # Real traces need ~20 rounds; a hostile nest could need one per level. The rest is the sweep itself,
+    # in order: from the previous event up through parents, skipping what the stack would pop (linear).
+    for i in todo.tolist():
+        j = i - 1
+        while j >= 0 and end[j] <= start[i]:
+            j = int(candidate[j])
+        candidate[i] = j
+    parent = np.full(n, -1, dtype=np.int64)
+    parent[order] = np.where(candidate >= 0, order[np.maximum(candidate, 0)], -1)
+    codes, names = pd.factorize(cpu["name"].to_numpy())
+    own = _objects([_module_of(name) for name in names]).to_numpy()[codes]
+    is_op = (cpu["cat"] == "cpu_op").to_numpy()
+    top_seed = is_op & ((parent < 0) | ~is_op[np.maximum(parent, 0)])
+    cpu["order"] = _inverse(order)  # position in parent-first order
+    cpu["parent"] = parent
+    cpu["module"] = _objects(_inherit(own, parent))
+    cpu["top"] = _nearest(parent, top_seed)
     cpu["backward"] = False
+
+
+def _inverse(permutation: np.ndarray) -> np.ndarray:
+    out = np.empty(len(permutation), dtype=np.int64)
+    out[permutation] = np.arange(len(permutation))
+    return out
+
+
+def _nearest(parent: np.ndarray, has: np.ndarray) -> np.ndarray:
+    """Each row's nearest of itself and its ancestors where HAS holds, -1 if none: pointer jumping,
+    so as many rounds as the log of the depth."""
+    found = np.where(has, np.arange(len(has)), -1)
+    up = np.where(has, -1, parent)
+    todo = np.flatnonzero(up >= 0)
+    while len(todo):
+        a = up[todo]
+        found[todo] = found[a]
+        up[todo] = up[a]
+        todo = todo[(found[todo] < 0) & (up[todo] >= 0)]
+    return found
+
+
+def _inherit(values: np.ndarray, parent: np.ndarray) -> np.ndarray:
+    """VALUES (an object array), None replaced by the nearest ancestor's value."""
+    source = _nearest(parent, pd.notna(values))
+    out = np.full(len(values), None, dtype=object)
+    has = source >= 0
+    out[has] = values[source[has]]
+    return out
 
 
 def _module_of(name):
@@ -849,23 +887,15 @@ def _attribute_backward(cpu: pd.DataFrame) -> None:
     fwd_module = pd.Series(cpu["module"].to_numpy()[fwd], index=seq[fwd])
     fwd_module = fwd_module[~fwd_module.index.duplicated(keep="last")]  # innermost op records last
     module = cpu["module"].to_numpy().copy()
-    backward = np.zeros(len(cpu), dtype=bool)
     roots = np.flatnonzero(bwd)
     found = fwd_module.reindex(seq[roots]).to_numpy()
     for row, label in zip(roots.tolist(), found.tolist()):
-        backward[row] = True
         if module[row] is None and isinstance(label, str):
             module[row] = label
-    # descendants of a backward node, in parent-first order
+    # a backward node's descendants are backward, and take its module where they have none
     parent = cpu["parent"].to_numpy()
-    for i in np.argsort(cpu["order"].to_numpy()).tolist():
-        p = parent[i]
-        if p >= 0 and backward[p]:
-            backward[i] = True
-            if module[i] is None:
-                module[i] = module[p]
-    cpu["module"] = pd.Series(module, dtype=object, index=cpu.index)
-    cpu["backward"] = backward
+    cpu["module"] = pd.Series(_inherit(module, parent), dtype=object, index=cpu.index)
+    cpu["backward"] = _nearest(parent, bwd) >= 0
 
 
 def _rows_by_external_id(cpu: pd.DataFrame) -> pd.Series:
