@@ -54,6 +54,8 @@ _CPU_CATS = {"cpu_op": "cpu_op", "Operator": "cpu_op", "user_annotation": "user_
 _RUNTIME_CATS = {"cuda_runtime", "cuda_driver", "runtime", "Runtime"}
 _MEMORY_CATS = {"gpu_memcpy", "gpu_memset", "Memcpy", "Memset"}
 _NAME_OR_SLICE = frozenset("MBE")  # phases besides "X" that the tables use: thread names, B/E slices
+_SEP = b"\x01"
+_NO_INPUTS = _SEP * 3
 
 
 def trace_files(path) -> list[Path]:
@@ -533,8 +535,9 @@ class TableBuilder:
         cols["bytes"] = self._bytes([e.args.bytes if e.args else None for e in memory])
         self.parts["memory"].append(cols)
         cpu = [e for e in complete if e.cat in _CPU_CATS]
-        self.parts["cpu"].append(self._cpu_columns(cpu))
-        self._keep_inputs(cpu)
+        cpu_args = [e.args for e in cpu]
+        self.parts["cpu"].append(self._cpu_columns(cpu, cpu_args))
+        self._keep_inputs(cpu, cpu_args)
         runtime = [e for e in complete if e.cat in _RUNTIME_CATS]
         self.parts["runtime"].append(self._runtime_columns(runtime))
         for part in self.parts.values():
@@ -571,16 +574,25 @@ class TableBuilder:
             raise TraceError(f"{self.path}: an event lasts {dur.max():.3g} us, over a day: a corrupt duration")
 
     def _thread_codes(self, evs) -> np.ndarray:
+        """Each event's thread code; new (pid, tid) pairs numbered in order of appearance."""
+        pids, tids = [e.pid for e in evs], [e.tid for e in evs]
+        pid, tid = np.array(pids), np.array(tids)
+        if pid.dtype.kind == tid.dtype.kind == "i":  # integers within 64 bits, not names: hashed by pandas
+            pid_codes, _ = pd.factorize(pid)
+            tid_codes, tid_values = pd.factorize(tid)
+            local, _ = pd.factorize(pid_codes * len(tid_values) + tid_codes)
+        else:
+            first: dict = {}
+            local = np.array([first.setdefault(key, len(first)) for key in zip(pids, tids)], dtype=np.int64)
         index, threads = self.thread_index, self.threads
-        out = np.empty(len(evs), dtype=np.int64)
-        for i, e in enumerate(evs):
-            key = (e.pid, e.tid)
-            code = index.get(key)
-            if code is None:
-                code = index[key] = len(threads)
-                threads[code] = key
-            out[i] = code
-        return out
+        codes = []
+        for i in np.unique(local, return_index=True)[1].tolist():  # each pair's first event, in order
+            key = (pids[i], tids[i])
+            if key not in index:
+                index[key] = len(threads)
+                threads[index[key]] = key
+            codes.append(index[key])
+        return np.array(codes, dtype=np.int64)[local]
 
     def _gpu_columns(self, evs) -> dict:
         args = [e.args for e in evs]
@@ -596,10 +608,9 @@ class TableBuilder:
             "external_id": self._ids([a.external_id if a else None for a in args]),
         }
 
-    def _cpu_columns(self, evs) -> dict:
-        args = [e.args for e in evs]
+    def _cpu_columns(self, evs, args) -> dict:
         return {
-            "cat": _names([_CPU_CATS[e.cat] for e in evs]),
+            "cat": _objects_array([_CPU_CATS[e.cat] for e in evs]),
             "name": _names([e.name for e in evs]),
             "ts": _num([e.ts for e in evs]),
             "dur": _num([e.dur for e in evs]),
@@ -622,7 +633,10 @@ class TableBuilder:
     def _ids(self, values) -> np.ndarray:
         """Integer ids, -1 where absent; ids beyond 64 bits (corrupt) count as absent, with a warning."""
         try:
-            return np.array([-1 if v is None else v for v in values], dtype=np.int64)
+            try:
+                return np.array(values, dtype=np.int64)  # none absent: no pass in Python
+            except TypeError:
+                return np.array([-1 if v is None else v for v in values], dtype=np.int64)
         except OverflowError:
             kept = [-1 if v is None or not -(1 << 63) <= v < (1 << 63) else v for v in values]
             self.ignored["ids"] += sum(v is not None and k == -1 for v, k in zip(values, kept))
@@ -636,31 +650,38 @@ class TableBuilder:
         out[bad] = np.nan
         return out
 
-    def _keep_inputs(self, evs) -> None:
+    def _keep_inputs(self, evs, args) -> None:
         """The ops' recorded inputs as raw JSON bytes, deduplicated (shapes repeat every step); records with
         numbers no tensor has are dropped, with a warning, before any detector multiplies them."""
+        # An op's four fields as one bytes key (JSON has no raw control bytes): the per-event work is
+        # one join and a few lookups, the rest runs per distinct record.
+        records: list = [_SEP.join((a.input_dims, a.input_types, a.input_strides, a.concrete_inputs))
+                         if a else _NO_INPUTS for a in args]
+        distinct: list = list(dict.fromkeys(records))
+        parts = [record.split(_SEP) for record in distinct]
+        if any(len(p) != 4 for p in parts):  # a byte 1 in a string msgspec skipped: tuples instead
+            records = [(bytes(a.input_dims), bytes(a.input_types), bytes(a.input_strides), bytes(a.concrete_inputs))
+                       if a else (b"",) * 4 for a in args]
+            distinct = list(dict.fromkeys(records))
+            parts = distinct
         seen = self.raw_seen
-        args = [e.args for e in evs]
-        for field, column, sane in (("input_dims", self.raw.dims, _sane_dims),
-                                    ("input_types", self.raw.types, None),
-                                    ("input_strides", self.raw.strides, _sane_strides),
-                                    ("concrete_inputs", self.raw.concrete, None)):
-            # None where the op recorded nothing; each distinct record is checked once, in event order
-            keys = [bytes(raw) if (raw := a and getattr(a, field)) else None for a in args]
-            distinct = dict.fromkeys(k for k in keys if k is not None)
-            for key in distinct:
-                if key in seen:
-                    continue
-                try:
-                    key.decode()  # msgspec skips raw JSON without checking its strings
-                except UnicodeDecodeError:
-                    name = evs[keys.index(key)].name
-                    raise TraceError(f"{self.path}: invalid UTF-8 in the recorded inputs of {name[:80]!r}") from None
-                seen[key] = key if sane is None or sane(key) else None
-            column.extend([seen[k] if k is not None else None for k in keys])
-            dropped = {k for k in distinct if seen[k] is None}
+        for field, (column, sane) in enumerate(((self.raw.dims, _sane_dims), (self.raw.types, None),
+                                                (self.raw.strides, _sane_strides), (self.raw.concrete, None))):
+            # each distinct record is checked once, in event order
+            for key in dict.fromkeys(p[field] for p in parts):
+                if key and key not in seen:
+                    try:
+                        key.decode()  # msgspec skips raw JSON without checking its strings
+                    except UnicodeDecodeError:
+                        first = next(r for r, p in zip(distinct, parts) if p[field] == key)
+                        name = evs[records.index(first)].name
+                        raise TraceError(f"{self.path}: invalid UTF-8 in the recorded inputs of {name[:80]!r}") from None
+                    seen[key] = key if sane is None or sane(key) else None
+            kept = {r: seen[p[field]] if p[field] else None for r, p in zip(distinct, parts)}
+            column.extend(map(kept.__getitem__, records))
+            dropped = {r for r, p in zip(distinct, parts) if p[field] and kept[r] is None}
             if dropped:
-                self.ignored["inputs"] += sum(1 for k in keys if k in dropped)
+                self.ignored["inputs"] += sum(1 for r in records if r in dropped)
 
     def warnings(self) -> list[str]:
         unclosed = sum(len(stack) for stack in self.open_slices.values())
@@ -775,6 +796,12 @@ def _names(values) -> np.ndarray:
     """Names as one shared str object each (a million kernels have a few hundred names)."""
     out = np.empty(len(values), dtype=object)
     out[:] = [sys.intern(v) for v in values]
+    return out
+
+
+def _objects_array(values) -> np.ndarray:
+    out = np.empty(len(values), dtype=object)
+    out[:] = values
     return out
 
 

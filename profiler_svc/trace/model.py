@@ -73,7 +73,7 @@ class OpInputs:
 
 @dataclass
 class RawInputs:
-    """Per CPU row: the op's recorded inputs as raw JSON (msgspec.Raw) or None."""
+    """Per CPU row: the op's recorded inputs as raw JSON bytes (one shared object per distinct record) or None."""
     dims: list
     types: list
     strides: list
@@ -107,8 +107,7 @@ class Trace:
         if cached is None:
             raw = self.raw_inputs
             # ops repeat with identical inputs every step: decode each distinct input record once
-            key = tuple(bytes(r) if r is not None else b"" for r in
-                        (raw.dims[row], raw.types[row], raw.strides[row], raw.concrete[row]))
+            key = (raw.dims[row], raw.types[row], raw.strides[row], raw.concrete[row])
             cached = self._inputs_cache.get(key)
             if cached is None:
                 cached = self._inputs_cache[key] = OpInputs(
