@@ -618,8 +618,23 @@ def test_nccl_planted_straggler_costs_what_balancing_saved():
                                                                              rel=0.10)
 
 
+def test_nccl_rank_with_extra_work_is_the_straggler_and_costs_what_it_adds():
+    """Rank 0 reads the loss before backward and then sleeps 10 ms, four profiled steps (a second session). The
+    job's unprofiled step is 29.3 ms against the balanced run's 18.3 ms of the same session: rank 0's work costs
+    11.0 ms per step. Replayed together, rank 0 is the straggler at 9.2 ms (16% short). With two profiled steps
+    (`llama_nccl_ddp_hostsync`) no straggler is named: rank 1's second step replays 9 ms slower than its first."""
+    r = recommend(fixture_dir("llama_nccl_ddp_hostsync_4step"))
+    [straggler] = [f for f in r.findings if f.key == "communication:straggler"]
+    cost = raw_unprofiled_step("llama_nccl_ddp_hostsync_4step") - raw_unprofiled_step("llama_nccl_ddp_4step")
+    assert cost == pytest.approx(11_000, rel=0.01)
+    assert straggler.rank == 0 and straggler.saving_us_per_step == pytest.approx(cost, rel=0.2)
+    assert "host_pace_vs_peers" not in straggler.evidence  # extra ops of its own, not a slower pace
+    assert not [f for f in recommend(fixture_dir("llama_nccl_ddp_hostsync")).findings
+                if f.key == "communication:straggler"]
+
+
 @pytest.mark.parametrize("folder", ["llama_nccl_ddp", "llama_nccl_ddp_straggler", "llama_nccl_ddp_hostsync",
-                                    "llama_nccl_fsdp2"])
+                                    "llama_nccl_fsdp2", "llama_nccl_ddp_hostsync_4step"])
 def test_job_replay_lines_up_the_ranks_by_their_collectives(folder):
     """An all-reduce (all-gather, reduce-scatter) ends at the same moment on every rank. In the raw files, on one
     node, those ends agree within tens of µs; the loaded tables count time from each file's first event, so

@@ -46,7 +46,7 @@ def raw_step_times(path):
 def test_steps_and_replay(path):
     r = report(path)
     expected = raw_step_times(path)
-    assert r.steps["count"] == len(expected) == 2
+    assert r.steps["count"] == len(expected) >= 2
     assert r.steps["step_us"]["values"] == pytest.approx(expected, rel=0.01)
     assert abs(r.steps["replay_error_pct"]) < 5.0
 

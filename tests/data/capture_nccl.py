@@ -4,6 +4,8 @@ Run on a machine with 2 or more GPUs (one process per GPU), from the repository 
 
     torchrun --nproc_per_node 2 tests/data/capture_nccl.py OUT_DIR SCENARIO
 
+ACTIVE_STEPS (default 2) sets how many steps are profiled.
+
 SCENARIO is one of:
 - ``ddp``: DDP training of a Llama-style model (bf16, fused AdamW), every rank the same work;
 - ``ddp_straggler``: as ``ddp``, rank 1 sleeps STRAGGLER_MS (default 20) at the start of every step;
@@ -25,7 +27,8 @@ import torch.distributed as dist
 import profiler_svc
 
 SCENARIOS = ("ddp", "ddp_straggler", "fsdp2", "ddp_hostsync")
-STEPS = 8  # 3 before the window (wait 2, warmup 1), 2 profiled, 3 after: the step timer's unprofiled steps
+ACTIVE = int(os.environ.get("ACTIVE_STEPS", "2"))  # profiled steps
+STEPS = 6 + ACTIVE  # 3 before the window (wait 2, warmup 1), the profiled ones, 3 after: the timer's unprofiled steps
 
 
 def build_model(device, dtype):
@@ -85,7 +88,7 @@ def main():
 
     for _ in range(3):  # compile nothing, but warm cuBLAS, NCCL's communicators and the allocator
         step()
-    with profiler_svc.capture(model, out_dir, wait=2, warmup=1, active=2, name=f"llama_{scenario}") as cap:
+    with profiler_svc.capture(model, out_dir, wait=2, warmup=1, active=ACTIVE, name=f"llama_{scenario}") as cap:
         for _ in range(STEPS):
             step()
             cap.step()
