@@ -10,6 +10,7 @@ SCENARIO is one of:
 - ``ddp``: DDP training of a Llama-style model (bf16, fused AdamW), every rank the same work;
 - ``ddp_straggler``: as ``ddp``, rank 1 sleeps STRAGGLER_MS (default 20) at the start of every step;
 - ``fsdp2``: the same model under FSDP2 (``fully_shard`` per decoder layer and the root);
+- ``fsdp2_straggler``: as ``fsdp2``, rank 1 sleeps STRAGGLER_MS at the start of every step;
 - ``ddp_hostsync``: as ``ddp``, rank 0 reads the loss (``loss.item()``, a host sync) before backward and then
   spends HOSTSYNC_MS (default 10) on the host, as a logging call would, while the others' NCCL kernels wait.
 
@@ -26,7 +27,7 @@ import torch.distributed as dist
 
 import profiler_svc
 
-SCENARIOS = ("ddp", "ddp_straggler", "fsdp2", "ddp_hostsync")
+SCENARIOS = ("ddp", "ddp_straggler", "fsdp2", "fsdp2_straggler", "ddp_hostsync")
 ACTIVE = int(os.environ.get("ACTIVE_STEPS", "2"))  # profiled steps
 STEPS = 6 + ACTIVE  # 3 before the window (wait 2, warmup 1), the profiled ones, 3 after: the timer's unprofiled steps
 
@@ -43,7 +44,7 @@ def build_model(device, dtype):
 
 
 def wrap(model, scenario, device):
-    if scenario == "fsdp2":
+    if scenario.startswith("fsdp2"):
         from torch.distributed.fsdp import fully_shard
         for layer in model.model.layers:
             fully_shard(layer)
@@ -75,7 +76,7 @@ def main():
     host_s = float(os.environ.get("HOSTSYNC_MS", "10")) / 1e3
 
     def step():
-        if scenario == "ddp_straggler" and rank == 1:
+        if scenario.endswith("_straggler") and rank == 1:
             time.sleep(straggle_s)  # the planted straggler: extra host work at the start of each step
         loss = model(input_ids=ids, labels=ids).loss
         if scenario == "ddp_hostsync" and rank == 0:
