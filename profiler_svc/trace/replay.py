@@ -6,7 +6,9 @@ The model, rebuilt from the trace alone:
   profiler's own cost); a blocking call (synchronize, blocking memcpy) lasts until the GPU work launched
   before it is done, plus the call's own cost.
 - A kernel (or memcpy/memset) arrives at the GPU a launch latency after its launch call and starts at
-  the later of that and the end of the previous activity on its stream.
+  the later of that and the end of the previous activity on its stream; one that waited for an activity on
+  another stream (a stream-event wait, inferred) starts no earlier than that one's end, so the replay
+  repeats until those starts stop moving.
 
 With the trace's own numbers the model reproduces the measured step (`Replay.error_pct` says how well).
 A fix is a `Change` to those numbers: kernels shortened or removed, host time removed or added, syncs
