@@ -349,3 +349,37 @@ def test_device_properties_out_of_range_are_unknown(tmp_path, sms, capsys):
     assert device.name == "NVIDIA H200" and device.sm_count is None and device.compute_capability is None
     assert device.memory_bytes is None
     assert main(["recommend", str(path), "--format", "json"]) == 0  # a huge SM count once divided by zero
+
+
+def test_parents_of_a_nest_deeper_than_the_linking_rounds(tmp_path):
+    """Parents come from rounds of pointer jumping, then a stack sweep for what is left (a hostile nest needs one
+    round per level). A nest 300 deep with siblings inside it, on two threads, against a plain stack sweep."""
+    rng = random.Random(7)
+    events = []
+    for tid, depth in ((1, 300), (2, 90)):
+        for level in range(depth):  # each level opens at `level` and closes at 10_000 - level
+            events.append({"ph": "X", "cat": "cpu_op", "name": f"nest{level}", "pid": 1, "tid": tid, "ts": level,
+                           "dur": 10_000 - 2 * level, "args": {}})
+        for k in range(40):  # siblings at the bottom of the nest, some with children, some back to back
+            start = depth + 20 * k
+            events.append({"ph": "X", "cat": "cpu_op", "name": f"leaf{k}", "pid": 1, "tid": tid, "ts": start,
+                           "dur": 20, "args": {}})
+            if rng.random() < 0.5:
+                events.append({"ph": "X", "cat": "cpu_op", "name": f"child{k}", "pid": 1, "tid": tid,
+                               "ts": start + 5, "dur": 5, "args": {}})
+    rng.shuffle(events)
+    path = tmp_path / "nest.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    cpu = load_trace(path).cpu
+    ts, end, dur, thread = (cpu[c].to_numpy() for c in ("ts", "end", "dur", "thread"))
+    expected = [-1] * len(cpu)
+    for one in set(thread.tolist()):
+        stack: list = []
+        for r in sorted((r for r in range(len(cpu)) if thread[r] == one), key=lambda r: (ts[r], -dur[r])):
+            while stack and end[stack[-1]] <= ts[r]:
+                stack.pop()
+            expected[r] = stack[-1] if stack else -1
+            stack.append(r)
+    assert cpu["parent"].tolist() == expected
+    deepest = cpu.index[cpu["name"] == "nest299"][0]
+    assert (cpu["parent"] == deepest).sum() == 40  # the leaves sit in the deepest level
