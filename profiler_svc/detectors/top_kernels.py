@@ -4,8 +4,9 @@ from typing import Any
 
 import pandas as pd
 
+from ..trace.labels import MODULE_PREFIX
 from ..trace.model import Trace
-from .common import gemm_shape, is_compute_bound_kernel, op_bytes, per_step, short_kernel_name
+from .common import gemm_shape, is_compute_bound_kernel, name_mask, op_bytes, per_step, short_kernel_name
 
 
 def top_kernels(trace: Trace, n: int = 20) -> list[dict]:
@@ -103,7 +104,7 @@ def module_times(trace: Trace, n: int = 500) -> list[dict]:
     time = labelled.groupby(["module", "backward"])["dur"].agg(["sum", "count"])
     cpu = trace.cpu
     start, end = trace.window
-    labels = cpu[(cpu["cat"] == "user_annotation").to_numpy() & cpu["name"].str.startswith("module::").to_numpy()
+    labels = cpu[(cpu["cat"] == "user_annotation").to_numpy() & name_mask(cpu, lambda n: n.startswith(MODULE_PREFIX))
                  & (cpu["ts"] >= start).to_numpy() & (cpu["ts"] <= end).to_numpy()]
     host = labels.groupby("module")["dur"].sum()
     out: dict[str, dict[str, Any]] = {}  # module -> its row
