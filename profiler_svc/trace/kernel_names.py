@@ -4,6 +4,7 @@ The loader tags every kernel with `kind` (gemm, conv, attention, communication, 
 distinct name; detectors ask the finer questions (FFMA path? low alignment?) of candidate rows only.
 """
 import re
+import weakref
 from functools import lru_cache
 
 import numpy as np
@@ -81,21 +82,23 @@ def name_mask(table: pd.DataFrame, predicate) -> np.ndarray:
 
 
 # The detectors ask many questions of the same name columns; factorizing one of a million rows takes ~45 ms.
-_FACTORIZED: list = []  # (names array, its codes, its distinct names), most recent last
-_FACTORIZED_KEEP = 4
+# Each column's factorization is kept while the column's memory lives, and goes with it (a forked analysis
+# child must not inherit the dead tables' codes).
+_FACTORIZED: dict = {}  # (the column's memory, length, stride) -> (codes, distinct names)
 
 
 def _factorized(names: np.ndarray) -> tuple:
     """pd.factorize(NAMES), reused while the same column is asked about again: each call's array is a fresh
-    view, so a column is known by its memory and length (the entry holds the array, so neither is reused)."""
-    key = (names.__array_interface__["data"][0], len(names), names.strides)
-    for entry in _FACTORIZED:
-        if entry[0] == key:
-            return entry[2], entry[3]
-    codes, uniques = pd.factorize(names)
-    _FACTORIZED.append((key, names, codes, uniques))
-    del _FACTORIZED[:-_FACTORIZED_KEEP]
-    return codes, uniques
+    view of the table's block, which is known by its memory (the entry leaves when the block is freed)."""
+    block = names.base
+    if not isinstance(block, np.ndarray):
+        return pd.factorize(names)
+    key = (id(block), names.__array_interface__["data"][0], len(names), names.strides)
+    found = _FACTORIZED.get(key)
+    if found is None:
+        found = _FACTORIZED[key] = pd.factorize(names)
+        weakref.finalize(block, _FACTORIZED.pop, key, None)
+    return found
 
 
 def short_kernel_name(name: str, width: int = 90) -> str:
