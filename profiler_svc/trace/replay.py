@@ -241,6 +241,12 @@ class Timeline:
         return float(((gaps + own) * self._step_factor(host, gaps, own)).sum())
 
     @cached_property
+    def host_pace_us(self) -> float:
+        """The median CPU time before a host call: how fast this host runs its ops, which extra work in a few gaps
+        (a sleep, a sync) leaves alone; 0 without host calls."""
+        return float(np.median(self.host_gaps)) if len(self.host_gaps) else 0.0
+
+    @cached_property
     def steps_alike(self) -> bool:
         """Three or more steps that do the same work: host calls per step within 5% of the median."""
         calls = np.diff(np.r_[self.step_first_host, len(self.host_ts)])
@@ -393,10 +399,8 @@ class Timeline:
         offset = np.nan_to_num(self.gpu_offset, nan=0.0)
         alive = np.ones(len(dur), dtype=bool)
         if change.durations:
-            rows = self.kernel_rows.reindex(list(change.durations)).to_numpy()
-            new = np.fromiter(change.durations.values(), dtype=float, count=len(change.durations))
-            found = ~np.isnan(rows)
-            dur[rows[found].astype(np.int64)] = new[found]
+            rows, new = self._per_kernel(change.durations)
+            dur[rows] = new
         if change.removed:
             alive[self.rows_of_kernels(list(change.removed))] = False
             dur[~alive] = 0.0
@@ -450,26 +454,29 @@ class Timeline:
         # activities without a launch we can see (another thread's, or queued before the window) keep their
         # measured start, unless the collectives they serve no longer hold anything up
         unlinked_arrival = np.full(len(dur), -np.inf) if change.no_collective_wait else self.gpu_start
-        floor = np.full(len(dur), -np.inf)
-        if change.not_before:
-            rows = self.kernel_rows.reindex(list(change.not_before)).to_numpy()
-            found = ~np.isnan(rows)
-            floor[rows[found].astype(np.int64)] = np.fromiter(change.not_before.values(), float)[found]
         waiting = self.wait_rows[alive[self.wait_rows]]
         waited_on, lag = self.wait_on[alive[self.wait_rows]], self.wait_lag[alive[self.wait_rows]]
         # a wait on another stream is the replayed producer's end, not the measured delay
         offset[waiting] = np.minimum(offset[waiting], self.typical_offset)
         gpu_gap[waiting] = np.minimum(gpu_gap[waiting], self.typical_gap)
-        floor[~alive] = -np.inf  # a kernel fused away waits for nothing
+        floor = None  # the earliest start of each activity, where anything sets one (a pass costs more with it)
+        if change.not_before or len(waiting):
+            floor = np.full(len(dur), -np.inf)
+            if change.not_before:
+                rows, earliest = self._per_kernel(change.not_before)
+                floor[rows] = earliest
+            floor[~alive] = -np.inf  # a kernel fused away waits for nothing
+            unlinked_arrival = np.maximum(unlinked_arrival, floor)
         for _ in range(SETTLE_ROUNDS):
             called, ends, host_end, wait_total = self._run(gaps, own, offset, dur, alive, gpu_gap, blocking,
-                                                           np.maximum(unlinked_arrival, floor), floor, tail_gap)
-            if not len(waiting):
+                                                           unlinked_arrival, floor, tail_gap)
+            if floor is None or not len(waiting):
                 break
             want = np.nan_to_num(ends[waited_on], nan=-np.inf) + lag
             if not np.any(want > floor[waiting] + SETTLE_US):
                 break
             floor[waiting] = np.maximum(floor[waiting], want)
+            unlinked_arrival = np.maximum(unlinked_arrival, floor)
         return self._result(called, ends, dur, alive, host_end, wait_total)
 
     def _run(self, gaps, own, offset, dur, alive, gpu_gap, blocking, unlinked_arrival, floor, tail_gap):
@@ -503,7 +510,8 @@ class Timeline:
             mine, unlinked = in_seg[launched[in_seg]], in_seg[~launched[in_seg]]
             arrival[mine] = np.where(alive[mine], called[self.gpu_launch[mine]] + offset[mine], -np.inf)
             arrival[unlinked] = unlinked_arrival[unlinked]
-            arrival[mine] = np.maximum(arrival[mine], floor[mine])
+            if floor is not None:
+                arrival[mine] = np.maximum(arrival[mine], floor[mine])
             self._run_streams(in_seg, arrival, dur, gpu_gap, ends, free)
             if len(in_seg):
                 done = max(done, ends[in_seg].max())
@@ -515,6 +523,12 @@ class Timeline:
             else:
                 clock = called[last] + own[last]
         return called, ends, clock + tail_gap, wait_total
+
+    def _per_kernel(self, values: dict) -> tuple:
+        """(Timeline rows, values) of a trace.kernels index -> value mapping, for the kernels in the timeline."""
+        rows = self.kernel_rows.reindex(list(values)).to_numpy()
+        found = ~np.isnan(rows)
+        return rows[found].astype(np.int64), np.fromiter(values.values(), dtype=float, count=len(values))[found]
 
     @cached_property
     def _launch_order(self) -> tuple:
