@@ -122,8 +122,7 @@ def _even_slowdown(analyses: list[Analysis], rank) -> Optional[float]:
     counts = ops(mine)
     if not all(ops(a).equals(counts) for a in peers):
         return None
-    pace = float(np.median(mine.trace.timeline.host_gaps)) / float(np.median(
-        [np.median(a.trace.timeline.host_gaps) for a in peers]))
+    pace = mine.trace.timeline.host_pace_us / float(np.median([a.trace.timeline.host_pace_us for a in peers]))
     return pace if pace >= EVEN_SLOWDOWN else None
 
 

@@ -8,8 +8,9 @@ new starts give new floors, and the ranks are replayed again until no start move
 floors, each rank shows its step alone: the slowest alone is the rank the others wait for.
 
 Collectives are matched by name and order (a communicator issues them in the same order on every rank). The
-ranks' timestamps are offset from each other by a constant per file (up to about 1 ms on one node, measured on
-the NCCL fixtures): the matched collectives' ends, simultaneous in fact, give it.
+loaded tables count time from each file's first event, so the ranks' times are offset by a constant (up to about
+1 ms on the NCCL fixtures, whose raw files share one clock): the matched collectives' ends, simultaneous in fact,
+give it.
 
 The host time is calibrated for the job, not per rank: every rank's unprofiled step is the job's, which cannot
 tell the ranks' hosts apart. One profiler cost per event is fitted so that the joint replay takes that step,
@@ -71,7 +72,7 @@ class JobReplay:
         ends = np.array([t.kernels["end"].to_numpy()[m] for t, m in zip(traces, matched)])
         self.shortest = durations.min(axis=0)
         self.clock_offsets = np.median(ends - ends[0], axis=1)  # each rank's clock minus the first rank's
-        gaps = np.array([np.median(t.timeline.host_gaps) if len(t.timeline.host_gaps) else 1.0 for t in traces])
+        gaps = np.array([t.timeline.host_pace_us if len(t.timeline.host_gaps) else 1.0 for t in traces])
         self.host_pace = gaps / gaps.min() if gaps.min() > 0 else np.ones(len(traces))
 
     @classmethod
