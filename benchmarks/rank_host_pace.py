@@ -23,6 +23,8 @@ STEPS = 8  # unprofiled steps timed per round; the profiled window holds as many
 
 
 def main():
+    if len(sys.argv) not in (2, 3) or (len(sys.argv) == 3 and not (sys.argv[2].isdigit() and int(sys.argv[2]) > 0)):
+        sys.exit("usage: torchrun --nproc_per_node 2 benchmarks/rank_host_pace.py OUT_DIR [ROUNDS > 0]")
     out_dir = sys.argv[1]
     rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 3
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))

@@ -28,8 +28,14 @@ import torch.distributed as dist
 import profiler_svc
 
 SCENARIOS = ("ddp", "ddp_straggler", "fsdp2", "fsdp2_straggler", "ddp_hostsync")
-ACTIVE = int(os.environ.get("ACTIVE_STEPS", "2"))  # profiled steps
-STEPS = 6 + ACTIVE  # 3 before the window (wait 2, warmup 1), the profiled ones, 3 after: the timer's unprofiled steps
+
+
+def active_steps() -> int:
+    """ACTIVE_STEPS, the profiled steps (default 2)."""
+    value = os.environ.get("ACTIVE_STEPS", "2")
+    if not value.isdigit() or int(value) < 1:
+        sys.exit(f"ACTIVE_STEPS must be a positive whole number, got {value!r}")
+    return int(value)
 
 
 def build_model(device, dtype):
@@ -54,9 +60,12 @@ def wrap(model, scenario, device):
 
 
 def main():
+    if len(sys.argv) != 3:
+        sys.exit("usage: torchrun --nproc_per_node N tests/data/capture_nccl.py OUT_DIR SCENARIO")
     out_dir, scenario = sys.argv[1], sys.argv[2]
     if scenario not in SCENARIOS:
         sys.exit(f"scenario must be one of {', '.join(SCENARIOS)}, got {scenario!r}")
+    active = active_steps()
     on_gpu = torch.cuda.is_available()
     if on_gpu:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -89,8 +98,9 @@ def main():
 
     for _ in range(3):  # compile nothing, but warm cuBLAS, NCCL's communicators and the allocator
         step()
-    with profiler_svc.capture(model, out_dir, wait=2, warmup=1, active=ACTIVE, name=f"llama_{scenario}") as cap:
-        for _ in range(STEPS):
+    # 3 steps before the window (wait 2, warmup 1), the profiled ones, 3 after: the step timer's unprofiled steps
+    with profiler_svc.capture(model, out_dir, wait=2, warmup=1, active=active, name=f"llama_{scenario}") as cap:
+        for _ in range(6 + active):
             step()
             cap.step()
     dist.barrier()
