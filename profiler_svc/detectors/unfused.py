@@ -9,10 +9,14 @@ import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any, Optional
+from operator import itemgetter
+from typing import Optional
+
+import numpy as np
+import pandas as pd
 
 from ..trace.labels import ROOT_NAME
-from ..trace.model import OpInputs, Trace, element_bytes
+from ..trace.model import Trace, element_bytes
 from ..trace.replay import Change
 from .common import (Finding, Recommendation, fmt_us, fused, module_class, numel, op_bytes, per_step, per_step_note,
                      plural, short_kernel_name, tensor_bytes)
@@ -135,7 +139,8 @@ def classify(ops: Counter) -> str:
 
 @dataclass
 class Chain:
-    rows: list = field(default_factory=list)      # kernel tuples
+    kernels: "_Kernels"                            # the detector's kernel table
+    rows: np.ndarray                               # positions of the chain's kernels in it, in time order
     ops: Counter = field(default_factory=Counter)
     bytes: int = 0
     largest: int = 0                               # bytes of the largest tensor touched
@@ -150,65 +155,133 @@ class Chain:
     dtype: str = ""
     kind: str = ""                                 # a PATTERNS key, once classified
     module: Optional[str] = None                   # the module instance the chain runs in
-    ops_seen: set = field(default_factory=set)     # op rows whose bytes are counted
+    time: float = 0.0                              # the kernels' durations summed in time order (µs)
+    backward: bool = False                         # the first kernel's direction
 
-    @property
-    def time(self):
-        return sum(r.dur for r in self.rows)
-
-    @property
-    def backward(self):
-        return self.rows[0].backward
+    def column(self, name: str) -> list:
+        """The chain's kernels' NAME column (name, ts, top_op_name, op...) as Python values, in time order."""
+        return self.kernels.columns[name][self.rows].tolist()
 
 
 def detect(trace: Trace) -> list[Finding]:
     if not trace.has_gpu:
         return []
-    kernels = trace.window_kernels.sort_values("ts")
-    # SDPA's math path is priced whole by the fallback detector; its inner elementwise kernels are not a chain here
-    kernels = kernels[kernels["top_op_name"] != "aten::scaled_dot_product_attention"]
-    inputs: dict[int | tuple[str, int], Any] = {}  # op row: _chain_info; ("top", op row): largest input bytes
-    # ops with the same recorded inputs share one OpInputs (trace.op_inputs): each is worked out once; the
-    # entries hold the OpInputs so that its id is not reused while these caches live
-    by_record: dict[tuple[str, int], tuple[OpInputs, Any]] = {}
-
-    list_dtype = _parameter_dtype(trace)
-
-    def info(row):
-        got = inputs.get(row.op)
-        if got is None:
-            inp = trace.op_inputs(row.op)
-            name = row.op_name or ""
-            known = by_record.get((name, id(inp)))
-            if known is None:
-                known = by_record[(name, id(inp))] = (inp, _chain_info(name, inp, list_dtype))
-            got = inputs[row.op] = known[1]
-        return got
-
-    def end_bytes(row):
-        """The largest input of the user-facing op (aten::to, not the copy_ into its fp32 result)."""
-        op = row.top_op if row.top_op >= 0 else row.op
-        got = inputs.get(("top", op))
-        if got is None:
-            inp = trace.op_inputs(op)
-            known = by_record.get(("top", id(inp)))
-            if known is None:
-                largest = max((tensor_bytes(t[0], t[1]) for t in inp.tensors()), default=0)
-                known = by_record[("top", id(inp))] = (inp, largest)
-            got = inputs[("top", op)] = known[1]
-        return got
-
+    kernels = _Kernels(trace, trace.window_kernels.sort_values("ts"), _parameter_dtype(trace))
     # without recorded shapes every row is unknown: then only the module and direction delimit a chain
     wildcard = not any(d is not None for d in trace.raw_inputs.dims) if trace.raw_inputs else True
-    rows = list(kernels.itertuples())
-    streams = defaultdict(list)  # in order of each stream's first kernel, as groupby(sort=False)
-    for row in rows:
-        streams[row.stream].append(row)
-    chains = []
-    for stream in streams.values():
-        chains += _stream_chains(stream, info, end_bytes, wildcard)
-    chains += _gated_pairs(rows, info)
-    return _findings(trace, chains)
+    return _findings(trace, _stream_chains(kernels, wildcard) + _gated_pairs(kernels))
+
+
+class _Kernels:
+    """The kernels the detector looks at, in time order, as numpy columns (SDPA's math path is priced whole by
+    the fallback detector: its inner elementwise kernels are not a chain here), with what the chains need of
+    each row's launching op. That is worked out once per distinct op name and recorded inputs, not per row:
+    a trace repeats a few hundred of them a million times."""
+    COLUMNS = ("name", "ts", "dur", "stream", "kind", "op", "op_name", "top_op", "top_op_name", "module",
+               "backward")
+
+    def __init__(self, trace: Trace, kernels: pd.DataFrame, list_dtype: str):
+        top_codes, top_names = _factorize(kernels["top_op_name"].to_numpy())
+        keep = _per_value(top_names, lambda n: n != "aten::scaled_dot_product_attention")[top_codes]
+        self.index = kernels.index.to_numpy()[keep]
+        self.columns = {name: kernels[name].to_numpy()[keep] for name in self.COLUMNS}
+        top_codes = top_codes[keep]
+        col = self.columns
+        op, kind = col["op"], col["kind"]
+        memory = kind == "memory"
+        # already-fused ops (fused optimizers) and compute kernels end a chain; the rest may join one
+        op_codes, op_names = _factorize(col["op_name"])
+        fused_op = _per_value(op_names, lambda n: (n or "").startswith("aten::_fused_"))[op_codes]
+        self.candidate = memory & (op >= 0) & ~fused_op
+        # the gated pairs' activations and products (_gated_pairs)
+        self.act = _per_value(top_names, lambda n: n in _ACTS)[top_codes]
+        self.product = _per_value(top_names, lambda n: n == "aten::mul")[top_codes] & memory
+        # both op kinds of a row: the composite op and the op inside it
+        kinds = list(dict.fromkeys(map(op_kind, top_names + op_names)))
+        kind_code = {k: i for i, k in enumerate(kinds)}
+        self.kinds = kinds
+        self.top_kind = np.array([kind_code[op_kind(n)] for n in top_names], dtype=np.int64)[top_codes]
+        self.op_kind = np.array([kind_code[op_kind(n)] for n in op_names], dtype=np.int64)[op_codes]
+        self._info(trace, self.candidate | self.act | self.product, op_codes, op_names, list_dtype)
+        self._end_bytes(trace, self.candidate)
+
+    def _info(self, trace, need, op_codes, op_names, list_dtype):
+        """Per row, its op's _chain_info (moved, big, rows_key): `info` numbers the distinct ones (0: an op-less
+        row's (0, None, None)), `bigs` holds their largest tensors; moved, the largest tensor's bytes and the
+        rows key (a code, numbering `keys`; unknown: None, vector: a per-feature vector) as columns."""
+        op = self.columns["op"]
+        need = need & (op >= 0)  # an op-less row's info is (0, None, None)
+        rows = np.flatnonzero(need)
+        records = _record_codes(trace, op[rows])
+        pair = op_codes[rows].astype(np.int64) * (int(records.max(initial=0)) + 1) + records
+        _, first, inverse = np.unique(pair, return_index=True, return_inverse=True)
+        infos = [(0, None, None)] + [_chain_info(op_names[op_codes[r]] or "", trace.op_inputs(int(op[r])), list_dtype)
+                                     for r in rows[first]]
+        code = np.zeros(len(op), dtype=np.int64)  # 0: the op-less info
+        code[rows] = inverse.reshape(-1) + 1
+        keys = list(dict.fromkeys(key for _, _, key in infos))
+        key_code = {key: i for i, key in enumerate(keys)}
+        self.keys = keys
+        self.key = np.array([key_code[key] for _, _, key in infos], dtype=np.int64)[code]
+        self.unknown = np.array([key is None for _, _, key in infos], dtype=bool)[code]
+        self.vector = np.array([isinstance(key, tuple) for _, _, key in infos], dtype=bool)[code]
+        self.bigs = [big for _, big, _ in infos]
+        self.info = code
+        self.moved = _ints([moved for moved, _, _ in infos], len(op))[code]
+        self.big_bytes = _ints([tensor_bytes(big[0], big[1]) if big else 0 for _, big, _ in infos], 1)[code]
+
+    def _end_bytes(self, trace, need):
+        """Per row: the largest input of the user-facing op (aten::to, not the copy_ into its fp32 result)."""
+        col = self.columns
+        rows = np.flatnonzero(need)
+        ops = np.where(col["top_op"][rows] >= 0, col["top_op"][rows], col["op"][rows])
+        _, first, inverse = np.unique(_record_codes(trace, ops), return_index=True, return_inverse=True)
+        largest = _ints([max((tensor_bytes(t[0], t[1]) for t in trace.op_inputs(int(op)).tensors()), default=0)
+                         for op in ops[first]], 1)
+        self.end = np.zeros(len(need), dtype=largest.dtype)
+        self.end[rows] = largest[inverse.reshape(-1)]
+
+
+_ACTS = {"aten::silu": "swiglu", "aten::gelu": "geglu"}
+
+
+def _factorize(values: np.ndarray) -> tuple[np.ndarray, list]:
+    """pd.factorize of an object column, with None (no op, no module) a value of its own."""
+    codes, uniques = pd.factorize(values)
+    uniques = list(uniques)
+    if (codes < 0).any():
+        codes = np.where(codes < 0, len(uniques), codes)
+        uniques.append(None)
+    return codes, uniques
+
+
+def _per_value(uniques: list, predicate) -> np.ndarray:
+    """PREDICATE of each distinct value, to be indexed by the values' codes."""
+    return np.array([bool(predicate(u)) for u in uniques], dtype=bool)
+
+
+def _ints(values: list, terms: int) -> np.ndarray:
+    """Python ints as int64 where any sum of TERMS of them fits, else as Python objects (a hostile trace's
+    shapes multiply to more than 64 bits; the sums must stay exact)."""
+    bound = max((abs(v) for v in values), default=0) * max(terms, 1)
+    return np.array(values, dtype=np.int64 if bound < 2 ** 63 else object)
+
+
+def _record_codes(trace: Trace, cpu_rows: np.ndarray) -> np.ndarray:
+    """Codes for CPU rows (>= 0), equal only where the rows' recorded inputs are: what depends on the record
+    alone is then worked out once per code. Rows whose four raw fields are the same objects have the same
+    record (the loader keeps one object per distinct value), so the codes may split equal records, never join
+    different ones."""
+    codes = np.zeros(len(cpu_rows), dtype=np.int64)
+    raw = trace.raw_inputs
+    if raw is None or not len(cpu_rows):
+        return codes
+    rows = cpu_rows.tolist()
+    for values in (raw.dims, raw.types, raw.strides, raw.concrete):
+        picked = itemgetter(*rows)(values) if len(rows) > 1 else (values[rows[0]],)
+        field = pd.factorize(np.fromiter(map(id, picked), dtype=np.uint64, count=len(rows)))[0]
+        codes = pd.factorize(codes * (int(field.max()) + 1) + field)[0]
+    return codes
 
 
 def _chain_info(op_name, inputs, list_dtype):
@@ -242,7 +315,7 @@ def _parameter_dtype(trace: Trace) -> str:
     """The dtype the model's weights most likely have: that of the most common GEMM weight in the window."""
     counts: Counter = Counter()
     k = trace.window_kernels
-    for op in k.loc[k["kind"] == "gemm", "op"].drop_duplicates().head(200).tolist():
+    for op in k.loc[k["kind"].to_numpy() == "gemm", "op"].drop_duplicates().head(200).tolist():
         tensors = trace.op_inputs(op).tensors()
         if len(tensors) >= 2:
             counts[tensors[1][1]] += 1
@@ -256,64 +329,163 @@ def _tensor_lists(inputs):
                                                        for d in dims)]
 
 
-def _stream_chains(stream, info, end_bytes, wildcard):
-    chains, current, current_key = [], None, object()
-    for row in stream:
-        # already-fused ops (fused optimizers) and compute kernels end a chain
-        if row.kind != "memory" or row.op < 0 or (row.op_name or "").startswith("aten::_fused_"):
-            _close(chains, current)
-            current, current_key = None, object()
-            continue
-        moved, big, rows_key = info(row)
-        context = (row.module, row.backward)
-        key = (rows_key, context)
-        # a kernel whose op recorded no tensors (or a trace without shapes) joins the chain around it, and so
-        # does a per-feature vector op (a norm's weight or its gradient) of the chain's last dimension
-        weight = (isinstance(rows_key, tuple) and current is not None and current.shape is not None
-                  and current.shape[-1] == rows_key[1])
-        unknown = wildcard or rows_key is None or weight
-        if current is None or (key != current_key and not (unknown and context == current_key[1])):
-            _close(chains, current)
-            current, current_key = Chain(module=row.module), key
-        current.rows.append(row)
-        for kind in {op_kind(row.top_op_name), op_kind(row.op_name)}:  # composite op and the op inside it
-            current.ops[kind] += 1
-        if row.op not in current.ops_seen:  # an op that launches several kernels moves its bytes once
-            current.ops_seen.add(row.op)
-            current.bytes += moved
-        if big and tensor_bytes(big[0], big[1]) > current.largest:
-            current.largest, current.shape, current.dtype = tensor_bytes(big[0], big[1]), big[0], big[1]
-        current.last_bytes = end_bytes(row) or current.last_bytes
-        current.first_bytes = current.first_bytes or current.last_bytes
-    _close(chains, current)
+def _stream_chains(k: _Kernels, wildcard: bool) -> list[Chain]:
+    """Chains of 3 or more candidate kernels (see _chain_starts), stream by stream in the order of each
+    stream's first kernel, each stream's in time order."""
+    # the candidates stream by stream (a stable sort keeps time order within each); `at`: their places in
+    # that order, so that two candidates are neighbours on their stream where their places are
+    streams = pd.factorize(k.columns["stream"])[0]
+    order = np.argsort(streams, kind="stable")
+    at = np.flatnonzero(k.candidate[order])
+    rows = order[at]
+    n = len(rows)
+    if not n:
+        return []
+    module, _ = _factorize(k.columns["module"][rows])
+    context = module * 2 + k.columns["backward"][rows]
+    # a chain never spans a kernel that ends chains, two streams, or two modules or directions: each such
+    # boundary starts a segment, and chains are cut within segments
+    segment = np.ones(n, dtype=bool)
+    segment[1:] = (np.diff(at) != 1) | (np.diff(streams[rows]) != 0) | (np.diff(context) != 0)
+    starts = _chain_starts(segment, k, rows, wildcard)
+
+    chain = np.cumsum(starts) - 1  # each candidate's chain
+    first = np.flatnonzero(starts)
+    ends = np.append(first[1:], n)
+    kept = np.flatnonzero(ends - first >= 3)
+    if not len(kept):
+        return []
+
+    # op kinds: each kernel counts its composite op's kind and the kind of the op inside it, once if the same
+    top, own = k.top_kind[rows], k.op_kind[rows]
+    other = own != top
+    pairs, counts = np.unique(np.concatenate([chain, chain[other]]) * len(k.kinds)
+                              + np.concatenate([top, own[other]]), return_counts=True)
+    pair_chain = pairs // len(k.kinds)
+    pair_kind = [k.kinds[i] for i in (pairs % len(k.kinds)).tolist()]
+    ops_from = np.searchsorted(pair_chain, kept).tolist()
+    ops_to = np.searchsorted(pair_chain, kept, side="right").tolist()
+    counts = counts.tolist()
+
+    # bytes moved: an op that launches several kernels moves its bytes once per chain (one (chain, op) pair
+    # each; sorted by chain, so each chain's pairs are one run to sum)
+    op = k.columns["op"][rows]
+    _, once = np.unique(chain * (int(op.max()) + 1) + op, return_index=True)
+    moved = np.add.reduceat(k.moved[rows][once], np.searchsorted(chain[once], np.arange(len(first)))).tolist()
+
+    # the largest tensor: the first kernel's of the chain's largest (positive) size
+    size = k.big_bytes[rows]
+    peak = np.maximum.reduceat(size, first)
+    hits = np.flatnonzero((size == peak[chain]) & (peak[chain] > 0))
+    hits = hits[np.diff(chain[hits], prepend=-1) != 0]  # each chain's first
+    largest_in = np.full(len(first), -1)
+    largest_in[chain[hits]] = hits
+    largest_at = largest_in.tolist()
+    bigs = [k.bigs[i] for i in k.info[rows].tolist()]
+
+    # the chain's ends: the first and the last nonzero end bytes of its kernels' user-facing ops
+    end = k.end[rows]
+    nonzero = np.flatnonzero(end != 0)
+    owner = chain[nonzero]
+    head, tail = np.diff(owner, prepend=-1) != 0, np.diff(owner, append=-1) != 0  # each chain's first, last
+    first_end = np.zeros(len(first), dtype=end.dtype)
+    last_end = np.zeros(len(first), dtype=end.dtype)
+    first_end[owner[head]] = end[nonzero[head]]
+    last_end[owner[tail]] = end[nonzero[tail]]
+    first_end, last_end = first_end.tolist(), last_end.tolist()
+
+    dur = k.columns["dur"][rows].tolist()
+    modules = k.columns["module"][rows[first]].tolist()
+    backward = k.columns["backward"][rows[first]].tolist()
+    chains = []
+    for c, a, b, p, q in zip(kept.tolist(), first[kept].tolist(), ends[kept].tolist(), ops_from, ops_to):
+        big = bigs[largest_at[c]] if largest_at[c] >= 0 else None
+        chains.append(Chain(
+            kernels=k, rows=rows[a:b], ops=Counter(dict(zip(pair_kind[p:q], counts[p:q]))), bytes=moved[c],
+            largest=tensor_bytes(big[0], big[1]) if big else 0, first_bytes=first_end[c], last_bytes=last_end[c],
+            shape=big[0] if big else None, dtype=big[1] if big else "", module=modules[c],
+            time=sum(dur[a:b]), backward=backward[c]))
     return chains
 
 
-def _close(chains, chain):
-    if chain is not None and len(chain.rows) >= 3:
-        chains.append(chain)
+def _chain_starts(segment: np.ndarray, k: _Kernels, rows: np.ndarray, wildcard: bool) -> np.ndarray:
+    """Which of ROWS (candidates, stream by stream) start a chain. In a segment, a kernel joins the chain
+    before it if its op works on the same rows as the chain's first kernel's (its rows key), or recorded no
+    tensors (it joins the chain around it), or is a per-feature vector op (a norm's weight or its gradient) of
+    the last dimension of the chain's largest tensor so far. Without recorded shapes (WILDCARD) every kernel is
+    of the last kind: a chain is its segment."""
+    starts = segment.copy()
+    if wildcard:
+        return starts
+    n = len(rows)
+    key, unknown, vector = k.key[rows], k.unknown[rows], k.vector[rows]
+    place = np.arange(n)
+    # the nearest kernel before each with a rows key, in its segment (-1: none)
+    segment_first = np.maximum.accumulate(np.where(segment, place, 0))
+    before = np.full(n, -1)
+    before[1:] = np.maximum.accumulate(np.where(unknown, -1, place))[:-1]
+    before[before < segment_first] = -1
+    after_vector = (before >= 0) & vector[before]
+    # a kernel whose rows key is no vector: the chain so far holds kernels without one (it cannot join it), or
+    # the nearest keyed kernel before it is no vector either, so it carries the chain's key (it joins only
+    # that key)
+    plain = ~segment & ~unknown & ~vector
+    starts |= plain & (before < 0)
+    starts |= plain & (before >= 0) & ~after_vector & (key != key[before])
+    # what is left depends on where the chain around a vector op started and on its largest tensor so far,
+    # which the earlier such kernels decide: one pass over these kernels alone, in order
+    undecided = ~segment & ~unknown & (vector | after_vector)
+    if not undecided.any():
+        return starts
+    latest = np.maximum.accumulate(np.where(starts, place, 0)).tolist()  # the latest start decided without them
+    size = k.big_bytes[rows].tolist()
+    last_dim = [big[0][-1] if big and big[0] else None for big in k.bigs]
+    length = [rows_key[1] if isinstance(rows_key, tuple) else None for rows_key in k.keys]
+    info, key, vector = k.info[rows].tolist(), key.tolist(), vector.tolist()
+    chain_first, seen, largest, largest_at = -1, 0, 0, -1
+    broke = -1  # the latest start among them
+    for i in np.flatnonzero(undecided).tolist():
+        start = max(latest[i], broke)
+        if start != chain_first:
+            chain_first, seen, largest, largest_at = start, start, 0, -1
+        if seen < i:  # the chain's largest tensor: the first of the largest positive size
+            most = max(size[seen:i])
+            if most > largest:
+                largest, largest_at = most, size.index(most, seen, i)
+            seen = i
+        joins = key[i] == key[start] or (
+            vector[i] and largest_at >= 0 and last_dim[info[largest_at]] == length[key[i]])
+        if not joins:
+            starts[i] = True
+            broke = i
+    return starts
 
 
-def _gated_pairs(rows, info):
+def _gated_pairs(k: _Kernels) -> list[Chain]:
     """act(gate) ... GEMM(up) ... act·up: the activation and the product sit on either side of a GEMM."""
+    n = len(k.index)
+    acts = np.flatnonzero(k.act & ~k.columns["backward"])
+    if not len(acts):
+        return []
+    # the kernels after each forward activation (all streams, in time order): the first on its stream that is
+    # no other activation and is a memory-bound product is the pair's, if their largest tensors match
+    ahead = acts[:, None] + np.arange(1, _GATED_WINDOW)
+    inside = ahead < n
+    ahead = np.minimum(ahead, n - 1)
+    stream = k.columns["stream"]
+    hit = inside & (stream[ahead] == stream[acts][:, None]) & ~k.act[ahead] & k.product[ahead]
+    found = hit.any(axis=1)
+    products = ahead[found, hit[found].argmax(axis=1)]
+    top, module, dur = k.columns["top_op_name"], k.columns["module"], k.columns["dur"]
     pairs = []
-    acts = {"aten::silu": "swiglu", "aten::gelu": "geglu"}
-    for i, row in enumerate(rows):
-        kind = acts.get(row.top_op_name)
-        if not kind or row.backward:
-            continue
-        moved, big, _ = info(row)
-        for nxt in rows[i + 1:i + _GATED_WINDOW]:
-            if nxt.stream != row.stream or nxt.top_op_name in acts:
-                continue
-            if nxt.top_op_name == "aten::mul" and nxt.kind == "memory":
-                moved2, big2, _ = info(nxt)
-                if big and big2 and big[0] == big2[0]:
-                    # the product runs in the gated MLP itself (the activation may be its own submodule)
-                    pairs.append(Chain(rows=[row, nxt], ops=Counter({row.top_op_name: 1, "aten::mul": 1}),
-                                       bytes=moved + moved2, largest=tensor_bytes(big[0], big[1]), shape=big[0],
-                                       dtype=big[1], kind=kind, module=nxt.module))
-                break
+    for a, b in zip(acts[found].tolist(), products.tolist()):
+        big, big2 = k.bigs[k.info[a]], k.bigs[k.info[b]]
+        if big and big2 and big[0] == big2[0]:
+            # the product runs in the gated MLP itself (the activation may be its own submodule)
+            pairs.append(Chain(kernels=k, rows=np.array([a, b]), ops=Counter({top[a]: 1, "aten::mul": 1}),
+                               bytes=int(k.moved[a]) + int(k.moved[b]), largest=tensor_bytes(big[0], big[1]),
+                               shape=big[0], dtype=big[1], kind=_ACTS[top[a]], module=module[b],
+                               time=sum([dur[a].item(), dur[b].item()]), backward=False))
     return pairs
 
 
@@ -381,7 +553,8 @@ def _finding(trace, kind, cls, group, bandwidth) -> Finding:
         cost_note += (f" The `{swap}` swap applies to {plural(len(fits), 'module instance')} of these, not to "
                       f"{', '.join(misfits[:3])}{'…' if len(misfits) > 3 else ''}.")
     first = (forward or group)[0]
-    names = [op_kind(r.top_op_name).replace("aten::", "") for r in first.rows]
+    first_ops = [op_kind(name) for name in first.column("top_op_name")]
+    names = [name.replace("aten::", "") for name in first_ops]
     ops = " → ".join(names[:10]) + (" → …" if len(names) > 10 else "")
     where = f" in {cls}" if cls and kind != "generic" else ""
     n_kernels = sum(len(c.rows) for c in group)
@@ -411,8 +584,8 @@ def _finding(trace, kind, cls, group, bandwidth) -> Finding:
         title=f"{pattern.label}{where}: {plural(len(group), 'step' if kind == 'optimizer' else 'chain')}, "
               f"{plural(n_kernels, 'kernel')}",
         detail=detail,
-        evidence={"pattern": kind, "ops": [op_kind(r.top_op_name) for r in first.rows][:24],
-                  "kernels": [short_kernel_name(r.name, 70) for r in first.rows][:8],
+        evidence={"pattern": kind, "ops": first_ops[:24],
+                  "kernels": [short_kernel_name(name, 70) for name in first.column("name")[:8]],
                   "input_shapes": [first.shape] if first.shape else [], "dtypes": [first.dtype] if first.dtype else [],
                   "chains": len(group), "kernel_count": n_kernels, "time_us": round(time, 2),
                   "time_us_per_step": round(per_step(trace, time), 2),
@@ -475,7 +648,7 @@ def _change(trace, swap, group, fused_times) -> tuple[Change, str]:
     variant = _variant(swap, offset_norm)
     dispatches = bool(swap) and native_below(variant) is not None
     for chain, fused_us in zip(group, fused_times):
-        rows = [r.Index for r in chain.rows]
+        rows = chain.kernels.index[chain.rows].tolist()
         if swap:
             native = dispatches and _native_call(swap, chain, offset_norm)
             if native and native_is_eager(swap):
@@ -484,7 +657,7 @@ def _change(trace, swap, group, fused_times) -> tuple[Change, str]:
             one = fused(trace, rows, fused_us, host=False)
             cost = swap_host_cost(variant, chain.backward, triton_path=dispatches and not native)
             if cost:
-                one.host_added = [(float(chain.rows[0].ts), cost)]
+                one.host_added = [(float(chain.kernels.columns["ts"][chain.rows[0]]), cost)]
         else:
             one = fused(trace, rows, fused_us, host=True)
         changes.append(one)
@@ -499,13 +672,13 @@ def _offset_norm(trace, group) -> bool:
     for chain in group:
         if chain.backward:
             continue
-        for r in chain.rows:
-            if op_kind(r.top_op_name) == "aten::add" and r.op >= 0:
-                tensors = trace.op_inputs(r.op).tensors()
+        for top_op_name, op in zip(chain.column("top_op_name"), chain.column("op")):
+            if op_kind(top_op_name) == "aten::add" and op >= 0:
+                tensors = trace.op_inputs(op).tensors()
                 if tensors and len(tensors[0][0]) == 1:
                     return True
     return False
 
 
 def _signature(chain):
-    return "/".join(op_kind(r.top_op_name).replace("aten::", "") for r in chain.rows[:6])
+    return "/".join(op_kind(name).replace("aten::", "") for name in chain.column("top_op_name")[:6])
