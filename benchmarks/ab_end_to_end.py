@@ -179,10 +179,51 @@ def stage_measure(args) -> dict:
         torch.cuda.reset_peak_memory_stats()
     times = [time_ms(step, dev) for _ in range(args.steps)]
     peak = torch.cuda.max_memory_allocated() if dev.type == "cuda" else None
-    return {"variant": args.variant, "mode": args.mode, "median_ms": statistics.median(times),
+    profile = kernel_breakdown(step, dev, args.profile) if args.profile else None
+    return {"profile": profile, "variant": args.variant, "mode": args.mode, "median_ms": statistics.median(times),
             "min_ms": min(times), "max_ms": max(times), "steps": args.steps, "warmup": args.warmup,
             "peak_gb": peak / 1e9 if peak is not None else None, "swapped": swapped, "fused_loss": fused_loss,
             "first_loss": float(losses[0]) if losses else None}
+
+
+def kernel_breakdown(step, dev, steps: int) -> dict:
+    """Device time per step by kernel name over `steps` profiled steps (torch.profiler, no shapes): where a
+    variant's step goes, after its timed steps so the timing is not disturbed. On a CPU: ops' self time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    on_gpu = dev.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+        if on_gpu:
+            torch.cuda.synchronize(dev)
+    per_name: dict = {}
+    for e in prof.events():
+        if on_gpu and e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        total, count = per_name.get(e.name, (0.0, 0))
+        per_name[e.name] = (total + (e.time_range.elapsed_us() if on_gpu else e.self_cpu_time_total), count + 1)
+    rows = sorted(per_name.items(), key=lambda kv: -kv[1][0])
+    return {"steps": steps, "us_per_step": sum(t for t, _ in per_name.values()) / steps,
+            "kernels": [{"name": n[:160], "us_per_step": t / steps, "calls_per_step": c / steps}
+                        for n, (t, c) in rows[:60]],
+            "idle": idle_gaps(prof.events(), steps) if on_gpu else None}
+
+
+def idle_gaps(events, steps: int, top: int = 12) -> dict:
+    """Where the GPU sat idle between kernels (any stream): total µs per step, and the longest gaps with the
+    kernels on either side, so a GPU-bound step's idle can be traced to the op before it."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    gaps, busy_until, last = [], None, ""
+    for start, end, name in spans:
+        if busy_until is not None and start > busy_until:
+            gaps.append((start - busy_until, last, name))
+        if busy_until is None or end > busy_until:
+            busy_until, last = end, name
+    gaps.sort(reverse=True)
+    return {"us_per_step": sum(g for g, _, _ in gaps) / steps, "gaps_per_step": len(gaps) / steps,
+            "longest": [{"us": g, "after": a[:90], "before": b[:90]} for g, a, b in gaps[:top]]}
 
 
 def stage_ab(args) -> dict:
@@ -310,8 +351,11 @@ def main(argv=None) -> int:
     p.add_argument("--child", choices=STAGES)
     p.add_argument("--variant", choices=("eager", "ours", "ours_low_memory", "liger"))
     p.add_argument("--mode", choices=("train", "infer"))
-    p.add_argument("--swaps", type=lambda s: [x for x in s.split(",") if x], default=[])
-    p.add_argument("--fused-loss", action="store_true")
+    p.add_argument("--swaps", type=lambda s: [x for x in s.split(",") if x], default=[],
+                   help="the swaps of 'ours' (default: what `recommend` names on a captured eager step)")
+    p.add_argument("--fused-loss", action="store_true", help="'ours' trains with the fused linear CE loss")
+    p.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                   help="after timing, profile STEPS steps of each variant: GPU time per step by kernel")
     args = p.parse_args(argv)
     unknown = set(args.variants) - {f"{v}:{m}" for v, m in MEASURED}
     if unknown:
@@ -322,7 +366,7 @@ def main(argv=None) -> int:
 
     deadline = time.time() + args.budget_s
     left = lambda: deadline - time.time()  # noqa: E731
-    rec = run_child("recommend", [], args, min(100, left()))
+    rec = {"recommended": args.swaps, "given": True} if args.swaps else run_child("recommend", [], args, min(100, left()))
     print(f"recommend: {rec}", file=sys.stderr, flush=True)
     if not rec.get("recommended"):  # capture or analysis failed, or (on a CPU) found no GPU kernels
         rec["fallback"] = FALLBACK_SWAPS + [FAMILIES[args.family][4]]
@@ -331,8 +375,9 @@ def main(argv=None) -> int:
     # cross_entropy's module swap matches nn.CrossEntropyLoss, which HF's Llama does not use: its
     # recommendation becomes our fused linear cross-entropy in the loss (the --fused-loss step)
     module_swaps = [s for s in recommended if s in available_swaps() and s != "cross_entropy"]
-    fused_loss = "cross_entropy" in recommended or rec.get("fused_loss")
+    fused_loss = "cross_entropy" in recommended or rec.get("fused_loss") or args.fused_loss
     ours = ["--swaps", ",".join(module_swaps)] + (["--fused-loss"] if fused_loss else [])
+    profile = ["--profile", str(args.profile)] if args.profile else []
     runs = []
     for variant, mode in MEASURED:
         if args.variants and f"{variant}:{mode}" not in args.variants:
@@ -340,7 +385,8 @@ def main(argv=None) -> int:
         if left() < 30:
             runs.append({"want": (variant, mode), "error": "skipped: out of time budget"})
             continue
-        r = run_child("measure", ["--variant", variant, "--mode", mode, *(ours if variant.startswith("ours") else [])],
+        r = run_child("measure", ["--variant", variant, "--mode", mode, *profile,
+                                  *(ours if variant.startswith("ours") else [])],
                       args, min(args.child_timeout_s, left()))
         runs.append({"want": (variant, mode), **r})
         print(f"{variant} {mode}: {r}", file=sys.stderr, flush=True)

@@ -89,7 +89,7 @@ def _llama_config(hidden: int):
 
 
 # a measured variant of a swap -> the swap that replaces its eager module
-VARIANT_OF = {"rms_norm_offset": "rms_norm"}
+VARIANT_OF = {"rms_norm_offset": "rms_norm", "swiglu_experts": "swiglu"}
 
 
 def _native_offset_rms_norm(x, weight, eps):
@@ -138,17 +138,40 @@ def eager_modules(hidden: int, vocab: int) -> dict:
     softmax = nn.Softmax(dim=-1)
     cross_entropy = nn.CrossEntropyLoss()
     one = lambda rows: (x(rows),)  # noqa: E731
+    experts = _mixtral_experts(hidden)
+
+    def routed(rows):  # each token's two experts and their weights, as Mixtral's router returns them
+        scores = torch.randn(rows, experts.num_experts, device=DEVICE).softmax(-1)
+        weights, index = scores.topk(2, dim=-1)
+        return x(rows), index, weights / weights.sum(-1, keepdim=True)
+
     return {
         "rms_norm": (rms, one, NativeRMSNorm(rms.weight, 1e-6)),
         "rms_norm_offset": (gemma_rms, one, NativeOffsetRMSNorm(gemma_rms.weight, 1e-6)),
         "layer_norm": (layer_norm, one, layer_norm),  # the eager module is torch's native op
         "swiglu": (LlamaMLP(config), one, None),
+        "swiglu_experts": (experts, routed, None),
         "geglu": (GemmaMLP(gemma), one, None),
         "gelu_tanh": (NewGELUActivation(), lambda rows: (x(rows, hidden * 4, 3.0),), nn.GELU(approximate="tanh")),
         "softmax": (softmax, lambda rows: (x(rows, 4 * hidden, 3.0),), softmax),
         "cross_entropy": (cross_entropy, ce_inputs, cross_entropy),
         "rope": (LlamaAttention(config, 0), attention_inputs, None),
     }
+
+
+def _mixtral_experts(hidden: int):
+    """transformers' Mixtral experts block (8 experts, on its grouped_mm path), weights initialized."""
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    config = MixtralConfig(hidden_size=hidden, intermediate_size=hidden * 11 // 8, num_local_experts=8,
+                           num_experts_per_tok=2)
+    config._experts_implementation = "grouped_mm"
+    experts = MixtralExperts(config)
+    with torch.no_grad():
+        for param in experts.parameters():
+            param.normal_(0, hidden**-0.5)
+    return experts
 
 
 def _place(module):

@@ -22,6 +22,7 @@ _OPS = {
     "geglu": "geglu",
     "gelu_tanh": "gelu_tanh",
     "rope": "rope",
+    "routed_experts": "moe_routing",
 }
 
 __all__ = sorted(_OPS) + [

@@ -19,6 +19,7 @@ from ._elementwise import (
     ACT_NAMES, GELU_ERF, GELU_TANH, SILU, act_and_derivative, act_value, activation_kind, check_float, launch_elementwise, needs_grad, upcast,
 )
 from ._launch import kernel_op, round_to, takes_native
+from .moe_routing import grouped_mm_fits, routed_experts
 from .parity import place
 from .swap import SwapEntry, behaves_like
 
@@ -238,9 +239,10 @@ class GateUpMLP(nn.Module):
 
 class GatedExperts(nn.Module):
     """An MoE experts block (Mixtral, Qwen3-MoE: gate_up_proj [E, 2I, H] and down_proj [E, H, I] parameters)
-    with the fused gated activation: transformers' experts functions (grouped_mm, batched_mm...) call
-    `_apply_gate`, which is ours; the eager implementation is the same loop as transformers' with it.
-    Shares the original's parameters and attributes."""
+    with the fused gated activation and routing: grouped GEMMs between moe_routing's gather and weighted
+    combine where grouped_mm takes the dtype (not float64: there, transformers' eager loop with our gate);
+    transformers' other experts functions (batched_mm...) call `_apply_gate`, which is ours. Shares the
+    original's parameters and attributes."""
 
     def __init__(self, original: nn.Module, act: int, interface):
         super().__init__()
@@ -258,8 +260,18 @@ class GatedExperts(nn.Module):
     def _apply_gate(self, gate_up_out):
         return gated_act_split(gate_up_out, self.act)
 
+    def _apply_gate_in_place(self, gate_up_out):
+        # the grouped GEMM's output is ours alone: the backward writes its gradient over it
+        return gated_act_split(gate_up_out, self.act, reuse_input=True)
+
     def forward(self, hidden_states, top_k_index, top_k_weights):
         implementation = getattr(getattr(self, "config", None), "_experts_implementation", None)
+        gate_up, down = self.gate_up_proj, self.down_proj
+        # transformers' own paths (eager loop, grouped_mm) compute what routed_experts does; others
+        # (batched_mm, deepgemm...) and expert-parallel sentinel ids keep transformers' function
+        if implementation in (None, "eager", "grouped_mm") and not getattr(self, "_is_expert_parallel", False) \
+                and grouped_mm_fits(hidden_states, gate_up, down):
+            return routed_experts(hidden_states, top_k_index, top_k_weights, gate_up, down, self._apply_gate_in_place)
         if self._interface is not None and implementation not in (None, "eager"):
             return self._interface.get_interface(implementation, None)(self, hidden_states, top_k_index, top_k_weights)
         return experts_loop(self, hidden_states, top_k_index, top_k_weights, self._apply_gate)
