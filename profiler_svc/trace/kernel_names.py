@@ -21,6 +21,9 @@ _COMM = re.compile(r"nccl|allreduce|all_reduce|allgather|reducescatter|sendrecv"
 _SIMT = re.compile(r"ffma|simt|convolve_\w{0,64}gemm|scudnn|(?<![a-z])sgemm|gemmSN|dgemm", re.I)
 _LOW_ALIGN = re.compile(r"align[12](?!\d)", re.I)
 _OLD_ARCH = re.compile(r"(?:sm|cutlass_)(?:50|52|60|61|70|75)[_a-z]|volta_|turing_|maxwell_", re.I)
+# A kernel built for sm80+ may still name an older architecture's instruction atom (CUTLASS 3's Hopper grouped
+# GEMM copies with SM75_U32x4_LDSM_N): such a name is not an old-architecture kernel.
+_NEW_ARCH = re.compile(r"(?:sm|cutlass_)(?:8\d|9\d|1\d\d)(?!\d)|sm9x", re.I)
 # Detectors ask these per kernel row, and a trace repeats a few thousand names a million times: each answer
 # is computed once per distinct name.
 _by_name = lru_cache(maxsize=1 << 16)
@@ -64,7 +67,7 @@ def is_low_alignment(name: str) -> bool:
 
 @_by_name
 def is_old_arch(name: str) -> bool:
-    return (is_gemm(name) or is_conv(name)) and bool(_OLD_ARCH.search(name))
+    return (is_gemm(name) or is_conv(name)) and bool(_OLD_ARCH.search(name)) and not _NEW_ARCH.search(name)
 
 
 @_by_name

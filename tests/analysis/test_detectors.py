@@ -12,6 +12,7 @@ from profiler_svc import kernels
 from profiler_svc.recommendations import recommend
 from profiler_svc.recommendations.report import render_text
 from profiler_svc.trace.job_replay import JobReplay
+from profiler_svc.trace.kernel_names import is_gemm
 from tests.plugins.traces import DDP, fixture_dir, fixture_path
 
 _cache = {}
@@ -458,6 +459,17 @@ def test_decode_lm_head_matrix_vector_is_not_called_misaligned():
     assert r.steps["bottleneck"]["kind"] == "launch overhead"
     gaps = one("gpt2_fp16_decode_b1", "launch_gaps:host_wait")
     assert "static" in gaps.detail  # its KV cache grows every token too
+
+
+def test_hopper_grouped_gemm_naming_an_sm75_copy_atom_is_not_an_old_architecture_kernel():
+    # Mixtral's experts on transformers' grouped_mm path run CUTLASS 3's sm90 grouped GEMM, whose mangled name
+    # carries SM75_U32x4_LDSM_N (the ldmatrix copy atom): no GEMM of this trace is a fallback
+    r = report("mixtral_bf16_1x256_infer")
+    assert r.steps["bottleneck"]["kind"] == "launch overhead"
+    assert not [f for f in r.findings if f.key.startswith("fallback_kernel:align")]
+    with gzip.open(fixture_path("mixtral_bf16_1x256_infer")) as f:
+        grouped = {e["name"] for e in json.load(f)["traceEvents"] if "GroupProblemShape" in e.get("name", "")}
+    assert grouped and all("SM75_U32x4_LDSM" in name and is_gemm(name) for name in grouped)
 
 
 def test_calibrated_capture_takes_the_profiler_out():
