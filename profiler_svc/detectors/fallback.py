@@ -310,7 +310,7 @@ def _by_cpu_row(per_op, rows: int) -> np.ndarray:
 def _eager_attention(trace, kernels):
     """softmax over a [.., Sq, Sk] score matrix between two matmuls, outside SDPA."""
     cpu = trace.cpu
-    soft = cpu[(cpu["name"].isin(["aten::softmax", "aten::_softmax"])) & (cpu["top"] == cpu.index)
+    soft = cpu[name_mask(cpu, lambda n: n in ("aten::softmax", "aten::_softmax")) & (cpu["top"] == cpu.index)
                & (~cpu["backward"])]
     if not len(soft):
         return []

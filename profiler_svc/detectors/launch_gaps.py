@@ -147,7 +147,7 @@ def _dynamic_shape_ops(trace: Trace) -> list:
     names = ("aten::scaled_dot_product_attention", "aten::bmm", "aten::matmul")
     out = []
     for name in names:
-        rows = cpu.index[(cpu["name"] == name).to_numpy()][:2000]
+        rows = cpu.index[name_mask(cpu, lambda n: n == name)][:2000]
         shapes = {str(trace.op_inputs(r).dims) for r in rows}
         if len(shapes) >= _DYNAMIC_SHAPES:
             out.append(name.removeprefix("aten::"))
@@ -157,5 +157,6 @@ def _dynamic_shape_ops(trace: Trace) -> list:
 def _host_ops(trace, start, end, limit=3):
     """The outermost CPU ops running while the GPU sat idle: what the host was busy with."""
     cpu = trace.cpu
-    busy = cpu[(cpu["ts"] < end) & (cpu["end"] > start) & (cpu["cat"] == "cpu_op") & (cpu["top"] == cpu.index)]
+    busy = cpu[(cpu["ts"] < end) & (cpu["end"] > start) & name_mask(cpu, lambda c: c == "cpu_op", "cat")
+               & (cpu["top"] == cpu.index)]
     return busy.sort_values("ts")["name"].head(limit).tolist()

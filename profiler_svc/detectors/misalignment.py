@@ -121,12 +121,12 @@ def _head_dim(trace, kernels):
     """head_dim from SDPA inputs and from eager attention's Q·K^T ([.., S, D] x [.., D, S])."""
     cpu = trace.cpu
     found = defaultdict(list)
-    sdpa = cpu[cpu["name"] == "aten::scaled_dot_product_attention"]
+    sdpa = cpu[name_mask(cpu, lambda n: n == "aten::scaled_dot_product_attention")]
     for row in sdpa.index:
         t = trace.op_inputs(row).tensors()
         if t and len(t[0][0]) == 4:
             found[(t[0][0][-1], t[0][1])].append(row)
-    for row in cpu[cpu["name"].isin(["aten::matmul", "aten::bmm"]) & (cpu["top"] == cpu.index)].index:
+    for row in cpu[name_mask(cpu, lambda n: n in ("aten::matmul", "aten::bmm")) & (cpu["top"] == cpu.index)].index:
         t = trace.op_inputs(row).tensors()
         if len(t) >= 2 and len(t[0][0]) >= 3 and len(t[1][0]) == len(t[0][0]):
             a, b = t[0][0], t[1][0]

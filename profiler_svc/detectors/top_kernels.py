@@ -19,7 +19,7 @@ def top_kernels(trace: Trace, n: int = 20) -> list[dict]:
     cache = {}
     bandwidth = trace.device.memory_bandwidth_gbps
     for name, stats in grouped.head(n).iterrows():
-        rows = kernels[kernels["name"] == name]
+        rows = kernels[name_mask(kernels, lambda n: n == name)]
         first = rows.iloc[0]
         op, top_op = _most_common(rows["op_name"]), _most_common(rows["top_op_name"])
         module = _most_common(rows["module"])
@@ -82,7 +82,8 @@ def top_ops(trace: Trace, n: int = 20) -> list[dict]:
     if not len(cpu):
         return []
     start, end = trace.window
-    ops = cpu[(cpu["cat"] == "cpu_op") & (cpu["top"] == cpu.index) & (cpu["ts"] >= start) & (cpu["ts"] <= end)]
+    ops = cpu[name_mask(cpu, lambda c: c == "cpu_op", "cat") & (cpu["top"] == cpu.index) & (cpu["ts"] >= start)
+              & (cpu["ts"] <= end)]
     if not len(ops):
         return []
     total = float(ops["dur"].sum()) or 1.0
@@ -104,7 +105,7 @@ def module_times(trace: Trace, n: int = 500) -> list[dict]:
     time = labelled.groupby(["module", "backward"])["dur"].agg(["sum", "count"])
     cpu = trace.cpu
     start, end = trace.window
-    labels = cpu[(cpu["cat"] == "user_annotation").to_numpy() & name_mask(cpu, lambda n: n.startswith(MODULE_PREFIX))
+    labels = cpu[name_mask(cpu, lambda c: c == "user_annotation", "cat") & name_mask(cpu, lambda n: n.startswith(MODULE_PREFIX))
                  & (cpu["ts"] >= start).to_numpy() & (cpu["ts"] <= end).to_numpy()]
     host = labels.groupby("module")["dur"].sum()
     out: dict[str, dict[str, Any]] = {}  # module -> its row

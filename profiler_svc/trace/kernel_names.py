@@ -75,9 +75,10 @@ def is_memory_bound_kernel(name: str) -> bool:
     return not (is_compute_bound_kernel(name) or is_communication(name))
 
 
-def name_mask(table: pd.DataFrame, predicate) -> np.ndarray:
-    """predicate(kernel name) for every row, evaluated once per distinct name (names repeat a lot)."""
-    names = table["name"]
+def name_mask(table: pd.DataFrame, predicate, column: str = "name") -> np.ndarray:
+    """predicate(kernel name) for every row, evaluated once per distinct name (names repeat a lot). COLUMN: another
+    column of strings that repeat (a CPU event's cat, a kernel's kind), never None."""
+    names = table[column]
     if not len(names):
         return np.zeros(0, dtype=bool)
     codes, uniques = _factorized(names.to_numpy())

@@ -180,7 +180,7 @@ class Trace:
     def _top_op_starts(self) -> dict:
         """thread -> sorted start times of its outermost CPU ops."""
         cpu = self.cpu
-        tops = cpu[(cpu["cat"] == "cpu_op").to_numpy() & (cpu["top"].to_numpy() == np.arange(len(cpu)))]
+        tops = cpu[name_mask(cpu, lambda c: c == "cpu_op", "cat") & (cpu["top"].to_numpy() == np.arange(len(cpu)))]
         return {t: np.sort(g["ts"].to_numpy()) for t, g in tops.groupby("thread")}
 
     def top_ops_between(self, thread, start: float, end: float) -> bool:

@@ -18,7 +18,7 @@ def find_steps(cpu: pd.DataFrame) -> tuple[pd.DataFrame, str]:
     """(steps in time order with COLUMNS, how they were found: "profiler", "root module" or "none")."""
     if not len(cpu):
         return pd.DataFrame(columns=COLUMNS), "none"
-    marked = name_mask(cpu, lambda n: n.startswith(STEP_PREFIX)) & (cpu["cat"] == "user_annotation").to_numpy()
+    marked = name_mask(cpu, lambda n: n.startswith(STEP_PREFIX)) & name_mask(cpu, lambda c: c == "user_annotation", "cat")
     if marked.any():
         return _sorted(cpu[marked]), "profiler"
     root = name_mask(cpu, lambda n: n.startswith(labels.MODULE_PREFIX + labels.ROOT_NAME + " ("))
