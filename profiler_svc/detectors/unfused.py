@@ -575,7 +575,7 @@ def _finding(trace, kind, cls, group, bandwidth) -> Finding:
         summary = (f"Swap in the bundled fused `{swap}` kernel"
                    + (f" for {len(fits)} module instance{'s' if len(fits) != 1 else ''}" if fits
                       else " (capture with profiler_svc.capture to name the module instances)") + ".")
-    elif pattern.swap and small is None:
+    elif pattern.swap and small is None and _code_fix_fits(kind, cls):
         summary = CODE_FIXES[kind][0]
     else:
         summary = "Fuse the chain: torch.compile the module (or write the math as one kernel)."
@@ -595,11 +595,18 @@ def _finding(trace, kind, cls, group, bandwidth) -> Finding:
                   **({"modules": instances[:32], "module_class": cls} if instances else {}),
                   **({"swap_applies_to": len(fits), "swap_does_not_apply_to": misfits[:32]} if misfits is not None else {})},
         recommendation=Recommendation(summary, swap, pattern.snippet if swap or not pattern.swap
-                                      else PATTERNS["generic"].snippet if small is not None else CODE_FIXES[kind][1],
+                                      else CODE_FIXES[kind][1] if small is None and _code_fix_fits(kind, cls)
+                                      else PATTERNS["generic"].snippet,
                                       "fused_optimizer" if kind == "optimizer" else None),
         change=change,
         key=f"unfused_chain:{kind}:{cls or ''}",
     )
+
+
+def _code_fix_fits(kind: str, cls: Optional[str]) -> bool:
+    """Does CODE_FIXES[kind] fit a chain in a module of class `cls`? The softmax fix (SDPA) is for an eager
+    attention's softmax; a softmax elsewhere (an MoE router's over its experts) gets the generic fix."""
+    return kind != "softmax" or not cls or "attention" in cls.lower() or "attn" in cls.lower()
 
 
 def _directions(group, fused_bytes_each) -> dict:

@@ -472,6 +472,15 @@ def test_hopper_grouped_gemm_naming_an_sm75_copy_atom_is_not_an_old_architecture
     assert grouped and all("SM75_U32x4_LDSM" in name and is_gemm(name) for name in grouped)
 
 
+def test_an_moe_routers_softmax_is_not_sent_to_sdpa():
+    # MixtralTopKRouter: fp32 softmax over the 8 experts, top-2, renormalized. No attention there, so the fix is
+    # the generic one, not "use SDPA attention"
+    router = one("mixtral_bf16_1x256_infer", "unfused_chain:softmax:MixtralTopKRouter")
+    rec = router.recommendation
+    assert rec.swap is None and "sdpa" not in (rec.summary + rec.snippet).lower()
+    assert "torch.compile" in rec.summary
+
+
 def test_calibrated_capture_takes_the_profiler_out():
     """Captured with capture's default schedule: the second wait step ran unprofiled and was timed."""
     r = report("llama8_bf16_1x512_train_calibrated")
