@@ -19,6 +19,10 @@ import zlib
 from pathlib import Path
 from typing import Union, cast
 
+try:
+    import resource
+except ImportError:  # not on Windows: no address-space limit to respect there
+    resource = None  # type: ignore[assignment]
 import msgspec
 import numpy as np
 import pandas as pd
@@ -38,6 +42,10 @@ _PROGRESS_MIN_BYTES = 64 << 20
 # Kineto's events are under a few hundred kB and its other top-level fields a few MB: anything far
 # bigger is hostile, and refusing it keeps memory flat whatever the file holds.
 _MAX_EVENT_BYTES = 16 << 20
+# Address space a batch's decode may need, per byte of its JSON: msgspec (0.22) crashes with SIGSEGV, not
+# MemoryError, when an allocation fails inside it, as under the analysis sandbox's RLIMIT_AS. Below this
+# headroom the loader raises MemoryError itself.
+_DECODE_HEADROOM = 4
 _MAX_FIELDS_BYTES = 16 << 20
 _MAX_DEPTH = 64             # Kineto nests 7 deep; msgspec would raise RecursionError near 1000
 # Real traces gunzip 12-20x (tests/data, tiled ones too); a deflate bomb reaches ~1000x.
@@ -90,6 +98,18 @@ def load_trace(path, progress=None) -> Trace:
 
 
 # -- bytes ----------------------------------------------------------------------------------------
+
+def _address_space_left():
+    """Bytes of address space this process may still map under its RLIMIT_AS, or None without a limit."""
+    if resource is None:
+        return None
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    with open("/proc/self/statm") as f:
+        mapped = int(f.read().split()[0]) * resource.getpagesize()
+    return soft - mapped
+
 
 def byte_chunks(path, progress=None):
     """The file's JSON bytes in chunks, gunzipped when the content (not the name) says gzip, BOM removed."""
@@ -368,6 +388,10 @@ class _Cutter:
         batch += tail
         batch += b"]"
         self.pending.clear()
+        left = _address_space_left()
+        if left is not None and left < _DECODE_HEADROOM * len(batch):
+            raise MemoryError(f"{len(batch)} bytes of events to decode with {max(left, 0) >> 20} MiB of address "
+                              "space left")
         try:
             events = ARRAY_DECODER.decode(batch)
         except UnicodeDecodeError:
