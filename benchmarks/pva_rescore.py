@@ -26,6 +26,8 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 # kernels/_launch.py's fast path.
 TRITON_LAUNCH_COSTS = "host_costs_h100_triton_launch_2026-11-25.json"
 FAST_LAUNCH_COSTS = "host_costs_h100_fast_launch_2026-11-25.json"  # the runs since: kernels/_launch.py's fast path
+# and since the swiglu swap routes MoE experts' tokens (kernels/moe_routing.py): the table with its swiglu_experts
+ROUTED_EXPERTS_COSTS = "host_costs_h100_routed_experts_2026-11-27.json"
 # (results JSON, its traces, cases left out and why, host costs): every committed run that timed a loop as
 # ab_test does today and whose swaps take today's code paths. Left out: predict_vs_ab_h100_per_event_cost.json
 # and older, whose A/B timed isolated steps (each after a synchronize: the GPU-bound ones carry the host's
@@ -53,6 +55,8 @@ RUNS = [
     ("predict_vs_ab_h100_host_min_2026-11-27.json", "pva_traces_h100_2026-11-27_host_min", {}, FAST_LAUNCH_COSTS),
     ("predict_vs_ab_h100_host_min_mixtral_2026-11-27.json", "pva_traces_h100_2026-11-27_host_min_mixtral", {},
      FAST_LAUNCH_COSTS),
+    ("predict_vs_ab_h100_routed_mixtral_2026-11-27.json", "pva_traces_h100_2026-11-27_routed_mixtral", {},
+     ROUTED_EXPERTS_COSTS),
 ]
 
 

@@ -60,15 +60,19 @@ def _ndim(param) -> int:
     return len(shape) if isinstance(shape, list) else -1
 
 
+def is_experts_block(tree: dict, name: str) -> bool:
+    """An MoE experts block (3-D gate_up_proj/down_proj parameters): the gated swaps route its tokens too."""
+    params = _params(tree.get(name) or {})
+    return _ndim(params.get("gate_up_proj")) == 3 and _ndim(params.get("down_proj")) == 3
+
+
 def _gated_activation(tree: dict, name: str, node: dict):
     """'silu' or 'gelu' if `name` is a gated MLP (gate/up/down projections, or one gate_up_proj, Phi-3) or an
     MoE experts block (3-D gate_up_proj/down_proj parameters), by its activation child's class; else None."""
     children = _children(tree, name)
     linear = lambda key: key in children and _LINEAR.search(str(children[key].get("class", "")))  # noqa: E731
-    params = _params(node)
     dense = all(linear(key) for key in ("gate_proj", "up_proj", "down_proj")) or (linear("gate_up_proj") and linear("down_proj"))
-    experts = _ndim(params.get("gate_up_proj")) == 3 and _ndim(params.get("down_proj")) == 3
-    if not (dense or experts):
+    if not (dense or is_experts_block(tree, name)):
         return None
     for key in _ACTIVATION_CHILDREN:
         activation = str(children.get(key, {}).get("class", ""))

@@ -45,6 +45,13 @@ def swap_applies(tree, swap: str, module: str) -> Optional[bool]:
     return bool(placement.swap_applies(tree, swap, module))
 
 
+def experts_block(tree, module: str) -> bool:
+    """Is the module (qualified name) an MoE experts block, whose swap also routes its tokens?"""
+    placement = _placement()
+    return placement is not None and isinstance(tree, dict) and module in tree \
+        and bool(placement.is_experts_block(tree, module))
+
+
 def native_below(swap: str) -> Optional[int]:
     """Elements below which the swap's host function runs torch's native op instead of its Triton kernel
     (kernels/placement.py's NATIVE_BELOW), or None where it always runs its kernel."""

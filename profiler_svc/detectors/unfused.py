@@ -20,7 +20,7 @@ from ..trace.model import Trace, element_bytes
 from ..trace.replay import Change
 from .common import (Finding, Recommendation, fmt_us, fused, module_class, numel, op_bytes, per_step, per_step_note,
                      plural, short_kernel_name, tensor_bytes)
-from .swap_costs import native_below, native_is_eager, swap_applies, swap_host_cost
+from .swap_costs import experts_block, native_below, native_is_eager, swap_applies, swap_host_cost
 
 # How many kernels after an activation its gated product may come: the up projection (a GEMM, with
 # autocast's casts of its weight, or an FP8 scale) runs in between.
@@ -539,9 +539,18 @@ def _finding(trace, kind, cls, group, bandwidth) -> Finding:
     backward = len(group) - len(forward)
     instances = sorted({c.module for c in group if c.module})
     fits, misfits = _swap_fit(trace, pattern, instances)
-    small = _eager_size(pattern.swap, group)
+    # the gated swaps also route an experts block's tokens, which changes its step at any size (where the
+    # registry has the routed block's host cost: swaps from before the routing did not route)
+    experts = kind in ("swiglu", "geglu") and _experts_blocks(trace, instances) \
+        and swap_host_cost(f"{pattern.swap}_experts", False) is not None
+    small = None if experts else _eager_size(pattern.swap, group)
     swap = pattern.swap if (fits or misfits is None) and small is None else None  # named only where it applies
-    change, cost_note = _change(trace, swap, group, fused_times)
+    change, cost_note = _change(trace, swap, group, fused_times, experts)
+    if swap and experts:
+        change = Change.union([change, _routing_change(trace, group, bandwidth)])
+        cost_note += (" The swap also routes the experts' tokens: transformers' sort, gathers, fp32-weighted rows, "
+                      "re-order and sum become one gather and one weighted combine per call (priced at 4 passes over "
+                      "the routed rows forward, 5 backward).")
     if small is not None:
         cost_note += (f" The `{pattern.swap}` swap would change nothing here: below {small:,} elements a call (these "
                       f"have {max(numel(c.shape or [0]) for c in group):,}) runs eager's own ops, which cost the host "
@@ -581,7 +590,8 @@ def _finding(trace, kind, cls, group, bandwidth) -> Finding:
         summary = "Fuse the chain: torch.compile the module (or write the math as one kernel)."
     return Finding(
         category="unfused_chain",
-        title=f"{pattern.label}{where}: {plural(len(group), 'step' if kind == 'optimizer' else 'chain')}, "
+        title=f"{pattern.label}{' and the tokens routed around them' if experts else ''}{where}: "
+              f"{plural(len(group), 'step' if kind == 'optimizer' else 'chain')}, "
               f"{plural(n_kernels, 'kernel')}",
         detail=detail,
         evidence={"pattern": kind, "ops": first_ops[:24],
@@ -642,10 +652,11 @@ def _eager_size(swap, group) -> Optional[int]:
     return native_below(swap)
 
 
-def _change(trace, swap, group, fused_times) -> tuple[Change, str]:
+def _change(trace, swap, group, fused_times, experts: bool = False) -> tuple[Change, str]:
     """Each chain becomes one kernel. A bundled swap brings its own measured host cost per call; other
     fixes (a fused optimizer, an Inductor kernel, a code change) cost the host about what the chain's first
-    op did."""
+    op did. In an experts block the swap's host cost is the routed block's (`<swap>_experts`), paid on every
+    call."""
     changes = []
     note = ""
     # A swap that hands small calls to torch's native ops runs its Triton kernel on larger ones (Gemma's
@@ -653,24 +664,67 @@ def _change(trace, swap, group, fused_times) -> tuple[Change, str]:
     # priced on the path it takes.
     offset_norm = swap == "rms_norm" and _offset_norm(trace, group)
     variant = _variant(swap, offset_norm)
+    cost_name = f"{swap}_experts" if experts else variant
     dispatches = bool(swap) and native_below(variant) is not None
     for chain, fused_us in zip(group, fused_times):
         rows = chain.kernels.index[chain.rows].tolist()
         if swap:
             native = dispatches and _native_call(swap, chain, offset_norm)
-            if native and native_is_eager(swap):
+            if native and native_is_eager(swap) and not experts:
                 continue  # the swap runs eager's own ops on this call: nothing changes
             # the registry's measured host cost per call, relative to the eager module (unknown: the same)
-            one = fused(trace, rows, fused_us, host=False)
-            cost = swap_host_cost(variant, chain.backward, triton_path=dispatches and not native)
+            one = Change() if native and native_is_eager(swap) else fused(trace, rows, fused_us, host=False)
+            cost = swap_host_cost(cost_name, chain.backward, triton_path=dispatches and not native)
             if cost:
                 one.host_added = [(float(chain.kernels.columns["ts"][chain.rows[0]]), cost)]
         else:
             one = fused(trace, rows, fused_us, host=True)
         changes.append(one)
-    if swap and swap_host_cost(variant, False) is None:
+    if swap and swap_host_cost(cost_name, False) is None:
         note = f" The `{swap}` swap's host cost per call is not measured: taken as the eager module's."
     return Change.union(changes), note
+
+
+def _experts_blocks(trace, instances) -> bool:
+    """Are the chains' modules (labels of the capture) all MoE experts blocks, by the capture's module tree?"""
+    tree = trace.capture_metadata.get("modules")
+    return bool(instances) and all(experts_block(tree, _module_name(label)) for label in instances)
+
+
+_ROUTED_PASSES = {False: 4, True: 5}  # routed-row passes of the swap's gather + combine, forward / backward
+
+
+def _routing_change(trace, group, bandwidth) -> Change:
+    """An experts call's routing kernels (its memory-bound kernels outside the activation chain: transformers'
+    sort, gathers, fp32-weighted rows, re-order, sum, casts) become one kernel moving _ROUTED_PASSES times the
+    routed rows: the activation's rows by the block's hidden size (its down_proj [E, H, I] in the capture's
+    module tree), in the activation's dtype. Each routing kernel belongs to the call whose activation chain
+    is nearest in time, in its module and direction."""
+    k = group[0].kernels
+    col = k.columns
+    tree = trace.capture_metadata.get("modules") or {}
+    in_chains = np.concatenate([c.rows for c in group])
+    changes = []
+    by_call = defaultdict(list)
+    for chain in group:
+        by_call[(chain.module, chain.backward)].append(chain)
+    for (module, backward), chains in by_call.items():
+        down = (tree.get(_module_name(module)) or {}).get("params", {}).get("down_proj", {}).get("shape")
+        if not (isinstance(down, list) and len(down) == 3):
+            continue
+        chains.sort(key=lambda c: float(col["ts"][c.rows[0]]))
+        rows = np.flatnonzero((col["module"] == module) & (col["backward"] == backward) & (col["kind"] == "memory"))
+        rows = rows[~np.isin(rows, in_chains)]
+        starts = np.array([float(col["ts"][c.rows[0]]) for c in chains])
+        call = np.searchsorted((starts[1:] + starts[:-1]) / 2, col["ts"][rows])
+        for i, chain in enumerate(chains):
+            mine = rows[call == i]
+            if len(mine) < 2 or not chain.shape:
+                continue
+            routed = tensor_bytes([numel(chain.shape[:-1]), down[1]], chain.dtype)
+            fused_us = max(_ROUTED_PASSES[backward] * routed / bandwidth, _FUSED_FLOOR_US)
+            changes.append(fused(trace, k.index[mine].tolist(), fused_us, host=False))
+    return Change.union(changes)
 
 
 def _offset_norm(trace, group) -> bool:

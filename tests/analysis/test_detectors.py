@@ -13,6 +13,7 @@ from profiler_svc.recommendations import recommend
 from profiler_svc.recommendations.report import render_text
 from profiler_svc.trace.job_replay import JobReplay
 from profiler_svc.trace.kernel_names import is_gemm
+from profiler_svc.trace.load import load_trace
 from tests.plugins.traces import DDP, fixture_dir, fixture_path
 
 _cache = {}
@@ -479,6 +480,27 @@ def test_an_moe_routers_softmax_is_not_sent_to_sdpa():
     rec = router.recommendation
     assert rec.swap is None and "sdpa" not in (rec.summary + rec.snippet).lower()
     assert "torch.compile" in rec.summary
+
+
+def test_moe_experts_swap_is_priced_with_the_routing_it_replaces():
+    """Mixtral at 1x256 (launch-bound): the gated activation alone is below the swap's native size, but the swap
+    also routes the experts' tokens. Priced by the routed block's measured host cost (kernels/host_costs.json,
+    swiglu_experts, per forward call) and by its routing kernels becoming one gather + combine each."""
+    name = "mixtral_bf16_1x256_infer"
+    experts = one(name, "unfused_chain:swiglu:MixtralExperts")
+    assert experts.recommendation.swap == "swiglu" and "routed" in experts.title
+    calls_per_step = 4  # 4 layers, one forward call each
+    host_saved = -swap_host_costs()["swiglu_experts"]["forward_us"] * calls_per_step
+    assert experts.saving_us_per_step == pytest.approx(host_saved, rel=0.1)  # the host bounds this step
+    # the routing: memory-bound kernels of the experts blocks (not the SiLU in their act_fn child), from the
+    # loaded kernel table; the change keeps 1 of them per call, at a few µs
+    trace = load_trace(fixture_path(name))
+    kernels = trace.window_kernels
+    routing = kernels[(kernels["kind"] == "memory") & kernels["module"].astype(str).str.endswith("(MixtralExperts)")]
+    steps = len(trace.steps)
+    routing_per_step = routing["dur"].sum() / steps
+    mul = kernels[(kernels["top_op_name"] == "aten::mul") & kernels["module"].astype(str).str.endswith("(MixtralExperts)")]
+    assert 0.5 * routing_per_step < experts.gpu_time_saved_us_per_step < routing_per_step + mul["dur"].sum() / steps
 
 
 def test_calibrated_capture_takes_the_profiler_out():
