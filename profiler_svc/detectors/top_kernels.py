@@ -2,6 +2,7 @@
 runs to the device's ceilings (bandwidth for memory-bound kernels, FLOP rate for GEMMs)."""
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from ..trace.labels import MODULE_PREFIX
@@ -16,7 +17,7 @@ def top_kernels(trace: Trace, n: int = 20) -> list[dict]:
     total = float(kernels["dur"].sum()) or 1.0
     grouped = kernels.groupby("name", sort=False)["dur"].agg(["sum", "count", "mean"]).sort_values("sum", ascending=False)
     out = []
-    cache = {}
+    cache: dict[int, tuple[float, float]] = {}  # op row -> (FLOPs, bytes)
     bandwidth = trace.device.memory_bandwidth_gbps
     for name, stats in grouped.head(n).iterrows():
         rows = kernels[name_mask(kernels, lambda n: n == name)]
@@ -36,19 +37,7 @@ def top_kernels(trace: Trace, n: int = 20) -> list[dict]:
             "achieved_gbps": None, "bandwidth_pct": None, "achieved_tflops": None, "peak_pct": None,
             "bound": None,
         }
-        # rates over every call of this kernel (shapes differ between calls)
-        flops = moved = timed = 0.0
-        for op_row, op_name, dur in zip(rows["op"].tolist(), rows["op_name"].tolist(), rows["dur"].tolist()):
-            if op_row < 0 or dur <= 0:
-                continue
-            if op_row not in cache:
-                inp = trace.op_inputs(op_row)
-                g = gemm_shape(op_name, inp)
-                cache[op_row] = (g, g.bytes if g else op_bytes(inp))
-            g, nbytes = cache[op_row]
-            flops += g.flops if g else 0.0
-            moved += nbytes
-            timed += dur
+        flops, moved, timed = _work(trace, rows, cache)
         shape = gemm_shape(op, inputs) if op else None
         dtype = shape.dtype if shape else None
         if moved and timed:
@@ -68,6 +57,31 @@ def top_kernels(trace: Trace, n: int = 20) -> list[dict]:
             item["bound"] = "memory"
         out.append(item)
     return out
+
+
+def _work(trace: Trace, rows: pd.DataFrame, cache: dict) -> tuple[float, float, float]:
+    """(FLOPs, bytes, µs) over every timed call of one kernel: shapes differ between calls, and repeat over
+    steps, so each distinct (op, recorded inputs) is priced once (CACHE: across kernels) and counted."""
+    ops, durs = rows["op"].to_numpy(), rows["dur"].to_numpy()
+    timed = (ops >= 0) & (durs > 0)
+    ops, names = ops[timed], rows["op_name"].to_numpy()[timed]
+    if not len(ops):
+        return 0.0, 0.0, 0.0
+    name_codes, _ = pd.factorize(names)
+    records = trace.record_codes(ops)
+    _, first, counts = np.unique(name_codes.astype(np.int64) * (int(records.max()) + 1) + records,
+                                 return_index=True, return_counts=True)
+    flops = moved = 0.0
+    for f, count in zip(first.tolist(), counts.tolist()):
+        op_row = int(ops[f])
+        if op_row not in cache:
+            inp = trace.op_inputs(op_row)
+            g = gemm_shape(names[f], inp)
+            cache[op_row] = (g.flops if g else 0.0, g.bytes if g else op_bytes(inp))
+        op_flops, op_moved = cache[op_row]
+        flops += op_flops * count
+        moved += op_moved * count
+    return flops, moved, float(durs[timed].sum())
 
 
 def _most_common(series: pd.Series):

@@ -9,7 +9,6 @@ import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from functools import lru_cache
-from operator import itemgetter
 from typing import Optional
 
 import numpy as np
@@ -212,7 +211,7 @@ class _Kernels:
         op = self.columns["op"]
         need = need & (op >= 0)  # an op-less row's info is (0, None, None)
         rows = np.flatnonzero(need)
-        records = _record_codes(trace, op[rows])
+        records = trace.record_codes(op[rows])
         pair = op_codes[rows].astype(np.int64) * (int(records.max(initial=0)) + 1) + records
         _, first, inverse = np.unique(pair, return_index=True, return_inverse=True)
         infos = [(0, None, None)] + [_chain_info(op_names[op_codes[r]] or "", trace.op_inputs(int(op[r])), list_dtype)
@@ -235,7 +234,7 @@ class _Kernels:
         col = self.columns
         rows = np.flatnonzero(need)
         ops = np.where(col["top_op"][rows] >= 0, col["top_op"][rows], col["op"][rows])
-        _, first, inverse = np.unique(_record_codes(trace, ops), return_index=True, return_inverse=True)
+        _, first, inverse = np.unique(trace.record_codes(ops), return_index=True, return_inverse=True)
         largest = _ints([max((tensor_bytes(t[0], t[1]) for t in trace.op_inputs(int(op)).tensors()), default=0)
                          for op in ops[first]], 1)
         self.end = np.zeros(len(need), dtype=largest.dtype)
@@ -265,23 +264,6 @@ def _ints(values: list, terms: int) -> np.ndarray:
     shapes multiply to more than 64 bits; the sums must stay exact)."""
     bound = max((abs(v) for v in values), default=0) * max(terms, 1)
     return np.array(values, dtype=np.int64 if bound < 2 ** 63 else object)
-
-
-def _record_codes(trace: Trace, cpu_rows: np.ndarray) -> np.ndarray:
-    """Codes for CPU rows (>= 0), equal only where the rows' recorded inputs are: what depends on the record
-    alone is then worked out once per code. Rows whose four raw fields are the same objects have the same
-    record (the loader keeps one object per distinct value), so the codes may split equal records, never join
-    different ones."""
-    codes = np.zeros(len(cpu_rows), dtype=np.int64)
-    raw = trace.raw_inputs
-    if raw is None or not len(cpu_rows):
-        return codes
-    rows = cpu_rows.tolist()
-    for values in (raw.dims, raw.types, raw.strides, raw.concrete):
-        picked = itemgetter(*rows)(values) if len(rows) > 1 else (values[rows[0]],)
-        field = pd.factorize(np.fromiter(map(id, picked), dtype=np.uint64, count=len(rows)))[0]
-        codes = pd.factorize(codes * (int(field.max()) + 1) + field)[0]
-    return codes
 
 
 def _chain_info(op_name, inputs, list_dtype):

@@ -8,6 +8,7 @@ Times are microseconds since the trace's first event. Row links are integer posi
 """
 from dataclasses import dataclass, field
 from functools import cached_property
+from operator import itemgetter
 from typing import TYPE_CHECKING, Optional
 
 import msgspec
@@ -99,6 +100,22 @@ class Trace:
     _columns: dict = field(default_factory=dict, repr=False)
 
     # -- op inputs ---------------------------------------------------------------------------
+    def record_codes(self, cpu_rows: np.ndarray) -> np.ndarray:
+        """Codes for CPU rows (>= 0), equal only where the rows' recorded inputs are: what depends on the record
+        alone is then worked out once per code. Rows whose four raw fields are the same objects have the same
+        record (the loader keeps one object per distinct value), so the codes may split equal records, never
+        join different ones."""
+        codes = np.zeros(len(cpu_rows), dtype=np.int64)
+        raw = self.raw_inputs
+        if raw is None or not len(cpu_rows):
+            return codes
+        rows = cpu_rows.tolist()
+        for values in (raw.dims, raw.types, raw.strides, raw.concrete):
+            picked = itemgetter(*rows)(values) if len(rows) > 1 else (values[rows[0]],)
+            field = pd.factorize(np.fromiter(map(id, picked), dtype=np.uint64, count=len(rows)))[0]
+            codes = pd.factorize(codes * (int(field.max()) + 1) + field)[0]
+        return codes
+
     def op_inputs(self, row: int) -> OpInputs:
         """The recorded inputs of CPU row ROW (decoded on first use, then cached)."""
         if row is None or row < 0 or self.raw_inputs is None:
