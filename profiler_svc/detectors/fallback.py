@@ -17,7 +17,7 @@ from ..trace.model import Trace
 from ..trace.replay import Change
 from .common import (TENSOR_CORE_EFFICIENCY, VOCAB_MIN, Finding, GemmReference, Recommendation, conv_flops,
                      fmt_shape, fused, gemm_shape, is_attention, is_conv, is_dense, is_gemm, is_low_alignment,
-                     is_old_arch, is_simt_matmul, module_class, name_mask, op_bytes, op_interval,
+                     is_old_arch, is_simt_matmul, module_class, name_mask, op_bytes, op_interval, op_record_codes,
                      peak_tflops, per_step_note, scaled, short_kernel_name, size_root_cause)
 
 
@@ -39,13 +39,13 @@ def detect(trace: Trace) -> list[Finding]:
 def _group_by_op(trace, kernels):
     """{(launching op name, top op name, input shapes, dtypes): [kernel rows]}, inputs decoded once per op."""
     groups = defaultdict(list)
-    inputs_by_op = {}
-    for row in kernels.itertuples():
-        if row.op not in inputs_by_op:
-            inputs_by_op[row.op] = trace.op_inputs(row.op)
-        inp = inputs_by_op[row.op]
-        key = (row.op_name, row.top_op_name, str([t[0] for t in inp.tensors()]), tuple(t[1] for t in inp.tensors()))
-        groups[key].append((row, inp))
+    by_record: dict = {}  # op record code -> (inputs, their shapes as text, their dtypes)
+    for row, code in zip(kernels.itertuples(), op_record_codes(trace, kernels).tolist()):
+        if code not in by_record:
+            inp = trace.op_inputs(row.op)
+            by_record[code] = (inp, str([t[0] for t in inp.tensors()]), tuple(t[1] for t in inp.tensors()))
+        inp, shapes, dtypes = by_record[code]
+        groups[(row.op_name, row.top_op_name, shapes, dtypes)].append((row, inp))
     return groups
 
 

@@ -9,7 +9,7 @@ from ..trace.model import Trace
 from ..trace.replay import Change
 from .common import (GEMM_OPS, GRANULE, VOCAB_MIN, Finding, GemmReference, Recommendation, conv_shape,
                      gemm_shape, is_gemm, is_low_alignment, is_old_arch, is_simt_matmul, name_mask, new_durations,
-                     op_interval, per_step_note, plural, scaled, size_root_cause)
+                     op_interval, op_record_codes, per_step_note, plural, scaled, size_root_cause)
 
 
 
@@ -36,12 +36,13 @@ def detect(trace: Trace) -> list[Finding]:
 
 
 def _rows_with_shapes(trace, rows):
-    cache = {}
-    for row in rows.itertuples():
-        if row.op not in cache:
-            cache[row.op] = gemm_shape(row.op_name, trace.op_inputs(row.op))
-        if cache[row.op]:
-            yield row, cache[row.op]
+    """Each GEMM row with its shape, worked out once per distinct op and recorded inputs."""
+    shapes: dict = {}
+    for row, code in zip(rows.itertuples(), op_record_codes(trace, rows).tolist()):
+        if code not in shapes:
+            shapes[code] = gemm_shape(row.op_name, trace.op_inputs(row.op))
+        if shapes[code]:
+            yield row, shapes[code]
 
 
 def _gemm_dims(trace, gemms, reference):

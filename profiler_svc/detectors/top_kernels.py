@@ -7,7 +7,8 @@ import pandas as pd
 
 from ..trace.labels import MODULE_PREFIX
 from ..trace.model import Trace
-from .common import gemm_shape, is_compute_bound_kernel, name_mask, op_bytes, per_step, short_kernel_name
+from .common import (gemm_shape, is_compute_bound_kernel, name_mask, op_bytes, op_record_codes, per_step,
+                     short_kernel_name)
 
 
 def top_kernels(trace: Trace, n: int = 20) -> list[dict]:
@@ -64,13 +65,10 @@ def _work(trace: Trace, rows: pd.DataFrame, cache: dict) -> tuple[float, float, 
     steps, so each distinct (op, recorded inputs) is priced once (CACHE: across kernels) and counted."""
     ops, durs = rows["op"].to_numpy(), rows["dur"].to_numpy()
     timed = (ops >= 0) & (durs > 0)
-    ops, names = ops[timed], rows["op_name"].to_numpy()[timed]
-    if not len(ops):
+    if not timed.any():
         return 0.0, 0.0, 0.0
-    name_codes, _ = pd.factorize(names)
-    records = trace.record_codes(ops)
-    _, first, counts = np.unique(name_codes.astype(np.int64) * (int(records.max()) + 1) + records,
-                                 return_index=True, return_counts=True)
+    ops, names = ops[timed], rows["op_name"].to_numpy()[timed]
+    _, first, counts = np.unique(op_record_codes(trace, rows)[timed], return_index=True, return_counts=True)
     flops = moved = 0.0
     for f, count in zip(first.tolist(), counts.tolist()):
         op_row = int(ops[f])
