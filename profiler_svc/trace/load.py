@@ -106,8 +106,11 @@ def _address_space_left():
     soft, _ = resource.getrlimit(resource.RLIMIT_AS)
     if soft == resource.RLIM_INFINITY:
         return None
-    with open("/proc/self/statm") as f:
-        mapped = int(f.read().split()[0]) * resource.getpagesize()
+    try:
+        with open("/proc/self/statm") as f:
+            mapped = int(f.read().split()[0]) * resource.getpagesize()
+    except OSError:  # no /proc (macOS): the limit cannot be compared with what is mapped
+        return None
     return soft - mapped
 
 
