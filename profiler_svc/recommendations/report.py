@@ -2,13 +2,14 @@
 them, and one combined prediction for applying every recommended fix."""
 import json
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Optional
 
 from ..detectors import CATEGORIES, Finding, module_times, top_kernels, top_ops
 from ..detectors.common import recommended
 from ..formats import fmt_us, plain_json
 from ..trace import Trace, load_traces
+from ..trace.replay import Change
 
 from .analysis import analyse
 from .ranks import merge_ranks, rank_summary, straggler
@@ -75,7 +76,8 @@ class Report:
 
 
 def _finding_dict(f: Finding) -> dict:
-    d = asdict(f)
+    # without the replay's Change first: asdict would deep-copy its thousands of kernel rows only to drop them
+    d = asdict(replace(f, change=Change()))
     for private in ("key", "change"):
         d.pop(private)
     d["saving_us_per_step"] = round(f.saving_us_per_step, 2)
