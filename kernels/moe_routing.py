@@ -2,8 +2,8 @@
 combined back per token, weighted by the router, forward and backward.
 
 transformers' grouped_mm experts path moves the routed rows through about ten ATen ops per layer: the
-weighted rows are written in fp32, re-ordered by an index kernel, summed and cast (on an H100, Mixtral at
-4x2048 tokens: ~1 ms of such kernels per layer around 0.8 ms of grouped GEMMs). Here one Triton kernel does
+weighted rows are written in fp32, re-ordered by an index kernel, summed and cast, which took longer than the
+grouped GEMMs themselves (benchmarks/results/ab_end_to_end_families.md). Here one Triton kernel does
 the combine: each token reads its K expert rows, weights them in fp32 and writes its output once. Its
 backward writes each expert row's gradient and each routing weight's gradient in one pass. The gather's
 backward is the same combine with unit weights: fp32 sums, no atomics, deterministic.
