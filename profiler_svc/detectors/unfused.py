@@ -684,15 +684,17 @@ def _routing_change(trace, group, bandwidth) -> Change:
     is nearest in time, in its module and direction."""
     k = group[0].kernels
     col = k.columns
-    tree = trace.capture_metadata.get("modules") or {}
+    tree = trace.capture_metadata.get("modules")
+    if not isinstance(tree, dict):
+        return Change()
     in_chains = np.concatenate([c.rows for c in group])
     changes = []
     by_call = defaultdict(list)
     for chain in group:
         by_call[(chain.module, chain.backward)].append(chain)
     for (module, backward), chains in by_call.items():
-        down = (tree.get(_module_name(module)) or {}).get("params", {}).get("down_proj", {}).get("shape")
-        if not (isinstance(down, list) and len(down) == 3):
+        down = _param_shape(tree, _module_name(module), "down_proj")
+        if not (down and len(down) == 3 and isinstance(down[1], int) and down[1] > 0):
             continue
         chains.sort(key=lambda c: float(col["ts"][c.rows[0]]))
         rows = np.flatnonzero((col["module"] == module) & (col["backward"] == backward) & (col["kind"] == "memory"))
@@ -707,6 +709,15 @@ def _routing_change(trace, group, bandwidth) -> Change:
             fused_us = max(_ROUTED_PASSES[backward] * routed / bandwidth, _FUSED_FLOOR_US)
             changes.append(fused(trace, k.index[mine].tolist(), fused_us, host=False))
     return Change.union(changes)
+
+
+def _param_shape(tree: dict, module: str, param: str) -> Optional[list]:
+    """A parameter's shape as the capture's module tree records it (a trace file's, so checked), or None."""
+    node = tree.get(module)
+    params = node.get("params") if isinstance(node, dict) else None
+    entry = params.get(param) if isinstance(params, dict) else None
+    shape = entry.get("shape") if isinstance(entry, dict) else None
+    return shape if isinstance(shape, list) else None
 
 
 def _offset_norm(trace, group) -> bool:
