@@ -395,8 +395,10 @@ def _unvectorized_elementwise(trace, kernels):
         noncontig = [fmt_shape(s) for s, _, st in tensors if s == full and not is_dense(s, st)]
         if noncontig:
             reasons.append(f"strided (non-dense) operand {', '.join(noncontig)} (strides {[st for s, _, st in tensors if s == full]})")
-        if len(set(dtypes)) > 1 and op != "aten::copy_":  # copy_ across dtypes is the cast itself
-            reasons.append(f"mixed dtypes {'/'.join(dict.fromkeys(dtypes))} (a cast inside the kernel)")
+        # a bool operand is a mask (masked_fill, where), read as bool: no cast; copy_ across dtypes is the cast itself
+        values = [d for d in dtypes if d != "bool"]
+        if len(set(values)) > 1 and op != "aten::copy_":
+            reasons.append(f"mixed dtypes {'/'.join(dict.fromkeys(values))} (a cast inside the kernel)")
         if not reasons:
             continue  # broadcasting alone: expected, and part of a chain the unfused detector reports
         moved = op_bytes(inp) * len(rows)

@@ -503,6 +503,16 @@ def test_moe_experts_swap_is_priced_with_the_routing_it_replaces():
     assert 0.5 * routing_per_step < experts.gpu_time_saved_us_per_step < routing_per_step + mul["dur"].sum() / steps
 
 
+def test_a_bool_mask_is_not_a_cast_but_a_weighting_in_fp32_is():
+    # transformers' experts path (5.17): masked_fill_ with a broadcast [rows, 1] bool mask is broadcasting, read
+    # as bool, not an operand cast in the kernel; the routing weights' mul, fp32 times bf16 rows, is a cast
+    r = report("mixtral_bf16_1x256_infer")
+    unvectorized = [f for f in r.findings if f.key.startswith("fallback_kernel:unvectorized")]
+    assert not [f for f in unvectorized if "masked_fill" in f.title]
+    weighted = [f for f in unvectorized if "aten::mul" in f.title and "[512, 1]" in f.title]
+    assert weighted and "mixed dtypes bf16/fp32" in weighted[0].detail
+
+
 def test_calibrated_capture_takes_the_profiler_out():
     """Captured with capture's default schedule: the second wait step ran unprofiled and was timed."""
     r = report("llama8_bf16_1x512_train_calibrated")
