@@ -3,6 +3,11 @@ profiler_svc recommends for it vs Liger-Kernel's apply_liger_kernel_to_<family>,
 
     python benchmarks/ab_end_to_end.py [--family llama|gemma|qwen2|mixtral] [--out DIR] [--steps 20]
                                        [--warmup 5] [--budget-s 460] [--skip-ab] [--small] [--child-timeout-s 120]
+                                       [--variants ours:train,...] [--swaps rope,rms_norm,swiglu [--fused-loss]]
+                                       [--profile STEPS]
+
+--swaps skips the recommend stage and measures "ours" with those swaps; --profile adds, after each variant's
+timed steps, a torch.profiler pass: GPU time per step by kernel and the longest idle gaps between kernels.
 
 Families are built from configs of one size (hidden 2048, 8 layers, 32k vocabulary; Mixtral: 8 experts
 of 2816, top 2), random weights, bf16, SDPA.
