@@ -47,7 +47,7 @@ def _children(tree: dict, name: str) -> dict:
     """{child attribute name: node} of the module `name`."""
     prefix = f"{name}." if name else ""
     return {key[len(prefix):]: node for key, node in tree.items()
-            if key.startswith(prefix) and key != name and "." not in key[len(prefix):]}
+            if isinstance(node, dict) and key.startswith(prefix) and key != name and "." not in key[len(prefix):]}
 
 
 def _params(node: dict) -> dict:
@@ -62,7 +62,8 @@ def _ndim(param) -> int:
 
 def is_experts_block(tree: dict, name: str) -> bool:
     """An MoE experts block (3-D gate_up_proj/down_proj parameters): the gated swaps route its tokens too."""
-    params = _params(tree.get(name) or {})
+    node = tree.get(name)
+    params = _params(node) if isinstance(node, dict) else {}
     return _ndim(params.get("gate_up_proj")) == 3 and _ndim(params.get("down_proj")) == 3
 
 

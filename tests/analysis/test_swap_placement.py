@@ -94,3 +94,15 @@ def test_a_trace_without_module_tree_keeps_naming_the_swap(name):
     chains = unfused(recommend(fixture_path(name)))
     assert chains["rms_norm"].recommendation.swap == "rms_norm"
     assert "swap_applies_to" not in chains["rms_norm"].evidence
+
+
+@pytest.mark.parametrize("junk", ["junk", 5, None, ["x"], {"class": 7, "params": {"gate_up_proj": {"shape": "abc"}}}])
+def test_a_module_tree_with_junk_nodes_is_read_around_them(tmp_path, junk):
+    """The tree comes from the trace file: nodes that are not module records are skipped, never a traceback.
+    The experts blocks (intact, with their activation child) still take the swap that routes their tokens."""
+    def spoil(tree):
+        for name in list(tree):
+            if name.endswith(("mlp.gate", "self_attn.q_proj", "input_layernorm")):
+                tree[name] = junk
+    report = recommend(with_tree(tmp_path, "mixtral_bf16_1x256_infer", spoil))
+    assert report.findings and "swiglu" in report.swaps()
