@@ -60,11 +60,23 @@ def _ndim(param) -> int:
     return len(shape) if isinstance(shape, list) else -1
 
 
+def _node_params(tree: dict, name: str) -> dict:
+    node = tree.get(name)
+    return _params(node) if isinstance(node, dict) else {}
+
+
 def is_experts_block(tree: dict, name: str) -> bool:
     """An MoE experts block (3-D gate_up_proj/down_proj parameters): the gated swaps route its tokens too."""
-    node = tree.get(name)
-    params = _params(node) if isinstance(node, dict) else {}
+    params = _node_params(tree, name)
     return _ndim(params.get("gate_up_proj")) == 3 and _ndim(params.get("down_proj")) == 3
+
+
+def experts_hidden_size(tree: dict, name: str):
+    """H of an experts block's down_proj [E, H, I], or None where the tree does not record a usable one."""
+    if not is_experts_block(tree, name):
+        return None
+    hidden = _node_params(tree, name)["down_proj"]["shape"][1]
+    return hidden if isinstance(hidden, int) and hidden > 0 else None
 
 
 def _gated_activation(tree: dict, name: str, node: dict):

@@ -177,15 +177,15 @@ def _int_list(inputs: OpInputs, index: int, length: int, default: list) -> list:
     return values if len(values) == length else default
 
 
-def op_record_codes(trace: Trace, kernels: pd.DataFrame) -> np.ndarray:
-    """A code per kernel row, equal where the rows' launching ops have the same name and recorded inputs (-1:
-    no op): what depends on those alone (a GEMM's shape, bytes moved) is worked out once per code, where a
-    trace repeats them every step."""
-    ops = kernels["op"].to_numpy()
+def op_record_codes(trace: Trace, kernels) -> np.ndarray:
+    """A code per kernel row (KERNELS: a table, or a dict of its "op" and "op_name" columns), equal where the
+    rows' launching ops have the same name and recorded inputs (-1: no op): what depends on those alone (a
+    GEMM's shape, bytes moved) is worked out once per code, where a trace repeats them every step."""
+    ops = np.asarray(kernels["op"])
     codes = np.full(len(ops), -1, dtype=np.int64)
     launched = ops >= 0
     if launched.any():
-        names, _ = pd.factorize(kernels["op_name"].to_numpy()[launched])
+        names, _ = pd.factorize(np.asarray(kernels["op_name"])[launched])
         records = trace.record_codes(ops[launched])
         codes[launched] = pd.factorize(names.astype(np.int64) * (int(records.max()) + 1) + records)[0]
     return codes

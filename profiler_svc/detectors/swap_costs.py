@@ -52,6 +52,14 @@ def experts_block(tree, module: str) -> bool:
         and bool(placement.is_experts_block(tree, module))
 
 
+def experts_hidden_size(tree, module: str) -> Optional[int]:
+    """The hidden size of an MoE experts block (its down_proj [E, H, I]), or None where the tree has none."""
+    placement = _placement()
+    if placement is None or not isinstance(tree, dict) or module not in tree:
+        return None
+    return placement.experts_hidden_size(tree, module)
+
+
 def native_below(swap: str) -> Optional[int]:
     """Elements below which the swap's host function runs torch's native op instead of its Triton kernel
     (kernels/placement.py's NATIVE_BELOW), or None where it always runs its kernel."""

@@ -17,9 +17,9 @@ import pandas as pd
 from ..trace.labels import ROOT_NAME
 from ..trace.model import Trace, element_bytes
 from ..trace.replay import Change
-from .common import (Finding, Recommendation, fmt_us, fused, module_class, numel, op_bytes, per_step, per_step_note,
-                     plural, short_kernel_name, tensor_bytes)
-from .swap_costs import experts_block, native_below, native_is_eager, swap_applies, swap_host_cost
+from .common import (Finding, Recommendation, fmt_us, fused, module_class, numel, op_bytes, op_record_codes, per_step,
+                     per_step_note, plural, short_kernel_name, tensor_bytes)
+from .swap_costs import experts_block, experts_hidden_size, native_below, native_is_eager, swap_applies, swap_host_cost
 
 # How many kernels after an activation its gated product may come: the up projection (a GEMM, with
 # autocast's casts of its weight, or an FP8 scale) runs in between.
@@ -201,20 +201,19 @@ class _Kernels:
         self.kinds = kinds
         self.top_kind = np.array([kind_code[op_kind(n)] for n in top_names], dtype=np.int64)[top_codes]
         self.op_kind = np.array([kind_code[op_kind(n)] for n in op_names], dtype=np.int64)[op_codes]
-        self._info(trace, self.candidate | self.act | self.product, op_codes, op_names, list_dtype)
+        self._info(trace, self.candidate | self.act | self.product, list_dtype)
         self._end_bytes(trace, self.candidate)
 
-    def _info(self, trace, need, op_codes, op_names, list_dtype):
+    def _info(self, trace, need, list_dtype):
         """Per row, its op's _chain_info (moved, big, rows_key): `info` numbers the distinct ones (0: an op-less
         row's (0, None, None)), `bigs` holds their largest tensors; moved, the largest tensor's bytes and the
         rows key (a code, numbering `keys`; unknown: None, vector: a per-feature vector) as columns."""
-        op = self.columns["op"]
+        op, names = self.columns["op"], self.columns["op_name"]
         need = need & (op >= 0)  # an op-less row's info is (0, None, None)
         rows = np.flatnonzero(need)
-        records = trace.record_codes(op[rows])
-        pair = op_codes[rows].astype(np.int64) * (int(records.max(initial=0)) + 1) + records
-        _, first, inverse = np.unique(pair, return_index=True, return_inverse=True)
-        infos = [(0, None, None)] + [_chain_info(op_names[op_codes[r]] or "", trace.op_inputs(int(op[r])), list_dtype)
+        records = op_record_codes(trace, {"op": op[rows], "op_name": names[rows]})
+        _, first, inverse = np.unique(records, return_index=True, return_inverse=True)
+        infos = [(0, None, None)] + [_chain_info(names[r] or "", trace.op_inputs(int(op[r])), list_dtype)
                                      for r in rows[first]]
         code = np.zeros(len(op), dtype=np.int64)  # 0: the op-less info
         code[rows] = inverse.reshape(-1) + 1
@@ -685,16 +684,14 @@ def _routing_change(trace, group, bandwidth) -> Change:
     k = group[0].kernels
     col = k.columns
     tree = trace.capture_metadata.get("modules")
-    if not isinstance(tree, dict):
-        return Change()
     in_chains = np.concatenate([c.rows for c in group])
     changes = []
     by_call = defaultdict(list)
     for chain in group:
         by_call[(chain.module, chain.backward)].append(chain)
     for (module, backward), chains in by_call.items():
-        down = _param_shape(tree, _module_name(module), "down_proj")
-        if not (down and len(down) == 3 and isinstance(down[1], int) and down[1] > 0):
+        hidden = experts_hidden_size(tree, _module_name(module))
+        if hidden is None:
             continue
         chains.sort(key=lambda c: float(col["ts"][c.rows[0]]))
         rows = np.flatnonzero((col["module"] == module) & (col["backward"] == backward) & (col["kind"] == "memory"))
@@ -705,19 +702,10 @@ def _routing_change(trace, group, bandwidth) -> Change:
             mine = rows[call == i]
             if len(mine) < 2 or not chain.shape:
                 continue
-            routed = tensor_bytes([numel(chain.shape[:-1]), down[1]], chain.dtype)
+            routed = tensor_bytes([numel(chain.shape[:-1]), hidden], chain.dtype)
             fused_us = max(_ROUTED_PASSES[backward] * routed / bandwidth, _FUSED_FLOOR_US)
             changes.append(fused(trace, k.index[mine].tolist(), fused_us, host=False))
     return Change.union(changes)
-
-
-def _param_shape(tree: dict, module: str, param: str) -> Optional[list]:
-    """A parameter's shape as the capture's module tree records it (a trace file's, so checked), or None."""
-    node = tree.get(module)
-    params = node.get("params") if isinstance(node, dict) else None
-    entry = params.get(param) if isinstance(params, dict) else None
-    shape = entry.get("shape") if isinstance(entry, dict) else None
-    return shape if isinstance(shape, list) else None
 
 
 def _offset_norm(trace, group) -> bool:
