@@ -42,11 +42,11 @@ _PROGRESS_MIN_BYTES = 64 << 20
 # Kineto's events are under a few hundred kB and its other top-level fields a few MB: anything far
 # bigger is hostile, and refusing it keeps memory flat whatever the file holds.
 _MAX_EVENT_BYTES = 16 << 20
+_MAX_FIELDS_BYTES = 16 << 20
 # Address space a batch's decode may need, per byte of its JSON: msgspec (0.22) crashes with SIGSEGV, not
 # MemoryError, when an allocation fails inside it, as under the analysis sandbox's RLIMIT_AS. Below this
 # headroom the loader raises MemoryError itself.
 _DECODE_HEADROOM = 4
-_MAX_FIELDS_BYTES = 16 << 20
 _MAX_DEPTH = 64             # Kineto nests 7 deep; msgspec would raise RecursionError near 1000
 # Real traces gunzip 12-20x (tests/data, tiled ones too); a deflate bomb reaches ~1000x.
 _MAX_GZIP_RATIO = 100
