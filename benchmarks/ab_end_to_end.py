@@ -365,6 +365,8 @@ def main(argv=None) -> int:
     unknown = set(args.variants) - {f"{v}:{m}" for v, m in MEASURED}
     if unknown:
         p.error(f"--variants: unknown {', '.join(sorted(unknown))} (VARIANT:MODE, e.g. ours:train)")
+    if args.profile < 0:
+        p.error(f"--profile: STEPS must be 0 (no profile) or more, got {args.profile}")
     if args.child:
         print(json.dumps(STAGES[args.child](args)))
         return 0

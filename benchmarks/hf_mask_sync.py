@@ -15,12 +15,12 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 import ab_end_to_end as E
+from host_costs import host_us
 
 
 def main(argv=None) -> int:
@@ -29,6 +29,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {args.rounds}")
     if not torch.cuda.is_available():
         print("benchmarks/hf_mask_sync.py needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -48,13 +50,8 @@ def main(argv=None) -> int:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    def host_ms(fn) -> float:
-        torch.cuda.synchronize()
-        started = time.perf_counter()
-        fn()
-        took = (time.perf_counter() - started) * 1e3
-        torch.cuda.synchronize()
-        return took
+    def host_ms(fn) -> float:  # one call, started on an idle GPU
+        return host_us(fn, calls=1, warmup=0) / 1e3
 
     check = masking.find_packed_sequence_indices
     for _ in range(5):
