@@ -21,7 +21,7 @@ import os
 
 import torch
 
-from predict_vs_ab import capture_in_child, capture_step, run_cases
+from predict_vs_ab import capture_in_child, capture_step, measured_us, run_cases
 
 CASES = {
     # case: (fix, family config, dtype, batch (tokens, or images for torchvision models), attention, with optimizer)
@@ -147,9 +147,8 @@ def run_case(name, args):
                 numeric_cost=result["numeric_cost"])
     timing = result.get("timing")
     if timing:
-        measured = (timing["median_a_ms"] - timing["median_b_ms"]) * 1e3
         case.update(a_ms=timing["median_a_ms"], b_ms=timing["median_b_ms"], speedup=timing["speedup"],
-                    ci=[timing["ci_low"], timing["ci_high"]], measured_us=round(measured, 2))
+                    ci=[timing["ci_low"], timing["ci_high"]], measured_us=round(measured_us(timing), 2))
     return case
 
 

@@ -167,7 +167,7 @@ def run_case(family, size, mode, args):
                 parity_passed=d["parity_passed"])
     timing = d.get("timing")
     if timing:
-        measured = (timing["median_a_ms"] - timing["median_b_ms"]) * 1e3
+        measured = measured_us(timing)
         case.update(measured_us=round(measured, 2), a_ms=timing["median_a_ms"], b_ms=timing["median_b_ms"],
                     speedup=timing["speedup"], ci=[timing["ci_low"], timing["ci_high"]])
         case.update(score(predicted, measured, d["verdict"]))
@@ -181,16 +181,23 @@ def run_case(family, size, mode, args):
             t = alone.get("timing") or {}
             case["each"][swap] = {
                 "predicted_us": report.predict(swaps=[swap]).get("saving_us_per_step"),
-                "measured_us": round((t["median_a_ms"] - t["median_b_ms"]) * 1e3, 2) if t else None,
+                "measured_us": round(measured_us(t), 2) if t else None,
                 "verdict": alone["verdict"]}
     return case
 
 
-def score(predicted: dict, measured_us: float, verdict: str) -> dict:
+def measured_us(timing: dict) -> float:
+    """The step change an A/B measured (µs, A minus B): paired by round (ab/stats.saving_ms); results from
+    before that field, the difference of the medians."""
+    saving = timing.get("saving_ms")
+    return 1e3 * (saving if saving is not None else timing["median_a_ms"] - timing["median_b_ms"])
+
+
+def score(predicted: dict, measured: float, verdict: str) -> dict:
     """How far a prediction is from the A/B's measured change per step, and whether its direction is right:
     a saving predicted only where the A/B says faster, none (under 2% of the step) where it says no difference."""
     pred = predicted.get("saving_us_per_step", 0.0)
-    return {"error_share": round(abs(pred - measured_us) / abs(measured_us), 3) if measured_us else None,
+    return {"error_share": round(abs(pred - measured) / abs(measured), 3) if measured else None,
             "direction_right": (pred > 0) == (verdict == "faster") or (
                 verdict == "no_difference" and abs(pred) < 0.02 * predicted.get("step_us", 1.0))}
 

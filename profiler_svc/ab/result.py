@@ -19,10 +19,11 @@ class Timing:
     b_ms: list
     median_a_ms: float
     median_b_ms: float
-    speedup: float  # median A / median B: above 1 means B is faster
+    speedup: float  # median over rounds of A / B: above 1 means B is faster
     ci_low: float
     ci_high: float
     ci_level: float
+    saving_ms: float | None = None  # median over rounds of A - B (ms per step); None in results stored before it
 
 
 @dataclass

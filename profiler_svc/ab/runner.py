@@ -73,7 +73,8 @@ def ab_test(model: nn.Module, inputs, swaps=(), *, fixes=(), train: bool = False
                 timing = Timing(timer=stats.timer_name(device), rounds=rounds, warmup=warmup,
                                 a_ms=times["A"], b_ms=times["B"],
                                 median_a_ms=float(np.median(times["A"])), median_b_ms=float(np.median(times["B"])),
-                                speedup=speedup, ci_low=low, ci_high=high, ci_level=stats.CI_LEVEL)
+                                speedup=speedup, ci_low=low, ci_high=high, ci_level=stats.CI_LEVEL,
+                                saving_ms=stats.saving_ms(times["A"], times["B"]))
     finally:
         state.restore()
 
@@ -378,9 +379,8 @@ def _prediction(prediction, timing) -> dict | None:
     if not prediction:
         return None
     out = {k: prediction[k] for k in ("step_us", "step_us_after", "saving_us_per_step", "findings") if k in prediction}
-    if timing is not None and "saving_us_per_step" in prediction:
-        measured = (timing.median_a_ms - timing.median_b_ms) * 1e3
-        out["measured_saving_us_per_step"] = round(measured, 2)
+    if timing is not None and timing.saving_ms is not None and "saving_us_per_step" in prediction:
+        out["measured_saving_us_per_step"] = round(timing.saving_ms * 1e3, 2)
     return out
 
 

@@ -43,20 +43,28 @@ def time_ms(fn, device: torch.device, steps: int = STEPS_PER_RUN) -> float:
 
 def speedup_ci(a_ms, b_ms, seed: int, level: float = CI_LEVEL,
                resamples: int = BOOTSTRAP_RESAMPLES) -> tuple[float, float, float]:
-    """(median A / median B, CI low, CI high) by a paired percentile bootstrap over rounds.
+    """(median over rounds of A / B, CI low, CI high) by a percentile bootstrap over rounds.
 
-    Rounds are resampled as pairs because A and B of one round ran side by side and share
-    whatever the machine was doing then (clock boost, a neighbour's load).
+    Paired by round: A and B of one round ran side by side and share whatever the machine was doing then.
+    A lent host's pace drifts by 15-25% over a minute (benchmarks/results/predict_vs_ab.md, "Loop drift"),
+    which moves both alike; each round's ratio cancels it, where a ratio of the two medians keeps it.
     """
     a, b = np.asarray(a_ms, dtype=float), np.asarray(b_ms, dtype=float)
     if a.shape != b.shape or a.size == 0:
         raise ValueError("need the same, non-zero number of A and B timings")
+    ratios = a / b
     rng = np.random.default_rng(seed)
     idx = rng.integers(0, a.size, size=(resamples, a.size))
-    ratios = np.median(a[idx], axis=1) / np.median(b[idx], axis=1)
+    resampled = np.median(ratios[idx], axis=1)
     tail = (1.0 - level) / 2
-    low, high = np.quantile(ratios, [tail, 1.0 - tail])
-    return float(np.median(a) / np.median(b)), float(low), float(high)
+    low, high = np.quantile(resampled, [tail, 1.0 - tail])
+    return float(np.median(ratios)), float(low), float(high)
+
+
+def saving_ms(a_ms, b_ms) -> float:
+    """What B saves per step, A minus B, as the median over rounds of each round's difference (paired as
+    speedup_ci is)."""
+    return float(np.median(np.asarray(a_ms, dtype=float) - np.asarray(b_ms, dtype=float)))
 
 
 def verdict(parity_passed: bool, ci_low: float | None, ci_high: float | None) -> str:
