@@ -51,6 +51,11 @@ def sync():
 
 def host_us(step, calls: int, warmup: int = 10) -> float:
     """Median host time of one `step()` started on an idle GPU, µs."""
+    return 1e6 * statistics.median(host_samples(step, calls, warmup))
+
+
+def host_samples(step, calls: int, warmup: int = 10) -> list:
+    """Host seconds of each of `calls` calls of `step()`, each started on an idle GPU."""
     for _ in range(warmup):
         step()
     sync()
@@ -61,7 +66,7 @@ def host_us(step, calls: int, warmup: int = 10) -> float:
         step()
         times.append(time.perf_counter() - started)
     sync()
-    return 1e6 * statistics.median(times)
+    return times
 
 
 def wall_us(step, calls: int, warmup: int = 10) -> float:
@@ -200,6 +205,10 @@ def _steps(module, inputs):
     return forward, inference, forward_backward
 
 
+KINDS = ("forward", "inference", "forward_backward")  # the order _steps returns them in
+ROUNDS = 10
+
+
 def measure_modules(rows_list, hidden, vocab, calls, log, ops=None) -> dict:
     from profiler_svc.kernels.swap import _entries
 
@@ -225,12 +234,18 @@ def measure_modules(rows_list, hidden, vocab, calls, log, ops=None) -> dict:
         for rows in rows_list:
             torch.manual_seed(0)
             inputs = make_inputs(rows)
-            row = {}
-            for label, module in candidates.items():
-                fwd, inf, both = _steps(module, tuple(t.detach().clone() if isinstance(t, torch.Tensor) else t
-                                                      for t in inputs))
-                row[label] = {"forward": round(host_us(fwd, calls), 1), "inference": round(host_us(inf, calls), 1),
-                              "forward_backward": round(host_us(both, calls), 1)}
+            steps = {label: dict(zip(KINDS, _steps(module, tuple(t.detach().clone() if isinstance(t, torch.Tensor)
+                                                                 else t for t in inputs))))
+                     for label, module in candidates.items()}
+            # the candidates take turns, a few calls each round: the host's pace drifts over a run (by more
+            # than a swap's cost), and a candidate measured all at once would carry its moment's pace
+            samples: dict = {label: {kind: [] for kind in KINDS} for label in candidates}
+            for _ in range(ROUNDS):
+                for label, kinds in steps.items():
+                    for kind, step in kinds.items():
+                        samples[label][kind] += host_samples(step, max(calls // ROUNDS, 1), warmup=2)
+            row = {label: {kind: round(1e6 * statistics.median(times), 1) for kind, times in kinds.items()}
+                   for label, kinds in samples.items()}
             by_rows[rows] = row
             print(f"{name:14s} rows {rows:6d} " + "  ".join(
                 f"{label} {v['forward']:.0f}/{v['inference']:.0f}/{v['forward_backward']:.0f}" for label, v in row.items())

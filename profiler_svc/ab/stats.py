@@ -46,8 +46,9 @@ def speedup_ci(a_ms, b_ms, seed: int, level: float = CI_LEVEL,
     """(median over rounds of A / B, CI low, CI high) by a percentile bootstrap over rounds.
 
     Paired by round: A and B of one round ran side by side and share whatever the machine was doing then.
-    A lent host's pace drifts by 15-25% over a minute (benchmarks/results/predict_vs_ab.md, "Loop drift"),
-    which moves both alike; each round's ratio cancels it, where a ratio of the two medians keeps it.
+    A lent host's pace drifts over a minute (one process's plain loop step moved by up to 23%:
+    benchmarks/results/predict_vs_ab.md, "Loop drift"), which moves both alike; each round's ratio cancels it,
+    where a ratio of the two medians keeps it.
     """
     a, b = np.asarray(a_ms, dtype=float), np.asarray(b_ms, dtype=float)
     if a.shape != b.shape or a.size == 0:

@@ -1,0 +1,104 @@
+"""How far a plain training loop's step moves within one process, at each stage of predict_vs_ab's flow.
+
+For each family (predict_vs_ab's GPU-bound size, 4x1024 tokens, training), in one process: the step of a plain
+loop (CUDA events over 10 steps, median of 5 runs) and the host's own time for a step started on an idle GPU
+(fastest and median of 5), timed when the model is fresh, after capture ran in a child process, after
+`recommend` analysed its trace here, after `ab_test` of the swaps it named, and after a garbage collection.
+If one stage slowed the process, its figures would move together after it; if the machine's pace drifts,
+they wander with no stage in common. Either way it bounds how closely a prediction from the capture can
+match what an A/B minutes later measures.
+
+    python benchmarks/loop_drift.py --out DIR [--families qwen2,llama]   (GPU)
+"""
+import argparse
+import gc
+import json
+import os
+import statistics
+import time
+
+import torch
+
+import profiler_svc
+from predict_vs_ab import capture_case, capture_in_child, make_case
+from profiler_svc.recommendations import recommend
+
+
+def loop_ms(step, steps: int = 10, runs: int = 5) -> dict:
+    """A loop's step (ms, CUDA events): median and fastest of RUNS runs of STEPS steps."""
+    times = []
+    for _ in range(runs):
+        torch.cuda.synchronize()
+        step()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / steps)
+    return {"median": round(statistics.median(times), 2), "min": round(min(times), 2)}
+
+
+def host_ms(step, runs: int = 5) -> dict:
+    """The host's time for one step started on an idle GPU (ms): fastest and median of RUNS."""
+    times = []
+    for _ in range(runs):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - started) * 1e3)
+    torch.cuda.synchronize()
+    return {"min": round(min(times), 2), "median": round(statistics.median(times), 2)}
+
+
+def family_drift(family: str, out: str) -> dict:
+    model, inputs, step, _ = make_case(family, "gpu", "train", False)
+    for _ in range(5):
+        step()
+    stages = {}
+
+    def timed(stage):
+        stages[stage] = {"loop_ms": loop_ms(step), "host_ms": host_ms(step)}
+
+    timed("fresh")
+    path = os.path.join(out, f"{family}_4x1024_train.json.gz")
+    capture_in_child(capture_case, (family, "gpu", "train", False, path), path)
+    timed("after child capture")
+    report = recommend(path)
+    calibration = report.steps.get("calibration") or {}
+    timed("after recommend")
+    swaps = report.swaps()
+    timing = profiler_svc.ab_test(model, inputs, swaps, train=True, loss_fn=lambda o: o.loss, rounds=12,
+                                  warmup=3).to_dict()["timing"]
+    timed("after ab_test")
+    del report
+    gc.collect()
+    timed("after gc")
+    os.remove(path)
+    return {"stages": stages, "capture_unprofiled_step_ms": round(calibration.get("unprofiled_step_us", 0) / 1e3, 2),
+            "ab_test": {"swaps": swaps, "median_a_ms": round(timing["median_a_ms"], 2),
+                        "median_b_ms": round(timing["median_b_ms"], 2)}}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--families", default="qwen2,llama")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.exit(2, "loop_drift.py needs a CUDA GPU\n")
+    os.makedirs(args.out, exist_ok=True)
+    results = {}
+    for family in args.families.split(","):
+        results[family] = family_drift(family, args.out)
+        print(family, json.dumps(results[family]), flush=True)
+    import transformers
+    env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "transformers": transformers.__version__}
+    with open(os.path.join(args.out, "loop_drift.json"), "w") as f:
+        json.dump({"environment": env, "families": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
