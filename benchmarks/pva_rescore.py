@@ -57,6 +57,9 @@ RUNS = [
      FAST_LAUNCH_COSTS),
     ("predict_vs_ab_h100_routed_mixtral_2026-11-27.json", "pva_traces_h100_2026-11-27_routed_mixtral", {},
      ROUTED_EXPERTS_COSTS),
+    # every family at both sizes on today's kernels; of the GPU-bound run's eight traces four came back
+    ("predict_vs_ab_h100_fresh_host_2026-11-27.json", "pva_traces_h100_2026-11-27_fresh_host", {}, ROUTED_EXPERTS_COSTS),
+    ("predict_vs_ab_h100_fresh_gpu_2026-11-27.json", "pva_traces_h100_2026-11-27_fresh_gpu", {}, ROUTED_EXPERTS_COSTS),
 ]
 
 

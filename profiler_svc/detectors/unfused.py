@@ -647,7 +647,8 @@ def _change(trace, swap, group, fused_times, experts: bool = False) -> tuple[Cha
     variant = _variant(swap, offset_norm)
     cost_name = f"{swap}_experts" if experts else variant
     dispatches = bool(swap) and native_below(variant) is not None
-    for chain, fused_us in zip(group, fused_times):
+    opens_call = _opens_call(group)
+    for chain, fused_us, opens in zip(group, fused_times, opens_call):
         rows = chain.kernels.index[chain.rows].tolist()
         if swap:
             native = dispatches and _native_call(swap, chain, offset_norm)
@@ -656,7 +657,7 @@ def _change(trace, swap, group, fused_times, experts: bool = False) -> tuple[Cha
             # the registry's measured host cost per call, relative to the eager module (unknown: the same)
             one = Change() if native and native_is_eager(swap) else fused(trace, rows, fused_us, host=False)
             cost = swap_host_cost(cost_name, chain.backward, triton_path=dispatches and not native)
-            if cost:
+            if cost and opens:  # the cost is per module call, which may hold several chains (rope: q and k)
                 one.host_added = [(float(chain.kernels.columns["ts"][chain.rows[0]]), cost)]
         else:
             one = fused(trace, rows, fused_us, host=True)
@@ -664,6 +665,27 @@ def _change(trace, swap, group, fused_times, experts: bool = False) -> tuple[Cha
     if swap and swap_host_cost(cost_name, False) is None:
         note = f" The `{swap}` swap's host cost per call is not measured: taken as the eager module's."
     return Change.union(changes), note
+
+
+def _opens_call(group) -> list[bool]:
+    """Per chain, is it the first of its module call in its direction? A later chain of the same module and
+    direction is in the same call when only that module's kernels (its own or its children's) ran between."""
+    if not group:
+        return []
+    modules = group[0].kernels.columns["module"]
+    opens = [True] * len(group)
+    last: dict = {}
+    for i in sorted(range(len(group)), key=lambda i: group[i].rows[0]):
+        chain = group[i]
+        key = (chain.module, chain.backward)
+        before = last.get(key)
+        last[key] = chain.rows[-1]
+        if chain.module is None or before is None:
+            continue
+        child = chain.module + "."
+        opens[i] = any(m != chain.module and not (isinstance(m, str) and m.startswith(child))
+                       for m in modules[before + 1:chain.rows[0]])
+    return opens
 
 
 def _experts_blocks(trace, instances) -> bool:

@@ -407,6 +407,22 @@ def test_a_norm_is_priced_on_the_path_its_size_takes():
         assert {round(a, 6) for _, a in f.change.host_added} == {round(a, 6) for a in expected}
 
 
+def test_a_swaps_host_cost_is_paid_once_per_module_call():
+    """The registry's host cost is per call of the module a swap replaces, and rope's call holds two chains
+    (q's and k's rotation): 64 chains in a 2-step, 8-layer training trace are 32 calls (each layer's attention
+    forward and backward, each step). Charged per chain, the rope swap's host saving counted twice."""
+    from profiler_svc.detectors.swap_costs import swap_host_cost
+    f = one("llama8_bf16_4x1024_train_calibrated", "unfused_chain:rope")
+    directions = f.evidence["directions"]
+    assert directions["forward"]["chains"] == directions["backward"]["chains"] == 32
+    layers = len(f.evidence["modules"])
+    assert layers == 8
+    calls = 2 * layers * 2  # steps x attention modules x directions
+    assert len(f.change.host_added) == calls
+    expected = calls // 2 * (swap_host_cost("rope", False) + swap_host_cost("rope", True))
+    assert math.isclose(sum(a for _, a in f.change.host_added), expected, rel_tol=1e-9)
+
+
 def test_a_gated_mlp_below_the_native_size_names_no_swap():
     """Below NATIVE_BELOW elements a call to the swiglu swap runs eager's own silu(gate) * up: at 1x512 tokens
     (512 x 5632) the swap would change nothing, so the finding names none and prices torch.compile's fusion;

@@ -65,9 +65,10 @@ def test_run_page_answers_first(engine, blobs, client):
 
 
 def test_run_page_names_the_fixes_left_out_of_the_combined_prediction(engine, blobs, client):
-    """Real capture (Gemma, 4x1024, training): the cross-entropy fix saves alone but lengthens the step on
-    top of the norm swap, so the prediction leaves it out, and the page says which and by how much."""
-    trace = fixture_path("gemma8_bf16_4x1024_train_pva")
+    """Real capture (one rank of a Llama DDP job, ingested alone): the rotary and cross-entropy fixes save alone
+    but lengthen the step on top of the others, so the prediction leaves them out, and the page says which and
+    by how much."""
+    trace = fixture_dir("llama_nccl_ddp_straggler") / "llama_nccl_ddp_straggler_rank1.json.gz"
     run_id = ingest(engine, blobs, trace)
     prediction = recommend(str(trace)).to_dict()["prediction"]
     assert prediction["not_combined"]
