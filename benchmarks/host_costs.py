@@ -3,6 +3,7 @@
     python benchmarks/host_costs.py --out kernels/host_costs.json [--md benchmarks/results/host_costs.md]
     python benchmarks/host_costs.py --in-model-out benchmarks/results/host_costs_in_model.json
     python benchmarks/host_costs.py --ops rms_norm_offset --out kernels/host_costs.json   # re-measure some, merged
+    python benchmarks/host_costs.py --median-of A.json B.json C.json --out kernels/host_costs.json  # runs' medians
     TRITON_INTERPRET=1 python benchmarks/host_costs.py --tiny --out /tmp/host_costs.json   # CPU smoke test
 
 Three measurements:
@@ -476,6 +477,30 @@ def costs_json(modules: dict, cross: dict, meta: dict, merge_into: Optional[dict
             **meta, "swaps": swaps, "native_crossover": cross}
 
 
+def median_of(paths: list, command: str) -> dict:
+    """The first file's table with each swap that every file measured (differently) replaced by the median,
+    figure by figure (rows x candidate x forward/inference/forward+backward), of the files' measurements."""
+    tables = []
+    for path in paths:
+        with open(path) as f:
+            tables.append(json.load(f))
+    first = tables[0]
+    modules = {}
+    for name, entry in first["swaps"].items():
+        runs = [t["swaps"].get(name, {}).get("host_us_by_rows") for t in tables]
+        if not all(runs) or all(r == runs[0] for r in runs):  # unmeasured somewhere, or copied unchanged
+            continue
+        by_rows: dict = {}
+        for rows, row in runs[0].items():
+            by_rows[int(rows)] = {label: {kind: round(statistics.median(r[rows][label][kind] for r in runs), 1)
+                                          for kind in KINDS}
+                                  for label in row if all(label in r.get(rows, {}) for r in runs)}
+        modules[name] = {"eager_class": entry["eager_class"], "by_rows": by_rows}
+    meta = {"versions": first["versions"], "hidden": first["hidden"], "vocab": first.get("vocab", 32000),
+            "command": command}
+    return costs_json(modules, {}, meta, merge_into=first)
+
+
 def markdown(data: dict) -> str:
     about = ", ".join(f"{k} {v}" for k, v in data["versions"].items())
     remeasured: dict = {}  # command -> the entries it re-measured (merged in with --ops)
@@ -514,11 +539,25 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-crossover", action="store_true")
     parser.add_argument("--ops", help="comma-separated swaps/variants to measure; merged into an existing --out")
     parser.add_argument("--rounds", type=int, default=12, help="interleaved rounds of the in-model measurement")
+    parser.add_argument("--median-of", nargs="+", metavar="JSON",
+                        help="write to --out, in place of measuring, each figure's median over these host-cost files "
+                             "(runs of the same kernels: a module's host time per call moves between sessions)")
     parser.add_argument("--in-model-out", metavar="JSON",
                         help="measure only in the models (measurement 3), into this JSON")
     args = parser.parse_args(argv)
     if not (args.out or args.in_model_out):
         parser.error("give --out, --in-model-out or both")
+    if args.median_of:
+        if not args.out:
+            parser.error("--median-of writes --out")
+        data = median_of(args.median_of, "python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]))
+        with open(args.out, "w") as f:
+            json.dump(data, f, indent=1)
+            f.write("\n")
+        if args.md:
+            with open(args.md, "w") as f:
+                f.write(markdown(data))
+        return 0
     if args.tiny:
         DEVICE = "cpu"
         if os.environ.get("TRITON_INTERPRET") != "1":

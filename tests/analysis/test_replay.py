@@ -206,9 +206,10 @@ def test_a_gpu_bound_step_takes_its_host_time_from_the_step_timed_on_the_host():
             assert ("the fastest of the 3 steps" in calibration["note"]) == (host_ms == 34.0)
         swaps = [f for f in a.findings if f.recommendation.swap]
         savings[host_ms] = a.predict(swaps)["saving_us_per_step"]
-    # the longer the host, the less of the swaps' GPU saving the step keeps: 9.7 ms with a 20 ms host, 3.9
-    # with one as long as the GPU's 34 ms, 1.6 unmeasured (as long as fits in 2% more: 36 ms)
-    assert savings[None] < savings[34.0] < savings[20.0] and savings[34.0] < 0.6 * savings[20.0]
+    # the longer the host, the less of the swaps' GPU saving the step keeps: 9.7 ms with a 20 ms host, 5.9
+    # with one as long as the GPU's 34 ms, 4.1 unmeasured (as long as fits in 2% more: 36 ms); the rope swap's
+    # host saving (1.5 ms) is kept whatever the host's length
+    assert savings[None] < savings[34.0] < savings[20.0] and savings[34.0] < 0.65 * savings[20.0]
 
 
 def _take_host_time_one_by_one(gaps, own, is_sync, at, amounts):
