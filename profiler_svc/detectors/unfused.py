@@ -682,8 +682,9 @@ def _opens_call(group) -> list[bool]:
         last[key] = chain.rows[-1]
         if chain.module is None or before is None:
             continue
-        child = chain.module + "."
-        opens[i] = any(m != chain.module and not (isinstance(m, str) and m.startswith(child))
+        name = _module_name(chain.module)
+        child = f"{name}." if name else ""  # the root's children are every other module
+        opens[i] = any(m != chain.module and not (isinstance(m, str) and _module_name(m).startswith(child))
                        for m in modules[before + 1:chain.rows[0]])
     return opens
 

@@ -762,3 +762,24 @@ def test_nccl_planted_host_sync_is_the_rank_that_reads_the_loss_mid_step():
     assert counts == {0: 4, 1: 2}
     assert sync.rank == 0 and sync.evidence["calls"] == counts[0]
     assert sync.evidence["saving_us_per_step_by_rank"]["0"] > sync.evidence["saving_us_per_step_by_rank"]["1"]
+
+
+def test_a_module_call_spans_its_childrens_kernels_not_another_call():
+    """Chains of one module and direction are one call while only that module's kernels, its own or its
+    children's, run between them; another module's kernel between them starts a new call."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from profiler_svc.detectors.unfused import _opens_call
+
+    attn, proj = "model.layers.0.self_attn (LlamaAttention)", "model.layers.0.self_attn.o_proj (Linear)"
+    other = "model.layers.1.self_attn (LlamaAttention)"
+    kernels = SimpleNamespace(columns={"module": np.array([attn, attn, proj, attn, attn, other, attn, attn],
+                                                          dtype=object)})
+
+    def chain(rows, backward=False):
+        return SimpleNamespace(kernels=kernels, rows=np.array(rows), module=attn, backward=backward)
+
+    group = [chain([0, 1]), chain([3, 4]), chain([6, 7]), chain([3, 4], backward=True)]
+    assert _opens_call(group) == [True, False, True, True]
