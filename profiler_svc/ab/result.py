@@ -97,7 +97,10 @@ class ABResult:
             t = self.timing
             lines.append(f"time: A {t.median_a_ms:.3f} ms, B {t.median_b_ms:.3f} ms "
                          f"(medians of {t.rounds} interleaved rounds after {t.warmup} warm-up, {t.timer})")
-            lines.append(f"speedup A/B: {t.speedup:.3f}x ({t.ci_level:.0%} CI {t.ci_low:.3f}-{t.ci_high:.3f})")
+            lines.append(f"speedup A/B: {t.speedup:.3f}x ({t.ci_level:.0%} CI {t.ci_low:.3f}-{t.ci_high:.3f}; "
+                         "each round's A/B, median)")
+            if t.saving_ms is not None:
+                lines.append(f"B saves {t.saving_ms:.3f} ms per step (each round's A - B, median)")
         if self.memory_method:
             lines.append(f"peak memory: A {_gb(self.peak_memory_a_bytes)}, B {_gb(self.peak_memory_b_bytes)} "
                          f"({self.memory_method})")

@@ -77,6 +77,8 @@ def test_to_dict_round_trips_through_json():
     as_dict = json.loads(json.dumps(result.to_dict(), allow_nan=False))
     assert as_dict["timing"]["speedup"] == pytest.approx(result.timing.speedup)
     assert as_dict["timing"]["a_ms"] == result.timing.a_ms
+    assert as_dict["timing"]["saving_ms"] == pytest.approx(saving_ms(result.timing.a_ms, result.timing.b_ms))
+    assert f"B saves {result.timing.saving_ms:.3f} ms per step" in result.summary()
     assert len(as_dict["parity"]) == len(result.parity)
     assert as_dict["memory_method"] is None and as_dict["peak_memory_a_bytes"] is None  # CPU
     # The summary names the verdict. Which verdict is a 95% interval's call, wrong about one run in twenty

@@ -43,9 +43,13 @@ def test_api_request_worker_result_page(tmp_path):
     page = client.get(f"/jobs/{job_id}").get_data(as_text=True)
     if result["device"].startswith("cuda"):
         assert f'{result["timing"]["speedup"]:.3f}×' in page
+        timing = result["timing"]
+        saving = sorted(a - b for a, b in zip(timing["a_ms"], timing["b_ms"]))[1]  # the median of 3 rounds
+        assert f'id="ab-saving">{saving:.3f} ms' in page
         assert 'id="ab-times-chart"' in page and 'id="ab-times-data"' in page
         assert "passed" in page and result["verdict"] in page
     else:  # Triton's CPU interpreter: parity, and no speed verdict from its timing
         assert 'id="parity-only"' in page and "timing not measured" in page and "plotly" not in page
         assert f'{result["timing"]["speedup"]:.3f}×' not in page and 'id="ab-times-chart"' not in page
+        assert 'id="ab-saving"' not in page
     storage_db._engines.pop(url).dispose()
