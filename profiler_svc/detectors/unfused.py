@@ -647,7 +647,7 @@ def _change(trace, swap, group, fused_times, experts: bool = False) -> tuple[Cha
     variant = _variant(swap, offset_norm)
     cost_name = f"{swap}_experts" if experts else variant
     dispatches = bool(swap) and native_below(variant) is not None
-    opens_call = _opens_call(group)
+    opens_call = _opens_call(group) if swap else [True] * len(group)
     for chain, fused_us, opens in zip(group, fused_times, opens_call):
         rows = chain.kernels.index[chain.rows].tolist()
         if swap:

@@ -267,3 +267,13 @@ def test_ab_result_from_a_cpu_is_parity_only(engine, blobs):
     assert "×" not in text_of(cpu_page) and "faster" not in text_of(cpu_page) and "plotly" not in cpu_page
     gpu_page = client.get(f"/jobs/{gpu}").get_data(as_text=True)
     assert 'id="verdict">faster<' in gpu_page and 'id="parity-only"' not in gpu_page and "plotly" in gpu_page
+    # B's saving, paired by round, where the result has it; a result stored before that field shows none
+    paired = result_dict()
+    paired["timing"]["saving_ms"] = 1.0
+    older = result_dict()
+    older["timing"].pop("saving_ms", None)
+    pages = {key: client.get(f"/jobs/{save_ab_result(r, workload=WORKLOAD, engine=engine)}")
+             for key, r in (("paired", paired), ("older", older))}
+    assert all(page.status_code == 200 for page in pages.values())
+    assert 'id="ab-saving">1.000 ms<' in pages["paired"].get_data(as_text=True)
+    assert 'id="ab-saving"' not in pages["older"].get_data(as_text=True)
