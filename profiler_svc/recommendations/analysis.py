@@ -24,6 +24,9 @@ _MIN_DECODE_TOKENS = 4
 # The step is bound by the host (or the GPU) when halving its time shortens the step this much more than
 # halving the other's does.
 _BOUND_MARGIN = 0.15
+# Capture's timed unprofiled steps further apart than this (slowest / fastest - 1) get a note: its median is then
+# one moment's pace (on the H100 a plain loop's step moved by up to 23% within a minute; predict_vs_ab.md).
+UNSTEADY_SPREAD = 0.2
 
 
 @dataclass
@@ -191,6 +194,15 @@ def _calibration(trace: Trace, timeline: Timeline) -> tuple[HostCost, dict]:
         "measured": True, "unprofiled_step_us": round(unprofiled, 2), "profiled_step_us": round(profiled, 2),
         "profiler_inflation_pct": round(100 * (profiled / unprofiled - 1), 1),
         "profiler_us_per_event": round(calibration.host.per_event_us, 2), "host_scale": round(calibration.host_share, 3)}
+    loop_steps = _timed_steps_us(trace)
+    if len(loop_steps) >= 2:
+        fastest, slowest = min(loop_steps), max(loop_steps)
+        out["unprofiled_steps_us"] = [round(fastest, 2), round(slowest, 2)]
+        spread = slowest / fastest - 1
+        if spread > UNSTEADY_SPREAD:
+            out["spread_note"] = (f"capture's {len(loop_steps)} timed unprofiled steps differ by {spread:.0%} "
+                                  f"({fmt_us(fastest)}-{fmt_us(slowest)}): the host's pace moved while they ran, "
+                                  f"and the calibration is that much less certain; a longer schedule `wait` times more")
     if calibration.host_measured:
         out["host_step_us"] = round(host_step or 0.0, 2)
         samples = _unprofiled(trace).get("host_steps_us")
@@ -203,6 +215,18 @@ def _calibration(trace: Trace, timeline: Timeline) -> tuple[HostCost, dict]:
                        f"can be without lengthening the step by over {GPU_BOUND_SLACK:.0%}, so a GPU saving "
                        f"counts only as far as the host leaves room")
     return calibration.host, out
+
+
+def _timed_steps_us(trace: Trace) -> list[float]:
+    """The unprofiled steps capture timed for the loop's step (its warm-up one left out, as its median does);
+    [] where the metadata does not hold them as positive numbers, index by index."""
+    info = _unprofiled(trace)
+    steps, indices = info.get("steps_us"), info.get("step_indices")
+    if not (isinstance(steps, list) and isinstance(indices, list) and len(steps) == len(indices)):
+        return []
+    return [float(us) for index, us in zip(indices, steps)
+            if isinstance(index, int) and not isinstance(index, bool) and index > 0
+            and isinstance(us, (int, float)) and not isinstance(us, bool) and 0 < us < float("inf")]
 
 
 def unprofiled_step_us(trace: Trace) -> Optional[float]:

@@ -167,11 +167,15 @@ def _headline(report: Report) -> list[str]:
         lines.append(f"{'' if b['kind'] == 'balanced' else 'bound by '}{b['kind']}: {b['detail']}")
     calibration = steps.get("calibration") or {}
     if calibration.get("measured"):
-        lines.append(f"unprofiled step {fmt_us(calibration['unprofiled_step_us'])}: the profiler inflated it by "
+        timed = calibration.get("unprofiled_steps_us")
+        spread = f" ({fmt_us(timed[0])}-{fmt_us(timed[1])} over the steps timed)" if timed else ""
+        lines.append(f"unprofiled step {fmt_us(calibration['unprofiled_step_us'])}{spread}: the profiler inflated it by "
                      f"{calibration['profiler_inflation_pct']:.0f}%; taking {calibration['profiler_us_per_event']:.1f} µs "
                      f"of profiler cost off each recorded event leaves {calibration['host_scale']:.0%} of the host time")
         if calibration.get("note"):
             lines.append(calibration["note"])
+        if calibration.get("spread_note"):
+            lines.append(calibration["spread_note"])
     elif calibration:
         lines.append("host figures are upper bounds, inflated by the profiler: " + calibration["note"].split(": ", 1)[0])
     if prediction:

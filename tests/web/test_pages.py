@@ -80,6 +80,17 @@ def test_run_page_names_the_fixes_left_out_of_the_combined_prediction(engine, bl
     assert fmt_us(prediction["step_us"]) in answer  # the replayed loop step the fixes start from
 
 
+def test_run_page_says_how_far_apart_captures_timed_steps_were(engine, blobs, client):
+    """Real capture (Mixtral inference, H100) whose unprofiled steps were timed 29% apart: the run page says so,
+    in the analyser's words; a steady capture's page does not."""
+    unsteady = ingest(engine, blobs, fixture_path("mixtral_bf16_1x256_infer"))
+    steady = ingest(engine, blobs, fixture_path("gemma8_bf16_4x1024_train_pva"))
+    note = recommend(str(fixture_path("mixtral_bf16_1x256_infer"))).steps["calibration"]["spread_note"]
+    page = text_of(client.get(f"/runs/{unsteady}").get_data(as_text=True))
+    assert note[1:] in page and "less certain" in page
+    assert 'id="calibration-spread"' not in client.get(f"/runs/{steady}").get_data(as_text=True)
+
+
 def test_runs_list_names_each_runs_top_finding(engine, blobs, client):
     labelled = ingest(engine, blobs, LABELLED)
     small = ingest(engine, blobs, fixture_path("llama_bf16_compiled_infer"))
