@@ -207,7 +207,7 @@ def _steps(module, inputs):
 
 
 KINDS = ("forward", "inference", "forward_backward")  # the order _steps returns them in
-ROUNDS = 10
+TURNS = 10  # rounds in which the candidates take turns (measure_modules; --rounds is the in-model one)
 
 
 def measure_modules(rows_list, hidden, vocab, calls, log, ops=None) -> dict:
@@ -241,10 +241,10 @@ def measure_modules(rows_list, hidden, vocab, calls, log, ops=None) -> dict:
             # the candidates take turns, a few calls each round: the host's pace drifts over a run (by more
             # than a swap's cost), and a candidate measured all at once would carry its moment's pace
             samples: dict = {label: {kind: [] for kind in KINDS} for label in candidates}
-            for _ in range(ROUNDS):
+            for _ in range(TURNS):
                 for label, kinds in steps.items():
                     for kind, step in kinds.items():
-                        samples[label][kind] += host_samples(step, max(calls // ROUNDS, 1), warmup=2)
+                        samples[label][kind] += host_samples(step, max(calls // TURNS, 1), warmup=2)
             row = {label: {kind: round(1e6 * statistics.median(times), 1) for kind, times in kinds.items()}
                    for label, kinds in samples.items()}
             by_rows[rows] = row

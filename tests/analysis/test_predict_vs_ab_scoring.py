@@ -41,3 +41,30 @@ def test_the_analyser_keeps_its_accuracy_on_the_committed_ab_runs():
     host, gpu = result["host-bound 1x256"], result["GPU-bound 4x1024"]
     assert host["cases"] == 52 and host["direction_right"] >= 50 and host["median_abs_error_share"] <= 0.27
     assert gpu["cases"] == 44 and gpu["direction_right"] >= 29 and gpu["median_abs_error_share"] <= 0.76
+
+
+def test_the_installed_host_costs_are_the_median_of_the_committed_runs():
+    """kernels/host_costs.json is `host_costs.py --median-of` over three committed runs of the same kernels:
+    each figure the median of the three, ours - eager recomputed from those, entries one run alone measured
+    (swiglu_experts) kept as they were."""
+    import statistics
+
+    from benchmarks.host_costs import median_of
+    from profiler_svc.detectors.swap_costs import COSTS_FILE, _kernels_dir
+
+    runs = [os.path.join(RESULTS, name) for name in ("host_costs_h100_routed_experts_2026-11-27.json",
+                                                     "host_costs_h100_interleaved_2026-11-27.json",
+                                                     "host_costs_h100_interleaved2_2026-11-27.json")]
+    tables = [json.load(open(path))["swaps"] for path in runs]
+    installed = json.loads((_kernels_dir() / COSTS_FILE).read_text())["swaps"]
+    computed = median_of(runs, "test")["swaps"]
+    for name in ("rms_norm", "rope", "geglu"):
+        cell = statistics.median(t[name]["host_us_by_rows"]["8"]["ours"]["forward_backward"] for t in tables)
+        assert computed[name]["host_us_by_rows"][8]["ours"]["forward_backward"] == cell
+        rows = installed[name]["host_us_by_rows"]["8"]
+        assert installed[name]["forward_backward_us"] == round(
+            rows["ours"]["forward_backward"] - rows["eager"]["forward_backward"], 1)
+    for name, entry in installed.items():
+        assert entry["forward_us"] == computed[name]["forward_us"]
+        assert entry["forward_backward_us"] == computed[name]["forward_backward_us"]
+    assert installed["swiglu_experts"] == tables[0]["swiglu_experts"]
