@@ -5,15 +5,18 @@ step with the swaps that run A/B-tested (`Report.predict(swaps=...)`) and scores
 measured change as predict_vs_ab does. Cases are grouped by what bounds their step (1x256: the host; 4x1024:
 the GPU), the two regimes the bar is judged on.
 
-    python benchmarks/pva_rescore.py [--json OUT] [--cases]
+    python benchmarks/pva_rescore.py [--json OUT] [--cases] [--at-ab-pace]
 """
 import argparse
 import json
 import os
 import statistics
 
+from dataclasses import replace
+
 import profiler_svc
 from profiler_svc.detectors.swap_costs import host_costs_from
+from profiler_svc.trace.replay import Change
 
 try:
     from predict_vs_ab import score  # run as a script: its folder is on the path
@@ -76,7 +79,9 @@ def cases_of(path):
     return latest
 
 
-def rescore():
+def rescore(at_ab_pace: bool = False):
+    """Each committed case re-analysed and scored; AT_AB_PACE: predicted at the host pace that makes the replay
+    take the A/B's own A step (a diagnostic: how much of a miss is the host's drift between capture and A/B)."""
     rows = []
     for results, traces, left_out, host_costs in RUNS:
         with host_costs_from(os.path.join(RESULTS, host_costs)):
@@ -84,11 +89,38 @@ def rescore():
                 trace = os.path.join(RESULTS, traces, f"{name}.json.gz")
                 if not os.path.exists(trace) or any(name.startswith(k) for k in left_out):
                     continue
-                predicted = profiler_svc.recommend(trace).predict(swaps=case["swaps"])
-                rows.append({"run": results, "case": name, "predicted_us": predicted.get("saving_us_per_step"),
+                report = profiler_svc.recommend(trace)
+                predicted = report.predict(swaps=case["swaps"])
+                row = {"run": results, "case": name}
+                if at_ab_pace and case.get("a_ms"):
+                    predicted, row["host_pace"] = _at_pace(report, case)
+                rows.append({**row, "predicted_us": predicted.get("saving_us_per_step"),
                              "measured_us": case["measured_us"], "verdict": case["verdict"],
                              **score(predicted, case["measured_us"], case["verdict"])})
     return rows
+
+
+PACE_RANGE = (0.3, 3.0)  # host time multipliers searched; at an end, no host pace gives A's step
+
+
+def _at_pace(report, case) -> tuple[dict, float]:
+    """The prediction with the replay's host time scaled (bisection over PACE_RANGE) until the replayed step
+    is the A/B's measured A step, and that scale."""
+    analysis = report.analyses[0]
+    timeline, target = analysis.trace.timeline, case["a_ms"] * 1e3
+    chosen = [f for f in analysis.findings if f.recommendation.swap in case["swaps"]]
+    change = Change.union([f.change for f in chosen])
+
+    def host(pace):
+        return replace(analysis.host, scale=analysis.host.scale * pace)
+
+    low, high = PACE_RANGE
+    for _ in range(30):
+        mid = (low + high) / 2
+        low, high = (low, mid) if timeline.replay(host=host(mid)).loop_step_us > target else (mid, high)
+    before = timeline.replay(host=host(low)).loop_step_us
+    after = timeline.replay(change, host=host(low)).loop_step_us
+    return {"step_us": before, "saving_us_per_step": before - after}, round(low, 2)
 
 
 def summary(rows):
@@ -105,13 +137,16 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the rows and summary here")
     parser.add_argument("--cases", action="store_true", help="print each case")
+    parser.add_argument("--at-ab-pace", action="store_true",
+                        help="predict at the host pace that makes each replay take its A/B's A step (a diagnostic)")
     args = parser.parse_args()
-    rows = rescore()
+    rows = rescore(args.at_ab_pace)
     if args.cases:
         for r in rows:
             print(f"{r['run'].removeprefix('predict_vs_ab_h100_')[:-5]:30s} {r['case']:22s} predicted {r['predicted_us'] / 1e3:7.2f} ms  measured "
                   f"{r['measured_us'] / 1e3:7.2f} ({r['verdict']:13s}) error {r['error_share']}  "
-                  f"{'right' if r['direction_right'] else 'WRONG'}")
+                  f"{'right' if r['direction_right'] else 'WRONG'}"
+                  + (f"  host pace {r['host_pace']}" if "host_pace" in r else ""))
     result = summary(rows)
     print(json.dumps(result, indent=1))
     if args.json:
