@@ -224,9 +224,9 @@ def _timed_steps_us(trace: Trace) -> list[float]:
     steps, indices = info.get("steps_us"), info.get("step_indices")
     if not (isinstance(steps, list) and isinstance(indices, list) and len(steps) == len(indices)):
         return []
-    return [float(us) for index, us in zip(indices, steps)
-            if isinstance(index, int) and not isinstance(index, bool) and index > 0
-            and isinstance(us, (int, float)) and not isinstance(us, bool) and 0 < us < float("inf")]
+    timed = [_positive_us(us) for index, us in zip(indices, steps)
+             if isinstance(index, int) and not isinstance(index, bool) and index > 0]
+    return [us for us in timed if us is not None]
 
 
 def unprofiled_step_us(trace: Trace) -> Optional[float]:
@@ -242,8 +242,13 @@ def _unprofiled(trace: Trace) -> dict:
 
 def _metadata_us(trace: Trace, key: str) -> Optional[float]:
     """A positive µs figure of capture's unprofiled timing ("step_us", "host_step_us"), if any."""
-    value = _unprofiled(trace).get(key)
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None
+    return _positive_us(_unprofiled(trace).get(key))
+
+
+def _positive_us(value) -> Optional[float]:
+    """VALUE as µs where the metadata holds a positive, finite number there, else None."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) \
+        and 0 < value < float("inf") else None
 
 
 # -- steps ---------------------------------------------------------------------------------------------

@@ -290,3 +290,6 @@ def test_the_calibration_says_how_far_apart_captures_timed_steps_were():
         trace.capture_metadata["unprofiled"]["steps_us"] = junk
         calibration = analyse(trace).steps["calibration"]
         assert "spread_note" not in calibration and "unprofiled_steps_us" not in calibration
+    trace = load_trace(fixture_path("mixtral_bf16_1x256_infer"))
+    trace.capture_metadata["unprofiled"]["step_us"] = float("inf")  # not a step time: no calibration from it
+    assert analyse(trace).steps["calibration"]["measured"] is False
