@@ -16,7 +16,6 @@ from dataclasses import replace
 
 import profiler_svc
 from profiler_svc.detectors.swap_costs import host_costs_from
-from profiler_svc.trace.replay import Change
 
 try:
     from predict_vs_ab import score  # run as a script: its folder is on the path
@@ -108,8 +107,6 @@ def _at_pace(report, case) -> tuple[dict, float]:
     is the A/B's measured A step, and that scale."""
     analysis = report.analyses[0]
     timeline, target = analysis.trace.timeline, case["a_ms"] * 1e3
-    chosen = [f for f in analysis.findings if f.recommendation.swap in case["swaps"]]
-    change = Change.union([f.change for f in chosen])
 
     def host(pace):
         return replace(analysis.host, scale=analysis.host.scale * pace)
@@ -118,9 +115,7 @@ def _at_pace(report, case) -> tuple[dict, float]:
     for _ in range(30):
         mid = (low + high) / 2
         low, high = (low, mid) if timeline.replay(host=host(mid)).loop_step_us > target else (mid, high)
-    before = timeline.replay(host=host(low)).loop_step_us
-    after = timeline.replay(change, host=host(low)).loop_step_us
-    return {"step_us": before, "saving_us_per_step": before - after}, round(low, 2)
+    return analysis.predict(report.recommending(case["swaps"]), host=host(low)), round(low, 2)
 
 
 def summary(rows):

@@ -37,16 +37,16 @@ class Analysis:
     prediction: dict
     host: HostCost = HostCost()
 
-    def predict(self, findings: list) -> dict:
-        """The replayed step with these findings' fixes applied together (one replay, never a sum)."""
+    def predict(self, findings: list, host: Optional[HostCost] = None) -> dict:
+        """The replayed step with these findings' fixes applied together (one replay, never a sum); HOST: another
+        host than the calibrated one (a diagnostic's)."""
         if not self.trace.has_gpu:
             return {}
-        change = Change()
-        for f in findings:
-            change = change.merged(f.change)
+        host = host or self.host
+        change = Change.union([f.change for f in findings])
         timeline = self.trace.timeline
-        before = timeline.replay(host=self.host).loop_step_us
-        after = timeline.replay(change, host=self.host).loop_step_us
+        before = timeline.replay(host=host).loop_step_us
+        after = timeline.replay(change, host=host).loop_step_us
         return {"step_us": round(before, 2), "step_us_after": round(after, 2),
                 "saving_us_per_step": round(before - after, 2),
                 "findings": [f.key for f in findings]}

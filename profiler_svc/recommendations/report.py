@@ -61,9 +61,12 @@ class Report:
     def predict(self, swaps=(), fixes=()) -> dict:
         """The first rank's step replayed with the fixes of every finding that recommends one of SWAPS or FIXES
         applied together: what an A/B of exactly those should measure."""
-        chosen = [f for f in self.analyses[0].findings
-                  if f.recommendation.swap in swaps or getattr(f.recommendation, "fix", None) in fixes]
-        return self.analyses[0].predict(chosen) if self.analyses else {}
+        return self.analyses[0].predict(self.recommending(swaps, fixes)) if self.analyses else {}
+
+    def recommending(self, swaps=(), fixes=()) -> list:
+        """The first rank's findings that recommend one of SWAPS or FIXES."""
+        return [f for f in self.analyses[0].findings
+                if f.recommendation.swap in swaps or getattr(f.recommendation, "fix", None) in fixes]
 
     def swaps(self) -> list[str]:
         """Bundled swaps the findings recommend (predicted to shorten the step), most valuable first."""
