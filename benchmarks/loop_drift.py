@@ -15,40 +15,25 @@ import gc
 import json
 import os
 import statistics
-import time
 
 import torch
 
 import profiler_svc
+from host_costs import host_samples
 from predict_vs_ab import capture_case, capture_in_child, make_case
+from profiler_svc.ab.stats import time_ms
 from profiler_svc.recommendations import recommend
 
 
 def loop_ms(step, steps: int = 10, runs: int = 5) -> dict:
-    """A loop's step (ms, CUDA events): median and fastest of RUNS runs of STEPS steps."""
-    times = []
-    for _ in range(runs):
-        torch.cuda.synchronize()
-        step()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(steps):
-            step()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / steps)
+    """A loop's step (ms, CUDA events: ab_test's own timer): median and fastest of RUNS runs of STEPS steps."""
+    times = [time_ms(step, torch.device("cuda"), steps) for _ in range(runs)]
     return {"median": round(statistics.median(times), 2), "min": round(min(times), 2)}
 
 
 def host_ms(step, runs: int = 5) -> dict:
     """The host's time for one step started on an idle GPU (ms): fastest and median of RUNS."""
-    times = []
-    for _ in range(runs):
-        torch.cuda.synchronize()
-        started = time.perf_counter()
-        step()
-        times.append((time.perf_counter() - started) * 1e3)
-    torch.cuda.synchronize()
+    times = [1e3 * s for s in host_samples(step, runs, warmup=0)]
     return {"min": round(min(times), 2), "median": round(statistics.median(times), 2)}
 
 
