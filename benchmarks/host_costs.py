@@ -550,13 +550,20 @@ def main(argv=None) -> int:
     if args.median_of:
         if not args.out:
             parser.error("--median-of writes --out")
-        data = median_of(args.median_of, "python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]))
-        with open(args.out, "w") as f:
-            json.dump(data, f, indent=1)
-            f.write("\n")
-        if args.md:
-            with open(args.md, "w") as f:
-                f.write(markdown(data))
+        try:
+            data = median_of(args.median_of, "python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:  # nothing is written
+            parser.exit(2, f"host_costs: --median-of needs host-cost JSON files this script wrote: "
+                           f"{type(err).__name__}: {err}\n")
+        try:
+            with open(args.out, "w") as f:
+                json.dump(data, f, indent=1)
+                f.write("\n")
+            if args.md:
+                with open(args.md, "w") as f:
+                    f.write(markdown(data))
+        except OSError as err:
+            parser.exit(2, f"host_costs: cannot write {err.filename}: {err.strerror}\n")
         return 0
     if args.tiny:
         DEVICE = "cpu"

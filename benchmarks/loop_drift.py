@@ -20,7 +20,7 @@ import torch
 
 import profiler_svc
 from host_costs import host_samples
-from predict_vs_ab import capture_case, capture_in_child, make_case
+from predict_vs_ab import FAMILIES, capture_case, capture_in_child, make_case
 from profiler_svc.ab.stats import time_ms
 from profiler_svc.recommendations import recommend
 
@@ -71,6 +71,9 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--families", default="qwen2,llama")
     args = parser.parse_args()
+    unknown = [f for f in args.families.split(",") if f not in FAMILIES]
+    if unknown:
+        parser.exit(2, f"loop_drift.py: unknown families {', '.join(unknown)} (known: {', '.join(FAMILIES)})\n")
     if not torch.cuda.is_available():
         parser.exit(2, "loop_drift.py needs a CUDA GPU\n")
     os.makedirs(args.out, exist_ok=True)
