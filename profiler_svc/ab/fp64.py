@@ -67,7 +67,8 @@ class Float64Fallback(TorchDispatchMode):
             dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tree_flatten((args, kwargs))[0]
                              if isinstance(t, torch.Tensor) and t.is_floating_point()})
             name = _op_name(func)
-            if dtypes != ["float64"] or func._schema.is_mutable:
+            # out of memory is no missing kernel: another precision would only allocate again
+            if dtypes != ["float64"] or func._schema.is_mutable or isinstance(err, torch.OutOfMemoryError):
                 self.failed = (name, dtypes, err)
                 raise
             for dtype in _FALLBACK_DTYPES:
@@ -106,6 +107,8 @@ class Float64Fallback(TorchDispatchMode):
         if "float64" in dtypes and len(dtypes) > 1:
             return (f"{name} got {' and '.join(dtypes)} inputs ({first}): a step callable must build its "
                     "floating inputs in the model's dtype (next(model.parameters()).dtype)")
+        if isinstance(err, torch.OutOfMemoryError):
+            return f"{name} ran out of GPU memory in float64 ({first})"
         if dtypes == ["float64"]:
             return f"{name} failed on float64 inputs and in every lower precision tried ({first})"
         return f"{name} failed ({first})"

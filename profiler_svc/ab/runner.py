@@ -13,12 +13,13 @@ import copy
 import gc
 import itertools
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 from torch import nn
 from torch.nn.modules.dropout import _DropoutNd
+from torch.utils._pytree import tree_flatten, tree_map
 
 from ..errors import UserError
 from ..formats import one_line
@@ -64,7 +65,8 @@ def ab_test(model: nn.Module, inputs, swaps=(), *, fixes=(), train: bool = False
         with torch.random.fork_rng(devices=rng_devices):
             variants = _variants(model, swaps, fixes, optimizer)  # matching probes modules: inside _Preserved
             step = _Step(call, train, loss_fn, optimizer, named_params)
-            checks, fallbacks = _parity(model, inputs, step, variants, state, seed, parity_factor, max_rel_error)
+            checks, fallbacks = _parity_in_memory(model, inputs, step, variants, state, seed, parity_factor,
+                                                  max_rel_error)
             passed = all(t.passed for t in checks)
             timing, peaks = None, {"A": None, "B": None}
             if passed:
@@ -152,6 +154,64 @@ def _plan(model: nn.Module, swaps):
 
 
 # ---- parity ---------------------------------------------------------------------------------------
+
+
+def _parity_in_memory(model, inputs, step, variants, state, seed, factor, max_rel_error):
+    """_parity on the inputs, or, where it runs out of GPU memory, on the first half of their batch, a quarter,
+    ... down to one sample; a row of the fallbacks says so. The fp64 reference holds a float64 copy of the model
+    and its activations, 4x bf16's bytes: Mixtral's training step at 4x2048 tokens fit the H100 in bf16, not in
+    float64. A swap's parity is a property of each sample's computation, which a part of the batch still shows."""
+    batch = used = _batch_size(inputs)
+    while True:
+        part = _first_samples(inputs, used) if used != batch else inputs
+        try:
+            checks, fallbacks = _parity(model, part, replace(step, call=_caller(part)) if part is not inputs else step,
+                                        variants, state, seed, factor, max_rel_error)
+            break
+        except Exception as err:
+            if not _out_of_memory(err):
+                raise
+            if used is None or used == 1:
+                raise UserError("the parity check ran out of GPU memory"
+                                + (" on one sample" if used == 1 else "")
+                                + ": it runs a float64 copy of the model (4x bf16's bytes); "
+                                + ("give ab_test a shorter input" if used == 1 else
+                                   "give ab_test inputs as a tensor, args tuple or kwargs dict (their first "
+                                   "dimension the batch) so the check can take part of it, or a smaller batch")
+                                ) from None
+        state.restore()  # the failed run's gradients and values
+        gc.collect()
+        torch.cuda.empty_cache()
+        used = max(1, used // 2)
+    if used != batch:
+        fallbacks.append({"op": "inputs", "note": f"parity checked on the first {used} of the batch's {batch} "
+                                                  "samples: the float64 reference ran out of GPU memory on more"})
+    return checks, fallbacks
+
+
+def _batch_size(inputs) -> int | None:
+    """The first dimension of the inputs' tensors when it is one batch they share; None for a callable step or
+    inputs without a tensor of at least one dimension."""
+    if callable(inputs) and not isinstance(inputs, torch.Tensor):
+        return None
+    sizes = [t.shape[0] for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor) and t.dim() > 0]
+    return sizes[0] if sizes else None
+
+
+def _first_samples(inputs, n: int):
+    """The inputs with every tensor whose first dimension is the batch cut to its first N samples."""
+    batch = _batch_size(inputs)
+    return tree_map(lambda t: t[:n] if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == batch else t,
+                    inputs)
+
+
+def _out_of_memory(err: BaseException | None) -> bool:
+    """Whether ERR or what raised it (a UserError wraps the reference's failure) is the GPU running out of memory."""
+    while err is not None:
+        if isinstance(err, torch.OutOfMemoryError):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
 
 
 def _parity(model, inputs, step, variants, state, seed, factor, max_rel_error):

@@ -274,3 +274,49 @@ def test_a_tensor_eager_gets_wrong_by_half_its_norm_is_held_to_twice_that():
     strict = judge_strict("output", ref, torch.bfloat16, accurate, [Error(1e-5, 0.01, 0.0101)],
                           Error(1e-5, 0.01, 0.07), 4.0)
     assert strict.gate == "strict" and not strict.passed
+
+
+class _Shared(list):
+    """A list the fp64 reference's deep copy of the model shares with the model."""
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+class FloatSixtyFourMemory(torch.nn.Module):
+    """The MLP, but its float64 run has the memory for at most `fits` samples: what the reference meets on a large
+    model and batch (Mixtral's training step at 4x2048 tokens on an H100). `seen` records each run's batch."""
+
+    def __init__(self, fits):
+        super().__init__()
+        self.inner, self.fits, self.seen = mlp()[0], fits, _Shared()
+
+    def forward(self, x):
+        self.seen.append((x.dtype, x.shape[0]))
+        if x.dtype == torch.float64 and x.shape[0] > self.fits:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+        return self.inner(x)
+
+
+def test_parity_takes_part_of_the_batch_where_float64_runs_out_of_memory():
+    model, x = FloatSixtyFourMemory(fits=16), mlp()[1][0]
+    result = ab_test(model, (x,), [NOOP], **QUICK)
+    assert result.parity_passed and result.verdict != "parity_failed"
+    assert {"op": "inputs", "note": "parity checked on the first 16 of the batch's 64 samples: the float64 "
+                                    "reference ran out of GPU memory on more"} in result.reference_fallbacks
+    float64_batches = [n for dtype, n in model.seen if dtype == torch.float64]
+    assert float64_batches[:3] == [64, 32, 16] and set(float64_batches[2:]) == {16}
+    assert (torch.float32, 64) in model.seen  # the timed rounds ran the whole batch
+    assert "fp64 reference: inputs: parity checked on the first 16" in result.summary()
+
+
+@pytest.mark.parametrize("inputs, message", [
+    (lambda m: m(torch.randn(64, 128, dtype=next(m.parameters()).dtype)),
+     ": .*; give ab_test inputs as a tensor, args tuple or kwargs dict"),
+    ((torch.randn(1, 128),), " on one sample: .*; give ab_test a shorter input"),
+])
+def test_parity_out_of_memory_it_cannot_split_is_one_clear_error(inputs, message):
+    from profiler_svc.errors import UserError
+
+    with pytest.raises(UserError, match="the parity check ran out of GPU memory" + message):
+        ab_test(FloatSixtyFourMemory(fits=0), inputs, [NOOP], **QUICK)
