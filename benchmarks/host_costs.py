@@ -260,7 +260,7 @@ def measure_modules(rows_list, hidden, vocab, calls, log, ops=None) -> dict:
 # tight loop; in a model the autograd engine runs once per step among hundreds of other ops. The what-if
 # replay needs what a swap adds to a real step's host time: (swapped - eager) / modules swapped, here.
 IN_MODEL = {"llama": ("rms_norm", "rope", "swiglu"), "gemma": ("rms_norm", "rope", "geglu")}
-IN_MODEL_SIZES = ("host", "gpu")  # predict_vs_ab's sizes: 1x256 tokens at hidden 1024, 4x1024 at 2048
+IN_MODEL_SIZES = ("host", "balanced")  # predict_vs_ab's sizes: 1x256 tokens at hidden 1024, 4x1024 at 2048
 IN_MODEL_LAYERS = 2  # few enough launches that a step never waits on a full launch queue: host time is seen whole
 
 

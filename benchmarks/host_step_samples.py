@@ -19,8 +19,8 @@ from predict_vs_ab import make_case
 
 from profiler_svc.ab.stats import time_ms
 
-CASES = [("llama", "gpu", "infer", "rms_norm,rope"), ("phi3", "gpu", "train", "rms_norm,rope"),
-         ("llama", "gpu", "train", "rms_norm,rope"), ("gemma", "gpu", "infer", "rms_norm,rope")]
+CASES = [("llama", "balanced", "infer", "rms_norm,rope"), ("phi3", "balanced", "train", "rms_norm,rope"),
+         ("llama", "balanced", "train", "rms_norm,rope"), ("gemma", "balanced", "infer", "rms_norm,rope")]
 
 
 def loop_ms(step, reps=7):

@@ -1,6 +1,6 @@
 """How far a plain training loop's step moves within one process, at each stage of predict_vs_ab's flow.
 
-For each family (predict_vs_ab's GPU-bound size, 4x1024 tokens, training), in one process: the step of a plain
+For each family (predict_vs_ab's "balanced" size, 4x1024 tokens, training), in one process: the step of a plain
 loop (CUDA events over 10 steps, median of 5 runs) and the host's own time for a step started on an idle GPU
 (fastest and median of 5), timed when the model is fresh, after capture ran in a child process, after
 `recommend` analysed its trace here, after `ab_test` of the swaps it named, and after a garbage collection.
@@ -38,7 +38,7 @@ def host_ms(step, runs: int = 5) -> dict:
 
 
 def family_drift(family: str, out: str) -> dict:
-    model, inputs, step, _ = make_case(family, "gpu", "train", False)
+    model, inputs, step, _ = make_case(family, "balanced", "train", False)
     for _ in range(5):
         step()
     stages = {}
@@ -48,7 +48,7 @@ def family_drift(family: str, out: str) -> dict:
 
     timed("fresh")
     path = os.path.join(out, f"{family}_4x1024_train.json.gz")
-    capture_in_child(capture_case, (family, "gpu", "train", False, path), path)
+    capture_in_child(capture_case, (family, "balanced", "train", False, path), path)
     timed("after child capture")
     report = recommend(path)
     calibration = report.steps.get("calibration") or {}

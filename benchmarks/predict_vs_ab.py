@@ -10,7 +10,8 @@ step, the verdict. Summary: median absolute error of the prediction as a share o
 whether the direction was right (never a saving predicted where the A/B says slower or no difference).
 Each A/B's full ABResult.to_dict() goes to ab_results.json in DIR.
 
-    python benchmarks/predict_vs_ab.py --out DIR [--families llama,gemma] [--sizes gpu,host] [--modes train,infer]
+    python benchmarks/predict_vs_ab.py --out DIR [--families llama,gemma] [--sizes gpu,balanced,host]
+                                       [--modes train,infer] [--sides] [--each]
     python benchmarks/predict_vs_ab.py --smoke --out DIR      # CPU: tiny configs, one case, proves the script
 """
 import argparse
@@ -40,9 +41,11 @@ FAMILIES = {
                 dict(vocab_size=32000, hidden_size=1024, intermediate_size=1408, num_hidden_layers=4,
                      num_attention_heads=16, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2)),
 }
-SIZES = {"gpu": (4, 1024), "host": (1, 256)}
+SIZES = {"gpu": (4, 2048), "balanced": (4, 1024), "host": (1, 256)}
 # At hidden 1024 and 4 layers even 4x1024 tokens leave an H100 waiting on the host (measured: every case
-# "launch overhead"); the GPU-bound size doubles width and depth, as in the llama8 fixtures.
+# "launch overhead"); the two larger sizes double width and depth, as in the llama8 fixtures. There 4x1024
+# tokens still balance host and GPU (training: host alone 26-41 ms, GPU 34 ms; results/predict_vs_ab.md,
+# "Loop drift"), so the GPU-bound size doubles the tokens again and "balanced" keeps 4x1024.
 GPU_SCALE = ("hidden_size", "intermediate_size", "num_hidden_layers")
 SMOKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, vocab_size=512)
 
@@ -51,7 +54,7 @@ def build(family, smoke, device, dtype, size="host", layers=None):
     import transformers
     model_class, config_class, config = FAMILIES[family]
     config = dict(config)
-    if size == "gpu" and not smoke:
+    if size != "host" and not smoke:
         config.update({key: 2 * config[key] for key in GPU_SCALE})
     if smoke:
         config.update(SMOKE)
@@ -100,7 +103,7 @@ def case_arguments(parser, swaps="rms_norm,rope,swiglu"):
     """--out, --family, --size, --mode and --swaps: one case of these configs, for the scripts that study one."""
     parser.add_argument("--out", required=True)
     parser.add_argument("--family", default="llama")
-    parser.add_argument("--size", default="gpu")
+    parser.add_argument("--size", default="balanced")
     parser.add_argument("--mode", default="train")
     parser.add_argument("--swaps", default=swaps)
 
@@ -134,6 +137,69 @@ def capture_in_child(target, args, path):
     child.join()
     if child.exitcode != 0 or not os.path.exists(path):
         raise RuntimeError(f"the capture process failed (exit {child.exitcode})")
+
+
+def sides_case(family, size, mode, smoke, swaps, path):
+    """The A/B's two sides measured apart, for `--sides` (in a child process: the profiler here would leave
+    CUPTI attached to the A/B's process): each variant's loop step (ab_test's timer), the host's time for a
+    step started on an idle GPU (fastest and median of 5), and the GPU's kernel time per step (the profiler's
+    kernel durations over 3 steps). JSON to PATH."""
+    import profiler_svc
+    from profiler_svc.ab.stats import time_ms
+    model, _, step, _ = make_case(family, size, mode, smoke)
+    device = next(model.parameters()).device
+    out = {}
+    for name in ("A", "B"):
+        if name == "B":
+            profiler_svc.swap(model, swaps, check=False)
+        for _ in range(3):
+            step()
+        loop = [time_ms(step, device) for _ in range(5)]
+        host = []
+        for _ in range(5):
+            _sync(device)
+            started = time.perf_counter()
+            step()
+            host.append(1e3 * (time.perf_counter() - started))
+        _sync(device)
+        out[name] = {"loop_ms": round(statistics.median(loop), 3), "host_ms_min": round(min(host), 3),
+                     "host_ms_median": round(statistics.median(host), 3), "kernel_ms": _kernel_ms(step, device)}
+    with open(path, "w") as f:
+        json.dump(out, f)
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _kernel_ms(step, device, steps: int = 3):
+    """GPU kernel time per step (ms) under the profiler; None without a GPU."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        _sync(device)
+    total = sum(e.device_time_total for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return round(total / 1e3 / steps, 3)
+
+
+def sides(report, family, size, mode, args, swaps, traces) -> dict:
+    """The replay's GPU side alone (host at zero) before and after SWAPS, beside each side as measured in a
+    child process (sides_case)."""
+    from dataclasses import replace
+    analysis = report.analyses[0]
+    gpu_alone = analysis.predict(report.recommending(swaps), host=replace(analysis.host, scale=0.0))
+    path = os.path.join(traces, f"sides_{family}_{size}_{mode}.json")
+    capture_in_child(sides_case, (family, size, mode, args.smoke, swaps, path), path)
+    with open(path) as f:
+        measured = json.load(f)
+    os.remove(path)
+    replayed = {"A": round(gpu_alone["step_us"] / 1e3, 3), "B": round(gpu_alone["step_us_after"] / 1e3, 3)} \
+        if gpu_alone else None  # a CPU trace has no GPU side
+    return {"replay_gpu_alone_ms": replayed, "measured": measured}
 
 
 def run_case(family, size, mode, args):
@@ -171,6 +237,8 @@ def run_case(family, size, mode, args):
         case.update(measured_us=round(measured, 2), a_ms=timing["median_a_ms"], b_ms=timing["median_b_ms"],
                     speedup=timing["speedup"], ci=[timing["ci_low"], timing["ci_high"]])
         case.update(score(predicted, measured, d["verdict"]))
+    if args.sides:
+        case["sides"] = sides(report, family, size, mode, args, swaps, traces)
     if args.each and len(swaps) > 1:  # which swap's price is off: each predicted and A/B-tested alone
         case["each"] = {}
         for swap in swaps:
@@ -263,6 +331,8 @@ def main():
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--budget-s", type=float, default=540.0, help="stop starting cases after this long")
     parser.add_argument("--each", action="store_true", help="also predict and A/B each named swap alone")
+    parser.add_argument("--sides", action="store_true",
+                        help="also measure each variant's host and GPU time apart (a child process) beside the replay's")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
