@@ -7,7 +7,7 @@ minimum at the device's copy bandwidth.
 """
 import re
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Optional
 
@@ -172,8 +172,8 @@ def detect(trace: Trace) -> list[Finding]:
 
 
 class _Kernels:
-    """The kernels the detector looks at, in time order, as numpy columns (SDPA's math path is priced whole by
-    the fallback detector: its inner elementwise kernels are not a chain here), with what the chains need of
+    """The kernels the detector looks at, in time order, as numpy columns (SDPA's kernels, its math path's
+    included, are in no chain: the fallback detector prices that path whole), with what the chains need of
     each row's launching op. That is worked out once per distinct op name and recorded inputs, not per row:
     a trace repeats a few hundred of them a million times."""
     COLUMNS = ("name", "ts", "dur", "stream", "kind", "op", "op_name", "top_op", "top_op_name", "module",
@@ -181,20 +181,20 @@ class _Kernels:
 
     def __init__(self, trace: Trace, kernels: pd.DataFrame, list_dtype: str):
         top_codes, top_names = _factorize(kernels["top_op_name"].to_numpy())
-        keep = _per_value(top_names, lambda n: n != "aten::scaled_dot_product_attention")[top_codes]
-        self.index = kernels.index.to_numpy()[keep]
-        self.columns = {name: kernels[name].to_numpy()[keep] for name in self.COLUMNS}
-        top_codes = top_codes[keep]
+        self.index = kernels.index.to_numpy()
+        self.columns = {name: kernels[name].to_numpy() for name in self.COLUMNS}
         col = self.columns
+        # SDPA ends a chain (what follows it, the output's transpose copy, is no rotary's) and never joins one
+        sdpa = _per_value(top_names, lambda n: n == "aten::scaled_dot_product_attention")[top_codes]
         op, kind = col["op"], col["kind"]
         memory = kind == "memory"
         # already-fused ops (fused optimizers) and compute kernels end a chain; the rest may join one
         op_codes, op_names = _factorize(col["op_name"])
         fused_op = _per_value(op_names, lambda n: (n or "").startswith("aten::_fused_"))[op_codes]
-        self.candidate = memory & (op >= 0) & ~fused_op
+        self.candidate = memory & (op >= 0) & ~fused_op & ~sdpa
         # the gated pairs' activations and products (_gated_pairs)
         self.act = _per_value(top_names, lambda n: n in _ACTS)[top_codes]
-        self.product = _per_value(top_names, lambda n: n == "aten::mul")[top_codes] & memory
+        self.product = _per_value(top_names, lambda n: n == "aten::mul")[top_codes] & memory & ~sdpa
         # both op kinds of a row: the composite op and the op inside it
         kinds = list(dict.fromkeys(map(op_kind, top_names + op_names)))
         kind_code = {k: i for i, k in enumerate(kinds)}
@@ -474,8 +474,10 @@ def _findings(trace, chains):
     bandwidth = trace.device.memory_bandwidth_gbps * 1e3  # bytes per µs
     groups = defaultdict(list)
     forward_kind_by_class = {}
-    for chain in chains:
+    for i, chain in enumerate(chains):
         chain.kind = chain.kind or classify(chain.ops)
+        if chain.kind == "rope" and not chain.backward:
+            chains[i] = chain = _rotation_only(trace, chain)
         if not chain.backward and chain.kind != "generic" and module_class(chain.module):
             forward_kind_by_class[module_class(chain.module)] = chain.kind
     for chain in chains:
@@ -488,6 +490,42 @@ def _findings(trace, chains):
     for (kind, cls), group in groups.items():
         findings.append(_finding(trace, kind, cls, group, bandwidth))
     return findings
+
+
+def _rotation_only(trace, chain: Chain) -> Chain:
+    """A forward rotary chain without the cats along another dimension than the last. HF attention's KV-cache
+    update (a cat each of k and v along the sequence) follows k's rotation on the same rows; the rope swap
+    leaves it, and claiming it priced Llama's rope swap at 4x2048 tokens 0.9 ms a step above what it removed.
+    The rotation's own cats (rotate_half's halves, Phi-3's rotated and passed-through parts) join the last dim."""
+    k = chain.kernels
+    cut = [i for i, (name, op) in enumerate(zip(chain.column("top_op_name"), chain.column("op")))
+           if op_kind(name) == "aten::cat" and op >= 0 and _cat_dim_is_not_last(trace.op_inputs(op))]
+    if not cut:
+        return chain
+    keep = np.ones(len(chain.rows), dtype=bool)
+    keep[cut] = False
+    rows, gone = chain.rows[keep], chain.rows[~keep]
+    ops = Counter(chain.ops)
+    for row in gone.tolist():
+        top, own = k.kinds[k.top_kind[row]], k.kinds[k.op_kind[row]]
+        ops[top] -= 1
+        if own != top:
+            ops[own] -= 1
+    last = [int(e) for e in k.end[rows] if e]
+    return replace(chain, rows=rows, ops=+ops, bytes=chain.bytes - int(k.moved[gone].sum()),
+                   last_bytes=last[-1] if last else chain.last_bytes, time=float(k.columns["dur"][rows].sum()))
+
+
+def _cat_dim_is_not_last(inputs) -> bool:
+    """Does this recorded aten::cat join its tensors along another dimension than the last? False where the
+    recording does not say (no concrete dim, or no shapes)."""
+    concrete, dims = inputs.concrete, inputs.dims
+    try:
+        dim = int(concrete[1])
+        ndim = max(len(shape) for shape in dims[0])
+    except (IndexError, TypeError, ValueError):
+        return False
+    return dim not in (-1, ndim - 1)
 
 
 def _module_name(label: str) -> str:

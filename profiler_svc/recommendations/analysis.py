@@ -143,7 +143,10 @@ def _resolve_claims(findings: list) -> list:
     already claimed goes, and the finding that claimed them names it as related (its advice stays in view)."""
     order = {c: i for i, c in enumerate(_CLAIM_ORDER)}
     generic = lambda f: f.evidence.get("pattern") == "generic"  # noqa: E731
-    ranked = sorted(findings, key=lambda f: (order.get(f.category, len(order)), generic(f)))
+    # a swap replaces every kernel of its chains, an elementwise op off the vectorized path or a cast among them:
+    # it claims them before the fallback findings that would fix those one at a time (Phi-3's rope: q·cos)
+    swap_chain = lambda f: f.category == "unfused_chain" and bool(f.recommendation.swap)  # noqa: E731
+    ranked = sorted(findings, key=lambda f: (not swap_chain(f), order.get(f.category, len(order)), generic(f)))
     owner: dict = {}  # kernel -> the finding that claimed it
     kept = []
     for f in ranked:

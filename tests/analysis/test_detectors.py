@@ -423,6 +423,68 @@ def test_a_swaps_host_cost_is_paid_once_per_module_call():
     assert math.isclose(sum(a for _, a in f.change.host_added), expected, rel_tol=1e-9)
 
 
+def _claimed(f, trace):
+    """The kernels a finding's change removes or re-prices, with the op kind and recorded inputs of each."""
+    from profiler_svc.detectors.unfused import op_kind
+    k = trace.kernels
+    rows = sorted(f.change.kernels)
+    return [(row, op_kind(k["top_op_name"].iloc[row]), trace.op_inputs(int(k["op"].iloc[row])) if k["op"].iloc[row] >= 0
+             else None) for row in rows]
+
+
+def _cat_dim(inputs) -> int:
+    """The dimension a recorded aten::cat joins along, counted from the end (-1: the last)."""
+    dim, ndim = int(inputs.concrete[1]), max(len(shape) for shape in inputs.dims[0])
+    return dim - ndim if dim >= 0 else dim
+
+
+def test_the_rope_swap_claims_the_rotation_not_the_kv_cache_update():
+    """HF attention writes k and v into its cache (a cat each, along the sequence) right after k's rotation, on
+    the same rows, so the chain ran on through them. The rope swap leaves that update in place: claimed, it
+    priced the swap at Llama 4x2048 inference 0.9 ms a step above the kernels its A/B trace removed. Each
+    rotation (q's, k's) holds one neg and one cat, rotate_half's, along the last dimension."""
+    r = report("llama8_bf16_4x1024_train_calibrated")
+    f = one("llama8_bf16_4x1024_train_calibrated", "unfused_chain:rope")
+    backward = r.traces[0].kernels["backward"].to_numpy()
+    claimed = [(row, kind, inputs) for row, kind, inputs in _claimed(f, r.traces[0]) if not backward[row]]
+    cats = [inputs for _, kind, inputs in claimed if kind == "aten::cat"]
+    negs = [row for row, kind, _ in claimed if kind == "aten::neg"]
+    assert len(negs) == 2 * 8 * 2  # q and k, 8 layers, 2 steps
+    assert len(cats) == len(negs) and {_cat_dim(inputs) for inputs in cats} == {-1}
+    # the cache's cats are in the trace, unclaimed: k's and v's, each layer, each step
+    k = r.traces[0].kernels
+    cache = [row for row in range(len(k)) if k["top_op_name"].iloc[row] == "aten::cat" and k["op"].iloc[row] >= 0
+             and "self_attn" in str(k["module"].iloc[row])
+             and _cat_dim(r.traces[0].op_inputs(int(k["op"].iloc[row]))) == -2]
+    assert len(cache) == 2 * 8 * 2 and not set(cache) & f.change.kernels
+
+
+PHI3_INFER = Path(__file__).parents[2] / "benchmarks/results/pva_traces_h100_2026-11-27_gpu_bound/phi3_4x2048_infer.json.gz"
+
+
+def test_a_swap_claims_its_chains_kernels_before_a_fallback_does():
+    """Phi-3's q and k are views of one fused projection, so the rotation's q·cos runs off the vectorized path,
+    and the fallback detector names that mul. The rope swap replaces the whole rotation, that mul included:
+    its finding keeps the kernel, with its fused kernel priced where the rotation starts. Claimed by the
+    fallback first, the rotation lost its first kernel and with it the fused kernel's time (priced at 0 µs),
+    and a SDPA-spanning chain took the attention output's transpose copy, which the swap leaves: the
+    prediction was right (0.04) by two errors. A real H100 trace of predict_vs_ab's Phi-3 at 4x2048."""
+    r = recommend(str(PHI3_INFER))
+    trace = r.traces[0]
+    rope = next(f for f in r.analyses[0].findings if f.key == "unfused_chain:rope:Phi3Attention")
+    kinds = {kind for _, kind, _ in _claimed(rope, trace)}
+    assert kinds == {"aten::mul", "aten::neg", "aten::cat", "aten::add"}  # no transpose copy after SDPA
+    chains = rope.evidence["chains"]
+    assert chains == 8 * 3  # one per attention call (q's rotation, then k's): 8 layers, 3 steps
+    assert len(rope.change.durations) == chains and all(us > 0 for us in rope.change.durations.values())
+    k = trace.kernels
+    muls = [row for row, kind, _ in _claimed(rope, trace) if kind == "aten::mul"]
+    assert len(muls) == 4 * chains  # x·cos and rotate_half(x)·sin, for q and k
+    assert not any(f.key.startswith("fallback_kernel:unvectorized:aten::mul") and f.change.kernels & set(muls)
+                   for f in r.analyses[0].findings)
+    assert k["dur"].to_numpy()[muls].sum() > 0
+
+
 def test_a_gated_mlp_below_the_native_size_names_no_swap():
     """Below NATIVE_BELOW elements a call to the swiglu swap runs eager's own silu(gate) * up: at 1x512 tokens
     (512 x 5632) the swap would change nothing, so the finding names none and prices torch.compile's fusion;
@@ -522,11 +584,16 @@ def test_moe_experts_swap_is_priced_with_the_routing_it_replaces():
 def test_a_bool_mask_is_not_a_cast_but_a_weighting_in_fp32_is():
     # transformers' experts path (5.17): masked_fill_ with a broadcast [rows, 1] bool mask is broadcasting, read
     # as bool, not an operand cast in the kernel; the routing weights' mul, fp32 times bf16 rows, is a cast
+    # (the detector's own findings: in the report the swiglu swap, which routes the experts' tokens, claims the
+    # weighted mul with the rest of the block, and the fallback is named as related)
+    from profiler_svc.detectors import fallback
     r = report("mixtral_bf16_1x256_infer")
-    unvectorized = [f for f in r.findings if f.key.startswith("fallback_kernel:unvectorized")]
+    unvectorized = [f for f in fallback.detect(r.traces[0]) if f.key.startswith("fallback_kernel:unvectorized")]
     assert not [f for f in unvectorized if "masked_fill" in f.title]
     weighted = [f for f in unvectorized if "aten::mul" in f.title and "[512, 1]" in f.title]
     assert weighted and "mixed dtypes bf16/fp32" in weighted[0].detail
+    swiglu = next(f for f in r.findings if f.key.startswith("unfused_chain:swiglu"))
+    assert weighted[0].title in swiglu.evidence["related"] and swiglu.change.kernels >= weighted[0].change.kernels
 
 
 def test_calibrated_capture_takes_the_profiler_out():
