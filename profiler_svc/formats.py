@@ -19,6 +19,14 @@ def fmt_us(us) -> str:
     return f"{us:.1f} µs"
 
 
+def reference_note(row: dict) -> str:
+    """One line for a row of an A/B result's `reference_fallbacks`: where the fp64 reference ran otherwise (an op
+    in a lower precision, parity on part of the batch, an MoE's choices taken from the run it judges)."""
+    if "note" in row:
+        return f"{row.get('op', '?')}: {row['note']}"
+    return f"{row.get('op', '?')} has no float64 kernel here; ran it in {row.get('dtype', '?')}"
+
+
 def one_line(exc: BaseException) -> str:
     """`TypeError: first line of the message`: an exception as one line for the user."""
     return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"

@@ -6,7 +6,7 @@ from pathlib import Path
 from flask import Blueprint, redirect, render_template, request, url_for
 
 from ..errors import UserError
-from ..formats import fmt_us
+from ..formats import fmt_us, reference_note
 from ..storage import jobs, queries
 from ..storage.models import Run
 from ..trace.kernel_names import short_kernel_name
@@ -41,6 +41,7 @@ def _setup(state):
     except ImportError:
         pass
     app.jinja_env.filters["short_kernel"] = short_kernel_name
+    app.jinja_env.filters["reference_note"] = reference_note
     app.jinja_env.globals["static_url"] = static_url
     app.jinja_env.globals["evidence_rows"] = evidence_rows
     app.after_request(_cache_versioned)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from ..formats import reference_note
 from ..kernels.parity import ILL_CONDITIONED, TensorParity, worst
 
 SCHEMA = "profiler_svc.ab/1"
@@ -65,9 +66,7 @@ class ABResult:
                          + (f" ({len(self.skipped)} matched instances not swapped)" if self.skipped else ""))
         lines += [f"fix {row['fix']}: {row['note']}" for row in self.fixes_applied]
         lines += [f"fix {row['fix']}: not applied ({row['reason']})" for row in self.fixes_skipped]
-        lines += [f"fp64 reference: {row['op']}: {row['note']}" if "note" in row else
-                  f"fp64 reference: {row['op']} has no float64 kernel here; ran it in {row['dtype']}"
-                  for row in self.reference_fallbacks]
+        lines += [f"fp64 reference: {reference_note(row)}" for row in self.reference_fallbacks]
         cost = [t for t in self.parity if t.gate == "cost"]
         strict = [t for t in self.parity if t.gate == "strict"]
         noisy = [t for t in self.parity if t.gate == "ill_conditioned"]

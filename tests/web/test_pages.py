@@ -288,3 +288,26 @@ def test_ab_result_from_a_cpu_is_parity_only(engine, blobs):
     assert all(page.status_code == 200 for page in pages.values())
     assert 'id="ab-saving">1.000 ms<' in pages["paired"].get_data(as_text=True)
     assert 'id="ab-saving"' not in pages["older"].get_data(as_text=True)
+
+
+def test_ab_job_page_says_where_the_fp64_reference_ran_otherwise(engine, blobs):
+    """What the parity was judged against: an op run in a lower precision, parity on part of the batch (the
+    fp64 reference out of GPU memory), as the CLI's summary says it; a hostile note is escaped."""
+    from profiler_svc.storage import save_ab_result
+    from tests.storage.test_ab_results import result_dict
+    client = make_app(engine, blobs, PUBLIC_READ=True).test_client()
+    noted = result_dict()
+    noted["reference_fallbacks"] = [
+        {"op": "aten::_grouped_mm", "dtype": "float32"},
+        {"op": "inputs", "note": "parity checked on the first 2 of the batch's 4 samples: the float64 reference ran "
+                                 "out of GPU memory on more"},
+        {"op": "<script>alert(1)</script>", "note": "x"}]
+    page = client.get(f"/jobs/{save_ab_result(noted, workload=WORKLOAD, engine=engine)}").get_data(as_text=True)
+    assert 'id="reference-notes"' in page
+    assert "fp64 reference: aten::_grouped_mm has no float64 kernel here; ran it in float32" in page
+    assert "fp64 reference: inputs: parity checked on the first 2 of the batch&#39;s 4 samples" in page
+    assert "<script>alert(1)</script>" not in page and "&lt;script&gt;" in page
+    plain = result_dict()
+    plain["reference_fallbacks"] = []
+    page = client.get(f"/jobs/{save_ab_result(plain, workload=WORKLOAD, engine=engine)}").get_data(as_text=True)
+    assert 'id="reference-notes"' not in page
