@@ -163,7 +163,7 @@ def _parity_in_memory(model, inputs, step, variants, state, seed, factor, max_re
     float64. A swap's parity is a property of each sample's computation, which a part of the batch still shows."""
     batch = used = _batch_size(inputs)
     while True:
-        part = _first_samples(inputs, used) if used != batch else inputs
+        part = _first_samples(inputs, batch, used) if used != batch else inputs
         try:
             checks, fallbacks = _parity(model, part, replace(step, call=_caller(part)) if part is not inputs else step,
                                         variants, state, seed, factor, max_rel_error)
@@ -198,9 +198,8 @@ def _batch_size(inputs) -> int | None:
     return sizes[0] if sizes else None
 
 
-def _first_samples(inputs, n: int):
-    """The inputs with every tensor whose first dimension is the batch cut to its first N samples."""
-    batch = _batch_size(inputs)
+def _first_samples(inputs, batch: int, n: int):
+    """The inputs with every tensor whose first dimension is the BATCH cut to its first N samples."""
     return tree_map(lambda t: t[:n] if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == batch else t,
                     inputs)
 

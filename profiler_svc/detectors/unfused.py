@@ -511,8 +511,11 @@ def _rotation_only(trace, chain: Chain) -> Chain:
         ops[top] -= 1
         if own != top:
             ops[own] -= 1
+    # a chain counts an op's bytes once however many kernels it launched: those of the ops wholly cut go
+    kept_ops = set(k.columns["op"][rows].tolist())
+    cut_ops = {op: row for op, row in zip(k.columns["op"][gone].tolist(), gone.tolist()) if op not in kept_ops}
     last = [int(e) for e in k.end[rows] if e]
-    return replace(chain, rows=rows, ops=+ops, bytes=chain.bytes - int(k.moved[gone].sum()),
+    return replace(chain, rows=rows, ops=+ops, bytes=chain.bytes - int(k.moved[list(cut_ops.values())].sum()),
                    last_bytes=last[-1] if last else chain.last_bytes, time=float(k.columns["dur"][rows].sum()))
 
 
