@@ -335,6 +335,11 @@ def main():
                         help="also measure each variant's host and GPU time apart (a child process) beside the replay's")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
+    for flag, given, known in (("--families", args.families, FAMILIES), ("--sizes", args.sizes, SIZES),
+                               ("--modes", args.modes, ("train", "infer"))):
+        unknown = [v for v in given.split(",") if v not in known]
+        if unknown:
+            parser.exit(2, f"predict_vs_ab.py: unknown {flag} {', '.join(unknown)} (known: {', '.join(known)})\n")
     os.makedirs(args.out, exist_ok=True)
     env = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     try:

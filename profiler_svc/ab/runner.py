@@ -159,8 +159,8 @@ def _plan(model: nn.Module, swaps):
 def _parity_in_memory(model, inputs, step, variants, state, seed, factor, max_rel_error):
     """_parity on the inputs, or, where it runs out of GPU memory, on the first half of their batch, a quarter,
     ... down to one sample; a row of the fallbacks says so. The fp64 reference holds a float64 copy of the model
-    and its activations, 4x bf16's bytes: Mixtral's training step at 4x2048 tokens fit the H100 in bf16, not in
-    float64. A swap's parity is a property of each sample's computation, which a part of the batch still shows."""
+    and its activations, 4x bf16's bytes, so a step that fits the GPU may not fit it. A swap's parity is a
+    property of each sample's computation, which a part of the batch still shows."""
     batch = used = _batch_size(inputs)
     while True:
         part = _first_samples(inputs, batch, used) if used != batch else inputs

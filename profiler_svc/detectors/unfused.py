@@ -494,8 +494,8 @@ def _findings(trace, chains):
 
 def _rotation_only(trace, chain: Chain) -> Chain:
     """A forward rotary chain without the cats along another dimension than the last. HF attention's KV-cache
-    update (a cat each of k and v along the sequence) follows k's rotation on the same rows; the rope swap
-    leaves it, and claiming it priced Llama's rope swap at 4x2048 tokens 0.9 ms a step above what it removed.
+    update (a cat each of k and v along the sequence) follows k's rotation on the same rows, and the rope swap
+    leaves it in place (benchmarks/results/predict_vs_ab.md, "What the rope and experts findings claimed").
     The rotation's own cats (rotate_half's halves, Phi-3's rotated and passed-through parts) join the last dim."""
     k = chain.kernels
     cut = [i for i, (name, op) in enumerate(zip(chain.column("top_op_name"), chain.column("op")))
