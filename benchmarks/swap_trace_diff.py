@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from predict_vs_ab import SIZES, build, case_arguments, step_function
+from predict_vs_ab import SIZES, build, capture_step, case_arguments, step_function
 
 
 def unprofiled_ms(step, steps=20, warmup=5):
@@ -32,15 +32,6 @@ def unprofiled_ms(step, steps=20, warmup=5):
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / steps
-
-
-def capture(model, step, path):
-    import profiler_svc
-    with profiler_svc.capture(model, out=path, active=3, upload=False) as cap:
-        for _ in range(9):
-            step()
-            cap.step()
-    return cap.trace_path
 
 
 def per_step(trace, values):
@@ -61,9 +52,11 @@ def diff(swap, args):
     a_ms = unprofiled_ms(step)
     with swapped(model, swap):  # both timed before this row's captures (a capture slows the process after it)
         b_ms = unprofiled_ms(step)
-    a_path = capture(model, step, os.path.join(args.out, f"{swap}_A.json.gz"))
+    # capture's default schedule, as predict_vs_ab captures (a run of 9 steps recorded only the last one)
+    a_path, b_path = (os.path.join(args.out, f"{swap}_{side}.json.gz") for side in "AB")
+    capture_step(model, step, a_path)
     with swapped(model, swap):
-        b_path = capture(model, step, os.path.join(args.out, f"{swap}_B.json.gz"))
+        capture_step(model, step, b_path)
     report = recommend(a_path)
     analysis = report.analyses[0]
     chosen = [f for f in analysis.findings if f.recommendation.swap == swap]

@@ -322,8 +322,14 @@ def _stream_chains(k: _Kernels, wildcard: bool) -> list[Chain]:
     n = len(rows)
     if not n:
         return []
-    module, _ = _factorize(k.columns["module"][rows])
-    context = module * 2 + k.columns["backward"][rows]
+    backward = k.columns["backward"][rows]
+    module, labels = _factorize(k.columns["module"][rows])
+    # in the backward an activation submodule's gradient joins its parent's chain: a gated MLP's backward runs
+    # its products' gradients, the activation's (in the child) and the gate/up split's back to back
+    parent, _ = _factorize(np.array([None if m is None else _module_name(m).rpartition(".")[0] if _is_activation(m)
+                                     else _module_name(m) for m in labels], dtype=object))
+    module = np.where(backward, parent[module], module)
+    context = module * 2 + backward
     # a chain never spans a kernel that ends chains, two streams, or two modules or directions: each such
     # boundary starts a segment, and chains are cut within segments
     segment = np.ones(n, dtype=bool)
@@ -474,16 +480,22 @@ def _findings(trace, chains):
     bandwidth = trace.device.memory_bandwidth_gbps * 1e3  # bytes per µs
     groups = defaultdict(list)
     forward_kind_by_class = {}
+    rotated = defaultdict(set)  # class -> the shapes (but the last dim) its forward rotary chains rotate
     for i, chain in enumerate(chains):
         chain.kind = chain.kind or classify(chain.ops)
         if chain.kind == "rope" and not chain.backward:
             chains[i] = chain = _rotation_only(trace, chain)
+            rotated[module_class(chain.module)].add(tuple(chain.shape or ())[:-1])
         if not chain.backward and chain.kind != "generic" and module_class(chain.module):
             forward_kind_by_class[module_class(chain.module)] = chain.kind
     for chain in chains:
         cls = module_class(chain.module)
         if chain.backward and chain.kind == "generic" and cls and cls in forward_kind_by_class:
             chain.kind = forward_kind_by_class[cls]  # the swap fuses this module's backward too
+        if chain.backward and chain.kind == "rope" and cls in rotated:
+            chain = _on_shapes(chain, rotated[cls])
+            if chain is None:
+                continue
         groups[(chain.kind, cls if chain.kind != "generic" or cls else _signature(chain))].append(chain)
 
     findings = []
@@ -497,11 +509,27 @@ def _rotation_only(trace, chain: Chain) -> Chain:
     update (a cat each of k and v along the sequence) follows k's rotation on the same rows, and the rope swap
     leaves it in place (benchmarks/results/predict_vs_ab.md, "What the rope and experts findings claimed").
     The rotation's own cats (rotate_half's halves, Phi-3's rotated and passed-through parts) join the last dim."""
-    k = chain.kernels
     cut = [i for i, (name, op) in enumerate(zip(chain.column("top_op_name"), chain.column("op")))
            if op_kind(name) == "aten::cat" and op >= 0 and _cat_dim_is_not_last(trace.op_inputs(op))]
-    if not cut:
-        return chain
+    return _without(chain, cut) if cut else chain
+
+
+def _on_shapes(chain: Chain, shapes) -> Optional[Chain]:
+    """A backward rotary chain with only the kernels on the tensors the forward rotated or their halves (SHAPES:
+    all dims but the last), or None where fewer than 3 are left. The rope swap replaces a function inside the attention, not the module: the
+    gradients of its q/k/v split and of the heads' transposes stay (Phi-3's fused qkv: 64 kernels a step
+    over-claimed; benchmarks/results/predict_vs_ab.md, 2026-11-28)."""
+    k = chain.kernels
+    cut = [i for i, row in enumerate(chain.rows.tolist())
+           if (big := k.bigs[k.info[row]]) is None or tuple(big[0])[:-1] not in shapes]
+    if len(chain.rows) - len(cut) < 3:
+        return None
+    return _without(chain, cut) if cut else chain
+
+
+def _without(chain: Chain, cut) -> Chain:
+    """CHAIN without the kernels at positions CUT: its op counts, bytes (an op's once), end and time redone."""
+    k = chain.kernels
     keep = np.ones(len(chain.rows), dtype=bool)
     keep[cut] = False
     rows, gone = chain.rows[keep], chain.rows[~keep]
@@ -529,6 +557,15 @@ def _cat_dim_is_not_last(inputs) -> bool:
     except (IndexError, TypeError, ValueError):
         return False
     return dim not in (-1, ndim - 1)
+
+
+_ACTIVATION_CLASS = re.compile(r"Activation$|GELU|SiLU|ReLU|^Tanh$|^Sigmoid$|^Mish$|Swish")
+
+
+def _is_activation(label: Optional[str]) -> bool:
+    """Is the module (a label) an activation function's module (transformers' SiLUActivation, nn.GELU...)?"""
+    cls = module_class(label)
+    return bool(label and cls and _ACTIVATION_CLASS.search(cls) and "." in _module_name(label))
 
 
 def _module_name(label: str) -> str:
