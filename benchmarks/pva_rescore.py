@@ -30,6 +30,7 @@ TRITON_LAUNCH_COSTS = "host_costs_h100_triton_launch_2026-11-25.json"
 FAST_LAUNCH_COSTS = "host_costs_h100_fast_launch_2026-11-25.json"  # the runs since: kernels/_launch.py's fast path
 # and since the swiglu swap routes MoE experts' tokens (kernels/moe_routing.py): the table with its swiglu_experts
 ROUTED_EXPERTS_COSTS = "host_costs_h100_routed_experts_2026-11-27.json"
+PACKAGED_COSTS = os.path.join("..", "..", "kernels", "host_costs.json")  # the same kernels, the table as shipped
 # (results JSON, its traces, cases left out and why, host costs): every committed run that timed a loop as
 # ab_test does today and whose swaps take today's code paths. Left out: predict_vs_ab_h100_per_event_cost.json
 # and older, whose A/B timed isolated steps (each after a synchronize: the GPU-bound ones carry the host's
@@ -64,7 +65,15 @@ RUNS = [
     ("predict_vs_ab_h100_fresh_gpu_2026-11-27.json", "pva_traces_h100_2026-11-27_fresh_gpu", {}, ROUTED_EXPERTS_COSTS),
     # the GPU-bound size (4x2048 tokens), every family in both modes but Mixtral's inference (not reached)
     ("predict_vs_ab_h100_gpu_bound_2026-11-27.json", "pva_traces_h100_2026-11-27_gpu_bound", {}, ROUTED_EXPERTS_COSTS),
+    # the host-bound size three times more, 36 rounds each: twice in one machine, once on another
+    *((f"predict_vs_ab_h100_host_repeat{i}_2026-11-28.json", f"pva_traces_h100_2026-11-28_host_repeat{i}", {},
+       PACKAGED_COSTS) for i in (1, 2, 3)),
 ]
+# Runs of the same kernels and sizes, one process each: every case is also scored against the mean of their
+# measurements, the true change as well as these runs can tell it (one run's A/B moves with its process's host
+# pace: the same case's A step differed by up to 2.2x between runs; results/predict_vs_ab.md, 2026-11-28).
+REPEATS = ("predict_vs_ab_h100_fresh_host_2026-11-27.json",
+           *(f"predict_vs_ab_h100_host_repeat{i}_2026-11-28.json" for i in (1, 2, 3)))
 # The regimes the bar is judged on, by the tokens of a case: 4x1024 at twice the width balances host and GPU
 REGIMES = (("host-bound 1x256", "_1x256_"), ("balanced 4x1024", "_4x1024_"), ("GPU-bound 4x2048", "_4x2048_"))
 
@@ -132,6 +141,23 @@ def summary(rows):
     return out
 
 
+def against_mean(rows, runs=REPEATS) -> dict:
+    """Each case of RUNS scored against the mean of its measured change over RUNS, per regime: cases (one per
+    run and case), the runs a case was measured in, and the median error."""
+    measured = {}
+    for r in rows:
+        if r["run"] in runs:
+            measured.setdefault(r["case"], []).append(r["measured_us"])
+    out = {}
+    for regime, tokens in REGIMES:
+        errors = [abs(r["predicted_us"] - statistics.mean(measured[r["case"]])) / abs(statistics.mean(measured[r["case"]]))
+                  for r in rows if r["run"] in runs and tokens in r["case"]]
+        if errors:
+            out[regime] = {"cases": len(errors), "runs": sorted({len(m) for c, m in measured.items() if tokens in c}),
+                           "median_abs_error_share": round(statistics.median(errors), 3)}
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the rows and summary here")
@@ -147,6 +173,7 @@ def main():
                   f"{'right' if r['direction_right'] else 'WRONG'}"
                   + (f"  host pace {r['host_pace']}" if "host_pace" in r else ""))
     result = summary(rows)
+    result["against the mean of repeated runs"] = against_mean(rows)
     print(json.dumps(result, indent=1))
     if args.json:
         try:
