@@ -589,7 +589,8 @@ def _swap_fit(trace, pattern, instances) -> tuple[list, Optional[list]]:
 def _finding(trace, kind, cls, group, bandwidth) -> Finding:
     pattern = PATTERNS[kind]
     time = sum(c.time for c in group)
-    fused_bytes_each = [pattern.passes_for(c.backward) * c.end_bytes for c in group]
+    gated = kind in ("swiglu", "geglu")
+    fused_bytes_each = [pattern.passes_for(c.backward) * (_gated_bytes(c) if gated else c.end_bytes) for c in group]
     fused_times = [max(b / bandwidth, _FUSED_FLOOR_US) for b in fused_bytes_each]
     fused_time = sum(fused_times)
     moved = sum(c.bytes for c in group)
@@ -600,16 +601,21 @@ def _finding(trace, kind, cls, group, bandwidth) -> Finding:
     fits, misfits = _swap_fit(trace, pattern, instances)
     # the gated swaps also route an experts block's tokens, which changes its step at any size (where the
     # registry has the routed block's host cost: swaps from before the routing did not route)
-    experts = kind in ("swiglu", "geglu") and _experts_blocks(trace, instances) \
+    experts = gated and _experts_blocks(trace, instances) \
         and swap_host_cost(f"{pattern.swap}_experts", False) is not None
     small = None if experts else _eager_size(pattern.swap, group)
     swap = pattern.swap if (fits or misfits is None) and small is None else None  # named only where it applies
-    change, cost_note = _change(trace, swap, group, fused_times, experts)
     if swap and experts:
-        change = Change.union([change, _routing_change(trace, group, bandwidth)])
-        cost_note += (" The swap also routes the experts' tokens: transformers' sort, gathers, fp32-weighted rows, "
+        # an experts call's chains without the activation (the routing's index gradients, say) are its routing,
+        # priced with the rest of it: one gather and one combine per call, not a gated kernel each
+        gates = [(c, t) for c, t in zip(group, fused_times) if _activation_row(c) is not None]
+        change, cost_note = _change(trace, swap, [c for c, _ in gates], [t for _, t in gates], experts)
+        change = Change.union([change, _routing_change(trace, [c for c, _ in gates], bandwidth)])
+        cost_note += (" The swap also routes the experts' tokens: transformers' gathers, fp32-weighted rows, "
                       "re-order and sum become one gather and one weighted combine per call (priced at 4 passes over "
-                      "the routed rows forward, 5 backward).")
+                      "the routed rows forward, 5 backward); the sort by expert stays.")
+    else:
+        change, cost_note = _change(trace, swap, group, fused_times, experts)
     if small is not None:
         cost_note += (f" The `{pattern.swap}` swap would change nothing here: below {small:,} elements a call (these "
                       f"have {max(numel(c.shape or [0]) for c in group):,}) runs eager's own ops, which cost the host "
@@ -773,14 +779,33 @@ def _experts_blocks(trace, instances) -> bool:
     return bool(instances) and all(experts_block(tree, _module_name(label)) for label in instances)
 
 
+def _activation_row(chain: Chain) -> Optional[int]:
+    """The chain's activation kernel (silu or gelu, or its gradient), or None where it holds none."""
+    k = chain.kernels
+    for row in chain.rows.tolist():
+        if k.kinds[k.top_kind[row]] in _ACTS:
+            return row
+    return None
+
+
+def _gated_bytes(chain: Chain) -> int:
+    """What a gated chain's fused kernel moves per pass: its activation's tensor (gate and up are each as
+    wide). A fused gate_up projection (Phi-3's, MoE experts') is split around the activation, so the chain's
+    ends are twice as wide as a pass."""
+    row = _activation_row(chain)
+    big = chain.kernels.bigs[chain.kernels.info[row]] if row is not None else None
+    return tensor_bytes(big[0], big[1]) if big else chain.end_bytes
+
+
 _ROUTED_PASSES = {False: 4, True: 5}  # routed-row passes of the swap's gather + combine, forward / backward
+_ROUTING_KEPT = ["aten::sort"]  # the swap sorts the routed rows by expert too (kernels/moe_routing.py)
 
 
 def _routing_change(trace, group, bandwidth) -> Change:
     """An experts call's routing kernels (its memory-bound kernels outside the activation chain: transformers'
-    sort, gathers, fp32-weighted rows, re-order, sum, casts) become one kernel moving _ROUTED_PASSES times the
-    routed rows: the activation's rows by the block's hidden size (its down_proj [E, H, I] in the capture's
-    module tree), in the activation's dtype. Each routing kernel belongs to the call whose activation chain
+    gathers, fp32-weighted rows, re-order, sum, casts; not the sort) become one kernel moving _ROUTED_PASSES
+    times the routed rows: the activation's rows by the block's hidden size (its down_proj [E, H, I] in the
+    capture's module tree), in the activation's dtype. Each routing kernel belongs to the call whose activation chain
     is nearest in time, in its module and direction."""
     k = group[0].kernels
     col = k.columns
@@ -796,7 +821,7 @@ def _routing_change(trace, group, bandwidth) -> Change:
             continue
         chains.sort(key=lambda c: float(col["ts"][c.rows[0]]))
         rows = np.flatnonzero((col["module"] == module) & (col["backward"] == backward) & (col["kind"] == "memory"))
-        rows = rows[~np.isin(rows, in_chains)]
+        rows = rows[~np.isin(rows, in_chains) & ~np.isin(col["top_op_name"][rows], _ROUTING_KEPT)]
         starts = np.array([float(col["ts"][c.rows[0]]) for c in chains])
         call = np.searchsorted((starts[1:] + starts[:-1]) / 2, col["ts"][rows])
         for i, chain in enumerate(chains):
