@@ -12,7 +12,7 @@ import numpy as np
 
 from ..trace.model import Trace
 from ..trace.replay import Change, time_covered_by
-from .common import Finding, Recommendation, name_mask, per_step, per_step_note, short_kernel_name
+from .common import Finding, Recommendation, fmt_us, name_mask, per_step, per_step_note, short_kernel_name
 from .gpu_idle import blocking_calls, idle_gaps, launch_times
 
 # Gaps shorter than this are the normal kernel-switch cost, not something to fix.
@@ -100,6 +100,12 @@ def detect(trace: Trace) -> list[Finding]:
                       f"{len(in_window)} kernels run under 10 µs"
                       + (f" while a launch call takes {median_launch:.1f} µs (median)" if median_launch else "")
                       + ": the step is launch-bound.")
+            timeline = trace.timeline  # the replayed steps: a long trace's middle ones
+            own_code = float(timeline.gap_idle.sum()) / max(len(timeline.steps), 1)
+            if own_code > 0:
+                detail += (f" Of the host's time, {fmt_us(own_code)} per step passed with no op on any thread "
+                           "(code outside the framework: a sleep, data prepared in Python, logging): a CUDA graph "
+                           "does not remove that, and the saving leaves it in.")
             dynamic = _dynamic_shape_ops(trace)
             if dynamic:
                 detail += (f" CUDA graphs replay fixed shapes only, and {', '.join(dynamic)} change shape from call to "

@@ -50,6 +50,9 @@ SETTLE_ROUNDS = 64
 # Host cost of replaying one captured CUDA graph, and the gap between its kernels on the GPU.
 GRAPH_LAUNCH_US = 10.0
 GRAPH_KERNEL_GAP_US = 1.0
+# A stretch this long in which no thread runs a recorded op is the user's own code (a sleep, data prepared in
+# Python), not the framework's dispatch: a model's Python between two ops takes microseconds.
+IDLE_MIN_US = 2000.0
 
 
 @dataclass(frozen=True)
@@ -218,6 +221,7 @@ class Timeline:
         self.gap_starts = np.r_[self.start, self.host_end_ts[:-1]] if len(self.host_ts) else np.zeros(0)
         self.host_gaps = np.maximum(self.host_ts - self.gap_starts, 0.0)  # the profiled CPU time before each call
         self._count_host_events(trace, chain)
+        self._measure_idle(trace)
         self._build_gpu(trace, chain)
         self._build_steps()
         self._measure_syncs()
@@ -234,10 +238,28 @@ class Timeline:
         last = self.host_end_ts[-1] if len(self.host_ts) else self.start
         self.tail_events = int(np.searchsorted(ts, self.host_end, side="right") - np.searchsorted(ts, last, side="right"))
 
+    def _measure_idle(self, trace: "Trace") -> None:
+        """Per gap before a host call, its time in stretches of IDLE_MIN_US or more in which no thread ran a
+        recorded op: the user's own code outside the framework (a sleep, data prepared in Python, logging).
+        The profiler adds nothing there, and a CUDA graph removes none of it."""
+        cpu = trace.cpu
+        ops = cpu[name_mask(cpu, lambda c: c == "cpu_op", "cat")]
+        ts, end = ops["ts"].to_numpy(float), ops["end"].to_numpy(float)
+        inside = (end > self.start) & (ts < self.host_end)
+        order = np.argsort(ts[inside], kind="stable")
+        ts, end = ts[inside][order], np.maximum.accumulate(end[inside][order]) if inside.any() else end[inside]
+        after, before = np.r_[self.start, end], np.r_[ts, self.host_end]  # one op's end, the next one's start
+        long = before - after >= IDLE_MIN_US
+        self.gap_idle = np.zeros(len(self.host_ts))
+        if long.any() and len(self.host_ts):
+            covered = time_covered_by(list(zip(after[long].tolist(), before[long].tolist())))
+            self.gap_idle = np.minimum(covered(self.host_ts) - covered(self.gap_starts), self.host_gaps)
+
     def host_us(self, host: HostCost = HostCost()) -> float:
         """The host time (gaps and calls, blocking calls' waits left out) that HOST keeps; all of it by default."""
         own = np.where(self.is_sync, 0.0, self.host_end_ts - self.host_ts)
-        gaps, own = self.host_gaps * host.kept(self.host_gaps, self.gap_events), own * host.kept(own, 1)
+        framework = self.host_gaps - self.gap_idle
+        gaps, own = framework * host.kept(framework, self.gap_events) + self.gap_idle, own * host.kept(own, 1)
         return float(((gaps + own) * self._step_factor(host, gaps, own)).sum())
 
     @cached_property
@@ -410,6 +432,8 @@ class Timeline:
         own = np.where(self.is_sync, self.sync_pre, own)
         wait = np.minimum(self.gap_wait, gaps) if not change.no_collective_wait else np.zeros(n)
         cpu_time = gaps - np.minimum(self.gap_wait, gaps)
+        idle = np.minimum(self.gap_idle, cpu_time)  # the user's code: kept whole, by calibration and CUDA graphs
+        cpu_time = cpu_time - idle
         gap_kept = host.kept(cpu_time, self.gap_events)
         own_kept = np.where(self.is_sync, host.scale, host.kept(own, 1))  # a sync's wait is not the profiler's
         gaps = cpu_time * gap_kept
@@ -442,7 +466,7 @@ class Timeline:
             offset = np.where(alive, 0.0, offset)
             dur = np.where(alive, dur + GRAPH_KERNEL_GAP_US, dur)
             tail_gap = 0.0
-        gaps = np.maximum(gaps, 0.0) + wait  # removed host time never moves a call before the previous one
+        gaps = np.maximum(gaps, 0.0) + idle + wait  # removed host time never moves a call before the previous one
         blocking = self.is_sync.copy()
         if change.unblocked:
             blocking &= ~np.isin(self.host_rows, np.fromiter(change.unblocked, dtype=np.int64))

@@ -806,14 +806,21 @@ def test_nccl_planted_straggler_costs_what_balancing_saved():
 def test_nccl_rank_with_extra_work_is_the_straggler_and_costs_what_it_adds():
     """Rank 0 reads the loss before backward and then sleeps 10 ms, four profiled steps (a second session). The
     job's unprofiled step is 29.3 ms against the balanced run's 18.3 ms of the same session: rank 0's work costs
-    11.0 ms per step. Replayed together, rank 0 is the straggler at 9.2 ms (16% short). With two profiled steps
-    (`llama_nccl_ddp_hostsync`) no straggler is named: rank 1's second step replays 9 ms slower than its first."""
+    11.0 ms per step. Replayed together, rank 0 is the straggler at 9.65 ms (12% short). With two profiled steps
+    (`llama_nccl_ddp_hostsync`) no straggler is named: rank 1's second step replays 9 ms slower than its first.
+    The sleep is the one stretch in rank 0's steps with no op on any thread (the balanced run has none of 2 ms):
+    the replay keeps it whole, which calibration had scaled like the profiler's host time (9.2 ms then)."""
     r = recommend(fixture_dir("llama_nccl_ddp_hostsync_4step"))
     [straggler] = [f for f in r.findings if f.key == "communication:straggler"]
     cost = raw_unprofiled_step("llama_nccl_ddp_hostsync_4step") - raw_unprofiled_step("llama_nccl_ddp_4step")
     assert cost == pytest.approx(11_000, rel=0.01)
     assert straggler.rank == 0 and straggler.saving_us_per_step == pytest.approx(cost, rel=0.2)
     assert "host_pace_vs_peers" not in straggler.evidence  # extra ops of its own, not a slower pace
+    sleeps = load_trace(str(fixture_dir("llama_nccl_ddp_hostsync_4step") / "llama_nccl_ddp_hostsync_4step_rank0.json.gz"))
+    idle = sleeps.timeline.gap_idle
+    assert len(idle[idle > 0]) == 4 and idle[idle > 0] == pytest.approx(10_200, rel=0.01)
+    balanced = load_trace(str(fixture_dir("llama_nccl_ddp_4step") / "llama_nccl_ddp_4step_rank0.json.gz"))
+    assert not balanced.timeline.gap_idle.any()
     assert not [f for f in recommend(fixture_dir("llama_nccl_ddp_hostsync")).findings
                 if f.key == "communication:straggler"]
 

@@ -83,6 +83,25 @@ def test_cuda_graphs_remove_launch_overhead(tmp_path):
     assert after < 100.0  # 10 kernels of 2 µs back to back, plus the graph's launch
 
 
+def test_the_users_own_host_code_is_neither_scaled_nor_graphed_away(tmp_path):
+    """Ten launches 50 µs apart, with 5 ms between the fifth and the sixth in which no op is recorded (the
+    user's code: a sleep). Calibration scales the framework's host time, not that stretch, and a CUDA graph
+    removes the launches' host time around it, not the stretch itself."""
+    w = TraceWriter()
+    w.step(1, 0, 5500)
+    t = 0
+    for i in range(10):
+        t += 5000 if i == 5 else 0
+        ext = w.op("aten::mul", t, 10)
+        w.kernel(f"k{i}", t + 8, 2, ext, launch_ts=t + 2)
+        t += 50
+    timeline = load_trace(w.write(tmp_path / "sleep.json")).timeline
+    whole, half = timeline.replay().total_us, timeline.replay(host=HostCost(scale=0.5)).total_us
+    assert whole == pytest.approx(5500, abs=1)
+    assert whole - half == pytest.approx(230, abs=5)  # half of the framework's 460 µs: 10 ops and their gaps
+    assert 5040 < timeline.replay(Change(graphs=True)).total_us < 5100  # the 5040 µs stretch and ten kernels
+
+
 def test_fused_kernels_run_once(tmp_path):
     trace = gpu_bound(tmp_path)
     rows = kernels_of(trace)
