@@ -99,9 +99,9 @@ def make_case(family, size, mode, smoke, tokens=None):
     return model, inputs, step_function(model, inputs, train), f"{batch}x{seq}"
 
 
-def case_arguments(parser, swaps="rms_norm,rope,swiglu"):
+def case_arguments(parser, swaps="rms_norm,rope,swiglu", out_required=True):
     """--out, --family, --size, --mode and --swaps: one case of these configs, for the scripts that study one."""
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", required=out_required)
     parser.add_argument("--family", default="llama")
     parser.add_argument("--size", default="balanced")
     parser.add_argument("--mode", default="train")

@@ -9,11 +9,16 @@ Rows after the first run in a process that has captured (launches dearer: after_
 unprofiled times are comparable with each other, not with a clean A/B. The results file's run predates
 this order: there B was timed after A's capture.
 
+  - the claims: per launching op and input shapes, the kernels the finding claims against those B no longer
+    runs (where they differ: what the change prices that B still runs, or what B lost that it misses).
+
     python benchmarks/swap_trace_diff.py --out DIR [--family llama] [--size gpu] [--mode train] [--swaps rms_norm,rope]
+    python benchmarks/swap_trace_diff.py --from DIR [--swaps rms_norm,rope]   # re-analyse DIR's traces, no GPU
 """
 import argparse
 import json
 import os
+from collections import Counter
 
 import torch
 
@@ -39,10 +44,7 @@ def per_step(trace, values):
 
 
 def diff(swap, args):
-    import profiler_svc
     from profiler_svc.kernels.swap import swapped
-    from profiler_svc.recommendations import recommend
-    from profiler_svc.trace.replay import Change
     train = args.mode == "train"
     model, vocab = build(args.family, False, "cuda", torch.bfloat16, args.size)
     model.train(train)
@@ -57,6 +59,15 @@ def diff(swap, args):
     capture_step(model, step, a_path)
     with swapped(model, swap):
         capture_step(model, step, b_path)
+    return {"swap": swap, "unprofiled_ms": {"A": round(a_ms, 3), "B": round(b_ms, 3), "saving": round(a_ms - b_ms, 3)},
+            **compare(swap, a_path, b_path)}
+
+
+def compare(swap, a_path, b_path) -> dict:
+    """The finding's priced change for SWAP on trace A beside trace B of the swapped model."""
+    import profiler_svc
+    from profiler_svc.recommendations import recommend
+    from profiler_svc.trace.replay import Change
     report = recommend(a_path)
     analysis = report.analyses[0]
     chosen = [f for f in analysis.findings if f.recommendation.swap == swap]
@@ -72,8 +83,7 @@ def diff(swap, args):
     predicted = report.predict(swaps=[swap])
     a_replay, b_replay = a.timeline.replay(), b.timeline.replay()
     return {
-        "swap": swap, "findings": len(chosen),
-        "unprofiled_ms": {"A": round(a_ms, 3), "B": round(b_ms, 3), "saving": round(a_ms - b_ms, 3)},
+        "findings": len(chosen),
         "predicted_saving_ms": round(predicted.get("saving_us_per_step", 0.0) / 1e3, 3),
         "gpu_busy_ms_per_step": {"A": round(a_replay.gpu_busy_us / a_replay.steps / 1e3, 3),
                                  "B": round(b_replay.gpu_busy_us / b_replay.steps / 1e3, 3)},
@@ -89,13 +99,53 @@ def diff(swap, args):
         "b_new_kernels_count_per_step": len(only_b) / b.step_count,
         "b_new_kernels_top": only_b.groupby("name")["dur"].agg(["count", "sum"]).sort_values("sum", ascending=False)
                                    .head(6).round(1).reset_index().to_dict("records"),
+        "claims_unlike_b": claims_unlike(a, b, change),
     }
+
+
+def _signatures(trace, rows) -> tuple[Counter, Counter]:
+    """Per (launching op, recorded input shapes): how many kernels at ROWS, and their µs."""
+    k = trace.kernels
+    top, op, dur = k["top_op_name"].to_numpy(), k["op"].to_numpy(), k["dur"].to_numpy()
+    count, us = Counter(), Counter()
+    for row in rows:
+        key = (top[row], str(trace.op_inputs(int(op[row])).dims) if op[row] >= 0 else "")
+        count[key] += 1
+        us[key] += float(dur[row])
+    return count, us
+
+
+def claims_unlike(a, b, change, n=12) -> list:
+    """Where the change's claims differ from what B stopped running, per launching op and input shapes, the
+    largest differences in time first (per step)."""
+    claimed, claimed_us = _signatures(a, sorted(change.kernels))
+    in_a, a_us = _signatures(a, range(len(a.kernels)))
+    in_b, b_us = _signatures(b, range(len(b.kernels)))
+    rows = []
+    for key in set(claimed) | set(in_a) | set(in_b):
+        dropped_us = per_step(a, a_us[key]) - per_step(b, b_us[key])
+        if claimed[key] != in_a[key] - in_b[key]:
+            rows.append({"op": key[0], "inputs": key[1], "claimed": claimed[key], "dropped": in_a[key] - in_b[key],
+                         "claimed_us_per_step": per_step(a, claimed_us[key]),
+                         "dropped_us_per_step": round(dropped_us, 1)})
+    rows.sort(key=lambda r: -abs(r["claimed_us_per_step"] - r["dropped_us_per_step"]))
+    return rows[:n]
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    case_arguments(parser)
+    case_arguments(parser, out_required=False)
+    parser.add_argument("--from", dest="source", help="re-analyse the SWAP_A/SWAP_B traces in this folder instead")
     args = parser.parse_args()
+    if not (args.source or args.out):
+        parser.exit(2, "swap_trace_diff.py: give --out DIR (capture on the GPU) or --from DIR (re-analyse)\n")
+    if args.source:
+        for swap in args.swaps.split(","):
+            paths = [os.path.join(args.source, f"{swap}_{side}.json.gz") for side in "AB"]
+            if not all(os.path.exists(p) for p in paths):
+                parser.exit(2, f"swap_trace_diff.py: no {swap}_A.json.gz and {swap}_B.json.gz in {args.source}\n")
+            print(json.dumps({"swap": swap, **compare(swap, *paths)}, indent=1))
+        return
     os.makedirs(args.out, exist_ok=True)
     rows = []
     for swap in args.swaps.split(","):

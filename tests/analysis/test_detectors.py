@@ -515,6 +515,23 @@ def test_a_swap_claims_the_kernels_its_swapped_trace_no_longer_runs(swap):
     assert sum(claimed.values()) >= 0.9 * sum(dropped.values())
 
 
+def test_the_swap_trace_diff_script_reanalyses_committed_traces_without_a_gpu():
+    """`swap_trace_diff.py --from DIR` lists where the claims differ from what B stopped running: on Phi-3's
+    rope, only kernels B lost that the finding leaves (the heads' transposes, B's own rope), none it claims
+    that B still runs."""
+    import subprocess
+    import sys
+    bench = Path(__file__).parents[2] / "benchmarks"
+    proc = subprocess.run([sys.executable, "swap_trace_diff.py", "--from", str(PHI3_SWAPPED), "--swaps", "rope"],
+                          cwd=bench, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row = json.loads(proc.stdout)
+    assert row["swap"] == "rope" and row["findings"] == 1 and row["claims_unlike_b"]
+    assert all(r["claimed"] <= max(r["dropped"], 0) for r in row["claims_unlike_b"])  # B's new kernels: dropped < 0
+    assert {r["op"] for r in row["claims_unlike_b"] if r["dropped"] > 0} == {
+        "aten::contiguous", "autograd::engine::evaluate_function: ViewBackward0"}
+
+
 MIXTRAL_SWAPPED = Path(__file__).parents[2] / "benchmarks/results/swap_traces_mixtral_4x2048_train_h100_2026-11-28"
 
 
