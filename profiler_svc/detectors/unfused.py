@@ -485,7 +485,8 @@ def _findings(trace, chains):
         chain.kind = chain.kind or classify(chain.ops)
         if chain.kind == "rope" and not chain.backward:
             chains[i] = chain = _rotation_only(trace, chain)
-            rotated[module_class(chain.module)].add(tuple(chain.shape or ())[:-1])
+            if chain.shape:
+                rotated[module_class(chain.module)].add(tuple(chain.shape)[:-1])
         if not chain.backward and chain.kind != "generic" and module_class(chain.module):
             forward_kind_by_class[module_class(chain.module)] = chain.kind
     for chain in chains:
@@ -520,8 +521,8 @@ def _on_shapes(chain: Chain, shapes) -> Optional[Chain]:
     gradients of its q/k/v split and of the heads' transposes stay (Phi-3's fused qkv: 64 kernels a step
     over-claimed; benchmarks/results/predict_vs_ab.md, 2026-11-28)."""
     k = chain.kernels
-    cut = [i for i, row in enumerate(chain.rows.tolist())
-           if (big := k.bigs[k.info[row]]) is None or tuple(big[0])[:-1] not in shapes]
+    cut = [i for i, row in enumerate(chain.rows.tolist())  # a kernel of unknown shape stays: nothing says otherwise
+           if (big := k.bigs[k.info[row]]) is not None and tuple(big[0])[:-1] not in shapes]
     if len(chain.rows) - len(cut) < 3:
         return None
     return _without(chain, cut) if cut else chain

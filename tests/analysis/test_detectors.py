@@ -460,6 +460,23 @@ def test_the_rope_swap_claims_the_rotation_not_the_kv_cache_update():
     assert len(cache) == 2 * 8 * 2 and not set(cache) & f.change.kernels
 
 
+def test_a_rotary_backward_without_recorded_shapes_stays_claimed(tmp_path):
+    """The rope finding keeps a backward kernel to the rotated tensors' shapes only where both are recorded: a
+    trace without shapes (record_shapes=False) keeps its backward chains as they are."""
+    with gzip.open(fixture_path("llama8_bf16_4x1024_train_calibrated"), "rt") as f:
+        data = json.load(f)
+    for event in data["traceEvents"]:
+        for key in ("Input Dims", "Input type", "Input Strides", "Concrete Inputs"):
+            event.get("args", {}).pop(key, None)
+    path = tmp_path / "no_shapes.json"
+    path.write_text(json.dumps(data))
+    rope = next(f for f in recommend(str(path)).findings if f.key.startswith("unfused_chain:rope"))
+    directions = rope.evidence["directions"]
+    # without shapes q's and k's rotations are one chain each way: one per layer and step (8 layers, 2 steps)
+    assert directions["forward"]["chains"] == directions["backward"]["chains"] == 8 * 2
+    assert directions["backward"]["kernels"] > directions["forward"]["kernels"]
+
+
 PHI3_INFER = Path(__file__).parents[2] / "benchmarks/results/pva_traces_h100_2026-11-27_gpu_bound/phi3_4x2048_infer.json.gz"
 
 
