@@ -468,8 +468,9 @@ def test_torchrun_ranks_share_a_run(tmp_path):
     import sys
     job = os.path.join(os.path.dirname(__file__), "torchrun_job.py")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID")}
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                    job, str(tmp_path)], check=True, env=env, capture_output=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           job, str(tmp_path)], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]  # torchrun's and the ranks' own errors
     paths = sorted(glob.glob(str(tmp_path / "*.json.gz")))
     assert [p.rsplit("_", 1)[1] for p in paths] == ["rank0.json.gz", "rank1.json.gz"]
     metas = [load(p)[METADATA_KEY] for p in paths]
