@@ -96,6 +96,9 @@ def _llama_config(hidden: int):
 
 # a measured variant of a swap -> the swap that replaces its eager module
 VARIANT_OF = {"rms_norm_offset": "rms_norm", "swiglu_experts": "swiglu"}
+# an experts block's rows are tokens, each routed to this many experts (Mixtral's top 2): the analyser prices
+# an experts call at the measured size nearest its routed rows over this
+ROUTED_ROWS_PER_ROW = {"swiglu_experts": 2}
 
 
 def _native_offset_rms_norm(x, weight, eps):
@@ -148,7 +151,7 @@ def eager_modules(hidden: int, vocab: int) -> dict:
 
     def routed(rows):  # each token's two experts and their weights, as Mixtral's router returns them
         scores = torch.randn(rows, experts.num_experts, device=DEVICE).softmax(-1)
-        weights, index = scores.topk(2, dim=-1)
+        weights, index = scores.topk(ROUTED_ROWS_PER_ROW["swiglu_experts"], dim=-1)
         return x(rows), index, weights / weights.sum(-1, keepdim=True)
 
     return {
@@ -466,6 +469,8 @@ def costs_json(modules: dict, cross: dict, meta: dict, merge_into: Optional[dict
         width = dispatch_elements_per_row(name, meta["hidden"], meta["vocab"])
         if width:
             swaps[name]["dispatch_elements_per_row"] = width
+        if name in ROUTED_ROWS_PER_ROW:
+            swaps[name]["routed_rows_per_row"] = ROUTED_ROWS_PER_ROW[name]
     if merge_into is not None:
         stamp = {"measured": {"command": meta["command"], "versions": meta["versions"]}}
         merged = dict(merge_into)
@@ -498,7 +503,11 @@ def median_of(paths: list, command: str) -> dict:
         modules[name] = {"eager_class": entry["eager_class"], "by_rows": by_rows}
     meta = {"versions": first["versions"], "hidden": first["hidden"], "vocab": first.get("vocab", 32000),
             "command": command}
-    return costs_json(modules, {}, meta, merge_into=first)
+    merged = costs_json(modules, {}, meta, merge_into=first)
+    for name, per_row in ROUTED_ROWS_PER_ROW.items():  # how this script routes, for entries kept as they were
+        if name in merged["swaps"]:
+            merged["swaps"][name]["routed_rows_per_row"] = per_row
+    return merged
 
 
 def markdown(data: dict) -> str:

@@ -7,6 +7,7 @@ Read as data, or loaded by path, so the analyser never imports torch or Triton t
 import functools
 import importlib.util
 import json
+import math
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
@@ -113,10 +114,26 @@ def _triton_path_cost(swap: str) -> Optional[dict]:
     """{"forward_us", "forward_backward_us"} of a call that the swap's native dispatch does not take: ours
     against the eager module at the registry's largest measured size, where every dispatching swap runs its
     Triton kernel (4096 rows; tests check rows x dispatch_elements_per_row against NATIVE_BELOW)."""
+    return _cost_at(swap, lambda rows: max(rows, key=int))
+
+
+def _routed_cost(swap: str, routed_rows: int) -> Optional[dict]:
+    """The same at the measured size nearest an experts call's tokens (its routed rows over the table's
+    `routed_rows_per_row`): the experts that get a token, and eager's host work with them, grow with the tokens
+    until every expert is busy (8 tokens reach about 7 of Mixtral's 8 experts, 256 all of them)."""
+    per_row = _costs().get(swap, {}).get("routed_rows_per_row")
+    if not isinstance(per_row, (int, float)) or per_row <= 0 or routed_rows <= 0:
+        return None
+    tokens = math.log(routed_rows / per_row)
+    return _cost_at(swap, lambda rows: min((r for r in rows if int(r) > 0), key=lambda r: abs(math.log(int(r)) - tokens)))
+
+
+def _cost_at(swap: str, pick) -> Optional[dict]:
+    """Ours against the eager module at the measured row count PICK chooses among the table's."""
     rows = _costs().get(swap, {}).get("host_us_by_rows", {})
     if not rows:
         return None
-    measured = rows[max(rows, key=int)]
+    measured = rows[pick(list(rows))]
     ours, eager = measured.get("ours", {}), measured.get("eager", {})
     try:
         return {"forward_us": ours["forward"] - eager["forward"],
@@ -125,13 +142,14 @@ def _triton_path_cost(swap: str) -> Optional[dict]:
         return None
 
 
-def swap_host_cost(swap: str, backward: bool, triton_path: bool = False) -> Optional[float]:
+def swap_host_cost(swap: str, backward: bool, triton_path: bool = False,
+                   routed_rows: Optional[int] = None) -> Optional[float]:
     """Host µs per call that SWAP adds over the eager module it replaces (negative: saves), for the forward
     or for the backward; None where the registry has no measurement. The registry's figure is at a small
     size, where a swap with a native dispatch takes it; triton_path: a call that dispatch does not take (the
-    figure at the largest size it measured)."""
+    figure at the largest size it measured); routed_rows: an experts call's, priced at its size."""
     entry = _triton_path_cost(swap) if triton_path else None
-    entry = entry or _costs().get(swap)
+    entry = entry or (_routed_cost(swap, routed_rows) if routed_rows else None) or _costs().get(swap)
     if not isinstance(entry, dict):
         return None
     forward, both = entry.get("forward_us"), entry.get("forward_backward_us")

@@ -741,7 +741,8 @@ def _change(trace, swap, group, fused_times, experts: bool = False) -> tuple[Cha
                 continue  # the swap runs eager's own ops on this call: nothing changes
             # the registry's measured host cost per call, relative to the eager module (unknown: the same)
             one = Change() if native and native_is_eager(swap) else fused(trace, rows, fused_us, host=False)
-            cost = swap_host_cost(cost_name, chain.backward, triton_path=dispatches and not native)
+            cost = swap_host_cost(cost_name, chain.backward, triton_path=dispatches and not native,
+                                  routed_rows=numel(chain.shape[:-1]) if experts and chain.shape else None)
             if cost and opens:  # the cost is per module call, which may hold several chains (rope: q and k)
                 one.host_added = [(float(chain.kernels.columns["ts"][chain.rows[0]]), cost)]
         else:
