@@ -125,7 +125,8 @@ def _routed_cost(swap: str, routed_rows: int) -> Optional[dict]:
     if not isinstance(per_row, (int, float)) or per_row <= 0 or routed_rows <= 0:
         return None
     tokens = math.log(routed_rows / per_row)
-    return _cost_at(swap, lambda rows: min((r for r in rows if int(r) > 0), key=lambda r: abs(math.log(int(r)) - tokens)))
+    return _cost_at(swap, lambda rows: min((r for r in rows if int(r) > 0),
+                                           key=lambda r: abs(math.log(int(r)) - tokens)))
 
 
 def _cost_at(swap: str, pick) -> Optional[dict]:

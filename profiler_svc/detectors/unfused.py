@@ -517,11 +517,12 @@ def _rotation_only(trace, chain: Chain) -> Chain:
 
 def _on_shapes(chain: Chain, shapes) -> Optional[Chain]:
     """A backward rotary chain with only the kernels on the tensors the forward rotated or their halves (SHAPES:
-    all dims but the last), or None where fewer than 3 are left. The rope swap replaces a function inside the attention, not the module: the
-    gradients of its q/k/v split and of the heads' transposes stay (Phi-3's fused qkv: 64 kernels a step
-    over-claimed; benchmarks/results/predict_vs_ab.md, 2026-11-28)."""
+    all dims but the last), or None where fewer than 3 are left. The rope swap replaces a function inside the
+    attention, not the module: the gradients of its q/k/v split and of the heads' transposes stay (Phi-3's
+    fused qkv: 64 kernels a step over-claimed; benchmarks/results/predict_vs_ab.md, 2026-11-28). A kernel of
+    unknown shape stays: nothing says it is another tensor's."""
     k = chain.kernels
-    cut = [i for i, row in enumerate(chain.rows.tolist())  # a kernel of unknown shape stays: nothing says otherwise
+    cut = [i for i, row in enumerate(chain.rows.tolist())
            if (big := k.bigs[k.info[row]]) is not None and tuple(big[0])[:-1] not in shapes]
     if len(chain.rows) - len(cut) < 3:
         return None
@@ -807,8 +808,8 @@ def _routing_change(trace, group, bandwidth) -> Change:
     """An experts call's routing kernels (its memory-bound kernels outside the activation chain: transformers'
     gathers, fp32-weighted rows, re-order, sum, casts; not the sort) become one kernel moving _ROUTED_PASSES
     times the routed rows: the activation's rows by the block's hidden size (its down_proj [E, H, I] in the
-    capture's module tree), in the activation's dtype. Each routing kernel belongs to the call whose activation chain
-    is nearest in time, in its module and direction."""
+    capture's module tree), in the activation's dtype. Each routing kernel belongs to the call whose activation
+    chain is nearest in time, in its module and direction."""
     k = group[0].kernels
     col = k.columns
     tree = trace.capture_metadata.get("modules")

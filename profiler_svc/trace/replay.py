@@ -247,7 +247,7 @@ class Timeline:
         ts, end = ops["ts"].to_numpy(float), ops["end"].to_numpy(float)
         inside = (end > self.start) & (ts < self.host_end)
         order = np.argsort(ts[inside], kind="stable")
-        ts, end = ts[inside][order], np.maximum.accumulate(end[inside][order]) if inside.any() else end[inside]
+        ts, end = ts[inside][order], np.maximum.accumulate(end[inside][order])
         after, before = np.r_[self.start, end], np.r_[ts, self.host_end]  # one op's end, the next one's start
         long = before - after >= IDLE_MIN_US
         self.gap_idle = np.zeros(len(self.host_ts))
@@ -258,9 +258,9 @@ class Timeline:
     def host_us(self, host: HostCost = HostCost()) -> float:
         """The host time (gaps and calls, blocking calls' waits left out) that HOST keeps; all of it by default."""
         own = np.where(self.is_sync, 0.0, self.host_end_ts - self.host_ts)
-        framework = self.host_gaps - self.gap_idle
-        gaps, own = framework * host.kept(framework, self.gap_events) + self.gap_idle, own * host.kept(own, 1)
-        return float(((gaps + own) * self._step_factor(host, gaps, own)).sum())
+        framework = self.host_gaps - self.gap_idle  # the user's own code (gap_idle) is kept whole
+        gaps, own = framework * host.kept(framework, self.gap_events), own * host.kept(own, 1)
+        return float(((gaps + own) * self._step_factor(host, gaps, own)).sum() + self.gap_idle.sum())
 
     @cached_property
     def host_pace_us(self) -> float:
