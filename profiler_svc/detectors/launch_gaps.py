@@ -11,7 +11,7 @@ The idle before the first GPU activity of the window is the profiler starting up
 import numpy as np
 
 from ..trace.model import Trace
-from ..trace.replay import Change, time_covered_by
+from ..trace.replay import Change, own_code_stretches, time_covered_by
 from .common import Finding, Recommendation, fmt_us, name_mask, per_step, per_step_note, short_kernel_name
 from .gpu_idle import blocking_calls, idle_gaps, launch_times
 
@@ -22,7 +22,7 @@ _MIN_SHARE = 0.03
 # An op whose input shapes take this many distinct values in the window runs with dynamic shapes (a growing
 # KV cache): CUDA graphs replay fixed shapes only.
 _DYNAMIC_SHAPES = 8
-CAUSES = ("host_wait", "sync", "collective", "kernel_to_kernel")
+CAUSES = ("host_wait", "own_code", "sync", "collective", "kernel_to_kernel")
 
 
 def classify_gaps(trace: Trace):
@@ -42,6 +42,12 @@ def classify_gaps(trace: Trace):
         returned = sync_end[i]
         limit = np.where(np.isnan(launched), gaps.end, launched)
         kind[late & (returned >= gaps.start - 1.0) & (returned <= limit)] = "sync"
+    stretches = own_code_stretches(trace, *trace.window)
+    if stretches:
+        # the host spent most of the gap in the user's own code, no op on any thread (a sleep, data prep), even
+        # where a sync had emptied the GPU's queue first
+        in_own_code = time_covered_by(stretches)
+        kind[late & ((in_own_code(gaps.end) - in_own_code(gaps.start)) > 0.5 * gaps.dur)] = "own_code"
     if trace.collectives:
         # the host waited for a collective in flight (communication finding), not late launches
         in_flight = time_covered_by(trace.collectives)

@@ -239,20 +239,12 @@ class Timeline:
         self.tail_events = int(np.searchsorted(ts, self.host_end, side="right") - np.searchsorted(ts, last, side="right"))
 
     def _measure_idle(self, trace: "Trace") -> None:
-        """Per gap before a host call, its time in stretches of IDLE_MIN_US or more in which no thread ran a
-        recorded op: the user's own code outside the framework (a sleep, data prepared in Python, logging).
-        The profiler adds nothing there, and a CUDA graph removes none of it."""
-        cpu = trace.cpu
-        ops = cpu[name_mask(cpu, lambda c: c == "cpu_op", "cat")]
-        ts, end = ops["ts"].to_numpy(float), ops["end"].to_numpy(float)
-        inside = (end > self.start) & (ts < self.host_end)
-        order = np.argsort(ts[inside], kind="stable")
-        ts, end = ts[inside][order], np.maximum.accumulate(end[inside][order])
-        after, before = np.r_[self.start, end], np.r_[ts, self.host_end]  # one op's end, the next one's start
-        long = before - after >= IDLE_MIN_US
+        """Per gap before a host call, its time in the user's own code (`own_code_stretches`): the profiler
+        adds nothing there, and a CUDA graph removes none of it."""
+        stretches = own_code_stretches(trace, self.start, self.host_end)
         self.gap_idle = np.zeros(len(self.host_ts))
-        if long.any() and len(self.host_ts):
-            covered = time_covered_by(list(zip(after[long].tolist(), before[long].tolist())))
+        if stretches and len(self.host_ts):
+            covered = time_covered_by(stretches)
             self.gap_idle = np.minimum(covered(self.host_ts) - covered(self.gap_starts), self.host_gaps)
 
     def host_us(self, host: HostCost = HostCost()) -> float:
@@ -651,6 +643,20 @@ class Timeline:
     def rows_of_kernels(self, kernel_index) -> np.ndarray:
         found = self.kernel_rows.reindex(np.asarray(kernel_index)).to_numpy()
         return found[~np.isnan(found)].astype(np.int64)
+
+
+def own_code_stretches(trace: "Trace", start: float, end: float) -> list:
+    """(start, end) of each stretch of IDLE_MIN_US or more between START and END in which no thread ran a
+    recorded op: the user's own code outside the framework (a sleep, data prepared in Python, logging)."""
+    cpu = trace.cpu
+    ops = cpu[name_mask(cpu, lambda c: c == "cpu_op", "cat")]
+    ts, ends = ops["ts"].to_numpy(float), ops["end"].to_numpy(float)
+    inside = (ends > start) & (ts < end)
+    order = np.argsort(ts[inside], kind="stable")
+    ts, ends = ts[inside][order], np.maximum.accumulate(ends[inside][order])
+    after, before = np.r_[start, ends], np.r_[ts, end]  # one op's end, the next one's start
+    long = before - after >= IDLE_MIN_US
+    return list(zip(after[long].tolist(), before[long].tolist()))
 
 
 def time_covered_by(intervals):

@@ -876,6 +876,12 @@ def test_nccl_rank_with_extra_work_is_the_straggler_and_costs_what_it_adds():
     assert len(idle[idle > 0]) == 4 and idle[idle > 0] == pytest.approx(10_200, rel=0.01)
     balanced = load_trace(str(fixture_dir("llama_nccl_ddp_4step") / "llama_nccl_ddp_4step_rank0.json.gz"))
     assert not balanced.timeline.gap_idle.any()
+    # the GPU idles through each sleep: its own cause in the idle breakdown (it had been "sync": the loss's
+    # .item() empties the GPU's queue just before), none in the balanced run
+    from profiler_svc.detectors.launch_gaps import idle_breakdown
+    own = idle_breakdown(sleeps)["own_code"]
+    assert own["gaps"] == 4 and own["idle_us_per_step"] == pytest.approx(10_200, rel=0.03)
+    assert idle_breakdown(balanced)["own_code"]["gaps"] == 0
     assert not [f for f in recommend(fixture_dir("llama_nccl_ddp_hostsync")).findings
                 if f.key == "communication:straggler"]
 

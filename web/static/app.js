@@ -106,7 +106,8 @@ function drawBreakdown() {
   const b = data.breakdown, idle = data.idle || {};
   const parts = [["compute-bound kernels", b.compute_kernels, "#3b6ea8"], ["memory-bound kernels", b.memory_kernels, "#9ecae1"],
                  ["memcpy / memset", b.memcpy_memset, "#bcbd22"], ["communication", b.communication, "#9467bd"]];
-  const causes = [["host wait idle", "host_wait", "#ff7f0e"], ["sync idle", "sync", "#d62728"],
+  const causes = [["host wait idle", "host_wait", "#ff7f0e"], ["own-code idle", "own_code", "#8c564b"],
+                  ["sync idle", "sync", "#d62728"],
                   ["collective wait idle", "collective", "#e377c2"], ["kernel-to-kernel idle", "kernel_to_kernel", "#c7c7c7"],
                   ["short gaps", "short", "#eeeeee"]];
   for (const [label, key, color] of causes) if (idle[key]) parts.push([label, idle[key].idle_us_per_step, color]);
