@@ -311,3 +311,14 @@ def test_ab_job_page_says_where_the_fp64_reference_ran_otherwise(engine, blobs):
     plain["reference_fallbacks"] = []
     page = client.get(f"/jobs/{save_ab_result(plain, workload=WORKLOAD, engine=engine)}").get_data(as_text=True)
     assert 'id="reference-notes"' not in page
+
+
+def test_the_idle_table_names_the_users_own_code(engine, blobs, client):
+    """Rank 0 of the hostsync capture sleeps 10 ms a step with no op on any thread: the run page's idle table has
+    that cause on a row of its own, with the analyser's figure per step."""
+    trace = fixture_dir("llama_nccl_ddp_hostsync_4step") / "llama_nccl_ddp_hostsync_4step_rank0.json.gz"
+    run_id = ingest(engine, blobs, trace)
+    own = recommend(str(trace)).to_dict()["steps"]["idle"]["own_code"]
+    assert own["gaps"] == 4
+    page = text_of(client.get(f"/runs/{run_id}").get_data(as_text=True))
+    assert f"the host in your own code (no op on any thread: a sleep, data prep) {fmt_us(own['idle_us_per_step'])} 4" in page
