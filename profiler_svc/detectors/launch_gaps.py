@@ -11,7 +11,7 @@ The idle before the first GPU activity of the window is the profiler starting up
 import numpy as np
 
 from ..trace.model import Trace
-from ..trace.replay import Change, own_code_stretches, time_covered_by
+from ..trace.replay import Change, time_covered_by
 from .common import Finding, Recommendation, fmt_us, name_mask, per_step, per_step_note, short_kernel_name
 from .gpu_idle import blocking_calls, idle_gaps, launch_times
 
@@ -42,11 +42,10 @@ def classify_gaps(trace: Trace):
         returned = sync_end[i]
         limit = np.where(np.isnan(launched), gaps.end, launched)
         kind[late & (returned >= gaps.start - 1.0) & (returned <= limit)] = "sync"
-    stretches = own_code_stretches(trace, *trace.window)
-    if stretches:
+    if trace.own_code:
         # the host spent most of the gap in the user's own code, no op on any thread (a sleep, data prep), even
         # where a sync had emptied the GPU's queue first
-        in_own_code = time_covered_by(stretches)
+        in_own_code = time_covered_by(trace.own_code)
         kind[late & ((in_own_code(gaps.end) - in_own_code(gaps.start)) > 0.5 * gaps.dur)] = "own_code"
     if trace.collectives:
         # the host waited for a collective in flight (communication finding), not late launches
@@ -57,9 +56,10 @@ def classify_gaps(trace: Trace):
     return gaps, kind
 
 
-def idle_breakdown(trace: Trace) -> dict:
-    """Per cause: gaps, idle µs per step, median and largest gap (HTA's idle-time breakdown, per step)."""
-    gaps, kind = classify_gaps(trace)
+def idle_breakdown(trace: Trace, classified=None) -> dict:
+    """Per cause: gaps, idle µs per step, median and largest gap (HTA's idle-time breakdown, per step).
+    CLASSIFIED: classify_gaps(trace), where the caller has it already."""
+    gaps, kind = classified or classify_gaps(trace)
     out = {}
     for cause in CAUSES + ("short",):
         dur = gaps.dur[kind == cause] if len(kind) else np.zeros(0)
@@ -83,7 +83,7 @@ def detect(trace: Trace) -> list[Finding]:
     launch_dur = runtime[name_mask(runtime, lambda n: "Launch" in n)]["dur"]
     median_launch = float(launch_dur.median()) if len(launch_dur) else None
     short = in_window[in_window["dur"] < 10.0]
-    breakdown = idle_breakdown(trace)
+    breakdown = idle_breakdown(trace, (gaps, kind))
     for cause in ("host_wait", "kernel_to_kernel"):
         mask = kind == cause
         idle = float(dur[mask].sum())

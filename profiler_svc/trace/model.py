@@ -27,6 +27,9 @@ if TYPE_CHECKING:
 COLLECTIVE_OP_PREFIXES = ("gloo:", "nccl:", "c10d::")
 # A long trace is replayed over this many steps from its middle: per-step figures need no more.
 MAX_REPLAY_STEPS = 8
+# A stretch this long in which no thread runs a recorded op is the user's own code (a sleep, data prepared in
+# Python), not the framework's dispatch: a model's Python between two ops takes microseconds.
+IDLE_MIN_US = 2000.0
 
 _DTYPE_NAMES = {
     "float": "fp32", "double": "fp64", "c10::Half": "fp16", "c10::BFloat16": "bf16",
@@ -217,6 +220,22 @@ class Trace:
         cpu = self.cpu
         ops = cpu[name_mask(cpu, lambda n: n.startswith(COLLECTIVE_OP_PREFIXES))]
         return sorted(zip(ops["ts"].tolist(), ops["end"].tolist()))
+
+    @cached_property
+    def own_code(self) -> list:
+        """(start, end) of each stretch of IDLE_MIN_US or more in the steps (the host's part of the window) in
+        which no thread ran a recorded op: the user's own code outside the framework (a sleep, data prepared in
+        Python, logging)."""
+        start, end = (float(self.steps["ts"].min()), float(self.steps["end"].max())) if len(self.steps) else self.window
+        cpu = self.cpu
+        ops = cpu[name_mask(cpu, lambda c: c == "cpu_op", "cat")]
+        ts, ends = ops["ts"].to_numpy(float), ops["end"].to_numpy(float)
+        inside = (ends > start) & (ts < end)
+        order = np.argsort(ts[inside], kind="stable")
+        ts, ends = ts[inside][order], np.maximum.accumulate(ends[inside][order])
+        after, before = np.r_[start, ends], np.r_[ts, end]  # one op's end, the next one's start
+        long = before - after >= IDLE_MIN_US
+        return list(zip(after[long].tolist(), before[long].tolist()))
 
     @cached_property
     def timeline(self) -> "Timeline":

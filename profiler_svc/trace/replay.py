@@ -50,9 +50,6 @@ SETTLE_ROUNDS = 64
 # Host cost of replaying one captured CUDA graph, and the gap between its kernels on the GPU.
 GRAPH_LAUNCH_US = 10.0
 GRAPH_KERNEL_GAP_US = 1.0
-# A stretch this long in which no thread runs a recorded op is the user's own code (a sleep, data prepared in
-# Python), not the framework's dispatch: a model's Python between two ops takes microseconds.
-IDLE_MIN_US = 2000.0
 
 
 @dataclass(frozen=True)
@@ -239,12 +236,11 @@ class Timeline:
         self.tail_events = int(np.searchsorted(ts, self.host_end, side="right") - np.searchsorted(ts, last, side="right"))
 
     def _measure_idle(self, trace: "Trace") -> None:
-        """Per gap before a host call, its time in the user's own code (`own_code_stretches`): the profiler
-        adds nothing there, and a CUDA graph removes none of it."""
-        stretches = own_code_stretches(trace, self.start, self.host_end)
+        """Per gap before a host call, its time in the user's own code (`Trace.own_code`): the profiler adds
+        nothing there, and a CUDA graph removes none of it."""
         self.gap_idle = np.zeros(len(self.host_ts))
-        if stretches and len(self.host_ts):
-            covered = time_covered_by(stretches)
+        if trace.own_code and len(self.host_ts):
+            covered = time_covered_by(trace.own_code)
             self.gap_idle = np.minimum(covered(self.host_ts) - covered(self.gap_starts), self.host_gaps)
 
     def host_us(self, host: HostCost = HostCost()) -> float:
@@ -643,20 +639,6 @@ class Timeline:
     def rows_of_kernels(self, kernel_index) -> np.ndarray:
         found = self.kernel_rows.reindex(np.asarray(kernel_index)).to_numpy()
         return found[~np.isnan(found)].astype(np.int64)
-
-
-def own_code_stretches(trace: "Trace", start: float, end: float) -> list:
-    """(start, end) of each stretch of IDLE_MIN_US or more between START and END in which no thread ran a
-    recorded op: the user's own code outside the framework (a sleep, data prepared in Python, logging)."""
-    cpu = trace.cpu
-    ops = cpu[name_mask(cpu, lambda c: c == "cpu_op", "cat")]
-    ts, ends = ops["ts"].to_numpy(float), ops["end"].to_numpy(float)
-    inside = (ends > start) & (ts < end)
-    order = np.argsort(ts[inside], kind="stable")
-    ts, ends = ts[inside][order], np.maximum.accumulate(ends[inside][order])
-    after, before = np.r_[start, ends], np.r_[ts, end]  # one op's end, the next one's start
-    long = before - after >= IDLE_MIN_US
-    return list(zip(after[long].tolist(), before[long].tolist()))
 
 
 def time_covered_by(intervals):
