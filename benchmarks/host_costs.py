@@ -55,8 +55,8 @@ def host_us(step, calls: int, warmup: int = 10) -> float:
     return 1e6 * statistics.median(host_samples(step, calls, warmup))
 
 
-def host_samples(step, calls: int, warmup: int = 10) -> list:
-    """Host seconds of each of `calls` calls of `step()`, each started on an idle GPU."""
+def host_samples(step, calls: int, warmup: int = 10, sync=sync) -> list:
+    """Host seconds of each of `calls` calls of `step()`, each started on an idle GPU (SYNC waits for it)."""
     for _ in range(warmup):
         step()
     sync()

@@ -145,6 +145,7 @@ def sides_case(family, size, mode, smoke, swaps, path):
     step started on an idle GPU (fastest and median of 5), and the GPU's kernel time per step (the profiler's
     kernel durations over 3 steps). JSON to PATH."""
     import profiler_svc
+    from host_costs import host_samples
     from profiler_svc.ab.stats import time_ms
     model, _, step, _ = make_case(family, size, mode, smoke)
     device = next(model.parameters()).device
@@ -155,13 +156,7 @@ def sides_case(family, size, mode, smoke, swaps, path):
         for _ in range(3):
             step()
         loop = [time_ms(step, device) for _ in range(5)]
-        host = []
-        for _ in range(5):
-            _sync(device)
-            started = time.perf_counter()
-            step()
-            host.append(1e3 * (time.perf_counter() - started))
-        _sync(device)
+        host = [1e3 * s for s in host_samples(step, 5, warmup=0, sync=lambda: _sync(device))]
         out[name] = {"loop_ms": round(statistics.median(loop), 3), "host_ms_min": round(min(host), 3),
                      "host_ms_median": round(statistics.median(host), 3), "kernel_ms": _kernel_ms(step, device)}
     with open(path, "w") as f:
