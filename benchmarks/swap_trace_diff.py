@@ -24,6 +24,9 @@ import torch
 
 from predict_vs_ab import SIZES, build, capture_step, case_arguments, step_function
 
+from profiler_svc.errors import UserError
+from profiler_svc.formats import one_line
+
 
 def unprofiled_ms(step, steps=20, warmup=5):
     """Mean ms per call of step() over STEPS back-to-back calls (CUDA events), after WARMUP calls."""
@@ -144,7 +147,11 @@ def main():
             paths = [os.path.join(args.source, f"{swap}_{side}.json.gz") for side in "AB"]
             if not all(os.path.exists(p) for p in paths):
                 parser.exit(2, f"swap_trace_diff.py: no {swap}_A.json.gz and {swap}_B.json.gz in {args.source}\n")
-            print(json.dumps({"swap": swap, **compare(swap, *paths)}, indent=1))
+            try:
+                row = compare(swap, *paths)
+            except UserError as err:  # a malformed or truncated trace: the loader's one line
+                parser.exit(2, f"swap_trace_diff.py: {one_line(err)}\n")
+            print(json.dumps({"swap": swap, **row}, indent=1))
         return
     os.makedirs(args.out, exist_ok=True)
     rows = []

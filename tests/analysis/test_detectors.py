@@ -549,6 +549,18 @@ def test_the_swap_trace_diff_script_reanalyses_committed_traces_without_a_gpu():
         "aten::contiguous", "autograd::engine::evaluate_function: ViewBackward0"}
 
 
+def test_the_swap_trace_diff_script_answers_a_truncated_trace_in_one_line(tmp_path):
+    import subprocess
+    import sys
+    for side in "AB":
+        with gzip.open(tmp_path / f"rope_{side}.json.gz", "wt") as f:
+            f.write('{"traceEvents": [')
+    proc = subprocess.run([sys.executable, "swap_trace_diff.py", "--from", str(tmp_path), "--swaps", "rope"],
+                          cwd=Path(__file__).parents[2] / "benchmarks", capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stdout == "" and "Traceback" not in proc.stderr
+    assert proc.stderr.count("\n") == 1 and "truncated JSON" in proc.stderr
+
+
 MIXTRAL_SWAPPED = Path(__file__).parents[2] / "benchmarks/results/swap_traces_mixtral_4x2048_train_h100_2026-11-28"
 
 
