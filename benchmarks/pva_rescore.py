@@ -65,15 +65,15 @@ RUNS = [
     ("predict_vs_ab_h100_fresh_gpu_2026-11-27.json", "pva_traces_h100_2026-11-27_fresh_gpu", {}, ROUTED_EXPERTS_COSTS),
     # the GPU-bound size (4x2048 tokens), every family in both modes but Mixtral's inference (not reached)
     ("predict_vs_ab_h100_gpu_bound_2026-11-27.json", "pva_traces_h100_2026-11-27_gpu_bound", {}, ROUTED_EXPERTS_COSTS),
-    # the host-bound size three times more, 36 rounds each: twice in one machine, once on another
+    # the host-bound size four times more, 36 rounds each: twice on one machine, once each on two others
     *((f"predict_vs_ab_h100_host_repeat{i}_2026-11-28.json", f"pva_traces_h100_2026-11-28_host_repeat{i}", {},
-       PACKAGED_COSTS) for i in (1, 2, 3)),
+       PACKAGED_COSTS) for i in (1, 2, 3, 4)),
 ]
 # Runs of the same kernels and sizes, one process each: every case is also scored against the mean of their
 # measurements, the true change as well as these runs can tell it (one run's A/B moves with its process's host
 # pace: the same case's A step differed by up to 2.2x between runs; results/predict_vs_ab.md, 2026-11-28).
 REPEATS = ("predict_vs_ab_h100_fresh_host_2026-11-27.json",
-           *(f"predict_vs_ab_h100_host_repeat{i}_2026-11-28.json" for i in (1, 2, 3)))
+           *(f"predict_vs_ab_h100_host_repeat{i}_2026-11-28.json" for i in (1, 2, 3, 4)))
 # The regimes the bar is judged on, by the tokens of a case: 4x1024 at twice the width balances host and GPU
 REGIMES = (("host-bound 1x256", "_1x256_"), ("balanced 4x1024", "_4x1024_"), ("GPU-bound 4x2048", "_4x2048_"))
 
