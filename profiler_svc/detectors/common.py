@@ -285,21 +285,32 @@ def fused(trace: Trace, kernel_rows, fused_us: float, host: bool = True) -> Chan
     if not rows:
         return Change()
     intervals = host_intervals(trace, rows) if host else []
-    return Change(durations={rows[0]: float(fused_us)}, removed=set(rows[1:]), host_removed=intervals[1:])
+    return Change(durations={rows[0]: float(fused_us)}, removed=set(rows[1:]), host_removed=intervals[1:],
+                  copies_removed=set(device_copies(trace, _whole_ops(trace, rows)).tolist()))
+
+
+def _whole_ops(trace: Trace, kernel_rows) -> np.ndarray:
+    """The outermost ops every kernel of which is among KERNEL_ROWS and that copied nothing to or from the host
+    (such a copy, a sync's, stays)."""
+    tops = trace.column("kernels", "top_op")[np.asarray(list(kernel_rows), dtype=np.int64)]
+    ops, claimed = np.unique(tops[tops >= 0], return_counts=True)
+    ops = ops[claimed >= trace.kernels_per_top_op[ops]]
+    return ops[~np.isin(ops, trace.ops_with_host_copy, assume_unique=True)]
+
+
+def device_copies(trace: Trace, ops: np.ndarray) -> np.ndarray:
+    """trace.memory index of the on-device copies and memsets that OPS (outermost CPU op rows, none with a host
+    copy) launched: a fused kernel writes its result once, so an op fused away takes them along (masked_fill's
+    clone)."""
+    return trace.copies_of(ops) if len(ops) and len(trace.memory) else np.empty(0, dtype=np.int64)
 
 
 def host_intervals(trace: Trace, kernel_rows) -> list:
-    """Host intervals of the outermost ops that launched nothing but KERNEL_ROWS, in time order, then the
+    """Host intervals of the outermost ops every kernel of which is among KERNEL_ROWS, in time order, then the
     Python between consecutive ones on the same thread."""
-    rows = np.asarray(list(kernel_rows), dtype=np.int64)
-    if not len(rows) or not len(trace.cpu):
+    if not len(kernel_rows) or not len(trace.cpu):
         return []
-    tops = trace.column("kernels", "top_op")[rows]
-    tops = tops[tops >= 0]
-    if not len(tops):
-        return []
-    ops, claimed = np.unique(tops, return_counts=True)
-    whole = ops[claimed >= trace.launches_per_top_op[ops]]
+    whole = _whole_ops(trace, kernel_rows)
     if not len(whole):
         return []
     whole = whole[np.argsort(trace.column("cpu", "ts")[whole], kind="stable")]

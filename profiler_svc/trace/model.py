@@ -183,10 +183,28 @@ class Trace:
         return k[(k["ts"] >= start) & (k["ts"] <= end)]
 
     @cached_property
-    def launches_per_top_op(self) -> np.ndarray:
-        """By outermost CPU op row: how many kernels and memcpy/memsets it launched."""
-        tops = np.concatenate([self.kernels["top_op"].to_numpy(), self.memory["top_op"].to_numpy()])
+    def kernels_per_top_op(self) -> np.ndarray:
+        """By outermost CPU op row: how many kernels it launched."""
+        tops = self.kernels["top_op"].to_numpy()
         return np.bincount(tops[tops >= 0], minlength=len(self.cpu))
+
+    @cached_property
+    def ops_with_host_copy(self) -> np.ndarray:
+        """Outermost CPU op rows, sorted, that copied to or from host memory."""
+        host = self.memory["name"].str.contains("HtoD|DtoH|Host|Pinned|Pageable", regex=True).to_numpy(bool)
+        return np.unique(self.memory["top_op"].to_numpy()[host])
+
+    @cached_property
+    def _copies_by_top_op(self) -> tuple[np.ndarray, np.ndarray]:
+        tops = self.memory["top_op"].to_numpy()
+        order = np.argsort(tops, kind="stable")
+        return tops[order], self.memory.index.to_numpy()[order]
+
+    def copies_of(self, ops: np.ndarray) -> np.ndarray:
+        """trace.memory index of the copies and memsets that OPS (outermost CPU op rows) launched."""
+        tops, index = self._copies_by_top_op
+        lo, hi = np.searchsorted(tops, ops, side="left"), np.searchsorted(tops, ops, side="right")
+        return np.concatenate([index[a:b] for a, b in zip(lo.tolist(), hi.tolist()) if b > a] or [np.empty(0, np.int64)])
 
     def column(self, table: str, name: str) -> np.ndarray:
         """TABLE's column NAME as a numpy array (cached: per-kernel lookups in detectors index it)."""

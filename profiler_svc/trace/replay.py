@@ -79,6 +79,8 @@ class Change:
 
     durations: trace.kernels index -> the kernel's duration after the fix (µs).
     removed: trace.kernels index of kernels that no longer run (fused away), launches included.
+    copies_removed: trace.memory index of device copies and memsets that no longer run (the op that launched
+        one was fused away with its kernels: masked_fill's clone, a zeros' memset).
     host_removed: (start, end) host intervals whose profiled host work goes (an op and the Python around it),
         scaled with the rest of the profiled host time by calibration.
     host_added: (host time, µs) of real host work the fix adds there (a swap's own cost: not scaled).
@@ -91,6 +93,7 @@ class Change:
     """
     durations: dict = field(default_factory=dict)
     removed: set = field(default_factory=set)
+    copies_removed: set = field(default_factory=set)
     host_removed: list = field(default_factory=list)
     host_added: list = field(default_factory=list)
     unblocked: set = field(default_factory=set)
@@ -110,6 +113,7 @@ class Change:
         for c in changes:
             out.durations.update(c.durations)
             out.removed |= c.removed
+            out.copies_removed |= c.copies_removed
             out.host_removed += c.host_removed
             out.host_added += c.host_added
             out.unblocked |= c.unblocked
@@ -127,13 +131,14 @@ class Change:
     def without_kernels(self, kernels: set) -> "Change":
         """The same change, leaving these kernels (claimed by another fix) as they are."""
         return Change(durations={k: v for k, v in self.durations.items() if k not in kernels},
-                      removed=self.removed - kernels, host_removed=self.host_removed, host_added=self.host_added,
+                      removed=self.removed - kernels, copies_removed=self.copies_removed,
+                      host_removed=self.host_removed, host_added=self.host_added,
                       unblocked=self.unblocked, tightened=self.tightened, graphs=self.graphs,
                       no_collective_wait=self.no_collective_wait, not_before=self.not_before)
 
     @property
     def empty(self) -> bool:
-        return not (self.durations or self.removed or self.host_removed or self.host_added or self.unblocked
+        return not (self.durations or self.removed or self.copies_removed or self.host_removed or self.host_added or self.unblocked
                     or self.tightened or self.graphs or self.no_collective_wait or self.not_before)
 
 
@@ -411,8 +416,9 @@ class Timeline:
         if change.durations:
             rows, new = self._per_kernel(change.durations)
             dur[rows] = new
-        if change.removed:
+        if change.removed or change.copies_removed:
             alive[self.rows_of_kernels(list(change.removed))] = False
+            alive[self.rows_of_copies(list(change.copies_removed))] = False
             dur[~alive] = 0.0
         # CPU time before each host call (after the previous call returned), and each call's own time
         gaps = self.host_gaps
@@ -633,12 +639,27 @@ class Timeline:
     @cached_property
     def kernel_rows(self) -> pd.Series:
         """trace.kernels index -> row in `gpu`."""
-        k = self.gpu[self.gpu["source"] == 0]
+        return self._rows_of_source(0)
+
+    @cached_property
+    def copy_rows(self) -> pd.Series:
+        """trace.memory index -> row in `gpu`."""
+        return self._rows_of_source(1)
+
+    def _rows_of_source(self, source: int) -> pd.Series:
+        k = self.gpu[self.gpu["source"] == source]
         return pd.Series(k.index.to_numpy(), index=k["row"].to_numpy())
 
     def rows_of_kernels(self, kernel_index) -> np.ndarray:
-        found = self.kernel_rows.reindex(np.asarray(kernel_index)).to_numpy()
-        return found[~np.isnan(found)].astype(np.int64)
+        return _found(self.kernel_rows, kernel_index)
+
+    def rows_of_copies(self, memory_index) -> np.ndarray:
+        return _found(self.copy_rows, memory_index)
+
+
+def _found(rows: pd.Series, index) -> np.ndarray:
+    found = rows.reindex(np.asarray(index, dtype=np.int64)).to_numpy()
+    return found[~np.isnan(found)].astype(np.int64)
 
 
 def time_covered_by(intervals):
