@@ -188,9 +188,11 @@ class _Kernels:
         sdpa = _per_value(top_names, lambda n: n == "aten::scaled_dot_product_attention")[top_codes]
         op, kind = col["op"], col["kind"]
         memory = kind == "memory"
-        # already-fused ops (fused optimizers) and compute kernels end a chain; the rest may join one
+        # already-fused ops and compute kernels end a chain; the rest may join one. Fused: a fused optimizer's,
+        # FSDP2's copies in and out of its collectives' buffers (one multi-tensor kernel each, not an optimizer)
         op_codes, op_names = _factorize(col["op_name"])
-        fused_op = _per_value(op_names, lambda n: (n or "").startswith("aten::_fused_"))[op_codes]
+        fused_op = (_per_value(op_names, lambda n: (n or "").startswith("aten::_fused_"))[op_codes]
+                    | _per_value(top_names, lambda n: (n or "").startswith("fsdp::"))[top_codes])
         self.candidate = memory & (op >= 0) & ~fused_op & ~sdpa
         # the gated pairs' activations and products (_gated_pairs)
         self.act = _per_value(top_names, lambda n: n in _ACTS)[top_codes]

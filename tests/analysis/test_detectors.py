@@ -913,8 +913,39 @@ def test_nccl_rank_with_extra_work_is_the_straggler_and_costs_what_it_adds():
                 if f.key == "communication:straggler"]
 
 
+def test_nccl_fsdp2_planted_straggler_costs_what_balancing_saved():
+    """FSDP2, four profiled steps of each scenario on one 2 x H100 machine (2026-11-28): rank 1 sleeps 20 ms at
+    the start of every step. The job's unprofiled step is 54.9 ms against the balanced run's 42.7: the sleep
+    costs the job 12.2 ms a step, less than the sleep (rank 1's own GPU work waited on rank 0 without it). The
+    joint replay names rank 1 at 15.0 ms. The tolerance is the balanced run's own spread: its two timed steps
+    on rank 0 were 50.2 and 42.5 ms. The balanced run names no straggler."""
+    r = recommend(fixture_dir("llama_nccl_fsdp2_straggler_4step"))
+    [straggler] = [f for f in r.findings if f.key == "communication:straggler"]
+    cost = raw_unprofiled_step("llama_nccl_fsdp2_straggler_4step") - raw_unprofiled_step("llama_nccl_fsdp2_4step")
+    assert cost == pytest.approx(12_180, rel=0.01)
+    assert straggler.rank == 1 and straggler.saving_us_per_step == pytest.approx(cost, rel=0.3)
+    assert straggler.evidence["job_step_us"] == pytest.approx(raw_unprofiled_step("llama_nccl_fsdp2_straggler_4step"),
+                                                              rel=0.01)
+    assert not [f for f in recommend(fixture_dir("llama_nccl_fsdp2_4step")).findings
+                if f.key == "communication:straggler"]
+
+
+def test_fsdp2_copies_into_its_collectives_buffers_are_no_optimizer_step():
+    """FSDP2 copies each layer's shards into its all-gather buffer with one multi-tensor kernel
+    (fsdp::all_gather_copy_in, a _foreach_copy_ inside): already one kernel a call, and no optimizer. They had
+    been reported as "optimizer step as many foreach kernels" whose fused form would move more bytes than
+    they did. The optimizer here is fused AdamW: nothing to report."""
+    for folder in ("llama_nccl_fsdp2_4step", "llama_nccl_fsdp2"):
+        r = recommend(fixture_dir(folder))
+        assert any(t.kernels["top_op_name"].eq("fsdp::all_gather_copy_in").any() for t in r.traces)
+        for f in r.findings:
+            assert f.evidence.get("pattern") != "optimizer", f.title
+            assert "fsdp::" not in " ".join(f.evidence.get("ops", [])), f.title
+
+
 @pytest.mark.parametrize("folder", ["llama_nccl_ddp", "llama_nccl_ddp_straggler", "llama_nccl_ddp_hostsync",
-                                    "llama_nccl_fsdp2", "llama_nccl_ddp_hostsync_4step"])
+                                    "llama_nccl_fsdp2", "llama_nccl_ddp_hostsync_4step", "llama_nccl_fsdp2_4step",
+                                    "llama_nccl_fsdp2_straggler_4step"])
 def test_job_replay_lines_up_the_ranks_by_their_collectives(folder):
     """An all-reduce (all-gather, reduce-scatter) ends at the same moment on every rank. In the raw files, on one
     node, those ends agree within tens of µs; the loaded tables count time from each file's first event, so
