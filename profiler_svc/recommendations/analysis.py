@@ -148,6 +148,7 @@ def _resolve_claims(findings: list) -> list:
     swap_chain = lambda f: f.category == "unfused_chain" and bool(f.recommendation.swap)  # noqa: E731
     ranked = sorted(findings, key=lambda f: (not swap_chain(f), order.get(f.category, len(order)), generic(f)))
     owner: dict = {}  # kernel -> the finding that claimed it
+    copies: set = set()  # device copies claimed (they go with their op's kernels)
     kept = []
     for f in ranked:
         mine = f.change.kernels
@@ -160,6 +161,9 @@ def _resolve_claims(findings: list) -> list:
                 continue
             f.change = f.change.without_kernels(overlap)
             f.evidence["kernels_claimed_elsewhere"] = len(overlap)
+        if f.change.copies_removed & copies:
+            f.change = replace(f.change, copies_removed=f.change.copies_removed - copies)
+        copies |= f.change.copies_removed
         for k in mine - overlap:
             owner[k] = f
         kept.append(f)
@@ -167,7 +171,7 @@ def _resolve_claims(findings: list) -> list:
 
 
 def _gpu_time_saved(trace: Trace, change: Change) -> float:
-    """Kernel time the change frees per step, over the whole window."""
+    """Kernel and device-copy time the change frees per step, over the whole window."""
     k = trace.kernels
     saved = 0.0
     if change.durations:
@@ -175,6 +179,8 @@ def _gpu_time_saved(trace: Trace, change: Change) -> float:
         saved += float((k["dur"].to_numpy()[rows] - np.fromiter(change.durations.values(), float, len(rows))).sum())
     if change.removed:
         saved += float(k["dur"].to_numpy()[list(change.removed)].sum())
+    if change.copies_removed:
+        saved += float(trace.memory["dur"].to_numpy()[list(change.copies_removed)].sum())
     if change.graphs:
         saved += 0.0  # graphs remove host time and launch latency, not kernel time
     return saved / trace.step_count
