@@ -278,39 +278,34 @@ def op_interval(trace: Trace, cpu_row: int) -> tuple:
 
 
 def fused(trace: Trace, kernel_rows, fused_us: float, host: bool = True) -> Change:
-    """KERNEL_ROWS (one chain) become one kernel of FUSED_US in the first one's place. With HOST, the host
-    work of the ops that launched only these kernels goes too, but for the first op's: the fused op costs
-    the host about what one eager op did."""
+    """KERNEL_ROWS (one chain) become one kernel of FUSED_US in the first one's place. The ops fused away whole
+    take their device copies along. With HOST, those ops' host work goes too, but for the first op's: the fused
+    op costs the host about what one eager op did."""
     rows = sorted(kernel_rows, key=trace.column("kernels", "ts").__getitem__)
     if not rows:
         return Change()
-    intervals = host_intervals(trace, rows) if host else []
+    whole = _whole_ops(trace, rows)
+    intervals = _host_intervals(trace, whole) if host else []
     return Change(durations={rows[0]: float(fused_us)}, removed=set(rows[1:]), host_removed=intervals[1:],
-                  copies_removed=set(device_copies(trace, _whole_ops(trace, rows)).tolist()))
+                  copies_removed=set(trace.copies_of(whole).tolist()) if len(whole) else set())
 
 
 def _whole_ops(trace: Trace, kernel_rows) -> np.ndarray:
     """The outermost ops every kernel of which is among KERNEL_ROWS and that copied nothing to or from the host
     (such a copy, a sync's, stays)."""
-    tops = trace.column("kernels", "top_op")[np.asarray(list(kernel_rows), dtype=np.int64)]
+    tops = trace.column("kernels", "top_op")[np.asarray(kernel_rows, dtype=np.int64)]
     ops, claimed = np.unique(tops[tops >= 0], return_counts=True)
     ops = ops[claimed >= trace.kernels_per_top_op[ops]]
-    return ops[~np.isin(ops, trace.ops_with_host_copy, assume_unique=True)]
+    host_copy = trace.ops_with_host_copy  # sorted
+    if len(host_copy) and len(ops):
+        at = np.minimum(np.searchsorted(host_copy, ops), len(host_copy) - 1)
+        ops = ops[host_copy[at] != ops]
+    return ops
 
 
-def device_copies(trace: Trace, ops: np.ndarray) -> np.ndarray:
-    """trace.memory index of the on-device copies and memsets that OPS (outermost CPU op rows, none with a host
-    copy) launched: a fused kernel writes its result once, so an op fused away takes them along (masked_fill's
-    clone)."""
-    return trace.copies_of(ops) if len(ops) and len(trace.memory) else np.empty(0, dtype=np.int64)
-
-
-def host_intervals(trace: Trace, kernel_rows) -> list:
-    """Host intervals of the outermost ops every kernel of which is among KERNEL_ROWS, in time order, then the
-    Python between consecutive ones on the same thread."""
-    if not len(kernel_rows) or not len(trace.cpu):
-        return []
-    whole = _whole_ops(trace, kernel_rows)
+def _host_intervals(trace: Trace, whole: np.ndarray) -> list:
+    """Host intervals of the outermost ops WHOLE, in time order, then the Python between consecutive ones on
+    the same thread."""
     if not len(whole):
         return []
     whole = whole[np.argsort(trace.column("cpu", "ts")[whole], kind="stable")]
