@@ -97,7 +97,9 @@ def compare(swap, a_path, b_path) -> dict:
         "change_us_per_step": {"removed_kernels": per_step(a, removed_us), "repriced_before": per_step(a, old_us),
                                "repriced_after": per_step(a, new_us),
                                "removed_count": len(change.removed) / a.step_count,
-                               "repriced_count": len(repriced) / a.step_count},
+                               "repriced_count": len(repriced) / a.step_count,
+                               "removed_copies": per_step(a, a.memory["dur"].to_numpy()[sorted(change.copies_removed)].sum()),
+                               "removed_copies_count": len(change.copies_removed) / a.step_count},
         "b_new_kernels_us_per_step": per_step(b, only_b["dur"].sum()),
         "b_new_kernels_count_per_step": len(only_b) / b.step_count,
         "b_new_kernels_top": only_b.groupby("name")["dur"].agg(["count", "sum"]).sort_values("sum", ascending=False)
