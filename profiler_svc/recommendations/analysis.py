@@ -106,7 +106,8 @@ def analyse(trace: Trace) -> Analysis:
         "waterfall": waterfall,
         "not_combined": not_combined,
     }
-    return Analysis(trace, findings, _steps_summary(trace, timeline, base, host, calibration), prediction, host)
+    return Analysis(trace, findings, _steps_summary(trace, timeline, base, host, calibration, findings), prediction,
+                    host)
 
 
 # -- one finding per root cause ------------------------------------------------------------------------
@@ -262,7 +263,8 @@ def _positive_us(value) -> Optional[float]:
 
 # -- steps ---------------------------------------------------------------------------------------------
 
-def _steps_summary(trace: Trace, timeline: Timeline, base, host: HostCost, calibration: dict) -> dict:
+def _steps_summary(trace: Trace, timeline: Timeline, base, host: HostCost, calibration: dict,
+                   findings: list) -> dict:
     measured = timeline.measured
     steps = measured.step_us
     sens = sensitivity(timeline, host=host)
@@ -275,9 +277,18 @@ def _steps_summary(trace: Trace, timeline: Timeline, base, host: HostCost, calib
         "calibration": calibration,
         "bottleneck": _bottleneck(trace, sens, base),
         "breakdown_us_per_step": _breakdown(trace),
-        "idle": idle_breakdown(trace),
+        "idle": _idle(trace, findings),
         "phases": _phases(trace),
     }
+
+
+def _idle(trace: Trace, findings: list) -> dict:
+    """The GPU's idle breakdown: the launch-gaps finding's where there is one (its detector worked it out),
+    else worked out here."""
+    for f in findings:
+        if f.category == "launch_gaps" and "idle_breakdown" in f.evidence:
+            return f.evidence["idle_breakdown"]
+    return idle_breakdown(trace)
 
 
 def _steps_without_gpu(trace: Trace) -> dict:
