@@ -21,9 +21,12 @@ KERNELS = 1000
 ROUNDS = 5
 
 
-def queued(x, n: int):
-    """Sleep the stream long enough for the host to queue N adds behind it, then the adds."""
+def queued(x, n: int, started=None):
+    """Sleep the stream long enough for the host to queue N adds behind it (STARTED, an event, recorded after
+    the sleep), then the adds."""
     torch.cuda._sleep(int(40e6))  # ~20 ms at the H100's clock: n launches take the host a few ms
+    if started is not None:
+        started.record()
     for _ in range(n):
         x.add_(1.0)
 
@@ -32,10 +35,7 @@ def unprofiled_us_per_kernel(x, n: int) -> float:
     times = []
     for _ in range(ROUNDS):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(int(40e6))
-        start.record()
-        for _ in range(n):
-            x.add_(1.0)
+        queued(x, n, started=start)
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / n)

@@ -328,8 +328,7 @@ def _stream_chains(k: _Kernels, wildcard: bool) -> list[Chain]:
     module, labels = _factorize(k.columns["module"][rows])
     # in the backward an activation submodule's gradient joins its parent's chain: a gated MLP's backward runs
     # its products' gradients, the activation's (in the child) and the gate/up split's back to back
-    parent, _ = _factorize(np.array([None if m is None else _module_name(m).rpartition(".")[0] if _is_activation(m)
-                                     else _module_name(m) for m in labels], dtype=object))
+    parent, _ = _factorize(np.array([_backward_owner(m) for m in labels], dtype=object))
     module = np.where(backward, parent[module], module)
     context = module * 2 + backward
     # a chain never spans a kernel that ends chains, two streams, or two modules or directions: each such
@@ -570,6 +569,14 @@ def _is_activation(label: Optional[str]) -> bool:
     """Is the module (a label) an activation function's module (transformers' SiLUActivation, nn.GELU...)?"""
     cls = module_class(label)
     return bool(label and cls and _ACTIVATION_CLASS.search(cls) and "." in _module_name(label))
+
+
+def _backward_owner(label: Optional[str]) -> Optional[str]:
+    """The module whose backward chain a module's kernels join: an activation submodule's parent, else itself."""
+    if label is None:
+        return None
+    name = _module_name(label)
+    return name.rpartition(".")[0] if _is_activation(label) else name
 
 
 def _module_name(label: str) -> str:

@@ -138,8 +138,8 @@ class Change:
 
     @property
     def empty(self) -> bool:
-        return not (self.durations or self.removed or self.copies_removed or self.host_removed or self.host_added or self.unblocked
-                    or self.tightened or self.graphs or self.no_collective_wait or self.not_before)
+        return not (self.durations or self.removed or self.copies_removed or self.host_removed or self.host_added
+                    or self.unblocked or self.tightened or self.graphs or self.no_collective_wait or self.not_before)
 
 
 def take_host_time(gaps: np.ndarray, own: np.ndarray, is_sync: np.ndarray, at: np.ndarray, amounts: np.ndarray) -> None:
