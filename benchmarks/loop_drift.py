@@ -1,6 +1,6 @@
 """How far a plain training loop's step moves within one process, at each stage of predict_vs_ab's flow.
 
-For each family (predict_vs_ab's "balanced" size, 4x1024 tokens, training), in one process: the step of a plain
+For each family (predict_vs_ab's "balanced" size, 4x1024 tokens, training, unless --size/--mode say), in one process: the step of a plain
 loop (CUDA events over 10 steps, median of 5 runs) and the host's own time for a step started on an idle GPU
 (fastest and median of 5), timed when the model is fresh, after capture ran in a child process, after
 `recommend` analysed its trace here, after `ab_test` of the swaps it named, and after a garbage collection.
@@ -8,7 +8,7 @@ If one stage slowed the process, its figures would move together after it; if th
 they wander with no stage in common. Either way it bounds how closely a prediction from the capture can
 match what an A/B minutes later measures.
 
-    python benchmarks/loop_drift.py --out DIR [--families qwen2,llama]   (GPU)
+    python benchmarks/loop_drift.py --out DIR [--families qwen2,llama] [--size host --mode infer]   (GPU)
 """
 import argparse
 import gc
@@ -20,7 +20,7 @@ import torch
 
 import profiler_svc
 from host_costs import host_samples
-from predict_vs_ab import FAMILIES, capture_case, capture_in_child, make_case
+from predict_vs_ab import FAMILIES, SIZES, capture_case, capture_in_child, make_case
 from profiler_svc.ab.stats import time_ms
 from profiler_svc.recommendations import recommend
 
@@ -37,8 +37,9 @@ def host_ms(step, runs: int = 5) -> dict:
     return {"min": round(min(times), 2), "median": round(statistics.median(times), 2)}
 
 
-def family_drift(family: str, out: str) -> dict:
-    model, inputs, step, _ = make_case(family, "balanced", "train", False)
+def family_drift(family: str, out: str, size: str = "balanced", mode: str = "train", rounds: int = 12) -> dict:
+    train = mode == "train"
+    model, inputs, step, tokens = make_case(family, size, mode, False)
     for _ in range(5):
         step()
     stages = {}
@@ -47,15 +48,15 @@ def family_drift(family: str, out: str) -> dict:
         stages[stage] = {"loop_ms": loop_ms(step), "host_ms": host_ms(step)}
 
     timed("fresh")
-    path = os.path.join(out, f"{family}_4x1024_train.json.gz")
-    capture_in_child(capture_case, (family, "balanced", "train", False, path), path)
+    path = os.path.join(out, f"{family}_{tokens}_{mode}.json.gz")
+    capture_in_child(capture_case, (family, size, mode, False, path), path)
     timed("after child capture")
     report = recommend(path)
     calibration = report.steps.get("calibration") or {}
     timed("after recommend")
     swaps = report.swaps()
-    timing = profiler_svc.ab_test(model, inputs, swaps, train=True, loss_fn=lambda o: o.loss, rounds=12,
-                                  warmup=3).to_dict()["timing"]
+    timing = profiler_svc.ab_test(model, inputs, swaps, train=train, loss_fn=(lambda o: o.loss) if train else None,
+                                  rounds=rounds, warmup=3).to_dict()["timing"]
     timed("after ab_test")
     del report
     gc.collect()
@@ -63,13 +64,17 @@ def family_drift(family: str, out: str) -> dict:
     os.remove(path)
     return {"stages": stages, "capture_unprofiled_step_ms": round(calibration.get("unprofiled_step_us", 0) / 1e3, 2),
             "ab_test": {"swaps": swaps, "median_a_ms": round(timing["median_a_ms"], 2),
-                        "median_b_ms": round(timing["median_b_ms"], 2)}}
+                        "median_b_ms": round(timing["median_b_ms"], 2),
+                        "a_ms": [round(t, 2) for t in timing["a_ms"]], "b_ms": [round(t, 2) for t in timing["b_ms"]]}}
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--families", default="qwen2,llama")
+    parser.add_argument("--size", default="balanced", choices=SIZES)
+    parser.add_argument("--mode", default="train", choices=("train", "infer"))
+    parser.add_argument("--rounds", type=int, default=12)
     args = parser.parse_args()
     unknown = [f for f in args.families.split(",") if f not in FAMILIES]
     if unknown:
@@ -79,7 +84,7 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     results = {}
     for family in args.families.split(","):
-        results[family] = family_drift(family, args.out)
+        results[family] = family_drift(family, args.out, args.size, args.mode, args.rounds)
         print(family, json.dumps(results[family]), flush=True)
     import transformers
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,

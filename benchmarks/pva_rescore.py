@@ -68,6 +68,8 @@ RUNS = [
     # the host-bound size four times more, 36 rounds each: twice on one machine, once each on two others
     *((f"predict_vs_ab_h100_host_repeat{i}_2026-11-28.json", f"pva_traces_h100_2026-11-28_host_repeat{i}", {},
        PACKAGED_COSTS) for i in (1, 2, 3, 4)),
+    # the balanced size on the kernels of the repeats: eight of ten cases timed, three of their traces came back
+    ("predict_vs_ab_h100_balanced_2026-11-28.json", "pva_traces_h100_2026-11-28_balanced", {}, PACKAGED_COSTS),
 ]
 # Runs of the same kernels and sizes, one process each: every case is also scored against the mean of their
 # measurements, the true change as well as these runs can tell it (one run's A/B moves with its process's host
