@@ -5,6 +5,7 @@ import gzip
 import json
 import math
 
+import numpy as np
 import pytest
 
 from profiler_svc.recommendations import recommend
@@ -69,11 +70,15 @@ def test_savings_are_bounded_and_claims_disjoint(path):
     assert {f.key for f in r.findings if f.saving_us_per_step > 0} <= combined
     assert combined <= {f.key for f in r.findings if f.saving_us_per_step >= 0}
     claimed, copies = set(), set()
+    trace = r.analyses[0].trace if len(r.analyses) == 1 else None
     for f in r.findings:
         kernels = f.change.kernels
         assert not (kernels & claimed) and not (f.change.copies_removed & copies), f.title
         claimed |= kernels
         copies |= f.change.copies_removed
+        if trace is not None and f.change.copies_removed:  # a copy goes only with an op whose every kernel goes
+            ops = np.unique(trace.memory["top_op"].to_numpy()[sorted(f.change.copies_removed)])
+            assert np.isin(np.flatnonzero(np.isin(trace.column("kernels", "top_op"), ops)), list(kernels)).all(), f.title
     assert "total_estimated_savings_us" not in r.to_dict()["summary"]
 
 
