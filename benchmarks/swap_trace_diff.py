@@ -22,7 +22,10 @@ from collections import Counter
 
 import torch
 
-from predict_vs_ab import SIZES, build, capture_step, case_arguments, step_function
+try:
+    from predict_vs_ab import SIZES, build, capture_step, case_arguments, step_function  # run as a script
+except ImportError:  # imported as benchmarks.swap_trace_diff (the tests)
+    from benchmarks.predict_vs_ab import SIZES, build, capture_step, case_arguments, step_function
 
 from profiler_svc.errors import UserError
 from profiler_svc.formats import one_line
@@ -108,7 +111,7 @@ def compare(swap, a_path, b_path) -> dict:
     }
 
 
-def _signatures(trace, rows) -> tuple[Counter, Counter]:
+def kernel_signatures(trace, rows) -> tuple[Counter, Counter]:
     """Per (launching op, recorded input shapes): how many kernels at ROWS, and their µs."""
     k = trace.kernels
     top, op, dur = k["top_op_name"].to_numpy(), k["op"].to_numpy(), k["dur"].to_numpy()
@@ -123,9 +126,9 @@ def _signatures(trace, rows) -> tuple[Counter, Counter]:
 def claims_unlike(a, b, change, n=12) -> list:
     """Where the change's claims differ from what B stopped running, per launching op and input shapes, the
     largest differences in time first (per step)."""
-    claimed, claimed_us = _signatures(a, sorted(change.kernels))
-    in_a, a_us = _signatures(a, range(len(a.kernels)))
-    in_b, b_us = _signatures(b, range(len(b.kernels)))
+    claimed, claimed_us = kernel_signatures(a, sorted(change.kernels))
+    in_a, a_us = kernel_signatures(a, range(len(a.kernels)))
+    in_b, b_us = kernel_signatures(b, range(len(b.kernels)))
     rows = []
     for key in set(claimed) | set(in_a) | set(in_b):
         dropped_us = per_step(a, a_us[key]) - per_step(b, b_us[key])

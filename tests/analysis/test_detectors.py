@@ -4,7 +4,6 @@ from the JSON. Fixtures: tests/data/README.md."""
 import gzip
 import json
 import math
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -506,13 +505,6 @@ def test_a_swap_claims_its_chains_kernels_before_a_fallback_does():
 PHI3_SWAPPED = Path(__file__).parents[2] / "benchmarks/results/swap_traces_phi3_4x2048_train_h100_2026-11-28"
 
 
-def _signatures(trace, rows) -> Counter:
-    """(launching op, recorded input shapes) of each kernel at ROWS, counted."""
-    k = trace.kernels
-    top, op = k["top_op_name"].to_numpy(), k["op"].to_numpy()
-    return Counter((top[row], str(trace.op_inputs(int(op[row])).dims) if op[row] >= 0 else None) for row in rows)
-
-
 @pytest.mark.parametrize("swap", ["rope", "swiglu"])
 def test_a_swap_claims_the_kernels_its_swapped_trace_no_longer_runs(swap):
     """Phi-3 training at 4x2048 on the H100, one step of the eager model (A) and one with the swap (B)
@@ -525,8 +517,9 @@ def test_a_swap_claims_the_kernels_its_swapped_trace_no_longer_runs(swap):
     b = load_trace(str(PHI3_SWAPPED / f"{swap}_B.json.gz"))
     r = recommend(str(PHI3_SWAPPED / f"{swap}_A.json.gz"))
     finding = next(f for f in r.analyses[0].findings if f.recommendation.swap == swap)
-    claimed = _signatures(r.traces[0], finding.change.kernels)
-    in_a, in_b = _signatures(a, range(len(a.kernels))), _signatures(b, range(len(b.kernels)))
+    from benchmarks.swap_trace_diff import kernel_signatures
+    claimed = kernel_signatures(r.traces[0], finding.change.kernels)[0]
+    in_a, in_b = kernel_signatures(a, range(len(a.kernels)))[0], kernel_signatures(b, range(len(b.kernels)))[0]
     dropped = in_a - in_b
     assert all(n <= dropped[sig] for sig, n in claimed.items()), claimed - dropped
     assert sum(claimed.values()) >= 0.9 * sum(dropped.values())
