@@ -326,7 +326,9 @@ def _bottleneck(trace: Trace, sens: dict, base) -> dict:
             kind, detail = "synchronization", "the host spends the step blocked in syncs, then launches late"
         else:
             kind, detail = "launch overhead", ("the GPU waits for the host to launch work: halving host time would "
-                                               f"shorten the step by {100 * host / 2:.0f}%")
+                                               f"shorten the step by {100 * host / 2:.0f}%. What a fix saves here is "
+                                               "host time at this capture's pace: on a shared or virtual host whose "
+                                               "pace moves, its ms move with it, its share of the step far less")
     elif gpu > host + _BOUND_MARGIN or gpu >= 0.5:
         if compute >= 0.5 * total:
             kind, detail = "compute", "GEMMs, convolutions and attention take most of the kernel time"
