@@ -17,7 +17,10 @@ _GELU = re.compile(r"GELU", re.I)
 _ACTIVATION_CHILDREN = ("act_fn", "activation_fn")
 _LINEAR = re.compile(r"Linear")  # nn.Linear and its quantized / LoRA look-alikes
 # the order swap.py tries its swaps on a module (its _OP_FILES): whole blocks before their children's swaps
-REGISTRY_ORDER = ("rms_norm", "layer_norm", "swiglu", "geglu", "gelu_tanh", "softmax", "cross_entropy", "rope")
+REGISTRY_ORDER = ("residual_rms_norm", "rms_norm", "layer_norm", "swiglu", "geglu", "gelu_tanh", "softmax", "cross_entropy",
+                  "rope")
+# the swaps whose replacement keeps the module's children in place, where the other swaps still act on them
+_KEEPS_CHILDREN = ("residual_rms_norm", "rope")
 
 # swap (or variant) -> elements below which its host function hands a 16-bit GPU call to torch's native ops
 # (the op file reads its threshold here; the analyser prices a call by the path it takes). The gated MLPs'
@@ -110,6 +113,13 @@ def swaps_for_module(tree: dict, name: str) -> list[str]:
     activation = _gated_activation(tree, name, node)
     if activation:
         found.append("swiglu" if activation == "silu" else "geglu")
+    # residual_rms_norm: a pre-norm decoder layer (an RMSNorm before its attention, another after: the forward's
+    # residual add before that one, which the live swap finds in its code, is not in a tree)
+    children = _children(tree, name)
+    if "input_layernorm" in children and "rms_norm" in swaps_for_module(tree, f"{name}.input_layernorm" if name else "input_layernorm") \
+            and sum("rms_norm" in swaps_for_module(tree, f"{name}.{key}" if name else key) for key in children) >= 2 \
+            and any(str(child.get("class", "")).endswith("Attention") for child in children.values()):
+        found.append("residual_rms_norm")
     # rope: an attention holding its projections, in a model with a rotary-embedding module (the forward's
     # call of apply_rotary_pos_emb, which the live swap checks, is not in a tree)
     if cls.endswith("Attention") and any(_LINEAR.search(str(child.get("class", "")))
@@ -121,7 +131,7 @@ def swaps_for_module(tree: dict, name: str) -> list[str]:
 
 def swaps_for_modules(tree: dict) -> dict[str, list[str]]:
     """{qualified name: [swap]} as `swap(model)` places them: the first swap in the registry's order that
-    applies to each module, and nothing inside a module replaced whole (only rope's replacement keeps its
+    applies to each module, and nothing inside a module replaced whole (the _KEEPS_CHILDREN swaps keep its
     children in place)."""
     placed: dict[str, list[str]] = {}
     replaced: list[str] = []
@@ -131,7 +141,7 @@ def swaps_for_modules(tree: dict) -> dict[str, list[str]]:
         swaps = sorted(swaps_for_module(tree, name), key=REGISTRY_ORDER.index)
         if swaps:
             placed[name] = swaps[:1]
-            if swaps[0] != "rope":
+            if swaps[0] not in _KEEPS_CHILDREN:
                 replaced.append(name)
     return placed
 

@@ -22,7 +22,6 @@ Gemma2's softcapped eager attention, OLMo2's projection-wide q/k norms, GLM's in
 rotary, whatever the transformers version's forward signature.
 """
 import functools
-import types
 
 import torch
 import triton
@@ -30,6 +29,7 @@ import triton.language as tl
 from torch import nn
 
 from ._elementwise import check_float, needs_grad
+from ._forwards import SharedStateModule, copy_function, through_decorators
 from ._launch import kernel_op, launch, round_to
 from .parity import place
 from .swap import SwapEntry
@@ -317,16 +317,10 @@ def fused_forward(forward):
     apply_rotary_pos_emb: the same code object over a copy of its globals (the model file's own globals
     are never rebound), through the same decorators (each rebuilt around the copy). None where the forward
     does not call apply_rotary_pos_emb; ValueError where it does but we cannot reproduce it."""
-    if hasattr(forward, "__wrapped__"):  # a decorator (deprecate_kwarg...): rebuild it around the copy
-        inner = forward.__wrapped__
-        fused_inner = fused_forward(inner)
-        if fused_inner is None:
-            return None
-        cells = forward.__closure__ or ()
-        if sum(1 for cell in cells if cell.cell_contents is inner) != 1:
-            raise ValueError(f"forward is wrapped by {forward.__qualname__}, which does not hold it in a closure: not recognized")
-        closure = tuple(types.CellType(fused_inner) if cell.cell_contents is inner else cell for cell in cells)
-        return _copy_function(forward, forward.__globals__, closure, wrapped=fused_inner)
+    return through_decorators(forward, _with_fused_rope)
+
+
+def _with_fused_rope(forward):
     code = getattr(forward, "__code__", None)
     if code is None or "apply_rotary_pos_emb" not in code.co_names:
         return None
@@ -335,15 +329,7 @@ def fused_forward(forward):
     if kind is None:
         raise ValueError("the model's apply_rotary_pos_emb is neither rotate-half nor interleaved RoPE (with partial rotary)")
     scope = dict(forward.__globals__, apply_rotary_pos_emb=_fused_apply(original, kind == "interleaved"))
-    return _copy_function(forward, scope, forward.__closure__)
-
-
-def _copy_function(fn, scope, closure, wrapped=None):
-    copy = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, closure)
-    copy.__kwdefaults__, copy.__qualname__, copy.__doc__ = fn.__kwdefaults__, fn.__qualname__, fn.__doc__
-    if wrapped is not None:
-        copy.__wrapped__ = wrapped
-    return copy
+    return copy_function(forward, scope, forward.__closure__)
 
 
 def attention_forward(module: nn.Module):
@@ -357,36 +343,13 @@ def attention_forward(module: nn.Module):
     return fused_forward(forward)
 
 
-class RopeAttention(nn.Module):
+class RopeAttention(SharedStateModule):
     """An HF attention instance running its own class's forward with the fused `rope` in place of the model
-    file's apply_rotary_pos_emb (rotate-half or interleaved, full or partial rotary).
-
-    Shares the original's child modules (projections, q/k norms: the same objects), parameters, buffers and
-    plain attributes (config, layer_idx, head_dim, scaling, is_causal, sliding_window, softcapping...), so
-    masks, KV caches, dropout, every attention implementation and every kwarg behave as they do there.
-    """
+    file's apply_rotary_pos_emb (rotate-half or interleaved, full or partial rotary), over the original's
+    state (`SharedStateModule`)."""
 
     def __init__(self, original: nn.Module, forward):
-        super().__init__()
-        own = set(vars(self))  # nn.Module's own state (hooks, _parameters...) stays this module's
-        for name, value in vars(original).items():
-            if name not in own and name != "training":
-                object.__setattr__(self, name, value)
-        for name, child in original.named_children():
-            self.add_module(name, child)
-        for name, param in original.named_parameters(recurse=False):
-            self.register_parameter(name, param)
-        for name, buffer in original.named_buffers(recurse=False):
-            self.register_buffer(name, buffer, persistent=name not in original._non_persistent_buffers_set)
-        self.train(original.training)
-        self._fused_forward = forward
-        self._original_class = type(original).__name__
-
-    def forward(self, *args, **kwargs):
-        return self._fused_forward(self, *args, **kwargs)
-
-    def extra_repr(self):
-        return f"{self._original_class} with fused rope"
+        super().__init__(original, forward, "fused rope")
 
 
 def _rotary_tables(module: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor):

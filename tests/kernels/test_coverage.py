@@ -65,6 +65,20 @@ def train_step(model, ids):
     return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def swapped_trains_the_same(model, swaps, seed: int):
+    """Swap SWAPS into MODEL (fp32) and check a training step's logits and every gradient against eager's;
+    the swap's report."""
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(seed))
+    logits, grads = train_step(model, ids)
+    report = swap(model, swaps)
+    new_logits, new_grads = train_step(model, ids)
+    torch.testing.assert_close(new_logits, logits, rtol=1e-5, atol=1e-5)
+    assert new_grads.keys() == grads.keys()
+    for name in grads:
+        torch.testing.assert_close(new_grads[name], grads[name], rtol=1e-4, atol=1e-6)
+    return report
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_every_norm_mlp_and_attention_swapped_with_parity(family):
     # bf16, as these models run: every module's own check has a true fp64 reference (an fp32 model's HF
@@ -95,13 +109,6 @@ def test_family_every_norm_mlp_and_attention_swapped_with_parity(family):
 def test_gated_blocks_train_to_the_same_outputs_and_gradients(family, more):
     # Phi-3's fused gate_up_proj and the MoE experts (their backward writes over the projection's output)
     model = build(family, **more)
-    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(2))
-    logits, grads = train_step(model, ids)
-    report = swap(model, [FAMILIES[family][3]])
+    report = swapped_trains_the_same(model, [FAMILIES[family][3]], seed=2)
     assert len(report.swapped) == 2 and not report.skipped
-    new_logits, new_grads = train_step(model, ids)
-    torch.testing.assert_close(new_logits, logits, rtol=1e-5, atol=1e-5)
-    assert new_grads.keys() == grads.keys()
-    for name in grads:
-        torch.testing.assert_close(new_grads[name], grads[name], rtol=1e-4, atol=1e-6)
     unswap(model)

@@ -1,0 +1,97 @@
+"""Running a model class's own `forward` with a change, for the swaps that replace a block whose code
+calls things we cannot swap as modules (a module-global function, an add between two submodules).
+
+The class's code object is never changed and the model file's globals are never rebound: a rewritten
+function is a new function over a copy of those globals, rebuilt through the forward's decorators.
+"""
+import ast
+import inspect
+import textwrap
+import types
+from typing import Callable, Optional
+
+from torch import nn
+
+
+def through_decorators(forward, rewrite: Callable) -> Optional[Callable]:
+    """REWRITE(inner) for the undecorated function inside FORWARD's decorators (deprecate_kwarg...), each
+    decorator rebuilt around the result; None where REWRITE returns None. ValueError for a decorator that
+    does not hold the function it wraps in a closure (we could not rebuild it)."""
+    if not hasattr(forward, "__wrapped__"):
+        return rewrite(forward)
+    inner = forward.__wrapped__
+    new_inner = through_decorators(inner, rewrite)
+    if new_inner is None:
+        return None
+    cells = forward.__closure__ or ()
+    if sum(1 for cell in cells if cell.cell_contents is inner) != 1:
+        raise ValueError(f"forward is wrapped by {forward.__qualname__}, which does not hold it in a closure: not recognized")
+    closure = tuple(types.CellType(new_inner) if cell.cell_contents is inner else cell for cell in cells)
+    return copy_function(forward, forward.__globals__, closure, wrapped=new_inner)
+
+
+def copy_function(fn, scope: dict, closure, wrapped=None):
+    """FN's code over the globals SCOPE."""
+    copy = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, closure)
+    copy.__kwdefaults__, copy.__qualname__, copy.__doc__ = fn.__kwdefaults__, fn.__qualname__, fn.__doc__
+    if wrapped is not None:
+        setattr(copy, "__wrapped__", wrapped)
+    return copy
+
+
+def function_syntax(fn) -> Optional[ast.FunctionDef]:
+    """FN's definition, parsed from its source, without its decorators; None where there is no source or
+    FN reads variables of an enclosing scope (`super()`'s __class__ cell): recompiled alone it could not."""
+    if fn.__code__.co_freevars:
+        return None
+    try:
+        source = textwrap.dedent(inspect.getsource(fn))
+    except (OSError, TypeError):
+        return None
+    node = ast.parse(source).body[0]
+    if not isinstance(node, ast.FunctionDef):
+        return None
+    node.decorator_list = []
+    ast.increment_lineno(node, fn.__code__.co_firstlineno - 1)
+    return node
+
+
+def compile_function(node: ast.FunctionDef, fn, scope: dict):
+    """The function NODE defines, compiled against FN's file (tracebacks keep its lines) over a copy of the
+    globals SCOPE, with FN's defaults and qualified name."""
+    module = ast.fix_missing_locations(ast.Module(body=[node], type_ignores=[]))
+    namespace = dict(scope)
+    exec(compile(module, fn.__code__.co_filename, "exec"), namespace)  # noqa: S102 - the model file's own code
+    new = namespace[node.name]
+    new.__defaults__, new.__kwdefaults__ = fn.__defaults__, fn.__kwdefaults__
+    new.__qualname__, new.__doc__ = fn.__qualname__, fn.__doc__
+    return new
+
+
+class SharedStateModule(nn.Module):
+    """Stands in for the module ORIGINAL, running FORWARD (a rewrite of its class's forward) over the original's
+    very state: its child modules (the same objects), parameters, buffers and plain attributes (config,
+    layer_idx, head_dim, scaling...), so masks, caches, dropout and every kwarg behave as they do there."""
+
+    def __init__(self, original: nn.Module, forward, change: str):
+        super().__init__()
+        own = set(vars(self))  # nn.Module's own state (hooks, _parameters...) stays this module's
+        for name, value in vars(original).items():
+            if name not in own and name != "training":
+                object.__setattr__(self, name, value)
+        for name, child in original.named_children():
+            self.add_module(name, child)
+        for name, param in original.named_parameters(recurse=False):
+            self.register_parameter(name, param)
+        for name, buffer in original.named_buffers(recurse=False):
+            self.register_buffer(name, buffer, persistent=name not in original._non_persistent_buffers_set)
+        self.train(original.training)
+        self._fused_forward = forward
+        self._original_class = type(original).__name__
+        self._change = change
+
+    def forward(self, *args, **kwargs):
+        return self._fused_forward(self, *args, **kwargs)
+
+    def extra_repr(self):
+        return f"{self._original_class} with {self._change}"
