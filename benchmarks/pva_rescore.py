@@ -160,6 +160,28 @@ def against_mean(rows, runs=REPEATS) -> dict:
     return out
 
 
+def spread_between_runs(runs=REPEATS) -> dict:
+    """How much the repeated runs' A/Bs of one case differ, from their rounds alone: the median over cases of
+    the coefficient of variation, between runs, of the A step, of the saving in ms and of the saving as a
+    share of the step (each round's (A - B) / A, median). Runs stored before rounds were paired are left out."""
+    by_case: dict = {}
+    for results, traces, _, _ in RUNS:
+        if results not in runs:
+            continue
+        with open(os.path.join(RESULTS, traces, "ab_results.json")) as f:
+            for ab in json.load(f):
+                t = ab["result"].get("timing") or {}
+                if t.get("saving_ms") is None or "," in ab["case"]:  # "<case>, <swap> alone": not the case's A/B
+                    continue
+                share = statistics.median((a - b) / a for a, b in zip(t["a_ms"], t["b_ms"]))
+                by_case.setdefault(ab["case"], []).append((t["median_a_ms"], t["saving_ms"], share))
+    spread = lambda values: statistics.pstdev(values) / abs(statistics.mean(values))  # noqa: E731
+    cases = [v for v in by_case.values() if len(v) > 1]
+    return {"cases": len(cases), "runs": sorted({len(v) for v in cases}),
+            **{f"{what}_cv_median": round(statistics.median(spread([x[i] for x in v]) for v in cases), 3)
+               for i, what in enumerate(("a_step", "saving_ms", "saving_share"))}}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the rows and summary here")
@@ -176,6 +198,7 @@ def main():
                   + (f"  host pace {r['host_pace']}" if "host_pace" in r else ""))
     result = summary(rows)
     result["against the mean of repeated runs"] = against_mean(rows)
+    result["repeated A/Bs between runs"] = spread_between_runs()
     print(json.dumps(result, indent=1))
     if args.json:
         try:

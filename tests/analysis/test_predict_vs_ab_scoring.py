@@ -75,3 +75,14 @@ def test_the_installed_host_costs_are_the_median_of_the_committed_runs():
     # measured once: kept as it was, with how host_costs.py routes an experts block's tokens (for the analyser)
     assert installed["swiglu_experts"] == computed["swiglu_experts"]
     assert {k: v for k, v in computed["swiglu_experts"].items() if k != "routed_rows_per_row"} == tables[0]["swiglu_experts"]
+
+
+def test_a_host_bound_ab_repeats_its_share_of_the_step_not_its_ms():
+    """The four host-bound repeat runs with paired rounds: between runs, a case's measured saving in ms moves
+    with its A step (the lent host's pace), its share of the step far less (results/predict_vs_ab.md,
+    2026-11-28, midday): the figure a prediction from another minute's capture can be held to."""
+    from benchmarks.pva_rescore import spread_between_runs
+
+    spread = spread_between_runs()
+    assert spread["cases"] == 10 and spread["runs"] == [4]
+    assert spread["saving_share_cv_median"] < 0.05 < 0.10 < min(spread["saving_ms_cv_median"], spread["a_step_cv_median"])
