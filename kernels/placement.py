@@ -99,6 +99,12 @@ def _gated_activation(tree: dict, name: str, node: dict):
     return None
 
 
+def _plain_norm(tree: dict, name: str, node: dict) -> bool:
+    """A norm module as the norm swaps replace it: no children, at most a 1-D weight and bias."""
+    params = _params(node)
+    return not (set(params) - {"weight", "bias"} or any(_ndim(p) != 1 for p in params.values()) or _children(tree, name))
+
+
 def swaps_for_module(tree: dict, name: str) -> list[str]:
     """The bundled swaps whose placement rule the module `name` of `tree` meets (usually one, or none)."""
     node = tree.get(name)
@@ -106,18 +112,18 @@ def swaps_for_module(tree: dict, name: str) -> list[str]:
         return []
     cls = str(node.get("class", ""))
     found = [swap for swap, pattern in _LEAF_CLASSES.items() if pattern.search(cls)]
-    if "rms_norm" in found or "layer_norm" in found:
-        params = _params(node)
-        if set(params) - {"weight", "bias"} or any(_ndim(p) != 1 for p in params.values()) or _children(tree, name):
-            found = [swap for swap in found if swap not in ("rms_norm", "layer_norm")]
+    if ("rms_norm" in found or "layer_norm" in found) and not _plain_norm(tree, name, node):
+        found = [swap for swap in found if swap not in ("rms_norm", "layer_norm")]
     activation = _gated_activation(tree, name, node)
     if activation:
         found.append("swiglu" if activation == "silu" else "geglu")
     # residual_rms_norm: a pre-norm decoder layer (an RMSNorm before its attention, another after: the forward's
     # residual add before that one, which the live swap finds in its code, is not in a tree)
     children = _children(tree, name)
-    if "input_layernorm" in children and "rms_norm" in swaps_for_module(tree, f"{name}.input_layernorm" if name else "input_layernorm") \
-            and sum("rms_norm" in swaps_for_module(tree, f"{name}.{key}" if name else key) for key in children) >= 2 \
+    prefix = f"{name}." if name else ""
+    norms = {key for key, child in children.items()
+             if _LEAF_CLASSES["rms_norm"].search(str(child.get("class", ""))) and _plain_norm(tree, prefix + key, child)}
+    if "input_layernorm" in norms and len(norms) >= 2 \
             and any(str(child.get("class", "")).endswith("Attention") for child in children.values()):
         found.append("residual_rms_norm")
     # rope: an attention holding its projections, in a model with a rotary-embedding module (the forward's

@@ -15,35 +15,21 @@ rms_norm swap's probe), is replaced by a `ResidualNormLayer` that shares its chi
 forward's code with the three statements as one call (`fused_forward`): Llama, Mistral, Qwen2/3, Mixtral,
 Gemma 1/2/3 (whose add follows a post-attention norm), Phi-3 (an identity dropout on the added block), Granite
 (a residual multiplier), GLM. A post-norm layer (OLMo2) has no such statements and is left as it is.
-Small calls take torch's ops (the add, then F.rms_norm: rms_norm.py's threshold), as the rms_norm swap does.
+Small calls take torch's ops (the add, then F.rms_norm), by rms_norm's own threshold.
 """
 import ast
 import functools
 import inspect
 from typing import Optional
 
-import torch
 from torch import nn
 
-from . import placement
 from ._forwards import SharedStateModule, compile_function, function_syntax, through_decorators
-from ._launch import takes_native
 from .rms_norm import _probe_rms_norm, rms_norm
 from .rope import attention_example_inputs
 from .swap import SwapEntry
 
-NATIVE_BELOW = placement.NATIVE_BELOW["rms_norm"]
-NATIVE_BELOW_OFFSET = placement.NATIVE_BELOW["rms_norm_offset"]
 _FUSED = "_add_rms_norm"  # the method the rewritten statements call
-
-
-def add_rms_norm(norm: nn.Module, eps: float, offset: float, x: torch.Tensor, residual: torch.Tensor):
-    """(RMSNorm(residual + x), residual + x) with NORM's weight: fused, or torch's own ops on a small call."""
-    weight = getattr(norm, "weight", None)
-    if takes_native(x, NATIVE_BELOW_OFFSET if offset else NATIVE_BELOW):
-        s = residual + x
-        return rms_norm(s, weight, eps, offset=offset), s
-    return rms_norm(x, weight, eps, offset=offset, residual=residual)
 
 
 def fuse_add_norm(node: ast.FunctionDef, norms) -> list:
@@ -121,39 +107,35 @@ def fused_forward(forward, norms: frozenset):
 
 
 def layer_forward(module: nn.Module):
-    """(fused forward, the norms it fuses) for a layer instance whose class's forward adds a block to the residual
-    stream right before an RMSNorm child, else None."""
-    if not any(isinstance(child, nn.Module) and _probe_rms_norm(child) is None for child in module.children()):
-        return None  # a norm itself, or a block of norms only
-    norms = frozenset(name for name, child in module.named_children() if _probe_rms_norm(child) is not None)
-    if not norms:
-        return None
-    found = fused_forward(type(module).forward, norms)
+    """(fused forward, {norm: (eps, offset)} of the norms it fuses) for a layer instance whose class's forward adds
+    a block to the residual stream right before an RMSNorm child, else None."""
+    probed = {name: _probe_rms_norm(child) for name, child in module.named_children()}
+    norms = {name: found[1:] for name, found in probed.items() if found is not None}
+    found = fused_forward(type(module).forward, frozenset(norms)) if norms else None
     if found is None:
         return None
     if "forward" in vars(module):  # patched on the instance (accelerate's hooks, PEFT...): not the class's code
         raise ValueError(f"{type(module).__name__} instance has its own forward: not recognized")
     if getattr(module, "gradient_checkpointing", False):
         raise ValueError("the layer checkpoints its activations (transformers' GradientCheckpointingLayer): left to it")
-    return found
+    forward, fused = found
+    return forward, {name: norms[name] for name in fused}
 
 
 class ResidualNormLayer(SharedStateModule):
     """A decoder layer running its own class's forward with the residual add fused into the RMSNorm after it,
-    over the original's state (`SharedStateModule`)."""
+    over the original's state (`SharedStateModule`). NORM_ARGS: {norm child: (eps, offset)}."""
 
-    def __init__(self, original: nn.Module, forward, norms):
-        super().__init__(original, forward, f"the residual add fused into {', '.join(norms)}")
+    def __init__(self, original: nn.Module, forward, norm_args: dict):
+        super().__init__(original, forward, f"the residual add fused into {', '.join(norm_args)}")
         # transformers' checkpointing wrapper around the forward reads this; a checkpointing layer is not swapped
         self.gradient_checkpointing = False
-        self._norm_args = {}
-        for name in norms:
-            probed = _probe_rms_norm(getattr(original, name))
-            assert probed is not None  # fused_forward fuses only the norms the probe matched
-            self._norm_args[name] = probed[1:]
+        self._norm_args = norm_args
 
     def _add_rms_norm(self, name: str, x, residual):
-        return add_rms_norm(getattr(self, name), *self._norm_args[name], x, residual)
+        """(RMSNorm(residual + x), residual + x) with the norm child NAME's weight."""
+        eps, offset = self._norm_args[name]
+        return rms_norm(x, getattr(getattr(self, name), "weight", None), eps, offset=offset, residual=residual)
 
 
 def _replace(module: nn.Module) -> ResidualNormLayer:

@@ -21,7 +21,8 @@ from .swap import SwapEntry, behaves_like
 # and single rounding, one ATen kernel each way under C++ autograd): there either kernel takes a few µs
 # and the host sets the time, where ours costs more (H100: 105/589 µs fwd/fwd+bwd at 8×2048 against
 # 15/133). Above it our kernel's speed pays (16384×4096 fwd+bwd: 252 µs of kernel time against 440).
-# Gemma's (1 + w) norm goes there in fp32, as its eager module computes, below its own threshold.
+# Gemma's (1 + w) norm goes there in fp32, as its eager module computes, below its own threshold. With a
+# residual the call there is eager's own add, then that norm.
 # Crossover sweep: benchmarks/host_costs.py, results in benchmarks/results/.
 NATIVE_BELOW = placement.NATIVE_BELOW["rms_norm"]
 NATIVE_BELOW_OFFSET = placement.NATIVE_BELOW["rms_norm_offset"]
@@ -30,12 +31,19 @@ NATIVE_BELOW_OFFSET = placement.NATIVE_BELOW["rms_norm_offset"]
 def rms_norm(x, weight=None, eps: float = 1e-6, *, offset: float = 0.0, residual=None):
     """RMSNorm over the last dim; returns y, or (y, x + residual) when `residual` is given."""
     check_norm_args(x, weight, None, residual)
-    if residual is None and takes_native(x, NATIVE_BELOW_OFFSET if offset else NATIVE_BELOW):
-        if not offset and (weight is None or weight.dtype == x.dtype):
-            return F.rms_norm(x, x.shape[-1:], weight, eps)
-        if offset and weight is not None:  # (offset + w) and the norm in fp32, one rounding at the end
-            return F.rms_norm(x.float(), x.shape[-1:], weight.float() + offset, eps).to(x.dtype)
+    native = weight is not None if offset else weight is None or weight.dtype == x.dtype
+    if native and takes_native(x, NATIVE_BELOW_OFFSET if offset else NATIVE_BELOW):
+        s = x if residual is None else residual + x
+        y = _native_rms_norm(s, weight, eps, offset)
+        return y if residual is None else (y, s)
     return normalize(x, weight, None, float(eps), float(offset), False, residual)
+
+
+def _native_rms_norm(x, weight, eps: float, offset: float):
+    if not offset:
+        return F.rms_norm(x, x.shape[-1:], weight, eps)
+    # (offset + w) and the norm in fp32, one rounding at the end
+    return F.rms_norm(x.float(), x.shape[-1:], weight.float() + offset, eps).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
