@@ -25,12 +25,18 @@ def main() -> int:
     parser.add_argument("--small", action="store_true", help="a tiny config: a smoke test on any machine")
     args = parser.parse_args()
     from profiler_svc import ab_test
-    from profiler_svc.kernels import swap
+    from profiler_svc.kernels import available_swaps, swap
 
+    base_names, swaps = ([s for s in names.split(",") if s] for names in (args.base, args.swaps))
+    unknown = sorted(set(base_names + swaps) - set(available_swaps()))
+    if unknown or not swaps:
+        parser.exit(2, f"ab_on_top.py: {'unknown swaps ' + ', '.join(unknown) if unknown else 'no --swaps to test'} "
+                       f"(available: {', '.join(available_swaps())})\n")
+    if not (args.small or torch.cuda.is_available()):
+        parser.exit(2, "ab_on_top.py needs a CUDA GPU (or --small)\n")
     model = build(args.family, args.small)
     ids, labels = batch(args.family, args.small)
-    base = swap(model, [s for s in args.base.split(",") if s])
-    swaps = [s for s in args.swaps.split(",") if s]
+    base = swap(model, base_names)
     out = {"versions": versions(), "family": args.family, "tokens": list(ids.shape),
            "base": sorted({row[2] for row in base.swapped}), "base_skipped": base.to_dict()["skipped"], "swaps": swaps}
     for mode in ("train", "infer"):
@@ -44,9 +50,12 @@ def main() -> int:
         out[mode] = d
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"ab_on_top_{args.family}.json"), "w") as f:
-        json.dump(out, f, indent=1)
+    try:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, f"ab_on_top_{args.family}.json"), "w") as f:
+            json.dump(out, f, indent=1)
+    except OSError as err:
+        parser.exit(2, f"ab_on_top.py: cannot write to {args.out}: {err.strerror}\n")
     return 0
 
 

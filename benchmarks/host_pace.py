@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from predict_vs_ab import make_case
+from predict_vs_ab import FAMILIES, SIZES, make_case
 from profiler_svc.ab.stats import time_ms
 
 _libc = ctypes.CDLL(None)
@@ -50,13 +50,17 @@ def sweep(step, steps: int, cores, repeats: int) -> dict:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--family", default="llama")
-    parser.add_argument("--size", default="host")
-    parser.add_argument("--mode", default="infer")
+    parser.add_argument("--family", default="llama", choices=FAMILIES)
+    parser.add_argument("--size", default="host", choices=SIZES)
+    parser.add_argument("--mode", default="infer", choices=("train", "infer"))
     parser.add_argument("--sweeps", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--unpinned-s", type=float, default=20.0)
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.exit(2, "host_pace.py needs a CUDA GPU\n")
+    if not os.access(os.path.dirname(os.path.abspath(args.out)), os.W_OK):  # now, not after the first sweep
+        parser.exit(2, f"host_pace.py: cannot write {args.out}: its folder is missing or not writable\n")
     cores = os.sched_getaffinity(0)
     _, _, step, tokens = make_case(args.family, args.size, args.mode, False)
     for _ in range(5):
