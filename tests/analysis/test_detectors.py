@@ -126,8 +126,7 @@ def test_llama_optimizer_step_bytes_and_label():
 def test_llama_profiled_step_is_launch_bound_and_says_why():
     r = report("llama_bf16_train")
     assert r.steps["bottleneck"]["kind"] == "launch overhead"
-    # a lent VM's host pace moved a host-bound A/B's saving by 13% between runs, its share by 4%
-    # (benchmarks/results/predict_vs_ab.md, 2026-11-28 midday)
+    # a host's pace moves a host-bound saving's ms, far less its share (results/predict_vs_ab.md, 2026-11-28)
     assert "its share of the step far less" in r.steps["bottleneck"]["detail"]
     assert r.steps["calibration"]["measured"] is False  # a plain torch.profiler trace
     top = r.findings[0]
