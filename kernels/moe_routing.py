@@ -1,13 +1,19 @@
-"""MoE routing: each token's hidden row sent to its K experts' grouped GEMMs, and the experts' output rows
-combined back per token, weighted by the router, forward and backward.
+"""MoE routing: a gated experts block as routed grouped GEMMs. Each token's hidden row goes to its K
+experts' grouped GEMMs, and the experts' output rows are combined back per token, weighted by the router,
+forward and backward.
 
 transformers' grouped_mm experts path moves the routed rows through about ten ATen ops per layer: the
 weighted rows are written in fp32, re-ordered by an index kernel, summed and cast, which took longer than the
 grouped GEMMs themselves (benchmarks/results/ab_end_to_end_families.md). Here one Triton kernel does
-the combine: each token reads its K expert rows, weights them in fp32 and writes its output once. Its
-backward writes each expert row's gradient and each routing weight's gradient in one pass. The gather's
-backward is the same combine with unit weights: fp32 sums, no atomics, deterministic.
+the combine: each token reads its K expert rows, weights them in fp32 and writes its output once. The
+gather's backward is the same combine with unit weights: fp32 sums, no atomics, deterministic.
+
+For the backward the block keeps only the gate/up projection's output (what Liger's fused MoE keeps): the
+routed input rows are gathered again, the activation is recomputed inside its backward kernel, and each
+routing weight's gradient is <dO, expert row> = <dO · W_down, activation>, so the expert rows are not kept.
 """
+from typing import Callable, NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -33,27 +39,6 @@ def _combine_kernel(ROWS, POS, WEIGHTS, OUT, width, K: tl.constexpr, WEIGHTED: t
             value = value * tl.load(WEIGHTS + token * K + k).to(tl.float32)
         acc += value
     tl.store(OUT + token * width + cols, round_to(acc, OUT.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _combine_bwd_kernel(DOUT, ROWS, POS, WEIGHTS, DROWS, DWEIGHTS, width, K: tl.constexpr, WEIGHT_GRAD: tl.constexpr,
-                        BLOCK: tl.constexpr):
-    """For the k-th row r = POS[t, k] of token t: DROWS[r] = WEIGHTS[t, k] · DOUT[t], and with WEIGHT_GRAD
-    DWEIGHTS[t, k] = <DOUT[t], ROWS[r]>. Each row belongs to one (t, k), so every DROWS row is written once."""
-    pair = tl.program_id(0).to(tl.int64)
-    token = pair // K
-    row = tl.load(POS + pair).to(tl.int64)
-    weight = tl.load(WEIGHTS + pair).to(tl.float32)
-    dot = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, width, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        mask = cols < width
-        dout = tl.load(DOUT + token * width + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(DROWS + row * width + cols, round_to(weight * dout, DROWS.dtype.element_ty), mask=mask)
-        if WEIGHT_GRAD:
-            dot += dout * tl.load(ROWS + row * width + cols, mask=mask, other=0.0).to(tl.float32)
-    if WEIGHT_GRAD:
-        tl.store(DWEIGHTS + pair, tl.sum(dot, axis=0).to(DWEIGHTS.dtype.element_ty))
 
 
 def _block(width: int) -> int:
@@ -83,46 +68,6 @@ def sum_rows(rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     return _combined(rows, pos, pos, False)  # pos stands in for the weights, which are not read
 
 
-@kernel_op("profiler_svc::moe_combine_bwd", mutates_args={})
-def combine_bwd(dout: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor,
-                weight_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """All contiguous. Returns (d rows, d weights); d weights is empty unless weight_grad."""
-    drows = torch.empty_like(rows)
-    dweights = torch.empty_like(weights) if weight_grad else weights.new_empty(0)
-    if pos.numel():
-        launch(_combine_bwd_kernel, (pos.numel(),), dout, rows, pos, weights, drows, dweights, rows.shape[1],
-               K=pos.shape[1], WEIGHT_GRAD=weight_grad, BLOCK=_block(rows.shape[1]), num_warps=4)
-    return drows, dweights
-
-
-class CombineFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, rows, pos, weights):
-        rows, weights = rows.contiguous(), weights.contiguous()
-        ctx.save_for_backward(rows, pos, weights)
-        return combine(rows, pos, weights)
-
-    @staticmethod
-    def backward(ctx, dout):
-        rows, pos, weights = ctx.saved_tensors
-        drows, dweights = combine_bwd(dout.contiguous(), rows, pos, weights, ctx.needs_input_grad[2])
-        return drows, None, dweights if ctx.needs_input_grad[2] else None
-
-
-class RouteFunction(torch.autograd.Function):
-    """hidden rows to their experts' rows: row r of the result is hidden[token_of_row[r]]."""
-
-    @staticmethod
-    def forward(ctx, hidden, token_of_row, pos):
-        ctx.save_for_backward(pos)
-        return hidden.index_select(0, token_of_row)
-
-    @staticmethod
-    def backward(ctx, drows):
-        (pos,) = ctx.saved_tensors
-        return sum_rows(drows.contiguous(), pos), None, None
-
-
 def grouped_mm_fits(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
     """Can transformers' gated experts run as routed grouped GEMMs here: a dtype torch's grouped_mm takes, rows
     whose strides are multiples of 16 bytes (its rule), on a GPU (on the CPU only under Triton's interpreter)?"""
@@ -134,26 +79,74 @@ def grouped_mm_fits(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Ten
     return all(b % 16 == 0 for b in rows_bytes) and gate_up.is_contiguous() and down.is_contiguous()
 
 
-def routed_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                   gate_up: torch.Tensor, down: torch.Tensor, apply_gate) -> torch.Tensor:
-    """transformers' gated experts forward: hidden (..., H); top_k_index, top_k_weights (tokens, K); gate_up
-    (E, 2I, H); down (E, H, I); apply_gate (S, 2I) -> (S, I). The rows are sorted by expert (stably, so each
-    expert's tokens keep their order), each expert's run through grouped GEMMs, and each token's K results
-    combined, weighted. Expert ids must lie in range(E) (no expert-parallel sentinels)."""
-    shape = hidden.shape
-    hidden = hidden.reshape(-1, shape[-1])
+class ExpertsGate(NamedTuple):
+    """The experts' gated activation over [rows, 2I] gate/up projections (swiglu.py's experts_gate supplies it).
+
+    forward(pre) -> h = act(gate) · up, [rows, I].
+    backward(dh, pre, weights, pair_of_row) -> (d pre, written over pre; w · h; <dh, h> per row in fp32),
+    w = weights.view(-1)[pair_of_row] each row's routing weight and dh the unweighted gradient of h."""
+    forward: Callable[[torch.Tensor], torch.Tensor]
+    backward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                       tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def _routing(top_k_index: torch.Tensor, experts: int):
+    """(ends, pos, pair_of_row, token_of_row): the rows sorted by expert (stably, so each expert's tokens keep
+    their order); each expert's last row + 1 (grouped_mm's offsets); pos[t, k] the row of token t's k-th expert;
+    the (token, k) pair and the token of each row."""
     tokens, top_k = top_k_index.shape
     expert_of_row, pair_of_row = torch.sort(top_k_index.reshape(-1), stable=True)
-    experts = torch.arange(gate_up.shape[0], device=hidden.device, dtype=expert_of_row.dtype)
-    # each expert's last row + 1: grouped_mm's offsets, found without a host sync (bincount would need one)
-    ends = torch.searchsorted(expert_of_row, experts, right=True).to(torch.int32)
-    pos = torch.empty_like(pair_of_row).scatter_(0, pair_of_row, torch.arange(pair_of_row.numel(), device=hidden.device))
-    pos = pos.view(tokens, top_k)
-    token_of_row = pair_of_row // top_k
-    weights = top_k_weights.reshape(tokens, top_k)
-    grad = needs_grad(hidden, gate_up, down, weights)
-    rows = RouteFunction.apply(hidden, token_of_row, pos) if grad else hidden.index_select(0, token_of_row)
-    rows = apply_gate(F.grouped_mm(rows, gate_up.transpose(-2, -1), offs=ends))
-    rows = F.grouped_mm(rows, down.transpose(-2, -1), offs=ends)
-    out = CombineFunction.apply(rows, pos, weights) if grad else combine(rows, pos, weights.contiguous())
+    device = top_k_index.device
+    # found without a host sync (bincount would need one)
+    ends = torch.searchsorted(expert_of_row, torch.arange(experts, device=device, dtype=expert_of_row.dtype),
+                              right=True).to(torch.int32)
+    pos = torch.empty_like(pair_of_row).scatter_(0, pair_of_row, torch.arange(pair_of_row.numel(), device=device))
+    return ends, pos.view(tokens, top_k), pair_of_row, pair_of_row // top_k
+
+
+class RoutedExpertsFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weights, gate_up, down, ends, pos, pair_of_row, token_of_row, gate):
+        pre = F.grouped_mm(hidden.index_select(0, token_of_row), gate_up.transpose(-2, -1), offs=ends)
+        rows = F.grouped_mm(gate.forward(pre), down.transpose(-2, -1), offs=ends)
+        # In fp32, <dO · W_down, h> rounds dO · W_down with its GEMM's fp32 accumulation over H, which made the
+        # routing weights' gradient less exact than the eager loop's <dO, expert row>: there the rows are kept.
+        kept_rows = rows if rows.dtype == torch.float32 else None
+        ctx.save_for_backward(hidden, weights, gate_up, down, pre, ends, pos, pair_of_row, token_of_row, kept_rows)
+        ctx.gate = gate
+        return combine(rows, pos, weights)
+
+    @staticmethod
+    def backward(ctx, dout):
+        hidden, weights, gate_up, down, pre, ends, pos, pair_of_row, token_of_row, kept_rows = ctx.saved_tensors
+        d_rows = dout.contiguous().index_select(0, token_of_row)  # each row's output gradient, unweighted
+        # d pre overwrites pre, which this backward alone reads: a second backward through the graph fails loudly
+        d_pre, weighted_act, dot = ctx.gate.backward(F.grouped_mm(d_rows, down, offs=ends), pre, weights, pair_of_row)
+        torch.autograd.graph.increment_version(pre)
+        if kept_rows is not None:
+            dot = (d_rows * kept_rows).sum(-1)
+        d_down = F.grouped_mm(d_rows.t(), weighted_act, offs=ends) if ctx.needs_input_grad[3] else None
+        del d_rows, weighted_act
+        d_gate_up = None
+        if ctx.needs_input_grad[2]:
+            d_gate_up = F.grouped_mm(d_pre.t(), hidden.index_select(0, token_of_row), offs=ends)
+        d_hidden = sum_rows(F.grouped_mm(d_pre, gate_up, offs=ends), pos) if ctx.needs_input_grad[0] else None
+        d_weights = dot[pos].to(weights.dtype) if ctx.needs_input_grad[1] else None
+        return d_hidden, d_weights, d_gate_up, d_down, None, None, None, None, None
+
+
+def routed_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                   gate_up: torch.Tensor, down: torch.Tensor, gate: ExpertsGate) -> torch.Tensor:
+    """transformers' gated experts forward: hidden (..., H); top_k_index, top_k_weights (tokens, K); gate_up
+    (E, 2I, H); down (E, H, I). Each expert's rows run through grouped GEMMs with the gate between, and each
+    token's K results are combined, weighted. Expert ids must lie in range(E) (no expert-parallel sentinels)."""
+    shape = hidden.shape
+    hidden = hidden.reshape(-1, shape[-1])
+    ends, pos, pair_of_row, token_of_row = _routing(top_k_index, gate_up.shape[0])
+    weights = top_k_weights.reshape(pos.shape).contiguous()
+    if needs_grad(hidden, gate_up, down, weights):
+        out = RoutedExpertsFunction.apply(hidden, weights, gate_up, down, ends, pos, pair_of_row, token_of_row, gate)
+    else:
+        pre = F.grouped_mm(hidden.index_select(0, token_of_row), gate_up.transpose(-2, -1), offs=ends)
+        out = combine(F.grouped_mm(gate.forward(pre), down.transpose(-2, -1), offs=ends), pos, weights)
     return out.view(shape)

@@ -18,10 +18,13 @@ from . import placement
 from ._elementwise import (
     ACT_NAMES, GELU_ERF, GELU_TANH, SILU, act_and_derivative, act_value, activation_kind, check_float, launch_elementwise, needs_grad, upcast,
 )
-from ._launch import kernel_op, round_to, takes_native
-from .moe_routing import grouped_mm_fits, routed_experts
+from ._launch import kernel_op, launch, round_to, takes_native
+from .moe_routing import ExpertsGate, grouped_mm_fits, routed_experts
 from .parity import place
 from .swap import SwapEntry, behaves_like
+
+
+ROUTED_BWD_BLOCK = 1024  # columns per step of the experts' row backward: 2 KiB of a bf16 row per load
 
 
 @triton.jit
@@ -61,6 +64,30 @@ def _gated_bwd_kernel(DOUT, GATE, UP, DGATE, DUP, width, n, ACT: tl.constexpr, S
     tl.store(DUP + src, round_to(dout * act, DUP.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _gated_routed_bwd_kernel(DH, GATE_UP, WEIGHTS, PAIR, DGATE_UP, WACT, DOT, width, ACT: tl.constexpr,
+                             BLOCK: tl.constexpr):
+    """Row r of an MoE experts block's backward, with w = WEIGHTS[PAIR[r]] its routing weight and h = act(gate)·up
+    recomputed from GATE_UP[r] = [gate | up]: DGATE_UP[r] the gradient through the gate of w·DH[r], WACT[r] = w·h
+    (down_proj's weight gradient reads it), DOT[r] = <DH[r], h> in fp32 (the routing weight's gradient)."""
+    row = tl.program_id(0).to(tl.int64)
+    weight = tl.load(WEIGHTS + tl.load(PAIR + row)).to(tl.float32)
+    dot = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, width, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < width
+        dh = upcast(tl.load(DH + row * width + cols, mask=mask, other=0.0))
+        gate = upcast(tl.load(GATE_UP + row * 2 * width + cols, mask=mask, other=0.0))
+        up = upcast(tl.load(GATE_UP + row * 2 * width + width + cols, mask=mask, other=0.0))
+        act, dact = act_and_derivative(gate, ACT)
+        dot += dh * act * up
+        dh = dh * weight
+        tl.store(DGATE_UP + row * 2 * width + cols, round_to(dh * up * dact, DGATE_UP.dtype.element_ty), mask=mask)
+        tl.store(DGATE_UP + row * 2 * width + width + cols, round_to(dh * act, DGATE_UP.dtype.element_ty), mask=mask)
+        tl.store(WACT + row * width + cols, round_to(weight * act * up, WACT.dtype.element_ty), mask=mask)
+    tl.store(DOT + row, tl.sum(dot, axis=0))
+
+
 @kernel_op("profiler_svc::gated_act_fwd", mutates_args={})
 def gated_act_fwd(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tensor:
     """gate, up contiguous, same shape. Returns act(gate) * up."""
@@ -96,6 +123,23 @@ def gated_split_bwd(dout: torch.Tensor, gate_up: torch.Tensor, act: int) -> torc
     launch_elementwise(_gated_bwd_kernel, dout, gate_up, gate_up[..., width:], dgate_up, dgate_up[..., width:], width,
                        n=dout.numel(), ACT=act, SPLIT=True)
     return dgate_up
+
+
+def gated_routed_bwd(dh: torch.Tensor, gate_up: torch.Tensor, weights: torch.Tensor, pair_of_row: torch.Tensor,
+                     act: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An experts block's gate backward (moe_routing.ExpertsGate.backward): dh [rows, I] unweighted, gate_up
+    [rows, 2I] contiguous, overwritten with its gradient, which it returns, with w · h and <dh, h> per row."""
+    rows, width = dh.shape
+    weighted_act, dot = dh.new_empty(rows, width), torch.empty(rows, device=dh.device, dtype=torch.float32)
+    if rows:
+        launch(_gated_routed_bwd_kernel, (rows,), dh.contiguous(), gate_up, weights, pair_of_row, gate_up, weighted_act,
+               dot, width, ACT=act, BLOCK=min(ROUTED_BWD_BLOCK, triton.next_power_of_2(width)), num_warps=4)
+    return gate_up, weighted_act, dot
+
+
+def experts_gate(act: int) -> ExpertsGate:
+    return ExpertsGate(lambda pre: gated_act_split(pre, act),
+                       lambda dh, pre, weights, pair_of_row: gated_routed_bwd(dh, pre, weights, pair_of_row, act))
 
 
 class GatedActFunction(torch.autograd.Function):
@@ -256,13 +300,10 @@ class GatedExperts(nn.Module):
             self.add_module(name, child)
         self.train(original.training)
         self.act, self._interface, self._original_class = act, interface, type(original).__name__
+        self._routed_gate = experts_gate(act)
 
     def _apply_gate(self, gate_up_out):
         return gated_act_split(gate_up_out, self.act)
-
-    def _apply_gate_in_place(self, gate_up_out):
-        # the grouped GEMM's output is ours alone: the backward writes its gradient over it
-        return gated_act_split(gate_up_out, self.act, reuse_input=True)
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         implementation = getattr(getattr(self, "config", None), "_experts_implementation", None)
@@ -271,7 +312,7 @@ class GatedExperts(nn.Module):
         # (batched_mm, deepgemm...) and expert-parallel sentinel ids keep transformers' function
         if implementation in (None, "eager", "grouped_mm") and not getattr(self, "_is_expert_parallel", False) \
                 and grouped_mm_fits(hidden_states, gate_up, down):
-            return routed_experts(hidden_states, top_k_index, top_k_weights, gate_up, down, self._apply_gate_in_place)
+            return routed_experts(hidden_states, top_k_index, top_k_weights, gate_up, down, self._routed_gate)
         if self._interface is not None and implementation not in (None, "eager"):
             return self._interface.get_interface(implementation, None)(self, hidden_states, top_k_index, top_k_weights)
         return experts_loop(self, hidden_states, top_k_index, top_k_weights, self._apply_gate)

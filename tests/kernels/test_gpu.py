@@ -231,7 +231,7 @@ def test_routed_experts_no_worse_than_transformers_grouped_mm_path():
 
     moe = pytest.importorskip("transformers.integrations.moe")
     from profiler_svc.kernels.moe_routing import routed_experts
-    from profiler_svc.kernels.swiglu import SILU, experts_loop, gated_act_split
+    from profiler_svc.kernels.swiglu import SILU, experts_gate, experts_loop
 
     tokens, hidden, inter, experts = 4096, 2048, 2816, 8
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -256,7 +256,7 @@ def test_routed_experts_no_worse_than_transformers_grouped_mm_path():
         return experts_loop(b, x, index, w, b._apply_gate)
 
     def ours(x, w, gate_up, down):
-        return routed_experts(x, index, w.float(), gate_up, down, lambda h: gated_act_split(h, SILU))
+        return routed_experts(x, index, w.float(), gate_up, down, experts_gate(SILU))
 
     mine = errors(ours, leaves, reference, torch.bfloat16)
     theirs = errors(transformers_grouped_mm, leaves, reference, torch.bfloat16)

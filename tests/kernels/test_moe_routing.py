@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from kernel_numerics import assert_no_worse, errors
 
 from profiler_svc.kernels._elementwise import SILU
-from profiler_svc.kernels.moe_routing import CombineFunction, combine, routed_experts, sum_rows
-from profiler_svc.kernels.swiglu import experts_loop, gated_act_split
+from profiler_svc.kernels.moe_routing import combine, routed_experts, sum_rows
+from profiler_svc.kernels.swiglu import experts_gate, experts_loop
 
 TOKENS, HIDDEN, INTER, EXPERTS = 37, 64, 48, 5
 
@@ -41,7 +41,7 @@ def eager_loop(index):
 
 def ours(index):
     def run(hidden, weights, gate_up, down):
-        return routed_experts(hidden, index, weights, gate_up, down, lambda h: gated_act_split(h, SILU))
+        return routed_experts(hidden, index, weights, gate_up, down, experts_gate(SILU))
     return run
 
 
@@ -58,20 +58,32 @@ def test_routed_experts_match_the_loop_in_float32():
     assert out[0] < 1e-6 and all(g[0] < 1e-6 for g in grads)  # fp32 against fp64: a few roundings, no more
 
 
-def test_combine_and_its_backward_by_hand():
+def test_combine_and_sum_rows_by_hand():
     rows = torch.arange(12, dtype=torch.float32).view(6, 2)  # 3 tokens x 2 experts, rows in expert order
     pos = torch.tensor([[0, 3], [4, 1], [2, 5]])
-    weights = torch.tensor([[0.5, 2.0], [1.0, -1.0], [0.25, 0.75]], requires_grad=True)
+    weights = torch.tensor([[0.5, 2.0], [1.0, -1.0], [0.25, 0.75]])
     want = torch.stack([0.5 * rows[0] + 2 * rows[3], rows[4] - rows[1], 0.25 * rows[2] + 0.75 * rows[5]])
-    torch.testing.assert_close(combine(rows, pos, weights.detach()), want, rtol=0, atol=0)
+    torch.testing.assert_close(combine(rows, pos, weights), want, rtol=0, atol=0)
     torch.testing.assert_close(sum_rows(rows, pos), rows[pos].sum(1), rtol=0, atol=0)
-    leaf = rows.clone().requires_grad_()
-    dout = torch.tensor([[1.0, -2.0], [0.5, 3.0], [2.0, 1.0]])
-    out = CombineFunction.apply(leaf, pos, weights)
-    out.backward(dout)
-    drows = torch.zeros_like(rows)
-    for t in range(3):
-        for k in range(2):
-            drows[pos[t, k]] = weights[t, k].detach() * dout[t]
-    torch.testing.assert_close(leaf.grad, drows, rtol=0, atol=0)
-    torch.testing.assert_close(weights.grad, (dout.unsqueeze(1) * rows[pos]).sum(-1), rtol=0, atol=0)
+
+
+def test_training_keeps_only_the_gate_up_output():
+    """What the block keeps for its backward, beyond its inputs and parameters: the gate/up projection's output
+    ([routed rows, 2I], as Liger's fused MoE) and the routing's integer indices. Not the gathered input rows,
+    the activation or the expert rows (together 2·H + I more floats a routed row). In 16-bit: fp32 keeps the
+    expert rows for its routing weights' gradient."""
+    top_k = 2
+    index = routing(top_k)
+    leaves = [t.detach().bfloat16().requires_grad_() for t in inputs64(top_k)]
+    kept = []
+
+    def pack(t):
+        if not any(t.untyped_storage().data_ptr() == leaf.untyped_storage().data_ptr() for leaf in leaves):
+            kept.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        ours(index)(*leaves).sum().backward()
+    floats = sum(t.numel() for t in kept if t.is_floating_point())
+    assert floats == TOKENS * top_k * 2 * INTER
+    assert all(g is not None for g in (leaf.grad for leaf in leaves))
