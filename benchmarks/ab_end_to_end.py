@@ -158,6 +158,11 @@ def stage_measure(args) -> dict:
         report = swap(model, args.swaps)
         for _, _, name, *_ in report.swapped:
             swapped[name] = swapped.get(name, 0) + 1
+        if args.keep_activation:
+            from profiler_svc.kernels.swiglu import GatedMLP
+            for module in model.modules():
+                if isinstance(module, GatedMLP):
+                    module.recompute = False
     dev = device()
     losses = []
     if args.mode == "train":
@@ -188,6 +193,7 @@ def stage_measure(args) -> dict:
     return {"profile": profile, "variant": args.variant, "mode": args.mode, "median_ms": statistics.median(times),
             "min_ms": min(times), "max_ms": max(times), "steps": args.steps, "warmup": args.warmup,
             "peak_gb": peak / 1e9 if peak is not None else None, "swapped": swapped, "fused_loss": fused_loss,
+            "keep_activation": bool(ours and args.keep_activation),
             "first_loss": float(losses[0]) if losses else None}
 
 
@@ -359,6 +365,8 @@ def main(argv=None) -> int:
     p.add_argument("--swaps", type=lambda s: [x for x in s.split(",") if x], default=[],
                    help="the swaps of 'ours' (default: what `recommend` names on a captured eager step)")
     p.add_argument("--fused-loss", action="store_true", help="'ours' trains with the fused linear CE loss")
+    p.add_argument("--keep-activation", action="store_true",
+                   help="'ours' gated MLPs keep their activation for the backward (GatedMLP(recompute=False))")
     p.add_argument("--profile", type=int, default=0, metavar="STEPS",
                    help="after timing, profile STEPS steps of each variant: GPU time per step by kernel")
     args = p.parse_args(argv)
@@ -383,7 +391,8 @@ def main(argv=None) -> int:
     # recommendation becomes our fused linear cross-entropy in the loss (the --fused-loss step)
     module_swaps = [s for s in recommended if s in available_swaps() and s != "cross_entropy"]
     fused_loss = "cross_entropy" in recommended or rec.get("fused_loss") or args.fused_loss
-    ours = ["--swaps", ",".join(module_swaps)] + (["--fused-loss"] if fused_loss else [])
+    ours = ["--swaps", ",".join(module_swaps)] + (["--fused-loss"] if fused_loss else []) + \
+        (["--keep-activation"] if args.keep_activation else [])
     profile = ["--profile", str(args.profile)] if args.profile else []
     runs = []
     for variant, mode in MEASURED:

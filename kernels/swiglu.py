@@ -6,7 +6,7 @@ instead of saving it. Math in fp32, rounded once. The kernels are generic over t
 activation (SiLU, tanh-GELU, erf-GELU), so geglu.py reuses them.
 """
 from contextlib import contextmanager
-from typing import cast
+from typing import Optional, cast
 
 import torch
 import triton
@@ -51,7 +51,10 @@ def _gated_fwd_kernel(GATE, UP, OUT, width, n, ACT: tl.constexpr, SHORT: tl.cons
 
 
 @triton.jit
-def _gated_bwd_kernel(DOUT, GATE, UP, DGATE, DUP, width, n, ACT: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+def _gated_bwd_kernel(DOUT, GATE, UP, DGATE, DUP, HIDDEN, width, n, ACT: tl.constexpr, SPLIT: tl.constexpr,
+                      STORE_HIDDEN: tl.constexpr, BLOCK: tl.constexpr):
+    """DGATE, DUP: the gradients of act(gate)·up; with STORE_HIDDEN, HIDDEN = act(gate)·up as well (the forward's
+    output, recomputed for a weight gradient that reads it)."""
     start = tl.program_id(0).to(tl.int64) * BLOCK
     offs = tl.arange(0, BLOCK)
     mask = offs < n - start
@@ -62,6 +65,8 @@ def _gated_bwd_kernel(DOUT, GATE, UP, DGATE, DUP, width, n, ACT: tl.constexpr, S
     act, dact = act_and_derivative(gate, ACT)
     tl.store(DGATE + src, round_to(dout * up * dact, DGATE.dtype.element_ty), mask=mask)
     tl.store(DUP + src, round_to(dout * act, DUP.dtype.element_ty), mask=mask)
+    if STORE_HIDDEN:
+        tl.store(HIDDEN + start + offs, round_to(act * up, HIDDEN.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -101,7 +106,8 @@ def gated_act_fwd(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tenso
 def gated_act_bwd(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: int) -> tuple[torch.Tensor, torch.Tensor]:
     """All contiguous, same shape. Returns (d gate, d up)."""
     dgate, dup = torch.empty_like(gate), torch.empty_like(up)
-    launch_elementwise(_gated_bwd_kernel, dout, gate, up, dgate, dup, 1, n=gate.numel(), ACT=act, SPLIT=False)
+    launch_elementwise(_gated_bwd_kernel, dout, gate, up, dgate, dup, dout, 1, n=gate.numel(), ACT=act, SPLIT=False,
+                       STORE_HIDDEN=False)
     return dgate, dup
 
 
@@ -120,8 +126,8 @@ def gated_split_bwd(dout: torch.Tensor, gate_up: torch.Tensor, act: int) -> torc
     """dout [..., w], gate_up [..., 2·w], contiguous. Returns d gate_up."""
     width = dout.shape[-1]
     dgate_up = torch.empty_like(gate_up)
-    launch_elementwise(_gated_bwd_kernel, dout, gate_up, gate_up[..., width:], dgate_up, dgate_up[..., width:], width,
-                       n=dout.numel(), ACT=act, SPLIT=True)
+    launch_elementwise(_gated_bwd_kernel, dout, gate_up, gate_up[..., width:], dgate_up, dgate_up[..., width:], dout,
+                       width, n=dout.numel(), ACT=act, SPLIT=True, STORE_HIDDEN=False)
     return dgate_up
 
 
@@ -158,13 +164,41 @@ class GatedActFunction(torch.autograd.Function):
             # two activation-sized buffers fewer at the backward's peak. Each element is read before it
             # is written by the same program. The bumped versions make a second backward through this
             # graph fail loudly instead of reading gradients as activations.
-            launch_elementwise(_gated_bwd_kernel, dout.contiguous(), gate, up, gate, up, 1, n=gate.numel(), ACT=ctx.act,
-                               SPLIT=False)
+            dout = dout.contiguous()
+            launch_elementwise(_gated_bwd_kernel, dout, gate, up, gate, up, dout, 1, n=gate.numel(), ACT=ctx.act,
+                               SPLIT=False, STORE_HIDDEN=False)
             torch.autograd.graph.increment_version(gate)
             torch.autograd.graph.increment_version(up)
             return gate, up, None, None
         dgate, dup = gated_act_bwd(dout.contiguous(), gate, up, ctx.act)
         return dgate, dup, None, None
+
+
+class GatedDownFunction(torch.autograd.Function):
+    """linear(act(gate) · up, weight, bias), keeping gate and up (the projections' own outputs, overwritten with
+    their gradients) but not the activation: the activation's backward kernel, which reads gate and up anyway,
+    writes it again for the weight's gradient. One activation-sized buffer a layer fewer for one more write."""
+
+    @staticmethod
+    def forward(ctx, gate, up, weight, bias, act):
+        gate, up = gate.contiguous(), up.contiguous()
+        ctx.save_for_backward(gate, up, weight)
+        ctx.act, ctx.has_bias = act, bias is not None
+        return F.linear(gated_act_fwd(gate, up, act), weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        gate, up, weight = ctx.saved_tensors
+        dy = dy.contiguous()
+        hidden = torch.empty_like(gate)
+        launch_elementwise(_gated_bwd_kernel, dy @ weight, gate, up, gate, up, hidden, 1, n=gate.numel(), ACT=ctx.act,
+                           SPLIT=False, STORE_HIDDEN=True)
+        torch.autograd.graph.increment_version(gate)  # a second backward through the graph fails loudly
+        torch.autograd.graph.increment_version(up)
+        rows = dy.reshape(-1, dy.shape[-1])
+        d_weight = rows.t() @ hidden.reshape(-1, hidden.shape[-1]) if ctx.needs_input_grad[2] else None
+        d_bias = rows.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
+        return gate, up, d_weight, d_bias, None
 
 
 class GatedSplitFunction(torch.autograd.Function):
@@ -182,7 +216,7 @@ class GatedSplitFunction(torch.autograd.Function):
         if ctx.reuse_input and not torch.compiler.is_compiling():  # as GatedActFunction: over the projection's output
             width = dout.shape[-1]
             launch_elementwise(_gated_bwd_kernel, dout, gate_up, gate_up[..., width:], gate_up, gate_up[..., width:],
-                               width, n=dout.numel(), ACT=ctx.act, SPLIT=True)
+                               dout, width, n=dout.numel(), ACT=ctx.act, SPLIT=True, STORE_HIDDEN=False)
             torch.autograd.graph.increment_version(gate_up)
             return gate_up, None, None
         return gated_split_bwd(dout, gate_up, ctx.act), None, None
@@ -240,14 +274,17 @@ class GatedMLP(nn.Module):
     """down_proj(act(gate_proj(x)) · up_proj(x)) with the fused gated activation.
 
     Shares (does not copy) the three projections of the MLP it replaces, so training updates,
-    hooks and checkpoints still act on the original layers. ``recompute=True`` does not keep
-    down_proj's input (the activation, intermediate-sized) for the backward but recomputes it from
-    gate and up: one activation-sized buffer per layer fewer at the peak, for one elementwise pass
-    and the saved-tensor hooks' host time per layer. Off by default: a swap is recommended for speed,
-    and the recompute made an H100 training step slower (benchmarks/results/predict_vs_ab.md).
+    hooks and checkpoints still act on the original layers. Recomputing does not keep down_proj's input (the
+    activation, intermediate-sized) for the backward: one activation-sized buffer per layer fewer at the peak.
+    ``recompute=None`` (default) recomputes where down_proj is a plain nn.Linear without hooks: the activation's
+    backward kernel writes it again, which left a training step's time unchanged
+    (benchmarks/results/ab_end_to_end_llama_h100_2026-11-27.md). ``True`` also recomputes through saved-tensor
+    hooks around any other down_proj (an adapter's, a hooked one), for one more elementwise pass and the hooks'
+    host time per layer, which made an H100 step slower (benchmarks/results/predict_vs_ab.md); ``False`` never.
     """
 
-    def __init__(self, gate_proj: nn.Module, up_proj: nn.Module, down_proj: nn.Module, act: int, recompute: bool = False):
+    def __init__(self, gate_proj: nn.Module, up_proj: nn.Module, down_proj: nn.Module, act: int,
+                 recompute: Optional[bool] = None):
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
         self.act, self.recompute = act, recompute
@@ -255,9 +292,13 @@ class GatedMLP(nn.Module):
     def forward(self, x):
         # The projections' outputs are ours alone: their memory is reused for their gradients.
         gate, up = self.gate_proj(x), self.up_proj(x)
+        recompute = self.recompute is not False and needs_grad(gate, up, *self.down_proj.parameters()) \
+            and not torch.compiler.is_compiling() and not _native(gate)  # under compile its partitioner decides
+        if recompute and _plain_linear(self.down_proj, gate):
+            return GatedDownFunction.apply(gate, up, self.down_proj.weight, self.down_proj.bias, self.act)
         hidden = gated_act(gate, up, self.act, reuse_inputs=True)
-        if not (self.recompute and hidden.requires_grad) or torch.compiler.is_compiling() or _native(gate):
-            return self.down_proj(hidden)  # torch.compile's partitioner decides recomputation itself
+        if not (recompute and self.recompute):
+            return self.down_proj(hidden)
         with torch.autograd.graph.saved_tensors_hooks(*_recompute_when_saved(hidden, gate, up, self.act)):
             return self.down_proj(hidden)
 
@@ -335,6 +376,14 @@ def experts_loop(experts, hidden_states, top_k_index, top_k_weights, apply_gate)
         hidden = nn.functional.linear(hidden, experts.down_proj[expert]) * top_k_weights[token_idx, top_k_pos, None]
         out.index_add_(0, token_idx, hidden.to(out.dtype))
     return out
+
+
+def _plain_linear(layer: nn.Module, x: torch.Tensor) -> bool:
+    """Is `layer` an nn.Linear that GatedDownFunction may run by its weight: no hooks or wrapped forward to call
+    (a capture's labels, an adapter's), no autocast to cast its weight, and x's dtype?"""
+    return type(layer) is nn.Linear and "forward" not in vars(layer) and not (layer._forward_hooks or layer._forward_pre_hooks) \
+        and not (nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks) \
+        and layer.weight.dtype == x.dtype and not torch.is_autocast_enabled(x.device.type)
 
 
 def _recompute_when_saved(hidden, gate, up, act):

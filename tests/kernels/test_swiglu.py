@@ -158,3 +158,39 @@ def test_gated_mlp_recomputes_the_activation_instead_of_keeping_it(shape):
     assert alive == {False: True, True: False}
     for a, b in zip(grads[False], grads[True]):
         torch.testing.assert_close(a, b, rtol=0, atol=0)  # the recomputed activation is bit-identical
+
+
+@pytest.mark.parametrize("shape", [(3, 16), (2, 5, 16)])
+def test_gated_mlp_recomputes_in_the_activation_backward_over_a_plain_linear(shape):
+    """Without hooks on down_proj, recompute (by default, and with True) keeps gate and up alone
+    (GatedDownFunction): the activation's backward kernel writes the activation again for down_proj's weight
+    gradient. The gradients equal those of the path that keeps the activation."""
+    torch.manual_seed(0)
+    gate_proj, up_proj, down_proj = nn.Linear(16, 40), nn.Linear(16, 40), nn.Linear(40, 16)
+    params = {p.untyped_storage().data_ptr() for p in (*gate_proj.parameters(), *up_proj.parameters(),
+                                                       *down_proj.parameters())}
+    x = torch.randn(*shape, requires_grad=True)
+    grads, kept = {}, {}
+    for recompute in (False, None, True):
+        mlp = GatedMLP(gate_proj, up_proj, down_proj, act=SILU, recompute=recompute)
+        saved = []
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in params | {x.untyped_storage().data_ptr()}:
+                saved.append(t.numel())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = mlp(x)
+        assert (type(y.grad_fn).__name__ == "GatedDownFunctionBackward") == (recompute is not False)
+        out = y.sum()
+        kept[recompute] = sum(saved)
+        grads[recompute] = torch.autograd.grad(out, [x, *mlp.parameters()])
+    rows = x.numel() // 16
+    assert kept == {False: 3 * rows * 40, None: 2 * rows * 40, True: 2 * rows * 40}  # gate, up (and the activation)
+    for recompute in (None, True):
+        for a, b in zip(grads[False], grads[recompute]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # a wrapped forward (how capture labels a module) is called, and the activation kept
+    down_proj.forward = lambda h, forward=down_proj.forward: forward(h)
+    assert type(GatedMLP(gate_proj, up_proj, down_proj, act=SILU)(x).grad_fn).__name__ != "GatedDownFunctionBackward"
