@@ -82,6 +82,16 @@ def experts_hidden_size(tree: dict, name: str):
     return hidden if isinstance(hidden, int) and hidden > 0 else None
 
 
+def gated_backward_passes(tree, name: str) -> int:
+    """Activation-sized tensor passes of a gated swap's backward kernel: it reads the activation's gradient, gate
+    and up and writes their gradients (5). Where the module keeps no activation for down_proj's weight gradient
+    (separate gate/up projections, GatedMLP; MoE experts) it also writes the activation again (6); one fused
+    gate_up_proj Linear (Phi-3's GateUpMLP) keeps it. Without a module tree: the commoner separate projections."""
+    children = _children(tree, name) if isinstance(tree, dict) and name in tree else {}
+    fused = "gate_up_proj" in children and _LINEAR.search(str(children["gate_up_proj"].get("class", "")))
+    return 5 if fused else 6
+
+
 def _gated_activation(tree: dict, name: str, node: dict):
     """'silu' or 'gelu' if `name` is a gated MLP (gate/up/down projections, or one gate_up_proj, Phi-3) or an
     MoE experts block (3-D gate_up_proj/down_proj parameters), by its activation child's class; else None."""

@@ -61,6 +61,13 @@ def experts_hidden_size(tree, module: str) -> Optional[int]:
     return placement.experts_hidden_size(tree, module)
 
 
+def gated_backward_passes(tree, module: str) -> Optional[int]:
+    """Activation-sized passes of the gated swaps' backward kernel for the module (qualified name), by
+    kernels/placement.py's rule; None where the rules cannot be read."""
+    placement = _placement()
+    return placement.gated_backward_passes(tree, module) if placement is not None else None
+
+
 def native_below(swap: str) -> Optional[int]:
     """Elements below which the swap's host function runs torch's native op instead of its Triton kernel
     (kernels/placement.py's NATIVE_BELOW), or None where it always runs its kernel."""

@@ -19,7 +19,9 @@ from ..trace.model import Trace, element_bytes
 from ..trace.replay import Change
 from .common import (Finding, Recommendation, fmt_us, fused, module_class, numel, op_bytes, op_record_codes, per_step,
                      per_step_note, plural, short_kernel_name, tensor_bytes)
-from .swap_costs import experts_block, experts_hidden_size, native_below, native_is_eager, swap_applies, swap_host_cost
+from .swap_costs import (
+    experts_block, experts_hidden_size, gated_backward_passes, native_below, native_is_eager, swap_applies, swap_host_cost,
+)
 
 # How many kernels after an activation its gated product may come: the up projection (a GEMM, with
 # autocast's casts of its weight, or an FP8 scale) runs in between.
@@ -50,9 +52,9 @@ PATTERNS = {
     "gelu_tanh": Pattern("gelu_tanh", "tanh-GELU written in Python", 2,
                          "from profiler_svc.kernels import swap\nswap(model, [\"gelu_tanh\"])", 3),
     "swiglu": Pattern("swiglu", "SiLU(gate)·up in separate kernels", 3,
-                      "from profiler_svc.kernels import swap\nswap(model, [\"swiglu\"])", 5),
+                      "from profiler_svc.kernels import swap\nswap(model, [\"swiglu\"])", 6),
     "geglu": Pattern("geglu", "GELU(gate)·up in separate kernels", 3,
-                     "from profiler_svc.kernels import swap\nswap(model, [\"geglu\"])", 5),
+                     "from profiler_svc.kernels import swap\nswap(model, [\"geglu\"])", 6),
     # the swap replaces the attention instances whose forward calls apply_rotary_pos_emb
     "rope": Pattern("rope", "rotary embedding as mul/neg/cat/add kernels", 2,
                     "from profiler_svc.kernels import swap\nswap(model, [\"rope\"])  # HF attention with the fused rotary\n"
@@ -601,7 +603,7 @@ def _finding(trace, kind, cls, group, bandwidth) -> Finding:
     pattern = PATTERNS[kind]
     time = sum(c.time for c in group)
     gated = kind in ("swiglu", "geglu")
-    fused_bytes_each = [pattern.passes_for(c.backward) * (_gated_bytes(c) if gated else c.end_bytes) for c in group]
+    fused_bytes_each = [_passes(trace, pattern, c, gated) * (_gated_bytes(c) if gated else c.end_bytes) for c in group]
     fused_times = [max(b / bandwidth, _FUSED_FLOOR_US) for b in fused_bytes_each]
     fused_time = sum(fused_times)
     moved = sum(c.bytes for c in group)
@@ -623,8 +625,9 @@ def _finding(trace, kind, cls, group, bandwidth) -> Finding:
         change, cost_note = _change(trace, swap, [c for c, _ in gates], [t for _, t in gates], experts)
         change = Change.union([change, _routing_change(trace, [c for c, _ in gates], bandwidth)])
         cost_note += (" The swap also routes the experts' tokens: transformers' gathers, fp32-weighted rows, "
-                      "re-order and sum become one gather and one weighted combine per call (priced at 4 passes over "
-                      "the routed rows forward, 5 backward); the sort by expert stays.")
+                      "re-order and sum become one gather and one weighted combine per call (priced at "
+                      f"{_ROUTED_PASSES[False]} passes over the routed rows forward, {_ROUTED_PASSES[True]} backward); "
+                      "the sort by expert stays.")
     else:
         change, cost_note = _change(trace, swap, group, fused_times, experts)
     if small is not None:
@@ -800,6 +803,16 @@ def _activation_row(chain: Chain) -> Optional[int]:
     return None
 
 
+def _passes(trace, pattern: Pattern, chain: Chain, gated: bool) -> float:
+    """The pattern's fused passes; a gated backward's by the swap's kernel for the chain's module (whether it writes
+    the activation again for down_proj's weight gradient)."""
+    if gated and chain.backward:
+        passes = gated_backward_passes(trace.capture_metadata.get("modules"), _module_name(chain.module or ""))
+        if passes is not None:
+            return passes
+    return pattern.passes_for(chain.backward)
+
+
 def _gated_bytes(chain: Chain) -> int:
     """What a gated chain's fused kernel moves per pass: its activation's tensor (gate and up are each as
     wide). A fused gate_up projection (Phi-3's, MoE experts') is split around the activation, so the chain's
@@ -809,7 +822,10 @@ def _gated_bytes(chain: Chain) -> int:
     return tensor_bytes(big[0], big[1]) if big else chain.end_bytes
 
 
-_ROUTED_PASSES = {False: 4, True: 5}  # routed-row passes of the swap's gather + combine, forward / backward
+# routed-row passes of the swap's routing, forward / backward: the gather (a row read and written) and the
+# combine (read, and a token's row written); the backward gathers the output gradient and the input rows again
+# and sums each token's rows, where it used to read the kept expert rows instead of the input's
+_ROUTED_PASSES = {False: 4, True: 6}
 _ROUTING_KEPT = ["aten::sort"]  # the swap sorts the routed rows by expert too (kernels/moe_routing.py)
 
 
