@@ -80,7 +80,7 @@ def config_of(family: str, small: bool) -> dict:
     return {**SMALL, **tiny} if small else {**FULL, **full}
 
 
-def build(family: str, small: bool, liger: bool = False):
+def build(family: str, small: bool, liger: bool = False, use_cache: bool = False):
     import transformers
 
     model_class, config_class, *_ = FAMILIES[family]
@@ -89,8 +89,10 @@ def build(family: str, small: bool, liger: bool = False):
         # its defaults: rope, rms_norm, the gated activation and the fused linear cross-entropy loss
         getattr(liger_kernel.transformers, f"apply_liger_kernel_to_{family}")()
     torch.manual_seed(0)
+    # use_cache=False, as training scripts set it; transformers then checks the position ids for packed
+    # sequences on the host in every forward (a sync), which a cache skips (--use-cache)
     config = getattr(transformers, config_class)(**config_of(family, small), attn_implementation="sdpa",
-                                                  use_cache=False)
+                                                  use_cache=use_cache)
     with device():
         model = getattr(transformers, model_class)(config)
     return model.to(torch.bfloat16)
@@ -147,7 +149,7 @@ def stage_recommend(args) -> dict:
 def stage_measure(args) -> dict:
     from profiler_svc.ab.stats import time_ms
 
-    model = build(args.family, args.small, liger=args.variant == "liger")
+    model = build(args.family, args.small, liger=args.variant == "liger", use_cache=args.use_cache)
     ids, labels = batch(args.family, args.small)
     swapped = {}
     ours = args.variant.startswith("ours")
@@ -193,7 +195,7 @@ def stage_measure(args) -> dict:
     return {"profile": profile, "variant": args.variant, "mode": args.mode, "median_ms": statistics.median(times),
             "min_ms": min(times), "max_ms": max(times), "steps": args.steps, "warmup": args.warmup,
             "peak_gb": peak / 1e9 if peak is not None else None, "swapped": swapped, "fused_loss": fused_loss,
-            "keep_activation": bool(ours and args.keep_activation),
+            "keep_activation": bool(ours and args.keep_activation), "use_cache": args.use_cache,
             "first_loss": float(losses[0]) if losses else None}
 
 
@@ -272,7 +274,8 @@ STAGES = {"recommend": stage_recommend, "measure": stage_measure, "ab": stage_ab
 
 def run_child(stage: str, extra: list, args, timeout: float) -> dict:
     cmd = [sys.executable, __file__, "--child", stage, "--family", args.family, "--steps", str(args.steps),
-           "--warmup", str(args.warmup), *(["--small"] if args.small else []), *extra]
+           "--warmup", str(args.warmup), *(["--small"] if args.small else []),
+           *(["--use-cache"] if args.use_cache else []), *extra]
     t0 = time.time()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(timeout, 1))
@@ -365,6 +368,8 @@ def main(argv=None) -> int:
     p.add_argument("--swaps", type=lambda s: [x for x in s.split(",") if x], default=[],
                    help="the swaps of 'ours' (default: what `recommend` names on a captured eager step)")
     p.add_argument("--fused-loss", action="store_true", help="'ours' trains with the fused linear CE loss")
+    p.add_argument("--use-cache", action="store_true",
+                   help="build the model with use_cache=True (no packed-sequence check on the host in training)")
     p.add_argument("--keep-activation", action="store_true",
                    help="'ours' gated MLPs keep their activation for the backward (GatedMLP(recompute=False))")
     p.add_argument("--profile", type=int, default=0, metavar="STEPS",

@@ -7,7 +7,9 @@ multiple of 64, and an already aligned 50304; eager attention -> SDPA (bf16 Llam
 on a wide fp32 Llama at 1x256 (the optimizer a large share of the step) and on the 4x1024 bf16 one (a small
 share); bf16 autocast on the fp32 Llama; channels-last and cudnn.benchmark on torchvision ResNet-50 (bf16 and
 fp32), MobileNetV3 and EfficientNet-B0; CUDA graphs (torch.compile backend="cudagraphs") on a host-bound bf16
-Llama step, and on a GEMM-bound one (2 layers 4096 wide, 4x2048 tokens).
+Llama step, and on a GEMM-bound one (2 layers 4096 wide, 4x2048 tokens); use_cache on a bf16 Llama trained with
+use_cache=False (transformers' packed-sequence check syncs the host each forward), at 4x1024 and 1x256 tokens,
+and on the Llama training bar's model (8 layers, hidden 2048) at 4x2048.
 Recorded per case: whether the report names the fix, the predicted and measured change per step, verdict,
 numeric cost (precision fixes); "not applied" where the fix does not apply (an aligned vocabulary).
 Each case's full ABResult.to_dict() goes to ab_results.json in DIR.
@@ -38,6 +40,9 @@ CASES = {
     "cudnn_benchmark_efficientnet": ("cudnn_benchmark", "efficientnet_b0", torch.float32, (64,), None, False),
     "cuda_graphs": ("cuda_graphs", "llama", torch.bfloat16, (1, 64), "sdpa", False),
     "cuda_graphs_4x1024": ("cuda_graphs", "llama", torch.bfloat16, (4, 1024), "sdpa", False),
+    "use_cache": ("use_cache", "llama_nocache", torch.bfloat16, (4, 1024), "sdpa", True),
+    "use_cache_hostbound": ("use_cache", "llama_nocache", torch.bfloat16, (1, 256), "sdpa", True),
+    "use_cache_bar": ("use_cache", "llama8_nocache", torch.bfloat16, (4, 2048), "sdpa", True),
     # where the fix should buy little or nothing
     "fused_optimizer_small_share": ("fused_optimizer", "llama", torch.bfloat16, (4, 1024), "sdpa", True),
     "bf16_autocast_hostbound": ("bf16_autocast", "llama", torch.float32, (1, 64), "sdpa", False),
@@ -47,7 +52,7 @@ CASES = {
     "cuda_graphs_gpubound": ("cuda_graphs", "llama_wide", torch.bfloat16, (4, 2048), "sdpa", False),
 }
 HELPS = ("tf32", "pad_vocab", "sdpa", "fused_optimizer", "bf16_autocast", "channels_last", "cudnn_benchmark",
-         "cuda_graphs")
+         "cuda_graphs", "use_cache")
 TORCHVISION = ("resnet50", "mobilenet_v3_large", "efficientnet_b0")
 CONFIGS = {
     "llama": ("LlamaForCausalLM", "LlamaConfig",
@@ -57,6 +62,15 @@ CONFIGS = {
     "llama_wide": ("LlamaForCausalLM", "LlamaConfig",
                    dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=2,
                         num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096)),
+    # use_cache=False, as training scripts set it: transformers checks the position ids on the host each forward
+    "llama_nocache": ("LlamaForCausalLM", "LlamaConfig",
+                      dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                           num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=4096, use_cache=False)),
+    # the Llama training bar's model (benchmarks/ab_end_to_end.py), use_cache=False
+    "llama8_nocache": ("LlamaForCausalLM", "LlamaConfig",
+                       dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
+                            num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=4096,
+                            use_cache=False)),
     "gpt2": ("GPT2LMHeadModel", "GPT2Config", dict(vocab_size=50257, n_embd=768, n_layer=6, n_head=12, n_positions=1024)),
     "gpt2_aligned": ("GPT2LMHeadModel", "GPT2Config",
                      dict(vocab_size=50304, n_embd=768, n_layer=6, n_head=12, n_positions=1024)),
@@ -66,6 +80,10 @@ SMOKE = {"llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=
                        num_key_value_heads=2, vocab_size=250),
          "llama_wide": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
                             num_key_value_heads=4, vocab_size=250),
+         "llama_nocache": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                               num_key_value_heads=2, vocab_size=250),
+         "llama8_nocache": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                                num_key_value_heads=2, vocab_size=250),
          "gpt2": dict(n_embd=64, n_layer=1, n_head=4, vocab_size=250),
          "gpt2_aligned": dict(n_embd=64, n_layer=1, n_head=4, vocab_size=256)}
 

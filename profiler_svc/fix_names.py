@@ -3,4 +3,4 @@ detectors, the CLI and the A/B fix registry (profiler_svc.ab.fixes has exactly t
 Its own module, free of imports, so that the CLI can list them without loading the analyser or torch."""
 
 FIX_NAMES = ("tf32", "bf16_autocast", "sdpa", "fused_optimizer", "pad_vocab", "cuda_graphs", "channels_last",
-             "cudnn_benchmark")
+             "cudnn_benchmark", "use_cache")

@@ -8,7 +8,7 @@ The names are profiler_svc.fix_names.FIX_NAMES, the detectors' `Recommendation.f
 (tests/ab/test_fixes.py holds the two to one list).
 
 A fix changes one of three things: a global flag (tf32, cudnn_benchmark), the model or optimizer
-(sdpa, pad_vocab, channels_last, fused_optimizer), or the step around the model (bf16_autocast,
+(sdpa, pad_vocab, channels_last, fused_optimizer, use_cache), or the step around the model (bf16_autocast,
 cuda_graphs: `wrap` turns the step `call(model)` into the fixed one).
 """
 from __future__ import annotations
@@ -456,6 +456,34 @@ def _channels_last(model, optimizer):
     return _ChannelsLast(model, tensors)
 
 
+class _UseCache(Change):
+    def __init__(self, configs):
+        self.configs = configs
+        self.note = (f"use_cache=True on {len(configs)} Hugging Face config(s): each forward gets a cache, which "
+                     "skips transformers' host check of the position ids for packed sequences")
+
+    def install(self):
+        for config in self.configs:
+            config.use_cache = True
+
+    def remove(self):
+        for config in self.configs:
+            config.use_cache = False
+
+
+def _use_cache(model, optimizer):
+    """Hugging Face models read config.use_cache at each call; without a cache or an attention mask, their
+    forward reads the position ids on the host to find packed sequences (a sync each step)."""
+    configs = {id(c): c for m in model.modules() for c in [getattr(m, "config", None)]
+               if c is not None and hasattr(c, "use_cache")}
+    if not configs:
+        raise NotApplicable(f"{type(model).__name__} has no Hugging Face config with use_cache")
+    off = [c for c in configs.values() if c.use_cache is False]
+    if not off:
+        raise NotApplicable("use_cache is already on")
+    return _UseCache(off)
+
+
 _REGISTRY = (
     FixEntry("tf32", "TF32 tensor cores for fp32 matmuls and convolutions", _tf32, changes_precision=True),
     FixEntry("bf16_autocast", "the forward under torch.autocast(dtype=torch.bfloat16)", _bf16_autocast,
@@ -467,6 +495,8 @@ _REGISTRY = (
     FixEntry("cuda_graphs", 'torch.compile(backend="cudagraphs"): the step as CUDA graphs', _cuda_graphs),
     FixEntry("channels_last", "convolution weights and inputs in channels-last layout", _channels_last),
     FixEntry("cudnn_benchmark", "torch.backends.cudnn.benchmark = True", _cudnn_benchmark),
+    FixEntry("use_cache", "Hugging Face config.use_cache = True: no host check for packed sequences in the forward",
+             _use_cache),
 )
 
 

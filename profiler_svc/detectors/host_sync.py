@@ -29,6 +29,18 @@ _COPY_FIXES = {
              "t = torch.tensor(values, device=\"cuda\")  # or: x.pin_memory().to(\"cuda\", non_blocking=True)"),
 }
 _EXPLICIT = "torch.cuda.synchronize()"
+# transformers' masking_utils.find_packed_sequence_indices, run in every forward without an attention mask or a
+# cache: torch.diff of the position ids, != 1, cumsum, [:, -1] == 0, .all(), then `if` on the host
+_PACKED_CHECK = "transformers' packed-sequence check"
+_PACKED_OPS = ("aten::diff", "aten::cumsum", "aten::all")
+_PACKED_LOOKBACK = 8  # top-level ops before the sync that the check's own ops fall within
+_FIXES[_PACKED_CHECK] = (
+    "transformers reads the position ids on the host in every forward that has no attention mask and no cache, to "
+    "find packed sequences (masking_utils.find_packed_sequence_indices); the forward waits there for the GPU to "
+    "finish the previous step. Give the forward a cache, which skips the check: use_cache=True (the config's "
+    "default; the cache keeps references to the keys and values that the attention's backward keeps anyway), or "
+    "pass past_key_values.",
+    "model.config.use_cache = True  # or: model(input_ids, past_key_values=DynamicCache(config=model.config))")
 
 
 def detect(trace: Trace) -> list[Finding]:
@@ -52,6 +64,8 @@ def detect(trace: Trace) -> list[Finding]:
         if call.op >= 0:
             top = cpu["top"].iat[call.op]
             cause = cpu["name"].iat[top] if top >= 0 else cpu["name"].iat[call.op]
+            if cause == "aten::is_nonzero" and _after_packed_check(cpu, top):
+                cause = _PACKED_CHECK
             inner = cpu["name"].iat[call.op]
             module = cpu["module"].iat[call.op]
         else:
@@ -69,6 +83,7 @@ def detect(trace: Trace) -> list[Finding]:
         per_step = len(calls) / trace.step_count
         fix, snippet = _FIXES.get(cause) or _COPY_FIXES.get(direction or "") or _FIXES.get(inner) or (
             "Move the synchronization out of the step, or make the dependent host work asynchronous.", None)
+        config_fix = "use_cache" if cause == _PACKED_CHECK else None  # A/B-testable: profiler_svc ab --fix use_cache
         modules = sorted({m for _, _, m in calls if isinstance(m, str)})
         copy = direction if cause not in _FIXES else None  # .item() and the like: the op is the point
         what = f"{copy} copy" if copy else "sync"
@@ -85,11 +100,21 @@ def detect(trace: Trace) -> list[Finding]:
                       "examples": [{"ts_us": round(c.ts, 2), "blocked_us": round(c.dur, 2), "idle_after_us": round(i, 2)}
                                    for c, i, _ in sorted(calls, key=lambda x: -x[1])[:5]],
                       **({"modules": modules[:10]} if modules else {})},
-            recommendation=Recommendation(fix, None, snippet),
+            recommendation=Recommendation(fix, None, snippet, fix=config_fix),
             change=Change(unblocked={c.Index for c, _, _ in calls}),
             key=f"host_sync:{cause}:{inner}" + (f":{copy}" if copy else ""),
         ))
     return findings
+
+
+def _after_packed_check(cpu, top: int) -> bool:
+    """Do the top-level ops just before TOP on its thread run transformers' packed-sequence check (_PACKED_OPS, in
+    that order)?"""
+    thread = cpu["thread"].iat[top]
+    before = cpu.iloc[max(0, top - 64 * _PACKED_LOOKBACK):top]
+    before = before[(before["top"].to_numpy() == before.index.to_numpy()) & (before["thread"] == thread)]
+    names = iter(before["name"].iloc[-_PACKED_LOOKBACK:].tolist())
+    return all(op in names for op in _PACKED_OPS)  # a subsequence: each found after the one before
 
 
 def _copy_directions(trace: Trace) -> dict:

@@ -103,7 +103,7 @@ def _train_step(model, inputs, optimizer, call):
 
 CASES = {
     "tf32": llama, "bf16_autocast": llama, "sdpa": llama, "fused_optimizer": llama, "pad_vocab": llama,
-    "channels_last": convnet, "cudnn_benchmark": convnet,
+    "channels_last": convnet, "cudnn_benchmark": convnet, "use_cache": llama,
 }
 
 
@@ -140,6 +140,8 @@ def test_fix_applies_and_undoes_exactly(name):
                 assert head.shape[0] == 250 and head.untyped_storage().nbytes() == 256 * 64 * 4
             if name == "channels_last":
                 assert model.conv.weight.is_contiguous(memory_format=torch.channels_last)
+            if name == "use_cache":
+                assert model.config.use_cache is True
         # the optimizer stepped in B: put the values back to compare the rest exactly
         with torch.no_grad():
             for _, p, _, value, _ in before["params"]:
@@ -189,6 +191,10 @@ def test_pad_vocab_keeps_outputs_loss_and_gradients(factory):
     ("cuda_graphs", llama, "need the model on a CUDA device"),
     ("channels_last", llama, "no 4-d weights"),
     ("cudnn_benchmark", llama, "no convolution"),
+    ("use_cache", lambda: (transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, vocab_size=64)), None),
+     "already on"),
+    ("use_cache", convnet, "no Hugging Face config"),
     ("bf16_autocast", lambda: (llama()[0].to(torch.bfloat16), None), "no float32 parameters"),
 ])
 def test_not_applicable_says_why(name, factory, reason):
@@ -206,3 +212,19 @@ def test_flags_already_on_are_not_applicable():
         assert "already on" in plan_fixes(model, ["cudnn_benchmark"]).skipped[0][1]
     finally:
         torch.backends.cudnn.benchmark = False
+
+
+def test_use_cache_skips_the_packed_sequence_check(monkeypatch):
+    """Without a cache or an attention mask, transformers checks the position ids for packed sequences on the host
+    in every forward (a GPU sync); with the fix installed, the forward has a cache and skips the check."""
+    import transformers.masking_utils as masking
+    calls = []
+    check = masking.find_packed_sequence_indices
+    monkeypatch.setattr(masking, "find_packed_sequence_indices", lambda *a, **k: calls.append(1) or check(*a, **k))
+    model, inputs = llama(attn="sdpa")
+    plan = plan_fixes(model, ["use_cache"])
+    model(**inputs).loss.backward()
+    with plan.installed():
+        model(**inputs).loss.backward()
+    model(**inputs)
+    assert calls == [1, 1]  # before and after the fix, not while installed

@@ -336,6 +336,17 @@ def test_unseen_gemma_norm_geglu_and_loss():
     assert not [f for f in r.findings if f.category in ("misalignment", "fallback_kernel")]
 
 
+def test_transformers_packed_sequence_check_is_named_with_the_cache_that_skips_it():
+    """use_cache=False and no attention mask: transformers reads the position ids on the host in each forward. The
+    finding names that check and the fix in the user's hands (a cache), not `if t:` advice about library code;
+    the same model with its default cache has no such sync."""
+    f = one("llama_bf16_nocache_train_calibrated", "host_sync:")
+    assert f.evidence["op"] == "transformers' packed-sequence check" and f.evidence["inner_op"] == "aten::_local_scalar_dense"
+    assert f.evidence["calls"] == 2 and f.evidence["modules"] == ["model (LlamaModel)"]  # once a step, in the model's forward
+    assert "use_cache = True" in f.recommendation.snippet and "find_packed_sequence_indices" in f.recommendation.summary
+    assert not findings("llama_bf16_train_agent", category="host_sync")
+
+
 def test_unseen_opt_vocab_and_hidden_sync():
     r = unseen("opt_fp16_infer")
     assert "misalignment:gemm:fp16:((50272, 50304),)" in keys(r)

@@ -26,10 +26,10 @@ LLAMA_BATCH, GPT2_BATCH = (4, 512), (8, 256)
 DEVICE = "cuda"
 
 
-def _build(model_class, config_class, config, attn, dtype):
+def _build(model_class, config_class, config, attn, dtype, **settings):
     import transformers
     torch.manual_seed(0)
-    cfg = getattr(transformers, config_class)(**config)
+    cfg = getattr(transformers, config_class)(**config, **settings)
     cfg._attn_implementation = attn
     with torch.device(DEVICE):
         return getattr(transformers, model_class)(cfg).to(dtype)
@@ -63,6 +63,14 @@ def llama8_bf16_4x1024_train_calibrated():
     return model, {"input_ids": ids, "labels": ids}, lambda out: out.loss
 
 
+def llama_bf16_nocache_train_calibrated():
+    """Llama, bf16, SDPA, training with use_cache=False (as training scripts set it): transformers then checks the
+    position ids for packed sequences on the host in every forward, a sync."""
+    model = _build("LlamaForCausalLM", "LlamaConfig", LLAMA, "sdpa", torch.bfloat16, use_cache=False)
+    ids = torch.randint(0, LLAMA["vocab_size"], LLAMA_BATCH, device=DEVICE)
+    return model, {"input_ids": ids, "labels": ids}, lambda out: out.loss
+
+
 FIXTURES = {
     "llama_bf16_train_agent": dict(
         factory=llama_bf16_train_agent, model="LlamaForCausalLM", config=LLAMA, dtype="bf16", attn="sdpa",
@@ -78,6 +86,10 @@ FIXTURES = {
     "llama8_bf16_4x1024_train_calibrated": dict(
         factory=llama8_bf16_4x1024_train_calibrated, model="LlamaForCausalLM", config=LLAMA8, dtype="bf16",
         attn="sdpa", batch="4x1024", mode="train (fwd+bwd+AdamW foreach)", numerics="defaults", calibrated=True),
+    "llama_bf16_nocache_train_calibrated": dict(
+        factory=llama_bf16_nocache_train_calibrated, model="LlamaForCausalLM", config=LLAMA, dtype="bf16", attn="sdpa",
+        batch="x".join(map(str, LLAMA_BATCH)), mode="train (fwd+bwd+AdamW foreach), use_cache=False",
+        numerics="defaults", calibrated=True),
 }
 
 
@@ -144,11 +156,12 @@ def calibrated_capture(name, model, step, path):
     sync()
     reference = statistics.median(a.elapsed_time(b) * 1e3 for a, b in zip(events, events[1:]))
     with profiler_svc.capture(model, out=path, active=2, workload=f"capture_agent_fixture:{name}") as cap:
-        for _ in range(6):
+        steps = cap.schedule["wait"] + cap.schedule["warmup"] + cap.schedule["active"]
+        for _ in range(steps):
             step()
             cap.step()
-    return {"capture": "profiler_svc.capture(model, active=2) (wait 2, warmup 1 by default); cap.step() after "
-                       "each of 6 steps, no synchronize",
+    return {"capture": f"profiler_svc.capture(model, active=2) (wait {cap.schedule['wait']}, warmup "
+                       f"{cap.schedule['warmup']} by default); cap.step() after each of {steps} steps, no synchronize",
             "workload": f"capture_agent_fixture:{name}", "gz_bytes": os.path.getsize(cap.trace_path),
             "reference_unprofiled_step_us": round(reference, 2)}
 
