@@ -104,11 +104,16 @@ def _routing(top_k_index: torch.Tensor, experts: int):
     return ends, pos.view(tokens, top_k), pair_of_row, pair_of_row // top_k
 
 
+def _expert_rows(hidden, gate_up, down, ends, token_of_row, gate):
+    """(the gate/up projection's output, the experts' output rows): each row through its expert's GEMMs."""
+    pre = F.grouped_mm(hidden.index_select(0, token_of_row), gate_up.transpose(-2, -1), offs=ends)
+    return pre, F.grouped_mm(gate.forward(pre), down.transpose(-2, -1), offs=ends)
+
+
 class RoutedExpertsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weights, gate_up, down, ends, pos, pair_of_row, token_of_row, gate):
-        pre = F.grouped_mm(hidden.index_select(0, token_of_row), gate_up.transpose(-2, -1), offs=ends)
-        rows = F.grouped_mm(gate.forward(pre), down.transpose(-2, -1), offs=ends)
+        pre, rows = _expert_rows(hidden, gate_up, down, ends, token_of_row, gate)
         # In fp32, <dO · W_down, h> rounds dO · W_down with its GEMM's fp32 accumulation over H, which made the
         # routing weights' gradient less exact than the eager loop's <dO, expert row>: there the rows are kept.
         kept_rows = rows if rows.dtype == torch.float32 else None
@@ -147,6 +152,5 @@ def routed_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
     if needs_grad(hidden, gate_up, down, weights):
         out = RoutedExpertsFunction.apply(hidden, weights, gate_up, down, ends, pos, pair_of_row, token_of_row, gate)
     else:
-        pre = F.grouped_mm(hidden.index_select(0, token_of_row), gate_up.transpose(-2, -1), offs=ends)
-        out = combine(F.grouped_mm(gate.forward(pre), down.transpose(-2, -1), offs=ends), pos, weights)
+        out = combine(_expert_rows(hidden, gate_up, down, ends, token_of_row, gate)[1], pos, weights)
     return out.view(shape)
