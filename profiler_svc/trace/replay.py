@@ -465,7 +465,7 @@ class Timeline:
         if change.unblocked:
             blocking &= ~np.isin(self.host_rows, np.fromiter(change.unblocked, dtype=np.int64))
 
-        gpu_gap = np.where(alive, self.gpu_gap, 0.0)
+        gpu_gap = self._gaps_kept(alive)
         if change.tightened:
             rows = self.rows_of_kernels(list(change.tightened))
             gpu_gap[rows] = np.minimum(gpu_gap[rows], self.typical_gap)
@@ -496,6 +496,20 @@ class Timeline:
             floor[waiting] = np.maximum(floor[waiting], want)
             unlinked_arrival = np.maximum(unlinked_arrival, floor)
         return self._result(called, ends, dur, alive, host_end, wait_total)
+
+    def _gaps_kept(self, alive: np.ndarray) -> np.ndarray:
+        """Each live activity's queue gap, plus the gaps of the activities removed since the previous live one on
+        its stream: a fused-away kernel's gap stays in the step (unprofiled, GPU-bound training steps' loop idle
+        did not shrink when a swap removed hundreds of kernels; benchmarks/results/predict_vs_ab.md)."""
+        if alive.all():
+            return self.gpu_gap
+        removed = np.r_[0.0, np.cumsum(np.where(alive, 0.0, self.gpu_gap))]  # removed gaps before each row
+        rows = np.arange(len(alive))
+        previous = np.maximum.accumulate(np.where(alive, rows, -1))  # the last live row at or before each
+        previous = np.r_[-1, previous[:-1]]
+        first = self.stream_bounds[np.searchsorted(self.stream_bounds, rows, side="right") - 1]  # its stream's first row
+        since = np.maximum(previous + 1, first)
+        return np.where(alive, self.gpu_gap + removed[rows] - removed[since], 0.0)
 
     def _run(self, gaps, own, offset, dur, alive, gpu_gap, blocking, unlinked_arrival, floor, tail_gap):
         """One pass over the host calls and the activities they launch: (each call's start, each activity's end,

@@ -109,6 +109,24 @@ def test_fused_kernels_run_once(tmp_path):
     assert trace.timeline.replay(fused).total_us == pytest.approx(1010.0 - 500.0 + 300.0)
 
 
+def test_a_fused_away_kernels_queue_gap_stays_in_the_step(tmp_path):
+    """Ten queued kernels of 100 µs with 2 µs between each two. Fusing k0-k4 into one of 300 µs takes their 500 µs
+    of work out and leaves the gaps: the unprofiled GPU-bound steps' loop idle did not shrink when a swap removed
+    hundreds of kernels (benchmarks/results/predict_vs_ab.md)."""
+    w = TraceWriter()
+    w.step(1, 0, 60)
+    for i in range(10):
+        ext = w.op("aten::mul", i * 5, 4)
+        w.kernel(f"k{i}", 10 + i * 102, 100, ext, launch_ts=i * 5 + 1)
+    trace = load_trace(w.write(tmp_path / "gapped.json"))
+    rows = kernels_of(trace)
+    assert trace.timeline.measured.total_us == pytest.approx(1028.0)
+    fused = Change(durations={rows[0]: 300.0}, removed=set(rows[1:5]))
+    assert trace.timeline.replay(fused).total_us == pytest.approx(1028.0 - 500.0 + 300.0)
+    # removed at the end of the stream, the gaps go nowhere: nothing runs after them
+    assert trace.timeline.replay(Change(removed=set(rows[8:]))).total_us == pytest.approx(1028.0 - 200.0 - 4.0)
+
+
 def test_a_sync_that_no_longer_blocks_lets_the_host_run_ahead(tmp_path):
     """A 1 ms kernel, then the host blocks in a synchronize, then launches 20 short kernels 50 µs apart."""
     w = TraceWriter()
