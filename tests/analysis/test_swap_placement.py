@@ -3,6 +3,7 @@ module tree against the placement rules (kernels/placement.py). Real traces from
 tree edited where a test needs a model the fixtures do not have, the kernels and labels left as captured."""
 import gzip
 import json
+import os
 
 import pytest
 
@@ -10,6 +11,10 @@ from profiler_svc.recommendations import recommend
 from tests.plugins.traces import fixture_path
 
 LLAMA = "llama_bf16_train_agent"
+# Phi-3 (fused gate_up_proj), bf16 training at 4x2048 on an H100: predict_vs_ab's trace of 2026-11-27
+# (benchmarks/results/predict_vs_ab.md says how it was made)
+PHI3_TRAIN = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "results",
+                          "pva_traces_h100_2026-11-27_gpu_bound", "phi3_4x2048_train.json.gz")
 
 
 def unfused(report):
@@ -17,8 +22,9 @@ def unfused(report):
 
 
 def with_tree(tmp_path, name, edit):
-    """The fixture with its capture metadata's module tree passed through `edit`, as a new trace file."""
-    data = json.loads(gzip.open(fixture_path(name)).read())
+    """The fixture (or the trace at a path) with its capture metadata's module tree passed through `edit`, as a new
+    trace file."""
+    data = json.loads(gzip.open(name if os.path.isfile(name) else fixture_path(name)).read())
     edit(data["profiler_svc"]["modules"])
     path = tmp_path / f"{name}_edited.json.gz"
     path.write_bytes(gzip.compress(json.dumps(data).encode()))
@@ -106,3 +112,24 @@ def test_a_module_tree_with_junk_nodes_is_read_around_them(tmp_path, junk):
                 tree[name] = junk
     report = recommend(with_tree(tmp_path, "mixtral_bf16_1x256_infer", spoil))
     assert report.findings and "swiglu" in report.swaps()
+
+
+def test_a_gated_backward_is_priced_by_whether_the_swap_writes_the_activation_again(tmp_path):
+    """The gated swap's backward kernel reads the activation's gradient, gate and up and writes their gradients: 5
+    activation-sized passes where the module keeps its activation (Phi-3's one gate_up_proj), 6 where it writes
+    the activation again for down_proj's weight gradient (separate gate and up projections)."""
+    activation = 4 * 2048 * 5632 * 2  # the recorded [4, 2048, 5632] bf16 activation of each chain
+
+    def backward_passes(path):
+        backward = unfused(recommend(path))["swiglu"].evidence["directions"]["backward"]
+        return backward["fused_min_bytes"] / backward["chains"] / activation
+
+    def separate_projections(tree):
+        for name in [n for n in tree if n.endswith("mlp.gate_up_proj")]:
+            node = tree.pop(name)
+            half = {"weight": {"dtype": "bfloat16", "shape": [5632, 2048]}}
+            tree[name.replace("gate_up_proj", "gate_proj")] = {"class": node["class"], "params": half}
+            tree[name.replace("gate_up_proj", "up_proj")] = {"class": node["class"], "params": half}
+
+    assert backward_passes(PHI3_TRAIN) == 5
+    assert backward_passes(with_tree(tmp_path, PHI3_TRAIN, separate_projections)) == 6
