@@ -26,7 +26,7 @@ def with_tree(tmp_path, name, edit):
     trace file."""
     data = json.loads(gzip.open(name if os.path.isfile(name) else fixture_path(name)).read())
     edit(data["profiler_svc"]["modules"])
-    path = tmp_path / f"{name}_edited.json.gz"
+    path = tmp_path / f"{os.path.basename(name).removesuffix('.json.gz')}_edited.json.gz"  # a path's name, not the path
     path.write_bytes(gzip.compress(json.dumps(data).encode()))
     return path
 
