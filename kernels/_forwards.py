@@ -68,24 +68,29 @@ def compile_function(node: ast.FunctionDef, fn, scope: dict):
     return new
 
 
+def share_state(module: nn.Module, original: nn.Module) -> None:
+    """Give MODULE (freshly built) ORIGINAL's very state: its child modules (the same objects), parameters,
+    buffers, plain attributes (config, layer_idx, head_dim, scaling...) and training mode."""
+    own = set(vars(module))  # nn.Module's own state (hooks, _parameters...) stays this module's
+    for name, value in vars(original).items():
+        if name not in own and name != "training":
+            object.__setattr__(module, name, value)
+    for name, child in original.named_children():
+        module.add_module(name, child)
+    for name, param in original.named_parameters(recurse=False):
+        module.register_parameter(name, param)
+    for name, buffer in original.named_buffers(recurse=False):
+        module.register_buffer(name, buffer, persistent=name not in original._non_persistent_buffers_set)
+    module.train(original.training)
+
+
 class SharedStateModule(nn.Module):
     """Stands in for the module ORIGINAL, running FORWARD (a rewrite of its class's forward) over the original's
-    very state: its child modules (the same objects), parameters, buffers and plain attributes (config,
-    layer_idx, head_dim, scaling...), so masks, caches, dropout and every kwarg behave as they do there."""
+    very state (`share_state`), so masks, caches, dropout and every kwarg behave as they do there."""
 
     def __init__(self, original: nn.Module, forward, change: str):
         super().__init__()
-        own = set(vars(self))  # nn.Module's own state (hooks, _parameters...) stays this module's
-        for name, value in vars(original).items():
-            if name not in own and name != "training":
-                object.__setattr__(self, name, value)
-        for name, child in original.named_children():
-            self.add_module(name, child)
-        for name, param in original.named_parameters(recurse=False):
-            self.register_parameter(name, param)
-        for name, buffer in original.named_buffers(recurse=False):
-            self.register_buffer(name, buffer, persistent=name not in original._non_persistent_buffers_set)
-        self.train(original.training)
+        share_state(self, original)
         self._fused_forward = forward
         self._original_class = type(original).__name__
         self._change = change

@@ -22,7 +22,7 @@ from torch.nn import functional as F
 from ._launch import interpreted, kernel_op, launch, round_to
 from ._elementwise import needs_grad
 
-COMBINE_BLOCK = 1024  # columns per program of the combine: 2 KiB of a bf16 row per load
+ROW_BLOCK = 1024  # columns per step of the routed rows' kernels (here and swiglu.py's): 2 KiB of a bf16 row per load
 
 
 @triton.jit
@@ -41,14 +41,14 @@ def _combine_kernel(ROWS, POS, WEIGHTS, OUT, width, K: tl.constexpr, WEIGHTED: t
     tl.store(OUT + token * width + cols, round_to(acc, OUT.dtype.element_ty), mask=mask)
 
 
-def _block(width: int) -> int:
-    return min(COMBINE_BLOCK, triton.next_power_of_2(width))
+def row_block(width: int) -> int:
+    return min(ROW_BLOCK, triton.next_power_of_2(width))
 
 
 def _combined(rows: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor, weighted: bool) -> torch.Tensor:
     tokens, top_k = pos.shape
     out = rows.new_empty(tokens, rows.shape[1])
-    block = _block(rows.shape[1])
+    block = row_block(rows.shape[1])
     if tokens:
         launch(_combine_kernel, (tokens, triton.cdiv(rows.shape[1], block)), rows, pos, weights, out, rows.shape[1],
                K=top_k, WEIGHTED=weighted, BLOCK=block, num_warps=4)

@@ -18,13 +18,11 @@ from . import placement
 from ._elementwise import (
     ACT_NAMES, GELU_ERF, GELU_TANH, SILU, act_and_derivative, act_value, activation_kind, check_float, launch_elementwise, needs_grad, upcast,
 )
+from ._forwards import share_state
 from ._launch import kernel_op, launch, round_to, takes_native
-from .moe_routing import ExpertsGate, grouped_mm_fits, routed_experts
+from .moe_routing import ExpertsGate, grouped_mm_fits, routed_experts, row_block
 from .parity import place
 from .swap import SwapEntry, behaves_like
-
-
-ROUTED_BWD_BLOCK = 1024  # columns per step of the experts' row backward: 2 KiB of a bf16 row per load
 
 
 @triton.jit
@@ -139,7 +137,7 @@ def gated_routed_bwd(dh: torch.Tensor, gate_up: torch.Tensor, weights: torch.Ten
     weighted_act, dot = dh.new_empty(rows, width), torch.empty(rows, device=dh.device, dtype=torch.float32)
     if rows:
         launch(_gated_routed_bwd_kernel, (rows,), dh.contiguous(), gate_up, weights, pair_of_row, gate_up, weighted_act,
-               dot, width, ACT=act, BLOCK=min(ROUTED_BWD_BLOCK, triton.next_power_of_2(width)), num_warps=4)
+               dot, width, ACT=act, BLOCK=row_block(width), num_warps=4)
     return gate_up, weighted_act, dot
 
 
@@ -327,19 +325,11 @@ class GatedExperts(nn.Module):
     with the fused gated activation and routing: grouped GEMMs between moe_routing's gather and weighted
     combine where grouped_mm takes the dtype (not float64: there, transformers' eager loop with our gate);
     transformers' other experts functions (batched_mm...) call `_apply_gate`, which is ours. Shares the
-    original's parameters and attributes."""
+    original's state (`share_state`)."""
 
     def __init__(self, original: nn.Module, act: int, interface):
         super().__init__()
-        own = set(vars(self))  # nn.Module's own state (hooks, _parameters...) stays this module's
-        for name, value in vars(original).items():
-            if name not in own and name != "training":
-                object.__setattr__(self, name, value)
-        for name, param in original.named_parameters(recurse=False):
-            self.register_parameter(name, param)
-        for name, child in original.named_children():
-            self.add_module(name, child)
-        self.train(original.training)
+        share_state(self, original)
         self.act, self._interface, self._original_class = act, interface, type(original).__name__
         self._routed_gate = experts_gate(act)
 
