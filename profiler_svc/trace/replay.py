@@ -502,7 +502,7 @@ class Timeline:
         its stream: a fused-away kernel's gap stays in the step (unprofiled, GPU-bound training steps' loop idle
         did not shrink when a swap removed hundreds of kernels; benchmarks/results/predict_vs_ab.md)."""
         if alive.all():
-            return self.gpu_gap
+            return self.gpu_gap.copy()  # the caller tightens gaps in place
         removed = np.r_[0.0, np.cumsum(np.where(alive, 0.0, self.gpu_gap))]  # removed gaps before each row
         rows = np.arange(len(alive))
         previous = np.maximum.accumulate(np.where(alive, rows, -1))  # the last live row at or before each

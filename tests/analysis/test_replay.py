@@ -127,6 +127,22 @@ def test_a_fused_away_kernels_queue_gap_stays_in_the_step(tmp_path):
     assert trace.timeline.replay(Change(removed=set(rows[8:]))).total_us == pytest.approx(1028.0 - 200.0 - 4.0)
 
 
+def test_a_replay_leaves_the_timeline_as_it_was(tmp_path):
+    """Tightening a queued kernel's gap in one replay changes that replay only: the next replay of the same
+    timeline (no change) still reproduces the measured step."""
+    w = TraceWriter()
+    w.step(1, 0, 60)
+    for i in range(10):
+        ext = w.op("aten::mul", i * 5, 4)
+        w.kernel(f"k{i}", 10 + i * 100 + (50 if i >= 5 else 0), 100, ext, launch_ts=i * 5 + 1)
+    trace = load_trace(w.write(tmp_path / "idle.json"))
+    timeline = trace.timeline
+    assert timeline.measured.total_us == pytest.approx(1060.0)  # 50 µs idle before k5
+    tightened = timeline.replay(Change(tightened={kernels_of(trace)[5]}))
+    assert tightened.total_us == pytest.approx(1010.0)
+    assert timeline.replay().total_us == pytest.approx(1060.0)
+
+
 def test_a_sync_that_no_longer_blocks_lets_the_host_run_ahead(tmp_path):
     """A 1 ms kernel, then the host blocks in a synchronize, then launches 20 short kernels 50 µs apart."""
     w = TraceWriter()
