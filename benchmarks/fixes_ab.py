@@ -62,10 +62,6 @@ CONFIGS = {
     "llama_wide": ("LlamaForCausalLM", "LlamaConfig",
                    dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=2,
                         num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096)),
-    # use_cache=False, as training scripts set it: transformers checks the position ids on the host each forward
-    "llama_nocache": ("LlamaForCausalLM", "LlamaConfig",
-                      dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
-                           num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=4096, use_cache=False)),
     # the Llama training bar's model (benchmarks/ab_end_to_end.py), use_cache=False
     "llama8_nocache": ("LlamaForCausalLM", "LlamaConfig",
                        dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
@@ -80,12 +76,11 @@ SMOKE = {"llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=
                        num_key_value_heads=2, vocab_size=250),
          "llama_wide": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
                             num_key_value_heads=4, vocab_size=250),
-         "llama_nocache": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-                               num_key_value_heads=2, vocab_size=250),
-         "llama8_nocache": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-                                num_key_value_heads=2, vocab_size=250),
          "gpt2": dict(n_embd=64, n_layer=1, n_head=4, vocab_size=250),
          "gpt2_aligned": dict(n_embd=64, n_layer=1, n_head=4, vocab_size=256)}
+# use_cache=False, as training scripts set it: transformers checks the position ids on the host each forward
+CONFIGS["llama_nocache"] = (*CONFIGS["llama"][:2], {**CONFIGS["llama"][2], "use_cache": False})
+SMOKE["llama_nocache"] = SMOKE["llama8_nocache"] = SMOKE["llama"]
 
 
 def build(name, smoke):
