@@ -188,6 +188,9 @@ def main():
     parser.add_argument("--budget-s", type=float, default=400.0, help="stop starting cases after this long")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
+    unknown = [name for name in args.cases.split(",") if name not in CASES]
+    if unknown:
+        parser.error(f"unknown case {', '.join(unknown)}: not one of {', '.join(CASES)}")  # one line, exit 2
     os.makedirs(args.out, exist_ok=True)
     env = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     import transformers
