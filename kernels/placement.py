@@ -32,11 +32,8 @@ _KEEPS_CHILDREN = ("residual_rms_norm", "rope")
 # LayerNorm, softmax, cross-entropy and tanh-GELU hand such calls to F.layer_norm, torch.softmax,
 # F.cross_entropy (on fp32 logits, as HF's loss) and F.gelu: one ATen kernel each way, which the sweeps found no
 # slower than our Triton path up to 2^23-2^25 elements, at a fifth to a third of its host time per call.
-# Linears sharing an input ("linear_group": q/k/v, gate/up) run as one autograd node from 2^22 output elements
-# of the first: below, the add kernel it saves moves under 25 MB, a few microseconds.
 NATIVE_BELOW = {"rms_norm": 1 << 22, "rms_norm_offset": 1 << 22, "swiglu": 1 << 22, "geglu": 1 << 22,
-                "layer_norm": 1 << 22, "softmax": 1 << 22, "cross_entropy": 1 << 22, "gelu_tanh": 1 << 22,
-                "linear_group": 1 << 22}
+                "layer_norm": 1 << 22, "softmax": 1 << 22, "cross_entropy": 1 << 22, "gelu_tanh": 1 << 22}
 NATIVE_IS_EAGER = frozenset({"swiglu", "geglu"})
 
 # swap -> class-name pattern of the module it replaces, for the swaps matched on one leaf module

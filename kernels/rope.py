@@ -31,7 +31,6 @@ from torch import nn
 from ._elementwise import check_float, needs_grad
 from ._forwards import SharedStateModule, copy_function, through_decorators
 from ._launch import kernel_op, launch, round_to
-from ._linear_group import ProjectionGroup
 from .parity import place
 from .swap import SwapEntry
 
@@ -344,35 +343,13 @@ def attention_forward(module: nn.Module):
     return fused_forward(forward)
 
 
-# The projections an HF attention forward calls one after another on the same hidden states.
-_QKV = ("q_proj", "k_proj", "v_proj")
-
-
 class RopeAttention(SharedStateModule):
     """An HF attention instance running its own class's forward with the fused `rope` in place of the model
     file's apply_rotary_pos_emb (rotate-half or interleaved, full or partial rotary), over the original's
-    state (`SharedStateModule`). Separate q/k/v projections run as one autograd node (`ProjectionGroup`):
-    the forward finds them under their names, while the module tree keeps the linears themselves."""
+    state (`SharedStateModule`)."""
 
     def __init__(self, original: nn.Module, forward):
         super().__init__(original, forward, "fused rope")
-        self._projections = None
-        if all(isinstance(self._modules.get(name), nn.Linear) for name in _QKV):
-            self._projections = ProjectionGroup([self._modules[name] for name in _QKV])
-            for index, name in enumerate(_QKV):  # an instance attribute, found before the child of that name
-                object.__setattr__(self, name, self._projections.member(index))
-            self._change = "fused rope, q/k/v projections as one node"
-
-    def forward(self, *args, **kwargs):
-        if self._projections is None:
-            return super().forward(*args, **kwargs)
-        try:
-            output = super().forward(*args, **kwargs)
-        except BaseException:
-            self._projections.drop()
-            raise
-        self._projections.finish()
-        return output
 
 
 def _rotary_tables(module: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor):

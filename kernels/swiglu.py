@@ -19,7 +19,6 @@ from ._elementwise import (
     ACT_NAMES, GELU_ERF, GELU_TANH, SILU, act_and_derivative, act_value, activation_kind, check_float, launch_elementwise, needs_grad, upcast,
 )
 from ._forwards import share_state
-from ._linear_group import linear_group, plain_linear
 from ._launch import kernel_op, launch, round_to, takes_native
 from .moe_routing import ExpertsGate, grouped_mm_fits, routed_experts, row_block
 from .parity import place
@@ -289,12 +288,11 @@ class GatedMLP(nn.Module):
         self.act, self.recompute = act, recompute
 
     def forward(self, x):
-        # The projections' outputs are ours alone: their memory is reused for their gradients. One node runs
-        # both, so x's gradient is summed inside the GEMMs (_linear_group).
-        gate, up = linear_group(x, (self.gate_proj, self.up_proj))
+        # The projections' outputs are ours alone: their memory is reused for their gradients.
+        gate, up = self.gate_proj(x), self.up_proj(x)
         recompute = self.recompute is not False and needs_grad(gate, up, *self.down_proj.parameters()) \
             and not torch.compiler.is_compiling() and not _native(gate)  # under compile its partitioner decides
-        if recompute and plain_linear(self.down_proj, gate):
+        if recompute and _plain_linear(self.down_proj, gate):
             return GatedDownFunction.apply(gate, up, self.down_proj.weight, self.down_proj.bias, self.act)
         hidden = gated_act(gate, up, self.act, reuse_inputs=True)
         if not (recompute and self.recompute):
@@ -368,6 +366,14 @@ def experts_loop(experts, hidden_states, top_k_index, top_k_weights, apply_gate)
         hidden = nn.functional.linear(hidden, experts.down_proj[expert]) * top_k_weights[token_idx, top_k_pos, None]
         out.index_add_(0, token_idx, hidden.to(out.dtype))
     return out
+
+
+def _plain_linear(layer: nn.Module, x: torch.Tensor) -> bool:
+    """Is `layer` an nn.Linear that GatedDownFunction may run by its weight: no hooks or wrapped forward to call
+    (a capture's labels, an adapter's), no autocast to cast its weight, and x's dtype?"""
+    return type(layer) is nn.Linear and "forward" not in vars(layer) and not (layer._forward_hooks or layer._forward_pre_hooks) \
+        and not (nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks) \
+        and layer.weight.dtype == x.dtype and not torch.is_autocast_enabled(x.device.type)
 
 
 def _recompute_when_saved(hidden, gate, up, act):
