@@ -41,8 +41,10 @@ def test_the_analyser_keeps_its_accuracy_on_the_committed_ab_runs():
     result = summary(rows)
     host, balanced, gpu = result["host-bound 1x256"], result["balanced 4x1024"], result["GPU-bound 4x2048"]
     assert host["cases"] == 92 and host["direction_right"] >= 90 and host["median_abs_error_share"] <= 0.20
-    assert balanced["cases"] == 47 and balanced["direction_right"] >= 31 and balanced["median_abs_error_share"] <= 0.66
-    assert gpu["cases"] == 10 and gpu["direction_right"] == 10 and gpu["median_abs_error_share"] <= 0.04
+    # balanced: 30 right since the rms_norm finding stopped claiming the residual's gradient sums, which halved the
+    # GPU-bound error; the case lost is a no-difference A/B whose prediction crossed 2% of the step (1.9 to 2.5%)
+    assert balanced["cases"] == 47 and balanced["direction_right"] >= 30 and balanced["median_abs_error_share"] <= 0.66
+    assert gpu["cases"] == 10 and gpu["direction_right"] == 10 and gpu["median_abs_error_share"] <= 0.02
     # the five host-bound runs of today's kernels, each case scored against the mean of its five A/Bs
     repeated = against_mean(rows)["host-bound 1x256"]
     assert repeated["cases"] == 50 and repeated["runs"] == [5] and repeated["median_abs_error_share"] <= 0.125
