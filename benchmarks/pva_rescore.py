@@ -71,6 +71,11 @@ RUNS = [
     # the balanced size on the kernels of the repeats: eight of ten cases timed, three of their traces came back
     ("predict_vs_ab_h100_balanced_2026-11-28.json", "pva_traces_h100_2026-11-28_balanced", {}, PACKAGED_COSTS),
 ]
+# H200 runs, scored apart (another device's host and power cap): every family at the GPU-bound size, both modes
+H200_RUNS = [
+    ("predict_vs_ab_h200_gpu_2026-11-28.json", "pva_traces_h200_2026-11-28_gpu", {}, PACKAGED_COSTS),
+    ("predict_vs_ab_h200_gpu_all_2026-11-28.json", "pva_traces_h200_2026-11-28_gpu_all", {}, PACKAGED_COSTS),
+]
 # Runs of the same kernels and sizes, one process each: every case is also scored against the mean of their
 # measurements, the true change as well as these runs can tell it (one run's A/B moves with its process's host
 # pace: the same case's A step differed by up to 2.2x between runs; results/predict_vs_ab.md, 2026-11-28).
@@ -93,11 +98,11 @@ def cases_of(path):
     return latest
 
 
-def rescore(at_ab_pace: bool = False):
-    """Each committed case re-analysed and scored; AT_AB_PACE: predicted at the host pace that makes the replay
+def rescore(at_ab_pace: bool = False, runs=RUNS):
+    """Each case of RUNS re-analysed and scored; AT_AB_PACE: predicted at the host pace that makes the replay
     take the A/B's own A step (a diagnostic: how much of a miss is the host's drift between capture and A/B)."""
     rows = []
-    for results, traces, left_out, host_costs in RUNS:
+    for results, traces, left_out, host_costs in runs:
         with host_costs_from(os.path.join(RESULTS, host_costs)):
             for name, case in cases_of(os.path.join(RESULTS, results)).items():
                 trace = os.path.join(RESULTS, traces, f"{name}.json.gz")
@@ -190,20 +195,22 @@ def main():
                         help="predict at the host pace that makes each replay take its A/B's A step (a diagnostic)")
     args = parser.parse_args()
     rows = rescore(args.at_ab_pace)
+    h200_rows = rescore(args.at_ab_pace, H200_RUNS)
     if args.cases:
-        for r in rows:
-            print(f"{r['run'].removeprefix('predict_vs_ab_h100_')[:-5]:30s} {r['case']:22s} predicted {r['predicted_us'] / 1e3:7.2f} ms  measured "
+        for r in rows + h200_rows:
+            print(f"{r['run'].removeprefix('predict_vs_ab_')[:-5]:35s} {r['case']:22s} predicted {r['predicted_us'] / 1e3:7.2f} ms  measured "
                   f"{r['measured_us'] / 1e3:7.2f} ({r['verdict']:13s}) error {r['error_share']}  "
                   f"{'right' if r['direction_right'] else 'WRONG'}"
                   + (f"  host pace {r['host_pace']}" if "host_pace" in r else ""))
     result = summary(rows)
     result["against the mean of repeated runs"] = against_mean(rows)
     result["repeated A/Bs between runs"] = spread_between_runs()
+    result["H200"] = {k: v for k, v in summary(h200_rows).items() if v["cases"]}
     print(json.dumps(result, indent=1))
     if args.json:
         try:
             with open(args.json, "w") as f:
-                json.dump({"summary": result, "cases": rows}, f, indent=1)
+                json.dump({"summary": result, "cases": rows + h200_rows}, f, indent=1)
         except OSError as err:
             parser.exit(2, f"pva_rescore: cannot write {args.json}: {err.strerror}\n")
 
