@@ -17,19 +17,25 @@ from contextlib import nullcontext
 
 import torch
 
-from predict_vs_ab import FAMILIES, SIZES, build, step_function
 from profiler_svc.kernels.swap import swapped
 
-QUERY = "timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active"
+try:
+    from predict_vs_ab import FAMILIES, SIZES, build, step_function  # run as a script
+except ImportError:  # imported as benchmarks.power_cap (the tests)
+    from benchmarks.predict_vs_ab import FAMILIES, SIZES, build, step_function
+
+# the query of the probe whose figures are in benchmarks/results/power_cap_h200_llama_2026-11-28.json
+QUERY = "timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active"
 
 
 def samples(text: str) -> list[tuple]:
+    """QUERY's CSV lines as (seconds since the epoch, SM MHz, W, °C, clock-event reasons)."""
     rows = []
     for line in text.strip().splitlines():
         fields = [f.strip() for f in line.split(",")]
         try:
             when = datetime.datetime.strptime(fields[0], "%Y/%m/%d %H:%M:%S.%f").replace(tzinfo=datetime.timezone.utc)
-            rows.append((when.timestamp(), float(fields[1]), float(fields[2]), float(fields[3]), fields[4]))
+            rows.append((when.timestamp(), float(fields[1]), float(fields[3]), float(fields[4]), fields[5]))
         except (ValueError, IndexError):
             continue  # a header or a cut-off last line
     return rows

@@ -98,3 +98,17 @@ def test_a_host_bound_ab_repeats_its_share_of_the_step_not_its_ms():
     spread = spread_between_runs()
     assert spread["cases"] == 10 and spread["runs"] == [4]
     assert spread["saving_share_cv_median"] < 0.05 < 0.10 < min(spread["saving_ms_cv_median"], spread["a_step_cv_median"])
+
+
+def test_power_cap_reads_the_nvidia_smi_lines_an_h200_wrote():
+    """benchmarks/power_cap.py's parser on lines an H200 wrote for the probe it was made from (2026-11-28), with a
+    cut-off last line as `terminate` leaves one."""
+    from benchmarks.power_cap import samples
+
+    text = ("2026/11/28 12:38:54.931, 1770, 3201, 289.49, 56, 0x0000000000000004\n"
+            "2026/11/28 12:39:19.681, 1680, 3201, 693.99, 61, 0x0000000000000004\n"
+            "2026/11/28 12:39:19.7")
+    rows = samples(text)
+    assert [row[1:] for row in rows] == [(1770.0, 289.49, 56.0, "0x0000000000000004"),
+                                         (1680.0, 693.99, 61.0, "0x0000000000000004")]
+    assert round(rows[1][0] - rows[0][0], 3) == 24.75
