@@ -10,7 +10,8 @@ unprofiled times are comparable with each other, not with a clean A/B. The resul
 this order: there B was timed after A's capture.
 
   - the claims: per launching op and input shapes, the kernels the finding claims against those B no longer
-    runs (where they differ: what the change prices that B still runs, or what B lost that it misses).
+    runs (where they differ: what the change prices that B still runs, or what B lost that it misses); and the
+    same by kernel name alone, which sees a kernel that B runs under another op.
 
     python benchmarks/swap_trace_diff.py --out DIR [--family llama] [--size gpu] [--mode train] [--swaps rms_norm,rope]
     python benchmarks/swap_trace_diff.py --from DIR [--swaps rms_norm,rope]   # re-analyse DIR's traces, no GPU
@@ -27,6 +28,7 @@ try:
 except ImportError:  # imported as benchmarks.swap_trace_diff (the tests)
     from benchmarks.predict_vs_ab import SIZES, build, capture_step, case_arguments, step_function
 
+from profiler_svc.trace.kernel_names import short_kernel_name
 from profiler_svc.errors import UserError
 from profiler_svc.formats import one_line
 
@@ -108,7 +110,21 @@ def compare(swap, a_path, b_path) -> dict:
         "b_new_kernels_top": only_b.groupby("name")["dur"].agg(["count", "sum"]).sort_values("sum", ascending=False)
                                    .head(6).round(1).reset_index().to_dict("records"),
         "claims_unlike_b": claims_unlike(a, b, change),
+        **names_unlike_b(a, b, change),
     }
+
+
+def names_unlike_b(a, b, change, n=6) -> dict:
+    """The claims against what B stopped running by kernel name alone, kernels a step: a kernel that B runs under
+    another op (an autograd sum moved into the swap's backward node) looks dropped per op, but not by name."""
+    names = a.kernels["name"].to_numpy()
+    claimed = Counter(names[sorted(change.kernels)].tolist())
+    dropped = Counter(a.kernels["name"].tolist()) - Counter(b.kernels["name"].tolist())
+
+    def top(counter):
+        return [{"name": short_kernel_name(name), "per_step": round(count / a.step_count, 1)}
+                for name, count in counter.most_common(n)]
+    return {"claimed_but_in_b_by_name": top(claimed - dropped), "dropped_unclaimed_by_name": top(dropped - claimed)}
 
 
 def kernel_signatures(trace, rows) -> tuple[Counter, Counter]:

@@ -578,6 +578,26 @@ def test_the_swap_trace_diff_script_reanalyses_committed_traces_without_a_gpu():
         "aten::contiguous", "autograd::engine::evaluate_function: ViewBackward0"}
 
 
+def test_the_swap_trace_diff_script_compares_claims_by_kernel_name_too():
+    """By name, the script sees what per-op signatures miss: rms_norm's residual gradient sums, which B runs under
+    its own backward node, are neither claimed nor dropped; swiglu's backward, split by the up projection's
+    GEMMs, is dropped by B and not claimed (16 product gradients and 8 silu gradients a step)."""
+    import subprocess
+    import sys
+    bench = Path(__file__).parents[2] / "benchmarks"
+    proc = subprocess.run([sys.executable, "swap_trace_diff.py", "--from", str(LLAMA_SWAPPED), "--swaps", "rms_norm,swiglu"],
+                          cwd=bench, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    decoder, text, rows, at = json.JSONDecoder(), proc.stdout, {}, 0
+    while text[at:].strip():
+        row, at = decoder.raw_decode(text, len(text) - len(text[at:].lstrip()))
+        rows[row["swap"]] = row
+    assert rows["rms_norm"]["claimed_but_in_b_by_name"] == rows["rms_norm"]["dropped_unclaimed_by_name"] == []
+    assert rows["swiglu"]["claimed_but_in_b_by_name"] == []
+    missed = {r["name"].split(",")[1].strip().split("<")[0]: r["per_step"] for r in rows["swiglu"]["dropped_unclaimed_by_name"]}
+    assert missed == {"BinaryFunctor": 16.0, "silu_backward_kernel": 8.0}
+
+
 def test_the_swap_trace_diff_script_answers_a_truncated_trace_in_one_line(tmp_path):
     import subprocess
     import sys
