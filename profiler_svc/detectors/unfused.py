@@ -518,11 +518,12 @@ def _without_input_gradient_sum(chain: Chain) -> Chain:
     input's gradient to the one from the input's other use (a decoder's residual). The input is only cast
     inside the chain, so the sum is not the chain's, and a fused swap leaves it to autograd. H200 Llama training,
     rms_norm: 16 adds a step that the swapped trace still runs (benchmarks/results/predict_vs_ab.md, 2026-11-28)."""
-    tops, ops = chain.column("top_op_name"), chain.column("op_name")
-    end = len(tops)
-    while end and ops[end - 1] in ("aten::add", "aten::add_") and _CAST_BACKWARD.match(tops[end - 1] or ""):
+    tops, ops = chain.kernels.columns["top_op_name"], chain.kernels.columns["op_name"]
+    rows = chain.rows
+    end = len(rows)  # only the chain's tail is read
+    while end and ops[rows[end - 1]] in ("aten::add", "aten::add_") and _CAST_BACKWARD.match(tops[rows[end - 1]] or ""):
         end -= 1
-    return _without(chain, list(range(end, len(tops)))) if end < len(tops) else chain
+    return _without(chain, list(range(end, len(rows)))) if end < len(rows) else chain
 
 
 def _rotation_only(trace, chain: Chain) -> Chain:
