@@ -23,6 +23,7 @@ import os
 
 import torch
 
+from ab_end_to_end import FULL as BAR_LLAMA
 from predict_vs_ab import capture_in_child, capture_step, measured_us, run_cases
 
 CASES = {
@@ -62,11 +63,8 @@ CONFIGS = {
     "llama_wide": ("LlamaForCausalLM", "LlamaConfig",
                    dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=2,
                         num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096)),
-    # the Llama training bar's model (benchmarks/ab_end_to_end.py), use_cache=False
-    "llama8_nocache": ("LlamaForCausalLM", "LlamaConfig",
-                       dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
-                            num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=4096,
-                            use_cache=False)),
+    # the Llama training bar's model, use_cache=False
+    "llama8_nocache": ("LlamaForCausalLM", "LlamaConfig", {**BAR_LLAMA, "use_cache": False}),
     "gpt2": ("GPT2LMHeadModel", "GPT2Config", dict(vocab_size=50257, n_embd=768, n_layer=6, n_head=12, n_positions=1024)),
     "gpt2_aligned": ("GPT2LMHeadModel", "GPT2Config",
                      dict(vocab_size=50304, n_embd=768, n_layer=6, n_head=12, n_positions=1024)),
