@@ -17,7 +17,7 @@ from contextlib import nullcontext
 
 import torch
 
-from profiler_svc.kernels.swap import swapped
+from profiler_svc.kernels.swap import available_swaps, swapped
 
 try:
     from predict_vs_ab import FAMILIES, SIZES, build, step_function  # run as a script
@@ -50,6 +50,8 @@ def main():
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
+    if args.swap not in available_swaps():
+        parser.error(f"unknown swap {args.swap}: not one of {', '.join(available_swaps())}")  # one line, exit 2
     if not torch.cuda.is_available():
         parser.exit(2, "power_cap.py: needs a CUDA GPU and nvidia-smi\n")
     model, vocab = build(args.family, False, "cuda", torch.bfloat16, args.size)
@@ -85,8 +87,11 @@ def main():
                          reasons=sorted({r[4] for r in inside}), samples=len(inside))
         print(json.dumps(phase), flush=True)
     env = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name()}
-    with open(args.out, "w") as f:
-        json.dump({"environment": env, "args": vars(args), "phases": phases, "samples": rows}, f, indent=1)
+    try:
+        with open(args.out, "w") as f:
+            json.dump({"environment": env, "args": vars(args), "phases": phases, "samples": rows}, f, indent=1)
+    except OSError as err:
+        parser.exit(2, f"power_cap.py: cannot write {args.out}: {err.strerror}\n")
 
 
 if __name__ == "__main__":
