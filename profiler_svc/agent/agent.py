@@ -28,8 +28,9 @@ from ..errors import UserError
 from ..formats import one_line
 from ..trace.labels import METADATA_KEY
 from ..workload_spec import check_workload_spec
+from .gpu_clocks import GpuClocks
 from .hooks import ModuleLabels, class_name
-from .metadata import numerics, rank_and_world_size, static_metadata
+from .metadata import model_device, numerics, rank_and_world_size, static_metadata
 from .step_timer import StepTimer, host_alone_steps
 from .upload import UploadError, upload_trace
 
@@ -107,6 +108,7 @@ class Capture:
         self.uploads: list[dict] = []  # the service's replies, one per uploaded trace
         self.steps = 0
         self.timer = StepTimer(host_steps=host_alone_steps(self.schedule["wait"]) if self.schedule else 0)
+        self.clocks = GpuClocks(model_device(model))  # read as each timed step ends
         self._step_range = None  # this step's ProfilerStep#N range, when capture marks steps itself
         self._numerics = None
         self._profiler: Optional[torch.profiler.profile] = None
@@ -136,7 +138,8 @@ class Capture:
         if profiler is None:
             raise RuntimeError("cap.step() called outside the capture block")
         self.steps += 1
-        self.timer.end()
+        if self.timer.end():
+            self.clocks.sample()
         self._end_step_mark()
         if profiler.current_action == ProfilerAction.RECORD_AND_SAVE:
             self._add_metadata(profiler)  # the cycle is saved inside this step(): last chance to add it
@@ -165,6 +168,7 @@ class Capture:
             warnings.warn(f"profiler_svc.capture: stopping the profiler failed: {teardown_error}", stacklevel=2)
         finally:
             self.labels.detach()
+            self.clocks.close()
         if exc_type is None or issubclass(exc_type, Exception):
             self._upload_all()
         if exc_type is None and not self._cycles_saved:
@@ -216,7 +220,7 @@ class Capture:
 
     def _add_metadata(self, profiler):
         metadata = {**self.metadata, "numerics": self._numerics or numerics(), "steps": self.steps,
-                    "unprofiled": self.timer.summary()}
+                    "unprofiled": {**self.timer.summary(), "gpu_clocks": self.clocks.summary()}}
         profiler.add_metadata_json(METADATA_KEY, json.dumps(metadata))
 
     def _write_trace(self, profiler):

@@ -49,7 +49,8 @@ class StepTimer:
             return
         self._open = (time.perf_counter(), self._event())
 
-    def end(self) -> None:
+    def end(self) -> bool:
+        """The step ends; True where it was a loop step timed outside the profiler."""
         if self._host_open is not None:
             self.host_steps_us.append((time.perf_counter() - self._host_open) * 1e6)
             self._host_open = None
@@ -58,8 +59,10 @@ class StepTimer:
             self.steps.append((*self._open, time.perf_counter(), self._event()))
             self._cuda_timed = self._cuda_timed or self.steps[-1][1] is not None
             self._open = None
+            return True
         else:
             self.steps.append(None)  # a profiled step: counted, not timed
+        return False
 
     @staticmethod
     def _event():

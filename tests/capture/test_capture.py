@@ -594,6 +594,7 @@ def test_without_cuda_every_wait_step_after_the_first_is_timed(model, x, tmp_pat
             cap.step()
     unprofiled = load(cap.trace_path)[METADATA_KEY]["unprofiled"]
     assert unprofiled["step_indices"] == [0, 1, 2, 3] and unprofiled["host_step_us"] is None
+    assert unprofiled["gpu_clocks"] is None  # no GPU clock to read
 
 
 def test_step_events_are_read_before_recording_starts(model, x, tmp_path, monkeypatch):
@@ -642,6 +643,9 @@ def test_wait_steps_time_the_host_alone(tmp_path):
     assert unprofiled["step_indices"] == [0, 3, 4]  # steps 1 and 2 were timed on the host alone
     assert len(unprofiled["host_steps_us"]) == 2 and unprofiled["host_step_us"] == min(unprofiled["host_steps_us"])
     assert 0 < unprofiled["host_step_us"] < unprofiled["step_us"]
+    clocks = unprofiled["gpu_clocks"]  # read through NVML as each loop-timed step ended
+    assert clocks["samples"] == 3 and 0 < clocks["sm_mhz"] <= clocks["max_sm_mhz"] and clocks["power_limit_w"] > 0
+    assert 0 <= clocks["power_capped"] <= 3
 
 
 @pytest.mark.parametrize("wait, host_alone, loop_timed", [(2, [], [1]), (3, [1], [2]), (4, [1], [2, 3]),
