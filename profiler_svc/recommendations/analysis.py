@@ -27,6 +27,9 @@ _BOUND_MARGIN = 0.15
 # Capture's timed unprofiled steps further apart than this (slowest / fastest - 1) get a note: its median is then
 # one moment's pace (on the H100 a plain loop's step moved by up to 23% within a minute; predict_vs_ab.md).
 UNSTEADY_SPREAD = 0.2
+# An SM clock at or below this share of its maximum, with the power cap among the reasons, is the cap at work
+# (at 1972 of 1980 MHz NVML may still name the cap)
+POWER_CAPPED_CLOCK = 0.98
 
 
 @dataclass
@@ -192,8 +195,9 @@ def _gpu_time_saved(trace: Trace, change: Change) -> float:
 def _calibration(trace: Trace, timeline: Timeline) -> tuple[HostCost, dict]:
     """The profiler's cost per event that makes the replay take the unprofiled step time capture measured."""
     unprofiled = unprofiled_step_us(trace)
+    power = _power_cap(trace)
     if not unprofiled:
-        return HostCost(), {"measured": False,
+        return HostCost(), {"measured": False, **power,
                      "note": "no unprofiled step time in the trace (capture with profiler_svc.capture and a "
                              "schedule to get one): host-side figures are upper bounds, inflated by the profiler"}
     replayed = timeline.baseline  # shared with calibrate: one replay of the trace as profiled
@@ -203,7 +207,8 @@ def _calibration(trace: Trace, timeline: Timeline) -> tuple[HostCost, dict]:
     out: dict[str, object] = {
         "measured": True, "unprofiled_step_us": round(unprofiled, 2), "profiled_step_us": round(profiled, 2),
         "profiler_inflation_pct": round(100 * (profiled / unprofiled - 1), 1),
-        "profiler_us_per_event": round(calibration.host.per_event_us, 2), "host_scale": round(calibration.host_share, 3)}
+        "profiler_us_per_event": round(calibration.host.per_event_us, 2), "host_scale": round(calibration.host_share, 3),
+        **power}
     loop_steps = _timed_steps_us(trace)
     if len(loop_steps) >= 2:
         fastest, slowest = min(loop_steps), max(loop_steps)
@@ -227,6 +232,28 @@ def _calibration(trace: Trace, timeline: Timeline) -> tuple[HostCost, dict]:
     return calibration.host, out
 
 
+def _power_cap(trace: Trace) -> dict:
+    """{"gpu_clocks", "power_note"} where capture found the power cap holding the SM clock below its maximum
+    (by over 1 - POWER_CAPPED_CLOCK) in at least half the steps it timed (docs/capture.md, "unprofiled"), else {}:
+    there a fix that removes memory-bound kernels raises the power draw, and the GPU lowers the clock of the
+    compute-bound kernels the replay keeps at their traced times."""
+    clocks = _unprofiled(trace).get("gpu_clocks")
+    if not isinstance(clocks, dict):
+        return {}
+    sm, top, limit = (_positive(clocks.get(key)) for key in ("sm_mhz", "max_sm_mhz", "power_limit_w"))
+    samples, capped = clocks.get("samples"), clocks.get("power_capped")
+    if type(samples) is not int or type(capped) is not int or sm is None or top is None or limit is None \
+            or not 0 < samples <= 2 * capped <= 2 * samples or sm > POWER_CAPPED_CLOCK * top:
+        return {}
+    return {"gpu_clocks": {"sm_mhz": sm, "max_sm_mhz": top, "power_limit_w": limit, "samples": samples,
+                           "power_capped": capped},
+            "power_note": (f"the {limit:.0f} W power cap held the GPU's SM clock at {sm:.0f} of {top:.0f} MHz "
+                           f"in {capped} of the {samples} "
+                           f"steps timed: a fix that removes memory-bound kernels raises the power draw, and the GPU "
+                           f"then clocks its compute-bound kernels lower still, which the replay, keeping them at "
+                           f"their traced times, does not see; a GPU-side saving here is an upper bound")}
+
+
 def _timed_steps_us(trace: Trace) -> list[float]:
     """The unprofiled steps capture timed for the loop's step (its warm-up one left out, as its median does);
     [] where the metadata does not hold them as positive numbers, index by index."""
@@ -234,7 +261,7 @@ def _timed_steps_us(trace: Trace) -> list[float]:
     steps, indices = info.get("steps_us"), info.get("step_indices")
     if not (isinstance(steps, list) and isinstance(indices, list) and len(steps) == len(indices)):
         return []
-    timed = [_positive_us(us) for index, us in zip(indices, steps)
+    timed = [_positive(us) for index, us in zip(indices, steps)
              if isinstance(index, int) and not isinstance(index, bool) and index > 0]
     return [us for us in timed if us is not None]
 
@@ -252,11 +279,11 @@ def _unprofiled(trace: Trace) -> dict:
 
 def _metadata_us(trace: Trace, key: str) -> Optional[float]:
     """A positive µs figure of capture's unprofiled timing ("step_us", "host_step_us"), if any."""
-    return _positive_us(_unprofiled(trace).get(key))
+    return _positive(_unprofiled(trace).get(key))
 
 
-def _positive_us(value) -> Optional[float]:
-    """VALUE as µs where the metadata holds a positive, finite number there, else None."""
+def _positive(value) -> Optional[float]:
+    """VALUE (µs, MHz, W) as a float where the metadata holds a positive, finite number there, else None."""
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) \
         and 0 < value < float("inf") else None
 

@@ -181,6 +181,8 @@ def _headline(report: Report) -> list[str]:
             lines.append(calibration["spread_note"])
     elif calibration:
         lines.append("host figures are upper bounds, inflated by the profiler: " + calibration["note"].split(": ", 1)[0])
+    if calibration.get("power_note"):
+        lines.append(calibration["power_note"])
     if prediction:
         lines.append(f"all recommended fixes together: {fmt_us(prediction['step_us'])} -> {fmt_us(prediction['step_us_after'])} "
                      f"per step ({prediction['saving_pct']:.1f}% faster, one replay; replay error "

@@ -317,6 +317,42 @@ def test_waits_on_another_stream_move_with_the_work_they_wait_for():
     assert own < step < 1.2 * own
 
 
+def test_the_report_says_when_the_power_cap_held_the_clock_down():
+    """Real H200 captures with the GPU's clocks in their metadata. Training's timed steps ran below the maximum SM
+    clock with the power cap named in most samples: the report says a GPU-side saving is an upper bound there (a
+    fix that removes memory-bound kernels lets the cap clock the GEMMs lower). Inference's ran within 2% of the
+    maximum, though NVML named the cap in half the samples: no note. Junk in the field is left out, never raised."""
+    from profiler_svc.recommendations import recommend
+    from profiler_svc.recommendations.analysis import POWER_CAPPED_CLOCK, analyse
+    from profiler_svc.recommendations.report import render_text
+    from tests.plugins.traces import fixture_path
+
+    path = fixture_path("llama8_bf16_4x2048_train_h200_clocks")
+    with gzip.open(path) as f:
+        raw = json.load(f)["profiler_svc"]["unprofiled"]["gpu_clocks"]
+    assert raw["sm_mhz"] < POWER_CAPPED_CLOCK * raw["max_sm_mhz"] and 2 * raw["power_capped"] >= raw["samples"]
+    calibration = analyse(load_trace(path)).steps["calibration"]
+    assert calibration["gpu_clocks"] == {key: raw[key] for key in
+                                         ("sm_mhz", "max_sm_mhz", "power_limit_w", "samples", "power_capped")}
+    text = render_text(recommend(str(path)))
+    assert f"SM clock at {raw['sm_mhz']:.0f} of {raw['max_sm_mhz']:.0f} MHz" in text and "an upper bound" in text
+
+    infer = fixture_path("llama8_bf16_4x2048_infer_h200_clocks")
+    with gzip.open(infer) as f:
+        raw = json.load(f)["profiler_svc"]["unprofiled"]["gpu_clocks"]
+    assert raw["power_capped"] and raw["sm_mhz"] > POWER_CAPPED_CLOCK * raw["max_sm_mhz"]
+    assert "power_note" not in analyse(load_trace(infer)).steps["calibration"]
+
+    capped = dict(json.loads(json.dumps(calibration["gpu_clocks"])))
+    for junk in ("x", [1], {**capped, "samples": True}, {**capped, "power_capped": 5}, {**capped, "samples": 0},
+                 {**capped, "power_capped": 1}, {**capped, "sm_mhz": float("nan")}, {**capped, "max_sm_mhz": -1},
+                 {**capped, "power_limit_w": "700"}):
+        trace = load_trace(path)
+        trace.capture_metadata["unprofiled"]["gpu_clocks"] = junk
+        calibration = analyse(trace).steps["calibration"]
+        assert "power_note" not in calibration and "gpu_clocks" not in calibration
+
+
 def test_the_calibration_says_how_far_apart_captures_timed_steps_were():
     """Real captures: Mixtral inference (1x256, H100) timed its unprofiled steps at 6.41, 6.38 and 8.25 ms, 29%
     apart, so the report gives their range and says the calibration is less certain; Gemma training's four

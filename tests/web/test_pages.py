@@ -80,15 +80,32 @@ def test_run_page_names_the_fixes_left_out_of_the_combined_prediction(engine, bl
     assert fmt_us(prediction["step_us"]) in answer  # the replayed loop step the fixes start from
 
 
+def _calibration_note_shown(engine, blobs, client, noted, quiet, key, element_id) -> str:
+    """The run page of fixture NOTED as text, after checking it holds the analyser's calibration[KEY] note, and
+    that fixture QUIET's page has no element ELEMENT_ID."""
+    shown = ingest(engine, blobs, fixture_path(noted))
+    other = ingest(engine, blobs, fixture_path(quiet))
+    note = recommend(str(fixture_path(noted))).steps["calibration"][key]
+    page = text_of(client.get(f"/runs/{shown}").get_data(as_text=True))
+    assert note[1:] in page
+    assert f'id="{element_id}"' not in client.get(f"/runs/{other}").get_data(as_text=True)
+    return page
+
+
 def test_run_page_says_how_far_apart_captures_timed_steps_were(engine, blobs, client):
     """Real capture (Mixtral inference, H100) whose unprofiled steps were timed 29% apart: the run page says so,
     in the analyser's words; a steady capture's page does not."""
-    unsteady = ingest(engine, blobs, fixture_path("mixtral_bf16_1x256_infer"))
-    steady = ingest(engine, blobs, fixture_path("gemma8_bf16_4x1024_train_pva"))
-    note = recommend(str(fixture_path("mixtral_bf16_1x256_infer"))).steps["calibration"]["spread_note"]
-    page = text_of(client.get(f"/runs/{unsteady}").get_data(as_text=True))
-    assert note[1:] in page and "less certain" in page
-    assert 'id="calibration-spread"' not in client.get(f"/runs/{steady}").get_data(as_text=True)
+    page = _calibration_note_shown(engine, blobs, client, "mixtral_bf16_1x256_infer", "gemma8_bf16_4x1024_train_pva",
+                                   "spread_note", "calibration-spread")
+    assert "less certain" in page
+
+
+def test_run_page_says_when_the_power_cap_held_the_clock_down(engine, blobs, client):
+    """Real H200 captures with the GPU's clocks: the training run, at its power cap, gets the analyser's note on
+    its page; the inference run, at full clock, does not."""
+    page = _calibration_note_shown(engine, blobs, client, "llama8_bf16_4x2048_train_h200_clocks",
+                                   "llama8_bf16_4x2048_infer_h200_clocks", "power_note", "power-note")
+    assert "upper bound" in page
 
 
 def test_runs_list_names_each_runs_top_finding(engine, blobs, client):
