@@ -71,16 +71,22 @@ RUNS = [
     # the balanced size on the kernels of the repeats: eight of ten cases timed, three of their traces came back
     ("predict_vs_ab_h100_balanced_2026-11-28.json", "pva_traces_h100_2026-11-28_balanced", {}, PACKAGED_COSTS),
 ]
-# H200 runs, scored apart (another device's host and power cap): every family at the GPU-bound size, both modes
+# H200 runs, scored apart (another device's host and power cap): every family at the GPU-bound size and at the
+# host-bound one, both modes, and the balanced size; the swaps' host costs are still the H100 host's
 H200_RUNS = [
     ("predict_vs_ab_h200_gpu_2026-11-28.json", "pva_traces_h200_2026-11-28_gpu", {}, PACKAGED_COSTS),
     ("predict_vs_ab_h200_gpu_all_2026-11-28.json", "pva_traces_h200_2026-11-28_gpu_all", {}, PACKAGED_COSTS),
+    *((f"predict_vs_ab_h200_host{i}_2026-11-28.json", f"pva_traces_h200_2026-11-28_host{i}", {}, PACKAGED_COSTS)
+      for i in (1, 2)),
+    # the balanced size: six of ten cases timed within the call's budget
+    ("predict_vs_ab_h200_balanced_2026-11-28.json", "pva_traces_h200_2026-11-28_balanced", {}, PACKAGED_COSTS),
 ]
 # Runs of the same kernels and sizes, one process each: every case is also scored against the mean of their
 # measurements, the true change as well as these runs can tell it (one run's A/B moves with its process's host
 # pace: the same case's A step differed by up to 2.2x between runs; results/predict_vs_ab.md, 2026-11-28).
 REPEATS = ("predict_vs_ab_h100_fresh_host_2026-11-27.json",
            *(f"predict_vs_ab_h100_host_repeat{i}_2026-11-28.json" for i in (1, 2, 3, 4)))
+H200_REPEATS = tuple(f"predict_vs_ab_h200_host{i}_2026-11-28.json" for i in (1, 2))
 # The regimes the bar is judged on, by the tokens of a case: 4x1024 at twice the width balances host and GPU
 REGIMES = (("host-bound 1x256", "_1x256_"), ("balanced 4x1024", "_4x1024_"), ("GPU-bound 4x2048", "_4x2048_"))
 
@@ -206,6 +212,7 @@ def main():
     result["against the mean of repeated runs"] = against_mean(rows)
     result["repeated A/Bs between runs"] = spread_between_runs()
     result["H200"] = {k: v for k, v in summary(h200_rows).items() if v["cases"]}
+    result["H200"]["against the mean of repeated runs"] = against_mean(h200_rows, H200_REPEATS)
     print(json.dumps(result, indent=1))
     if args.json:
         try:
