@@ -128,6 +128,7 @@ class Capture:
         if self._profiler.current_action in RECORDING:
             _drain_gpu()
         self._profiler.__enter__()
+        self.clocks.reset()  # a block's own readings, should the Capture be entered again
         self._sync_labels()
         self.timer.begin(profiled=self._profiler.current_action != ProfilerAction.NONE)
         return self

@@ -4,7 +4,7 @@ removes low-power memory-bound work, which the replay, keeping unchanged kernels
 see (docs/architecture.md, "The power cap").
 """
 import statistics
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -24,7 +24,15 @@ class GpuClocks:
         self.max_sm_mhz: Optional[float] = None
         self.power_limit_w: Optional[float] = None
         self._device = device
-        self._nvml = self._handle = None
+        self._nvml: Any = None  # the pynvml module, while NVML is open
+        self._handle: Any = None
+        self._reasons: Optional[Callable] = None  # NVML's clock-event reasons of a handle
+        self._tried = False
+
+    def reset(self) -> None:
+        """Forget the readings and NVML's handle: the next sample opens it again."""
+        self.close()
+        self.samples = []
         self._tried = False
 
     def _open(self) -> None:
@@ -43,6 +51,7 @@ class GpuClocks:
             handle = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{torch.cuda.get_device_properties(index).uuid}")
             self.max_sm_mhz = float(pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_SM))
             self.power_limit_w = pynvml.nvmlDeviceGetEnforcedPowerLimit(handle) / 1000
+            self._reasons = _reasons_reader(pynvml, handle)
             self._handle = handle
         except Exception:  # a MIG slice or a device NVML does not know
             self.close()
@@ -51,12 +60,12 @@ class GpuClocks:
         """One reading, taken as a timed step ends (the GPU may still run it)."""
         if not self._tried:
             self._open()
-        if self._handle is None:
+        if self._handle is None or self._reasons is None:
             return
         nvml = self._nvml
         try:
             self.samples.append((float(nvml.nvmlDeviceGetClockInfo(self._handle, nvml.NVML_CLOCK_SM)),
-                                 int(nvml.nvmlDeviceGetCurrentClocksEventReasons(self._handle))))
+                                 int(self._reasons(self._handle))))
         except Exception:
             return
 
@@ -76,4 +85,18 @@ class GpuClocks:
                 self._nvml.nvmlShutdown()
             except Exception:
                 pass
-        self._nvml = self._handle = None
+        self._nvml = self._handle = self._reasons = None
+
+
+def _reasons_reader(pynvml, handle) -> Optional[Callable]:
+    """NVML's clock-event reasons of a device: under their name since driver R535 (and in nvidia-ml-py), else
+    under the old one (same bits); None where neither answers."""
+    for name in ("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons"):
+        read = getattr(pynvml, name, None)
+        try:
+            if read is not None:
+                read(handle)
+                return read
+        except Exception:
+            continue
+    return None

@@ -50,7 +50,7 @@ class StepTimer:
         self._open = (time.perf_counter(), self._event())
 
     def end(self) -> bool:
-        """The step ends; True where it was a loop step timed outside the profiler."""
+        """The step ends; True where it was a loop step timed outside the profiler, the warm-up one left out."""
         if self._host_open is not None:
             self.host_steps_us.append((time.perf_counter() - self._host_open) * 1e6)
             self._host_open = None
@@ -59,7 +59,7 @@ class StepTimer:
             self.steps.append((*self._open, time.perf_counter(), self._event()))
             self._cuda_timed = self._cuda_timed or self.steps[-1][1] is not None
             self._open = None
-            return True
+            return self._unprofiled_begun > 1
         else:
             self.steps.append(None)  # a profiled step: counted, not timed
         return False

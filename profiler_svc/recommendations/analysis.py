@@ -5,6 +5,7 @@ replayed steps without it. Fixes are priced one at a time for each finding, and 
 report's one combined prediction. A kernel's time belongs to at most one finding: where two findings'
 fixes touch the same kernels, the more specific root cause keeps them.
 """
+import math
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -30,6 +31,7 @@ UNSTEADY_SPREAD = 0.2
 # An SM clock at or below this share of its maximum, with the power cap among the reasons, is the cap at work
 # (at 1972 of 1980 MHz NVML may still name the cap)
 POWER_CAPPED_CLOCK = 0.98
+_GPU_FIGURE_MAX = 1e5  # MHz, W or readings above this are not a GPU's: junk in the metadata
 
 
 @dataclass
@@ -233,8 +235,8 @@ def _calibration(trace: Trace, timeline: Timeline) -> tuple[HostCost, dict]:
 
 
 def _power_cap(trace: Trace) -> dict:
-    """{"gpu_clocks", "power_note"} where capture found the power cap holding the SM clock below its maximum
-    (by over 1 - POWER_CAPPED_CLOCK) in at least half the steps it timed (docs/capture.md, "unprofiled"), else {}:
+    """{"gpu_clocks", "power_note"} where capture's readings (docs/capture.md, "unprofiled") name the power cap in
+    at least half of them and their median SM clock is over 1 - POWER_CAPPED_CLOCK below its maximum, else {}:
     there a fix that removes memory-bound kernels raises the power draw, and the GPU lowers the clock of the
     compute-bound kernels the replay keeps at their traced times."""
     clocks = _unprofiled(trace).get("gpu_clocks")
@@ -243,7 +245,8 @@ def _power_cap(trace: Trace) -> dict:
     sm, top, limit = (_positive(clocks.get(key)) for key in ("sm_mhz", "max_sm_mhz", "power_limit_w"))
     samples, capped = clocks.get("samples"), clocks.get("power_capped")
     if type(samples) is not int or type(capped) is not int or sm is None or top is None or limit is None \
-            or not 0 < samples <= 2 * capped <= 2 * samples or sm > POWER_CAPPED_CLOCK * top:
+            or max(sm, top, limit, samples) > _GPU_FIGURE_MAX or not 0 < samples <= 2 * capped <= 2 * samples \
+            or sm > POWER_CAPPED_CLOCK * top:
         return {}
     return {"gpu_clocks": {"sm_mhz": sm, "max_sm_mhz": top, "power_limit_w": limit, "samples": samples,
                            "power_capped": capped},
@@ -283,9 +286,15 @@ def _metadata_us(trace: Trace, key: str) -> Optional[float]:
 
 
 def _positive(value) -> Optional[float]:
-    """VALUE (µs, MHz, W) as a float where the metadata holds a positive, finite number there, else None."""
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) \
-        and 0 < value < float("inf") else None
+    """VALUE (µs, MHz, W) as a float where the metadata holds a positive, finite number there, else None (an
+    integer of hundreds of digits, valid JSON, has no float)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if 0 < number < math.inf else None
 
 
 # -- steps ---------------------------------------------------------------------------------------------

@@ -346,7 +346,8 @@ def test_the_report_says_when_the_power_cap_held_the_clock_down():
     capped = dict(json.loads(json.dumps(calibration["gpu_clocks"])))
     for junk in ("x", [1], {**capped, "samples": True}, {**capped, "power_capped": 5}, {**capped, "samples": 0},
                  {**capped, "power_capped": 1}, {**capped, "sm_mhz": float("nan")}, {**capped, "max_sm_mhz": -1},
-                 {**capped, "power_limit_w": "700"}):
+                 {**capped, "power_limit_w": "700"}, {**capped, "max_sm_mhz": 10 ** 400},
+                 {**capped, "samples": 10 ** 400, "power_capped": 10 ** 400}, {**capped, "power_limit_w": 1e300}):
         trace = load_trace(path)
         trace.capture_metadata["unprofiled"]["gpu_clocks"] = junk
         calibration = analyse(trace).steps["calibration"]
@@ -379,6 +380,7 @@ def test_the_calibration_says_how_far_apart_captures_timed_steps_were():
         trace.capture_metadata["unprofiled"]["steps_us"] = junk
         calibration = analyse(trace).steps["calibration"]
         assert "spread_note" not in calibration and "unprofiled_steps_us" not in calibration
-    trace = load_trace(fixture_path("mixtral_bf16_1x256_infer"))
-    trace.capture_metadata["unprofiled"]["step_us"] = float("inf")  # not a step time: no calibration from it
-    assert analyse(trace).steps["calibration"]["measured"] is False
+    for junk in (float("inf"), 10 ** 400):  # not a step time: no calibration from it
+        trace = load_trace(fixture_path("mixtral_bf16_1x256_infer"))
+        trace.capture_metadata["unprofiled"]["step_us"] = junk
+        assert analyse(trace).steps["calibration"]["measured"] is False

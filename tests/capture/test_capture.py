@@ -4,6 +4,7 @@ import gzip
 import http.server
 import json
 import os
+import sys
 import threading
 from email.parser import BytesParser
 
@@ -643,9 +644,57 @@ def test_wait_steps_time_the_host_alone(tmp_path):
     assert unprofiled["step_indices"] == [0, 3, 4]  # steps 1 and 2 were timed on the host alone
     assert len(unprofiled["host_steps_us"]) == 2 and unprofiled["host_step_us"] == min(unprofiled["host_steps_us"])
     assert 0 < unprofiled["host_step_us"] < unprofiled["step_us"]
-    clocks = unprofiled["gpu_clocks"]  # read through NVML as each loop-timed step ended
-    assert clocks["samples"] == 3 and 0 < clocks["sm_mhz"] <= clocks["max_sm_mhz"] and clocks["power_limit_w"] > 0
-    assert 0 <= clocks["power_capped"] <= 3
+    clocks = unprofiled["gpu_clocks"]  # read through NVML as each loop-timed step but the warm-up one ended
+    assert clocks["samples"] == 2 and 0 < clocks["sm_mhz"] <= clocks["max_sm_mhz"] and clocks["power_limit_w"] > 0
+    assert 0 <= clocks["power_capped"] <= 2
+
+
+def test_gpu_clocks_read_nvml_and_pair_its_init_and_shutdown(monkeypatch):
+    """GpuClocks against a stand-in pynvml of a driver before R535 (the reasons under their old name only): the
+    device is found by its CUDA UUID, each reading is kept, the summary counts the power-cap and thermal bits,
+    and every nvmlInit is matched by one nvmlShutdown, also where the lookup fails (then nothing is read)."""
+    import types
+
+    from profiler_svc.agent import gpu_clocks
+
+    calls = {"init": 0, "shutdown": 0, "uuid": []}
+    readings = iter([(1905, 0x4), (1860, 0x4 | 0x20), (1980, 0x1)])
+    current: list = []
+
+    def handle_by_uuid(uuid):
+        calls["uuid"].append(uuid)
+        if uuid != "GPU-a5af9349":
+            raise RuntimeError("NVML_ERROR_NOT_FOUND")
+        return "handle"
+
+    def clock(handle, which):
+        current[:] = next(readings)
+        return current[0]
+
+    nvml = types.SimpleNamespace(
+        NVML_CLOCK_SM=1, nvmlInit=lambda: calls.__setitem__("init", calls["init"] + 1),
+        nvmlShutdown=lambda: calls.__setitem__("shutdown", calls["shutdown"] + 1),
+        nvmlDeviceGetHandleByUUID=handle_by_uuid, nvmlDeviceGetMaxClockInfo=lambda handle, which: 1980,
+        nvmlDeviceGetEnforcedPowerLimit=lambda handle: 700_000, nvmlDeviceGetClockInfo=clock,
+        nvmlDeviceGetCurrentClocksThrottleReasons=lambda handle: current[1] if current else 0)
+    uuid = ["a5af9349"]
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    monkeypatch.setattr(gpu_clocks.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu_clocks.torch.version, "cuda", "13.0")
+    monkeypatch.setattr(gpu_clocks.torch.cuda, "get_device_properties", lambda index: types.SimpleNamespace(uuid=uuid[0]))
+
+    clocks = gpu_clocks.GpuClocks(torch.device("cuda", 0))
+    for _ in range(3):
+        clocks.sample()
+    clocks.close()
+    clocks.close()
+    assert calls["uuid"] == ["GPU-a5af9349"] and calls["init"] == calls["shutdown"] == 1
+    assert clocks.summary() == {"samples": 3, "sm_mhz": 1905.0, "max_sm_mhz": 1980.0, "power_limit_w": 700.0,
+                                "power_capped": 2, "thermal_slowdown": 1}
+    uuid[0] = "unknown"  # a device NVML does not know (a MIG slice): no readings, NVML closed again
+    clocks.reset()
+    clocks.sample()
+    assert clocks.summary() is None and calls["init"] == calls["shutdown"] == 2
 
 
 @pytest.mark.parametrize("wait, host_alone, loop_timed", [(2, [], [1]), (3, [1], [2]), (4, [1], [2, 3]),
@@ -665,12 +714,14 @@ def test_which_wait_steps_time_the_host_alone(monkeypatch, wait, host_alone, loo
     monkeypatch.setattr(step_timer.StepTimer, "_event", staticmethod(lambda: None))  # wall clock for the loop
     timer = step_timer.StepTimer(host_steps=step_timer.host_alone_steps(wait))
     host_ms = [9.0, 7.0, 8.0, 6.0, 5.0]
+    read_clock = []  # the steps after which capture reads the GPU's clock
     for index in range(wait):
         timer.begin(profiled=False)
         clock[0] += (host_ms[index - 1] if index in host_alone else 10.0) / 1e3
-        timer.end()
+        if timer.end():
+            read_clock.append(index)
     summary = timer.summary()
-    assert synchronized == host_alone
+    assert synchronized == host_alone and read_clock == loop_timed
     assert summary["step_indices"] == [0] + loop_timed
     assert summary["host_steps_us"] == pytest.approx([host_ms[i - 1] * 1e3 for i in host_alone])
     assert summary["host_step_us"] == (pytest.approx(min(host_ms[:len(host_alone)]) * 1e3) if host_alone else None)
