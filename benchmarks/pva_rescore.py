@@ -16,6 +16,7 @@ from dataclasses import replace
 
 import profiler_svc
 from profiler_svc.detectors.swap_costs import host_costs_from
+from profiler_svc.trace.replay import Change
 
 try:
     from predict_vs_ab import score  # run as a script: its folder is on the path
@@ -116,7 +117,7 @@ def rescore(at_ab_pace: bool = False, runs=RUNS):
                     continue
                 report = profiler_svc.recommend(trace)
                 predicted = report.predict(swaps=case["swaps"])
-                row = {"run": results, "case": name}
+                row = {"run": results, "case": name, "host_over_gpu_after": _host_over_gpu_after(report, case)}
                 if at_ab_pace and case.get("a_ms"):
                     predicted, row["host_pace"] = _at_pace(report, case)
                 rows.append({**row, "predicted_us": predicted.get("saving_us_per_step"),
@@ -125,6 +126,30 @@ def rescore(at_ab_pace: bool = False, runs=RUNS):
     return rows
 
 
+def _host_over_gpu_after(report, case) -> float:
+    """The replay's host time per step after the case's swaps (the calibrated host, plus the swaps' own host
+    cost) over its GPU busy time then: near 1 the step sits at the host-GPU balance."""
+    analysis = report.analyses[0]
+    timeline = analysis.trace.timeline
+    change = Change.union([f.change for f in report.recommending(case["swaps"])])
+    after = timeline.replay(change, host=analysis.host)
+    host = timeline.host_us(analysis.host) + sum(cost for _, cost in change.host_added)
+    return round(host / after.gpu_busy_us, 2) if after.gpu_busy_us else float("inf")
+
+
+def by_balance(rows) -> dict:
+    """Median error and directions right of RUNS' cases, by the host-GPU ratio after the swaps."""
+    out = {}
+    for band, low, high in BALANCE_BANDS:
+        errors = [r["error_share"] for r in rows if low <= r["host_over_gpu_after"] < high and r["error_share"] is not None]
+        if errors:
+            out[band] = {"cases": len(errors), "median_abs_error_share": round(statistics.median(errors), 3)}
+    return out
+
+
+# host time over GPU time after the swaps: the GPU bounds the step, both about equally, the host
+BALANCE_BANDS = (("GPU-bound (< 0.8)", 0.0, 0.8), ("near balance (0.8-2)", 0.8, 2.0),
+                 ("host-bound (>= 2)", 2.0, float("inf")))
 PACE_RANGE = (0.3, 3.0)  # host time multipliers searched; at an end, no host pace gives A's step
 
 
@@ -207,12 +232,14 @@ def main():
             print(f"{r['run'].removeprefix('predict_vs_ab_')[:-5]:35s} {r['case']:22s} predicted {r['predicted_us'] / 1e3:7.2f} ms  measured "
                   f"{r['measured_us'] / 1e3:7.2f} ({r['verdict']:13s}) error {r['error_share']}  "
                   f"{'right' if r['direction_right'] else 'WRONG'}"
+                  + f"  host/GPU after {r['host_over_gpu_after']}"
                   + (f"  host pace {r['host_pace']}" if "host_pace" in r else ""))
     result = summary(rows)
     result["against the mean of repeated runs"] = against_mean(rows)
     result["repeated A/Bs between runs"] = spread_between_runs()
     result["H200"] = {k: v for k, v in summary(h200_rows).items() if v["cases"]}
     result["H200"]["against the mean of repeated runs"] = against_mean(h200_rows, H200_REPEATS)
+    result["by the host-GPU ratio after the swaps, H100 and H200"] = by_balance(rows + h200_rows)
     print(json.dumps(result, indent=1))
     if args.json:
         try:
