@@ -8,12 +8,16 @@ HF's LlamaRMSNorm (eager) against the rms_norm swap, on its default dispatch and
 (torch.autograd.grad over the input and the weight). Each figure is the median of CALLS calls.
 """
 import argparse
-import importlib
 import json
 import statistics
-import time
+from contextlib import nullcontext
 
 import torch
+
+try:
+    from host_costs import host_samples, native_dispatch_off  # run as a script
+except ImportError:  # imported as benchmarks.host_enqueue_busy
+    from benchmarks.host_costs import host_samples, native_dispatch_off
 
 ROWS = (8, 512, 4096)
 HIDDEN = 2048
@@ -21,18 +25,12 @@ HIDDEN = 2048
 
 def host_us(step, busy: bool, calls: int) -> float:
     """Median host µs of step(), each call started after a synchronize and, with BUSY, behind a queued sleep."""
-    for _ in range(5):
-        step()
-    times = []
-    for _ in range(calls):
+    def wait():
         torch.cuda.synchronize()
         if busy:
             torch.cuda._sleep(20_000_000)  # ~10 ms of GPU work ahead of the call's kernels
-        started = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - started)
-    torch.cuda.synchronize()
-    return round(statistics.median(times) * 1e6, 1)
+
+    return round(statistics.median(host_samples(step, calls, warmup=5, sync=wait)) * 1e6, 1)
 
 
 def main():
@@ -43,24 +41,23 @@ def main():
     if not torch.cuda.is_available():
         parser.exit(2, "host_enqueue_busy.py: needs a CUDA GPU\n")
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
-    ops = importlib.import_module("profiler_svc.kernels.rms_norm")  # the module: the package exports the function
-    dispatch = ops.NATIVE_BELOW
+
+    from profiler_svc.kernels.rms_norm import RMSNorm
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "calls": args.calls, "us": {}}
-    for label, native_below in (("", dispatch), ("_triton", 0)):
-        ops.NATIVE_BELOW = native_below
-        for rows in ROWS:
-            x = torch.randn(rows, HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-            grad = torch.randn_like(x)
-            modules = {"ours": ops.RMSNorm(HIDDEN)} if label else {"eager": LlamaRMSNorm(HIDDEN), "ours": ops.RMSNorm(HIDDEN)}
-            for name, module in modules.items():
-                module = module.cuda().to(torch.bfloat16)
-                forward = lambda m=module: m(x)  # noqa: E731
-                both = lambda m=module: torch.autograd.grad(m(x), (x, m.weight), grad)  # noqa: E731
-                figures = {f"{what} {state}": host_us(step, state == "busy", args.calls)
-                           for what, step in (("fwd", forward), ("fwd+bwd", both)) for state in ("idle", "busy")}
-                out["us"][f"{name}{label} rows {rows}"] = figures
-                print(f"{name}{label} rows {rows}", figures, flush=True)
-    ops.NATIVE_BELOW = dispatch
+    for label in ("", "_triton"):
+        with native_dispatch_off() if label else nullcontext():
+            for rows in ROWS:
+                x = torch.randn(rows, HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                grad = torch.randn_like(x)
+                modules = {"ours": RMSNorm(HIDDEN)} if label else {"eager": LlamaRMSNorm(HIDDEN), "ours": RMSNorm(HIDDEN)}
+                for name, module in modules.items():
+                    module = module.cuda().to(torch.bfloat16)
+                    forward = lambda m=module: m(x)  # noqa: E731
+                    both = lambda m=module: torch.autograd.grad(m(x), (x, m.weight), grad)  # noqa: E731
+                    figures = {f"{what} {state}": host_us(step, state == "busy", args.calls)
+                               for what, step in (("fwd", forward), ("fwd+bwd", both)) for state in ("idle", "busy")}
+                    out["us"][f"{name}{label} rows {rows}"] = figures
+                    print(f"{name}{label} rows {rows}", figures, flush=True)
     try:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
