@@ -90,6 +90,10 @@ REPEATS = ("predict_vs_ab_h100_fresh_host_2026-11-27.json",
 H200_REPEATS = tuple(f"predict_vs_ab_h200_host{i}_2026-11-28.json" for i in (1, 2))
 # The regimes the bar is judged on, by the tokens of a case: 4x1024 at twice the width balances host and GPU
 REGIMES = (("host-bound 1x256", "_1x256_"), ("balanced 4x1024", "_4x1024_"), ("GPU-bound 4x2048", "_4x2048_"))
+# The same cases by the replay's host time over GPU time after the swaps: the GPU bounds the step, both about
+# equally, the host
+BALANCE_BANDS = (("GPU-bound (< 0.8)", 0.0, 0.8), ("near balance (0.8-2)", 0.8, 2.0),
+                 ("host-bound (>= 2)", 2.0, float("inf")))
 
 
 def cases_of(path):
@@ -138,7 +142,7 @@ def _host_over_gpu_after(report, case) -> float:
 
 
 def by_balance(rows) -> dict:
-    """Median error and directions right of RUNS' cases, by the host-GPU ratio after the swaps."""
+    """ROWS' median error, by the host-GPU ratio after the swaps (BALANCE_BANDS)."""
     out = {}
     for band, low, high in BALANCE_BANDS:
         errors = [r["error_share"] for r in rows if low <= r["host_over_gpu_after"] < high and r["error_share"] is not None]
@@ -147,9 +151,6 @@ def by_balance(rows) -> dict:
     return out
 
 
-# host time over GPU time after the swaps: the GPU bounds the step, both about equally, the host
-BALANCE_BANDS = (("GPU-bound (< 0.8)", 0.0, 0.8), ("near balance (0.8-2)", 0.8, 2.0),
-                 ("host-bound (>= 2)", 2.0, float("inf")))
 PACE_RANGE = (0.3, 3.0)  # host time multipliers searched; at an end, no host pace gives A's step
 
 

@@ -251,8 +251,7 @@ def _power_cap(trace: Trace) -> dict:
     return {"gpu_clocks": {"sm_mhz": sm, "max_sm_mhz": top, "power_limit_w": limit, "samples": samples,
                            "power_capped": capped},
             "power_note": (f"the {limit:.0f} W power cap held the GPU's SM clock at {sm:.0f} of {top:.0f} MHz "
-                           f"in {capped} of the {samples} "
-                           f"steps timed: a fix that removes memory-bound kernels raises the power draw, and the GPU "
+                           f"in {capped} of the {samples} steps timed: a fix that removes memory-bound kernels raises the power draw, and the GPU "
                            f"then clocks its compute-bound kernels lower still, which the replay, keeping them at "
                            f"their traced times, does not see; a GPU-side saving here is an upper bound")}
 
