@@ -108,8 +108,11 @@ class ABResult:
         p = self.prediction
         if p and p.get("saving_us_per_step") is not None:
             measured = p.get("measured_saving_us_per_step")
+            bounds = p.get("saving_range_us")
+            spread = (f" ({bounds[0] / 1e3:.3f}-{bounds[1] / 1e3:.3f} over the host's pace)"
+                      if bounds and bounds[1] > bounds[0] else "")
             lines.append(f"predicted saving {p['saving_us_per_step'] / 1e3:.3f} ms per step of {p.get('step_us', 0) / 1e3:.3f}"
-                         + ("" if measured is None else f"; measured {measured / 1e3:.3f} ms"))
+                         + spread + ("" if measured is None else f"; measured {measured / 1e3:.3f} ms"))
         lines.append(f"verdict: {self.verdict}")
         return "\n".join(lines)
 

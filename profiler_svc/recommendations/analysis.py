@@ -32,6 +32,13 @@ UNSTEADY_SPREAD = 0.2
 # (at 1972 of 1980 MHz NVML may still name the cap)
 POWER_CAPPED_CLOCK = 0.98
 _GPU_FIGURE_MAX = 1e5  # MHz, W or readings above this are not a GPU's: junk in the metadata
+# Host time multipliers the prediction is also replayed at: how far from capture's calibration the host's pace was
+# when the A/B ran, 10th to 90th percentile over the committed runs (benchmarks/results/host_pace_drift_*.json)
+HOST_PACE_RANGE = (0.85, 1.45)
+# The prediction names its range where the saving moves across HOST_PACE_RANGE by over this share of it and by over
+# PACE_NOTE_STEP of the step
+PACE_NOTE_SHARE = 0.25
+PACE_NOTE_STEP = 0.01
 
 
 @dataclass
@@ -54,7 +61,25 @@ class Analysis:
         after = timeline.replay(change, host=host).loop_step_us
         return {"step_us": round(before, 2), "step_us_after": round(after, 2),
                 "saving_us_per_step": round(before - after, 2),
+                **_pace_range(timeline, change, host, before - after, before),
                 "findings": [f.key for f in findings]}
+
+
+def _pace_range(timeline: Timeline, change: Change, host: HostCost, saving_us: float, step_us: float) -> dict:
+    """{"saving_range_us": [low, high]}: the change's saving per step at the calibrated host pace and at each end
+    of HOST_PACE_RANGE, lowest and highest; with a "pace_note" where that range is wide."""
+    savings = [saving_us]
+    for pace in HOST_PACE_RANGE:
+        paced = replace(host, scale=host.scale * pace)
+        savings.append(timeline.replay(host=paced).loop_step_us - timeline.replay(change, host=paced).loop_step_us)
+    low, high = min(savings), max(savings)
+    out: dict = {"saving_range_us": [round(low, 2), round(high, 2)]}
+    if high - low > max(PACE_NOTE_SHARE * abs(saving_us), PACE_NOTE_STEP * step_us):
+        faster, slower = 1 - HOST_PACE_RANGE[0], HOST_PACE_RANGE[1] - 1
+        out["pace_note"] = (f"{fmt_us(low)} to {fmt_us(high)} saved per step if the host's work takes {faster:.0%} less "
+                            f"to {slower:.0%} more time than at capture, as it did between most captures and their "
+                            f"A/B")
+    return out
 
 
 def _slows_step(f: Finding, slower_us: float, on_top: bool = False) -> Recommendation:
@@ -107,6 +132,7 @@ def analyse(trace: Trace) -> Analysis:
         "step_us_after": round(step, 2),
         "saving_us_per_step": round(step_us - step, 2),
         "saving_pct": round(100 * (1 - step / step_us), 2) if step_us else 0.0,
+        **_pace_range(timeline, combined, host, step_us - step, step_us),
         "findings": [w["finding"] for w in waterfall],
         "waterfall": waterfall,
         "not_combined": not_combined,

@@ -187,6 +187,8 @@ def _headline(report: Report) -> list[str]:
         lines.append(f"all recommended fixes together: {fmt_us(prediction['step_us'])} -> {fmt_us(prediction['step_us_after'])} "
                      f"per step ({prediction['saving_pct']:.1f}% faster, one replay; replay error "
                      f"{steps.get('replay_error_pct', 0):+.1f}%)")
+        if prediction.get("pace_note"):
+            lines.append(prediction["pace_note"])
         for left in prediction.get("not_combined", []):
             lines.append(f"left out of that: {left['title']}, {fmt_us(-left['saving_us_per_step'])} slower on top of the rest")
     phases = steps.get("phases")

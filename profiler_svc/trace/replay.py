@@ -56,7 +56,8 @@ GRAPH_KERNEL_GAP_US = 1.0
 class HostCost:
     """How the replay takes the profiled host time: `per_event_us` of the profiler's own cost comes off each
     gap between runtime calls for every CPU op recorded in it, and off each call (down to HOST_FLOOR of the
-    profiled time); the rest is multiplied by `scale` (sensitivity halves it). With `even_steps`, where the
+    profiled time); the rest, and the host work a change adds, is multiplied by `scale` (sensitivity halves it;
+    Analysis replays a host slower or faster than at calibration with it). With `even_steps`, where the
     steps do the same work (Timeline.steps_alike), each step's host time is then brought to the median
     step's: a step whose profiled host ran slower (a noisy moment) does not weigh on the loop step."""
     per_event_us: float = 0.0
@@ -83,7 +84,8 @@ class Change:
         one was fused away with its kernels: masked_fill's clone, a zeros' memset).
     host_removed: (start, end) host intervals whose profiled host work goes (an op and the Python around it),
         scaled with the rest of the profiled host time by calibration.
-    host_added: (host time, µs) of real host work the fix adds there (a swap's own cost: not scaled).
+    host_added: (host time, µs) of real host work the fix adds there (a swap's own cost: no profiler cost comes off
+        it; HostCost.scale paces it).
     unblocked: trace.runtime index of blocking calls that no longer wait for the GPU.
     tightened: trace.kernels index of queued kernels that no longer idle after their predecessor.
     graphs: the steps run as captured CUDA graphs: host time between launches and launch latency vanish.
@@ -443,7 +445,7 @@ class Timeline:
             own = np.maximum(own, 0.0)
         if change.host_added:
             at = np.array([t for t, _ in change.host_added], dtype=float)
-            added = np.array([a for _, a in change.host_added], dtype=float)
+            added = np.array([a for _, a in change.host_added], dtype=float) * host.scale
             idx = np.searchsorted(self.host_ts, at, side="left")
             inside = idx < n
             more = inside & (added > 0)

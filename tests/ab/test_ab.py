@@ -274,3 +274,22 @@ def test_module_check_and_model_check_are_one_measure(monkeypatch):
     output = next(t for t in result.parity if t.name == "output")
     assert 0 < output.b_max_abs < output.a_max_abs
     assert (row[3], row[4]) == (output.b_max_abs, output.b_max_rel)
+
+
+def test_the_result_puts_the_predicted_range_beside_the_measured_saving():
+    """The analyser's prediction travels with the A/B: its saving, its range over the host's pace, the measured
+    saving beside them."""
+    from profiler_svc.ab.result import Timing
+    from profiler_svc.ab.runner import _prediction
+
+    timing = Timing(timer="cuda_events", rounds=3, warmup=1, a_ms=[10.0] * 3, b_ms=[7.0] * 3, median_a_ms=10.0,
+                    median_b_ms=7.0, speedup=10 / 7, ci_low=1.4, ci_high=1.5, ci_level=0.95, saving_ms=3.0)
+    predicted = {"step_us": 10000.0, "step_us_after": 9350.0, "saving_us_per_step": 650.0,
+                 "saving_range_us": [500.0, 940.0], "findings": ["rope"], "pace_note": "..."}
+    prediction = _prediction(predicted, timing)
+    assert prediction == {**{k: v for k, v in predicted.items() if k != "pace_note"},
+                          "measured_saving_us_per_step": 3000.0}
+    result = ABResult(swaps=["rope"], train=False, device="cpu", verdict="faster", swapped=[], skipped=[],
+                      parity_passed=True, parity_factor=2.0, timing=timing, prediction=prediction)
+    assert ("predicted saving 0.650 ms per step of 10.000 (0.500-0.940 over the host's pace); measured 3.000 ms"
+            in result.summary())

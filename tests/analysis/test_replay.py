@@ -77,6 +77,14 @@ def test_host_work_a_swap_saves_spans_several_launches(tmp_path):
     assert timeline.replay(dearer).total_us == pytest.approx(500.0 + 120.0, abs=1.0)
 
 
+def test_a_slower_host_runs_a_swaps_own_host_work_slower_too(tmp_path):
+    # the pace range replays the host at another speed: the swap's measured host cost moves with the rest of it
+    timeline = host_bound(tmp_path).timeline
+    slower = HostCost(scale=2.0)
+    assert timeline.replay(Change(host_added=[(0.0, 120.0)]), host=slower).total_us == pytest.approx(
+        timeline.replay(host=slower).total_us + 240.0, abs=1.0)
+
+
 def test_cuda_graphs_remove_launch_overhead(tmp_path):
     trace = host_bound(tmp_path)
     after = trace.timeline.replay(Change(graphs=True)).total_us
@@ -384,3 +392,33 @@ def test_the_calibration_says_how_far_apart_captures_timed_steps_were():
         trace = load_trace(fixture_path("mixtral_bf16_1x256_infer"))
         trace.capture_metadata["unprofiled"]["step_us"] = junk
         assert analyse(trace).steps["calibration"]["measured"] is False
+
+
+def test_the_prediction_gives_its_range_over_the_hosts_pace():
+    """Real captures. Llama training at the balanced size (H100, 4x1024): the host and GPU each bound parts of
+    the step, so what the fixes save depends on the host's pace; the prediction gives the saving at each end of
+    HOST_PACE_RANGE, and the report says so. At the GPU-bound size (H200, 4x2048) the GPU's work sets the step:
+    the range is narrow and no note is given."""
+    from dataclasses import replace
+
+    from profiler_svc.recommendations import recommend
+    from profiler_svc.recommendations.analysis import HOST_PACE_RANGE
+    from profiler_svc.recommendations.report import render_text
+    from tests.plugins.traces import fixture_path
+
+    report = recommend(str(fixture_path("llama8_bf16_4x1024_train_calibrated")))
+    analysis, p = report.analyses[0], report.prediction
+    combined = [f for f in analysis.findings if f.key in p["findings"]]
+    at_ends = [analysis.predict(combined, host=replace(analysis.host, scale=analysis.host.scale * pace))
+               for pace in HOST_PACE_RANGE]
+    savings = [p["saving_us_per_step"]] + [e["saving_us_per_step"] for e in at_ends]
+    assert p["saving_range_us"] == pytest.approx([min(savings), max(savings)], abs=0.02)
+    low, high = p["saving_range_us"]
+    assert high - low > 0.5 * p["saving_us_per_step"]  # a slower host leaves more of its time to the fixes
+    assert "15% less to 45% more time than at capture" in p["pace_note"]
+    assert p["pace_note"] in render_text(report)
+    assert analysis.predict(combined)["saving_range_us"] == p["saving_range_us"]  # Report.predict's, for A/B
+
+    gpu_bound = recommend(str(fixture_path("llama8_bf16_4x2048_train_h200_clocks"))).prediction
+    low, high = gpu_bound["saving_range_us"]
+    assert high - low < 0.05 * gpu_bound["saving_us_per_step"] and "pace_note" not in gpu_bound

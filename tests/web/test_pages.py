@@ -108,6 +108,20 @@ def test_run_page_says_when_the_power_cap_held_the_clock_down(engine, blobs, cli
     assert "upper bound" in page
 
 
+def test_run_page_gives_the_saving_over_the_hosts_pace(engine, blobs, client):
+    """Real captures: Llama training at the balanced size (H100) saves a host-pace-dependent amount, so its page
+    gives the analyser's range beside the predicted step and its note; the GPU-bound H200 run's page does not."""
+    path = fixture_path("llama8_bf16_4x1024_train_calibrated")
+    prediction = recommend(str(path)).prediction
+    low, high = prediction["saving_range_us"]
+    page = client.get(f"/runs/{ingest(engine, blobs, path)}").get_data(as_text=True)
+    card = text_of(page[page.index('id="predicted-step"'):page.index('id="bottleneck"')])
+    assert f"{fmt_us(low)}–{fmt_us(high)} saved, with the host's pace" in card
+    assert prediction["pace_note"][1:] in text_of(page)
+    quiet = ingest(engine, blobs, fixture_path("llama8_bf16_4x2048_train_h200_clocks"))
+    assert 'id="pace-note"' not in client.get(f"/runs/{quiet}").get_data(as_text=True)
+
+
 def test_runs_list_names_each_runs_top_finding(engine, blobs, client):
     labelled = ingest(engine, blobs, LABELLED)
     small = ingest(engine, blobs, fixture_path("llama_bf16_compiled_infer"))
