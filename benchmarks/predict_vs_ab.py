@@ -231,7 +231,7 @@ def run_case(family, size, mode, args):
         measured = measured_us(timing)
         case.update(measured_us=round(measured, 2), a_ms=timing["median_a_ms"], b_ms=timing["median_b_ms"],
                     speedup=timing["speedup"], ci=[timing["ci_low"], timing["ci_high"]])
-        case.update(score(predicted, measured, d["verdict"]))
+        case.update(score(predicted, measured, d["verdict"], saving_ci_us(case)))
     if args.sides:
         case["sides"] = sides(report, family, size, mode, args, swaps, traces)
     if args.each and len(swaps) > 1:  # which swap's price is off: each predicted and A/B-tested alone
@@ -256,13 +256,29 @@ def measured_us(timing: dict) -> float:
     return 1e3 * (saving if saving is not None else timing["median_a_ms"] - timing["median_b_ms"])
 
 
-def score(predicted: dict, measured: float, verdict: str) -> dict:
-    """How far a prediction is from the A/B's measured change per step, and whether its direction is right:
-    a saving predicted only where the A/B says faster, none (under 2% of the step) where it says no difference."""
+def saving_ci_us(case: dict) -> list | None:
+    """The A/B's confidence interval of the step change (µs, A minus B), from its speedup's interval and its median
+    A step: A (1 - 1 / speedup) at each end."""
+    if not case.get("ci") or not case.get("a_ms"):
+        return None
+    return sorted(round(case["a_ms"] * 1e3 * (1 - 1 / speedup), 2) for speedup in case["ci"])
+
+
+def score(predicted: dict, measured: float, verdict: str, measured_ci: list | None = None) -> dict:
+    """How far a prediction is from the A/B's measured change per step, whether its direction is right (a saving
+    predicted only where the A/B says faster, none (under 2% of the step) where it says no difference), whether
+    the measured change lies in the predicted range over the host's pace, and whether that range meets the A/B's
+    confidence interval (MEASURED_CI, µs)."""
     pred = predicted.get("saving_us_per_step", 0.0)
-    return {"error_share": round(abs(pred - measured) / abs(measured), 3) if measured else None,
-            "direction_right": (pred > 0) == (verdict == "faster") or (
-                verdict == "no_difference" and abs(pred) < 0.02 * predicted.get("step_us", 1.0))}
+    out = {"error_share": round(abs(pred - measured) / abs(measured), 3) if measured else None,
+           "direction_right": (pred > 0) == (verdict == "faster") or (
+               verdict == "no_difference" and abs(pred) < 0.02 * predicted.get("step_us", 1.0))}
+    if "saving_range_us" in predicted:  # the saving over the host pace range (analysis.HOST_PACE_RANGE)
+        low, high = predicted["saving_range_us"]
+        out["in_range"] = low <= measured <= high
+        if measured_ci:
+            out["range_meets_ci"] = low <= measured_ci[1] and measured_ci[0] <= high
+    return out
 
 
 def run_cases(plan, run, json_path, env, budget_s) -> list:

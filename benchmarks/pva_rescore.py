@@ -19,9 +19,9 @@ from profiler_svc.detectors.swap_costs import host_costs_from
 from profiler_svc.trace.replay import Change
 
 try:
-    from predict_vs_ab import score  # run as a script: its folder is on the path
+    from predict_vs_ab import saving_ci_us, score  # run as a script: its folder is on the path
 except ImportError:  # imported as benchmarks.pva_rescore (the tests); never put benchmarks/ on sys.path,
-    from benchmarks.predict_vs_ab import score  # where its kernels.py would shadow the kernels package
+    from benchmarks.predict_vs_ab import saving_ci_us, score  # where its kernels.py would shadow kernels
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 # The swaps' host costs that a run's B side paid (kernels/host_costs.json when it ran): the runs of the
@@ -79,8 +79,11 @@ H200_RUNS = [
     ("predict_vs_ab_h200_gpu_all_2026-11-28.json", "pva_traces_h200_2026-11-28_gpu_all", {}, PACKAGED_COSTS),
     *((f"predict_vs_ab_h200_host{i}_2026-11-28.json", f"pva_traces_h200_2026-11-28_host{i}", {}, PACKAGED_COSTS)
       for i in (1, 2)),
-    # the balanced size: six of ten cases timed within the call's budget
+    # the balanced size: six of ten cases timed within the call's budget; then twice more, on two other machines
+    # (seven cases, then the four the first of those did not reach)
     ("predict_vs_ab_h200_balanced_2026-11-28.json", "pva_traces_h200_2026-11-28_balanced", {}, PACKAGED_COSTS),
+    *((f"predict_vs_ab_h200_balanced{i}_2026-11-28.json", f"pva_traces_h200_2026-11-28_balanced{i}", {}, PACKAGED_COSTS)
+      for i in (2, 3)),
 ]
 # Runs of the same kernels and sizes, one process each: every case is also scored against the mean of their
 # measurements, the true change as well as these runs can tell it (one run's A/B moves with its process's host
@@ -125,8 +128,9 @@ def rescore(at_ab_pace: bool = False, runs=RUNS):
                 if at_ab_pace and case.get("a_ms"):
                     predicted, row["host_pace"] = _at_pace(report, case)
                 rows.append({**row, "predicted_us": predicted.get("saving_us_per_step"),
+                             "predicted_range_us": predicted.get("saving_range_us"),
                              "measured_us": case["measured_us"], "verdict": case["verdict"],
-                             **score(predicted, case["measured_us"], case["verdict"])})
+                             **score(predicted, case["measured_us"], case["verdict"], saving_ci_us(case))})
     return rows
 
 
@@ -145,13 +149,26 @@ def by_balance(rows) -> dict:
     """ROWS' median error, by the host-GPU ratio after the swaps (BALANCE_BANDS)."""
     out = {}
     for band, low, high in BALANCE_BANDS:
-        errors = [r["error_share"] for r in rows if low <= r["host_over_gpu_after"] < high and r["error_share"] is not None]
-        if errors:
-            out[band] = {"cases": len(errors), "median_abs_error_share": round(statistics.median(errors), 3)}
+        group = [r for r in rows if low <= r["host_over_gpu_after"] < high and r["error_share"] is not None]
+        if group:
+            out[band] = {"cases": len(group), "in_range": sum(r["in_range"] for r in group),
+                         "range_meets_ci": sum(r["range_meets_ci"] for r in group),
+                         "median_abs_error_share": round(statistics.median(r["error_share"] for r in group), 3)}
     return out
 
 
 PACE_RANGE = (0.3, 3.0)  # host time multipliers searched; at an end, no host pace gives A's step
+PACE_PERCENTILES = (10, 25, 50, 75, 90)
+
+
+def pace_drift(rows) -> dict:
+    """Percentiles of the host pace at which each case's replay takes its A/B's A step (rows of
+    rescore(at_ab_pace=True); paces at a PACE_RANGE end, none found, left out): analysis.HOST_PACE_RANGE's source."""
+    paces = sorted(r["host_pace"] for r in rows if PACE_RANGE[0] < r["host_pace"] < PACE_RANGE[1])
+    if len(paces) < 2:
+        return {"cases": len(paces)}
+    cuts = statistics.quantiles(paces, n=100, method="inclusive")
+    return {"cases": len(paces), **{f"p{q}": round(cuts[q - 1], 3) for q in PACE_PERCENTILES}}
 
 
 def _at_pace(report, case) -> tuple[dict, float]:
@@ -176,6 +193,8 @@ def summary(rows):
         group = [r for r in rows if tokens in r["case"]]
         errors = [r["error_share"] for r in group if r["error_share"] is not None]
         out[regime] = {"cases": len(group), "direction_right": sum(r["direction_right"] for r in group),
+                       "in_range": sum(r["in_range"] for r in group),
+                       "range_meets_ci": sum(r["range_meets_ci"] for r in group),
                        "median_abs_error_share": round(statistics.median(errors), 3) if errors else None}
     return out
 
@@ -234,6 +253,8 @@ def main():
                   f"{r['measured_us'] / 1e3:7.2f} ({r['verdict']:13s}) error {r['error_share']}  "
                   f"{'right' if r['direction_right'] else 'WRONG'}"
                   + f"  host/GPU after {r['host_over_gpu_after']}"
+                  + f"  range {r['predicted_range_us'][0] / 1e3:.2f}-{r['predicted_range_us'][1] / 1e3:.2f}"
+                  + ("" if r["in_range"] else " (outside)")
                   + (f"  host pace {r['host_pace']}" if "host_pace" in r else ""))
     result = summary(rows)
     result["against the mean of repeated runs"] = against_mean(rows)
@@ -241,6 +262,8 @@ def main():
     result["H200"] = {k: v for k, v in summary(h200_rows).items() if v["cases"]}
     result["H200"]["against the mean of repeated runs"] = against_mean(h200_rows, H200_REPEATS)
     result["by the host-GPU ratio after the swaps, H100 and H200"] = by_balance(rows + h200_rows)
+    if args.at_ab_pace:
+        result["host pace at the A/B, H100 and H200"] = pace_drift(rows + h200_rows)
     print(json.dumps(result, indent=1))
     if args.json:
         try:
