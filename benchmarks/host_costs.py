@@ -1,7 +1,7 @@
 """Host µs per call of each bundled swap against the eager module it replaces (and torch's native op).
 
     python benchmarks/host_costs.py --out kernels/host_costs.json [--md benchmarks/results/host_costs.md]
-    python benchmarks/host_costs.py --in-model-out benchmarks/results/host_costs_in_model.json
+    python benchmarks/host_costs.py --in-model-out benchmarks/results/host_costs_in_model.json [--families llama,phi3]
     python benchmarks/host_costs.py --ops rms_norm_offset --out kernels/host_costs.json   # re-measure some, merged
     python benchmarks/host_costs.py --median-of A.json B.json C.json --out kernels/host_costs.json  # runs' medians
     TRITON_INTERPRET=1 python benchmarks/host_costs.py --tiny --out /tmp/host_costs.json   # CPU smoke test
@@ -262,7 +262,9 @@ def measure_modules(rows_list, hidden, vocab, calls, log, ops=None) -> dict:
 # One module per call (above) pays a whole backward pass's fixed cost in each fwd+bwd, and runs hot in a
 # tight loop; in a model the autograd engine runs once per step among hundreds of other ops. The what-if
 # replay needs what a swap adds to a real step's host time: (swapped - eager) / modules swapped, here.
-IN_MODEL = {"llama": ("rms_norm", "rope", "swiglu"), "gemma": ("rms_norm", "rope", "geglu")}
+IN_MODEL = {"llama": ("rms_norm", "rope", "swiglu"), "gemma": ("rms_norm", "rope", "geglu"),
+            "qwen2": ("rms_norm", "rope", "swiglu"), "phi3": ("rms_norm", "rope", "swiglu")}
+IN_MODEL_DEFAULT = ("llama", "gemma")  # the families measured unless --families names others
 IN_MODEL_SIZES = ("host", "balanced")  # predict_vs_ab's sizes: 1x256 tokens at hidden 1024, 4x1024 at 2048
 IN_MODEL_LAYERS = 2  # few enough launches that a step never waits on a full launch queue: host time is seen whole
 
@@ -296,13 +298,14 @@ def _model_steps(model, ids) -> dict:
     return {"inference": inference, "forward": forward, "train": train}
 
 
-def measure_in_model(tiny: bool, rounds: int, log) -> dict:
+def measure_in_model(tiny: bool, rounds: int, log, families=IN_MODEL_DEFAULT) -> dict:
     """swap -> eager class -> [{elements, tokens, modules, inference_us, forward_us, backward_us}]: host µs per
     swapped module that the swap adds to an HF model's step (negative: saves), A and B interleaved."""
     from profiler_svc.kernels import plan_swaps
 
     results: dict = {}
-    for family, swaps in IN_MODEL.items():
+    for family in families:
+        swaps = IN_MODEL[family]
         for size in IN_MODEL_SIZES:
             model, ids, tokens, hidden, intermediate = _in_model_case(family, size, tiny)
             steps = _model_steps(model, ids)
@@ -553,9 +556,14 @@ def main(argv=None) -> int:
                              "(runs of the same kernels: a module's host time per call moves between sessions)")
     parser.add_argument("--in-model-out", metavar="JSON",
                         help="measure only in the models (measurement 3), into this JSON")
+    parser.add_argument("--families", default=",".join(IN_MODEL_DEFAULT),
+                        help=f"the models of --in-model-out, of {', '.join(IN_MODEL)}")
     args = parser.parse_args(argv)
     if not (args.out or args.in_model_out):
         parser.error("give --out, --in-model-out or both")
+    families = args.families.split(",")
+    if set(families) - set(IN_MODEL):
+        parser.error(f"--families: one of {', '.join(IN_MODEL)}")
     if args.median_of:
         if not args.out:
             parser.error("--median-of writes --out")
@@ -591,7 +599,7 @@ def main(argv=None) -> int:
     if args.in_model_out:
         in_model = {"what": "host µs per swapped module that the swap added to an HF model's step (negative: saves), "
                             "by the eager class it replaced", **meta, "layers": IN_MODEL_LAYERS,
-                    "swaps": measure_in_model(args.tiny, 3 if args.tiny else args.rounds, sys.stderr)}
+                    "swaps": measure_in_model(args.tiny, 3 if args.tiny else args.rounds, sys.stderr, families)}
         with open(args.in_model_out, "w") as f:
             json.dump(in_model, f, indent=1)
             f.write("\n")
