@@ -109,8 +109,8 @@ class ABResult:
         if p and p.get("saving_us_per_step") is not None:
             measured = p.get("measured_saving_us_per_step")
             bounds = p.get("saving_range_us")
-            spread = (f" ({bounds[0] / 1e3:.3f}-{bounds[1] / 1e3:.3f} over the host's pace)"
-                      if bounds and bounds[1] > bounds[0] else "")
+            spread = (f" ({bounds[0] / 1e3:.3f} to {bounds[1] / 1e3:.3f} over the host's pace)"
+                      if p.get("pace_note") and isinstance(bounds, list) and len(bounds) == 2 else "")
             lines.append(f"predicted saving {p['saving_us_per_step'] / 1e3:.3f} ms per step of {p.get('step_us', 0) / 1e3:.3f}"
                          + spread + ("" if measured is None else f"; measured {measured / 1e3:.3f} ms"))
         lines.append(f"verdict: {self.verdict}")

@@ -437,8 +437,8 @@ def _prediction(prediction, timing) -> dict | None:
     """The analyser's predicted step change beside the measured one (ms per step, A minus B)."""
     if not prediction:
         return None
-    out = {k: prediction[k] for k in ("step_us", "step_us_after", "saving_us_per_step", "saving_range_us", "findings")
-           if k in prediction}
+    out = {k: prediction[k] for k in ("step_us", "step_us_after", "saving_us_per_step", "saving_range_us", "pace_note",
+                                      "findings") if k in prediction}
     if timing is not None and timing.saving_ms is not None and "saving_us_per_step" in prediction:
         out["measured_saving_us_per_step"] = round(timing.saving_ms * 1e3, 2)
     return out

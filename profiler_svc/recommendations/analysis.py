@@ -33,7 +33,8 @@ UNSTEADY_SPREAD = 0.2
 POWER_CAPPED_CLOCK = 0.98
 _GPU_FIGURE_MAX = 1e5  # MHz, W or readings above this are not a GPU's: junk in the metadata
 # Host time multipliers the prediction is also replayed at: how far from capture's calibration the host's pace was
-# when the A/B ran, 10th to 90th percentile over the committed runs (benchmarks/results/host_pace_drift_*.json)
+# when the A/B ran, 10th to 90th percentile over the committed runs, rounded (0.841 and 1.466 over the 172 cases
+# where some pace gave the A/B's A step: benchmarks/results/host_pace_drift_*.json)
 HOST_PACE_RANGE = (0.85, 1.45)
 # The prediction names its range where the saving moves across HOST_PACE_RANGE by over this share of it and by over
 # PACE_NOTE_STEP of the step
@@ -66,19 +67,20 @@ class Analysis:
 
 
 def _pace_range(timeline: Timeline, change: Change, host: HostCost, saving_us: float, step_us: float) -> dict:
-    """{"saving_range_us": [low, high]}: the change's saving per step at the calibrated host pace and at each end
-    of HOST_PACE_RANGE, lowest and highest; with a "pace_note" where that range is wide."""
+    """{"saving_range_us": [low, high]}: the lowest and highest of the change's savings per step at the calibrated
+    host pace and at each end of HOST_PACE_RANGE (three replayed paces: a saving need not move one way between
+    them); with a "pace_note" where they are far apart."""
     savings = [saving_us]
-    for pace in HOST_PACE_RANGE:
+    for pace in () if change.empty else HOST_PACE_RANGE:
         paced = replace(host, scale=host.scale * pace)
         savings.append(timeline.replay(host=paced).loop_step_us - timeline.replay(change, host=paced).loop_step_us)
     low, high = min(savings), max(savings)
     out: dict = {"saving_range_us": [round(low, 2), round(high, 2)]}
     if high - low > max(PACE_NOTE_SHARE * abs(saving_us), PACE_NOTE_STEP * step_us):
         faster, slower = 1 - HOST_PACE_RANGE[0], HOST_PACE_RANGE[1] - 1
-        out["pace_note"] = (f"{fmt_us(low)} to {fmt_us(high)} saved per step if the host's work takes {faster:.0%} less "
-                            f"to {slower:.0%} more time than at capture, as it did between most captures and their "
-                            f"A/B")
+        out["pace_note"] = (f"{fmt_us(low)} to {fmt_us(high)} saved per step, replayed with the host's work taking "
+                            f"{faster:.0%} less, as much and {slower:.0%} more time than at capture (the span of most "
+                            f"captures' pace against their A/B's)")
     return out
 
 

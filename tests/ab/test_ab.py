@@ -287,9 +287,11 @@ def test_the_result_puts_the_predicted_range_beside_the_measured_saving():
     predicted = {"step_us": 10000.0, "step_us_after": 9350.0, "saving_us_per_step": 650.0,
                  "saving_range_us": [500.0, 940.0], "findings": ["rope"], "pace_note": "..."}
     prediction = _prediction(predicted, timing)
-    assert prediction == {**{k: v for k, v in predicted.items() if k != "pace_note"},
-                          "measured_saving_us_per_step": 3000.0}
+    assert prediction == {**predicted, "measured_saving_us_per_step": 3000.0}
     result = ABResult(swaps=["rope"], train=False, device="cpu", verdict="faster", swapped=[], skipped=[],
                       parity_passed=True, parity_factor=2.0, timing=timing, prediction=prediction)
-    assert ("predicted saving 0.650 ms per step of 10.000 (0.500-0.940 over the host's pace); measured 3.000 ms"
+    assert ("predicted saving 0.650 ms per step of 10.000 (0.500 to 0.940 over the host's pace); measured 3.000 ms"
             in result.summary())
+    # a narrow range (no note from the analysis) is not printed
+    del prediction["pace_note"]
+    assert "predicted saving 0.650 ms per step of 10.000; measured 3.000 ms" in result.summary()

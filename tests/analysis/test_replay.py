@@ -415,7 +415,7 @@ def test_the_prediction_gives_its_range_over_the_hosts_pace():
     assert p["saving_range_us"] == pytest.approx([min(savings), max(savings)], abs=0.02)
     low, high = p["saving_range_us"]
     assert high - low > 0.5 * p["saving_us_per_step"]  # a slower host leaves more of its time to the fixes
-    assert "15% less to 45% more time than at capture" in p["pace_note"]
+    assert "15% less, as much and 45% more time than at capture" in p["pace_note"]
     assert p["pace_note"] in render_text(report)
     assert analysis.predict(combined)["saving_range_us"] == p["saving_range_us"]  # Report.predict's, for A/B
 
