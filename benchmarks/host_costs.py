@@ -556,14 +556,16 @@ def main(argv=None) -> int:
                              "(runs of the same kernels: a module's host time per call moves between sessions)")
     parser.add_argument("--in-model-out", metavar="JSON",
                         help="measure only in the models (measurement 3), into this JSON")
-    parser.add_argument("--families", default=",".join(IN_MODEL_DEFAULT),
-                        help=f"the models of --in-model-out, of {', '.join(IN_MODEL)}")
+    parser.add_argument("--families", help=f"the models of --in-model-out, of {', '.join(IN_MODEL)} "
+                                             f"(default {','.join(IN_MODEL_DEFAULT)})")
     args = parser.parse_args(argv)
     if not (args.out or args.in_model_out):
         parser.error("give --out, --in-model-out or both")
-    families = args.families.split(",")
+    if args.families and not args.in_model_out:
+        parser.error("--families names the models of --in-model-out")
+    families = list(dict.fromkeys(f.strip() for f in (args.families or ",".join(IN_MODEL_DEFAULT)).split(",")))
     if set(families) - set(IN_MODEL):
-        parser.error(f"--families: one of {', '.join(IN_MODEL)}")
+        parser.error(f"--families: each one of {', '.join(IN_MODEL)}")
     if args.median_of:
         if not args.out:
             parser.error("--median-of writes --out")

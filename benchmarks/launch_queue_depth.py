@@ -5,7 +5,8 @@ one element: one kernel each) and times the N calls. While the queue has room ea
 once it is full a call waits for the GPU to retire work, and the N calls take about the sleep. The smallest N
 that blocks is the depth the what-if replay's bounded launch queue assumes (trace/replay.py). Also: the same
 with one device-to-device copy per launch in place of the kernel (a memcpy entry), and with half kernels on a
-second stream.
+second stream (that stream runs its half at once, so no launch there waits: its "first blocked" is only the
+calls' own time passing half the sleep).
 
     python benchmarks/launch_queue_depth.py --out OUT.json
 """
@@ -21,9 +22,11 @@ COUNTS = (256, 512, 768, 896, 960, 992, 1008, 1016, 1020, 1022, 1023, 1024, 1025
 
 
 def sleep_cycles(ms: float) -> int:
-    """GPU clock cycles of torch.cuda._sleep that take about MS on this GPU."""
+    """GPU clock cycles of torch.cuda._sleep that take about MS on this GPU, timed warm (a first, cold sleep's
+    events also hold module loading and a low clock: calibrated on one, the sleeps ran about 25% short)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     cycles = 50_000_000
+    torch.cuda._sleep(cycles)
     start.record()
     torch.cuda._sleep(cycles)
     end.record()

@@ -182,8 +182,8 @@ def _kernel_ms(step, device, steps: int = 3):
 
 
 def sides(report, family, size, mode, args, swaps, traces) -> dict:
-    """The replay's GPU side alone (host at zero) before and after SWAPS, beside each side as measured in a
-    child process (sides_case)."""
+    """The replay's GPU side alone (host at zero, the swaps' own host cost too since d3388d4) before and after
+    SWAPS, beside each side as measured in a child process (sides_case)."""
     from dataclasses import replace
     analysis = report.analyses[0]
     gpu_alone = analysis.predict(report.recommending(swaps), host=replace(analysis.host, scale=0.0))

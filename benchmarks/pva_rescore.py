@@ -151,8 +151,8 @@ def by_balance(rows) -> dict:
     for band, low, high in BALANCE_BANDS:
         group = [r for r in rows if low <= r["host_over_gpu_after"] < high and r["error_share"] is not None]
         if group:
-            out[band] = {"cases": len(group), "in_range": sum(r["in_range"] for r in group),
-                         "range_meets_ci": sum(r["range_meets_ci"] for r in group),
+            out[band] = {"cases": len(group), "in_range": sum(r.get("in_range", False) for r in group),
+                         "range_meets_ci": sum(r.get("range_meets_ci", False) for r in group),
                          "median_abs_error_share": round(statistics.median(r["error_share"] for r in group), 3)}
     return out
 
@@ -163,12 +163,15 @@ PACE_PERCENTILES = (10, 25, 50, 75, 90)
 
 def pace_drift(rows) -> dict:
     """Percentiles of the host pace at which each case's replay takes its A/B's A step (rows of
-    rescore(at_ab_pace=True); paces at a PACE_RANGE end, none found, left out): analysis.HOST_PACE_RANGE's source."""
-    paces = sorted(r["host_pace"] for r in rows if PACE_RANGE[0] < r["host_pace"] < PACE_RANGE[1])
+    rescore(at_ab_pace=True)): analysis.HOST_PACE_RANGE's source. Paces at a PACE_RANGE end, where none gives the A
+    step, are left out: at 0.3 the A/B's A step was shorter than the replay's GPU side alone (its GPU ran faster than
+    the traced kernels), which no host pace explains."""
+    paces = sorted(r["host_pace"] for r in rows if PACE_RANGE[0] < r.get("host_pace", 0.0) < PACE_RANGE[1])
     if len(paces) < 2:
         return {"cases": len(paces)}
     cuts = statistics.quantiles(paces, n=100, method="inclusive")
-    return {"cases": len(paces), **{f"p{q}": round(cuts[q - 1], 3) for q in PACE_PERCENTILES}}
+    return {"cases": len(paces), "left_out": len(rows) - len(paces),
+            **{f"p{q}": round(cuts[q - 1], 3) for q in PACE_PERCENTILES}}
 
 
 def _at_pace(report, case) -> tuple[dict, float]:
@@ -193,8 +196,8 @@ def summary(rows):
         group = [r for r in rows if tokens in r["case"]]
         errors = [r["error_share"] for r in group if r["error_share"] is not None]
         out[regime] = {"cases": len(group), "direction_right": sum(r["direction_right"] for r in group),
-                       "in_range": sum(r["in_range"] for r in group),
-                       "range_meets_ci": sum(r["range_meets_ci"] for r in group),
+                       "in_range": sum(r.get("in_range", False) for r in group),
+                       "range_meets_ci": sum(r.get("range_meets_ci", False) for r in group),
                        "median_abs_error_share": round(statistics.median(errors), 3) if errors else None}
     return out
 
@@ -253,8 +256,8 @@ def main():
                   f"{r['measured_us'] / 1e3:7.2f} ({r['verdict']:13s}) error {r['error_share']}  "
                   f"{'right' if r['direction_right'] else 'WRONG'}"
                   + f"  host/GPU after {r['host_over_gpu_after']}"
-                  + f"  range {r['predicted_range_us'][0] / 1e3:.2f}-{r['predicted_range_us'][1] / 1e3:.2f}"
-                  + ("" if r["in_range"] else " (outside)")
+                  + (f"  range {r['predicted_range_us'][0] / 1e3:.2f}-{r['predicted_range_us'][1] / 1e3:.2f}"
+                     + ("" if r["in_range"] else " (outside)") if r.get("predicted_range_us") else "")
                   + (f"  host pace {r['host_pace']}" if "host_pace" in r else ""))
     result = summary(rows)
     result["against the mean of repeated runs"] = against_mean(rows)

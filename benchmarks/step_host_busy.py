@@ -4,8 +4,8 @@ Capture times a GPU-bound step's host alone on an idle GPU (agent/step_timer.py)
 costs are timed the same way; a step the GPU bounds enqueues behind queued work. This times, in one process,
 the predict_vs_ab case's step (same model, inputs and swaps):
   - idle: host µs to enqueue one step, started after a synchronize;
-  - busy: the same, started behind SLEEP_MS of queued GPU work (flagged where the step waited for it: a hidden
-    synchronization inside the step);
+  - busy: the same, started behind SLEEP_MS of queued GPU work (flagged where the step waited for it: a step
+    of more launches than its stream's queue holds, benchmarks/launch_queue_depth.py, or a synchronization);
   - loop: µs per step of back-to-back steps (CUDA events), what ab_test times;
 for the eager model (A), then with the swaps applied (B).
 
@@ -51,7 +51,7 @@ def side(step, cycles: int) -> dict:
     idle = [s * 1e6 for s in host_samples(step, CALLS, warmup=3, sync=torch.cuda.synchronize)]
     behind = [s * 1e6 for s in host_samples(step, CALLS, warmup=1, sync=busy)]
     return {"idle_host_us": round(statistics.median(idle), 1), "busy_host_us": round(statistics.median(behind), 1),
-            "busy_waited": max(behind) > 0.8 * SLEEP_MS * 1e3, "loop_us": round(_loop_us(step), 1)}
+            "busy_waited": max(behind) > 0.5 * SLEEP_MS * 1e3, "loop_us": round(_loop_us(step), 1)}
 
 
 def run_case(family: str, mode: str, swaps: list, cycles: int) -> dict:
@@ -71,16 +71,18 @@ def run_case(family: str, mode: str, swaps: list, cycles: int) -> dict:
 
 
 def run_each(family: str, mode: str, swaps: list, rounds: int) -> dict:
-    """In ROUNDS interleaved rounds, eager, each swap alone and all of them: per variant the median over rounds of
-    the idle-GPU host µs and the loop µs of a step (one process, so the host's pace drifts alike for all)."""
+    """In ROUNDS interleaved rounds, eager, each swap alone and all of them, in reverse order every other round: per
+    variant the median over rounds of the idle-GPU host µs and the loop µs of a step."""
     import profiler_svc
 
     model, _, step, tokens = make_case(family, "balanced", mode, smoke=False)
     variants = {"eager": [], **{name: [name] for name in swaps}, "all": swaps}
     samples: dict = {label: {"idle_host_us": [], "loop_us": []} for label in variants}
     modules: dict = {}
-    for _ in range(rounds):
-        for label, names in variants.items():
+    for i in range(rounds):
+        # every other round in reverse: a drift within a round, or what one variant leaves the next, then
+        # weighs on eager and on all of them alike
+        for label, names in list(variants.items())[::1 if i % 2 == 0 else -1]:
             with profiler_svc.swapped(model, names, check=False) as report:
                 modules[label] = len(report.swapped)
                 idle = host_samples(step, CALLS, warmup=2, sync=torch.cuda.synchronize)
