@@ -108,13 +108,25 @@ class ABResult:
         p = self.prediction
         if p and p.get("saving_us_per_step") is not None:
             measured = p.get("measured_saving_us_per_step")
-            bounds = p.get("saving_range_us")
-            spread = (f" ({bounds[0] / 1e3:.3f} to {bounds[1] / 1e3:.3f} over the host's pace)"
-                      if p.get("pace_note") and isinstance(bounds, list) and len(bounds) == 2 else "")
-            lines.append(f"predicted saving {p['saving_us_per_step'] / 1e3:.3f} ms per step of {p.get('step_us', 0) / 1e3:.3f}"
-                         + spread + ("" if measured is None else f"; measured {measured / 1e3:.3f} ms"))
+            bounds = _noted_range(p)
+            spread = f" ({bounds[0] / 1e3:.3f} to {bounds[1] / 1e3:.3f} over the host's pace)" if bounds else ""
+            if measured is not None:
+                where = ("" if not bounds else ", inside that range" if bounds[0] <= measured <= bounds[1]
+                         else ", outside that range")
+                spread += f"; measured {measured / 1e3:.3f} ms{where}"
+            lines.append(f"predicted saving {p['saving_us_per_step'] / 1e3:.3f} ms per step of "
+                         f"{p.get('step_us', 0) / 1e3:.3f}{spread}")
         lines.append(f"verdict: {self.verdict}")
         return "\n".join(lines)
+
+
+def _noted_range(prediction: dict) -> tuple[float, float] | None:
+    """The predicted saving's range over the host's pace (µs), where the analysis noted it as wide."""
+    bounds = prediction.get("saving_range_us")
+    if prediction.get("pace_note") and isinstance(bounds, list) and len(bounds) == 2 \
+            and all(isinstance(b, (int, float)) for b in bounds):
+        return float(bounds[0]), float(bounds[1])
+    return None
 
 
 def _g(x) -> str:

@@ -290,8 +290,11 @@ def test_the_result_puts_the_predicted_range_beside_the_measured_saving():
     assert prediction == {**predicted, "measured_saving_us_per_step": 3000.0}
     result = ABResult(swaps=["rope"], train=False, device="cpu", verdict="faster", swapped=[], skipped=[],
                       parity_passed=True, parity_factor=2.0, timing=timing, prediction=prediction)
-    assert ("predicted saving 0.650 ms per step of 10.000 (0.500 to 0.940 over the host's pace); measured 3.000 ms"
-            in result.summary())
+    assert ("predicted saving 0.650 ms per step of 10.000 (0.500 to 0.940 over the host's pace); measured 3.000 ms, "
+            "outside that range" in result.summary())
+    prediction["measured_saving_us_per_step"] = 900.0
+    assert "(0.500 to 0.940 over the host's pace); measured 0.900 ms, inside that range" in result.summary()
+    prediction["measured_saving_us_per_step"] = 3000.0
     # a narrow range (no note from the analysis) is not printed
     del prediction["pace_note"]
     assert "predicted saving 0.650 ms per step of 10.000; measured 3.000 ms" in result.summary()
