@@ -12,8 +12,6 @@ import json
 import os
 import statistics
 
-from dataclasses import replace
-
 import profiler_svc
 from profiler_svc.detectors.swap_costs import host_costs_from
 from profiler_svc.trace.replay import Change
@@ -80,7 +78,7 @@ H200_RUNS = [
     *((f"predict_vs_ab_h200_host{i}_2026-11-28.json", f"pva_traces_h200_2026-11-28_host{i}", {}, PACKAGED_COSTS)
       for i in (1, 2)),
     # the balanced size: six of ten cases timed within the call's budget; then twice more, on two other machines
-    # (seven cases, then the four the first of those did not reach)
+    # (seven cases; then the three the second did not reach, and Gemma training again)
     ("predict_vs_ab_h200_balanced_2026-11-28.json", "pva_traces_h200_2026-11-28_balanced", {}, PACKAGED_COSTS),
     *((f"predict_vs_ab_h200_balanced{i}_2026-11-28.json", f"pva_traces_h200_2026-11-28_balanced{i}", {}, PACKAGED_COSTS)
       for i in (2, 3)),
@@ -151,10 +149,14 @@ def by_balance(rows) -> dict:
     for band, low, high in BALANCE_BANDS:
         group = [r for r in rows if low <= r["host_over_gpu_after"] < high and r["error_share"] is not None]
         if group:
-            out[band] = {"cases": len(group), "in_range": sum(r.get("in_range", False) for r in group),
-                         "range_meets_ci": sum(r.get("range_meets_ci", False) for r in group),
+            out[band] = {"cases": len(group), **_range_counts(group),
                          "median_abs_error_share": round(statistics.median(r["error_share"] for r in group), 3)}
     return out
+
+
+def _range_counts(rows) -> dict:
+    """How many of ROWS' measured changes lie in their predicted range, and whose range meets the A/B's interval."""
+    return {key: sum(r.get(key, False) for r in rows) for key in ("in_range", "range_meets_ci")}
 
 
 PACE_RANGE = (0.3, 3.0)  # host time multipliers searched; at an end, no host pace gives A's step
@@ -181,7 +183,7 @@ def _at_pace(report, case) -> tuple[dict, float]:
     timeline, target = analysis.trace.timeline, case["a_ms"] * 1e3
 
     def host(pace):
-        return replace(analysis.host, scale=analysis.host.scale * pace)
+        return analysis.host.paced(pace)
 
     low, high = PACE_RANGE
     for _ in range(30):
@@ -196,9 +198,7 @@ def summary(rows):
         group = [r for r in rows if tokens in r["case"]]
         errors = [r["error_share"] for r in group if r["error_share"] is not None]
         out[regime] = {"cases": len(group), "direction_right": sum(r["direction_right"] for r in group),
-                       "in_range": sum(r.get("in_range", False) for r in group),
-                       "range_meets_ci": sum(r.get("range_meets_ci", False) for r in group),
-                       "median_abs_error_share": round(statistics.median(errors), 3) if errors else None}
+                       **_range_counts(group), "median_abs_error_share": round(statistics.median(errors), 3) if errors else None}
     return out
 
 

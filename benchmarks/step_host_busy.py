@@ -22,10 +22,12 @@ try:
     from host_costs import host_samples  # run as a script
     from launch_queue_depth import sleep_cycles
     from predict_vs_ab import make_case
+    from swap_trace_diff import unprofiled_ms
 except ImportError:  # imported as benchmarks.step_host_busy
     from benchmarks.host_costs import host_samples
     from benchmarks.launch_queue_depth import sleep_cycles
     from benchmarks.predict_vs_ab import make_case
+    from benchmarks.swap_trace_diff import unprofiled_ms
 
 SLEEP_MS = 150.0
 CALLS = 7
@@ -33,14 +35,8 @@ LOOP_STEPS = 10
 
 
 def _loop_us(step) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(LOOP_STEPS):
-        step()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / LOOP_STEPS
+    """µs per step of LOOP_STEPS back-to-back steps started on an idle GPU, no warm-up."""
+    return unprofiled_ms(step, steps=LOOP_STEPS, warmup=0) * 1e3
 
 
 def side(step, cycles: int) -> dict:

@@ -72,7 +72,7 @@ def _pace_range(timeline: Timeline, change: Change, host: HostCost, saving_us: f
     them); with a "pace_note" where they are far apart."""
     savings = [saving_us]
     for pace in () if change.empty else HOST_PACE_RANGE:
-        paced = replace(host, scale=host.scale * pace)
+        paced = host.paced(pace)
         savings.append(timeline.replay(host=paced).loop_step_us - timeline.replay(change, host=paced).loop_step_us)
     low, high = min(savings), max(savings)
     out: dict = {"saving_range_us": [round(low, 2), round(high, 2)]}

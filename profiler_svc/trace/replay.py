@@ -64,8 +64,12 @@ class HostCost:
     scale: float = 1.0
     even_steps: bool = False
 
+    def paced(self, factor: float) -> "HostCost":
+        """The same host taking FACTOR times its time (a slower host above 1)."""
+        return replace(self, scale=self.scale * factor)
+
     def halved(self) -> "HostCost":
-        return replace(self, scale=self.scale * 0.5)
+        return self.paced(0.5)
 
     def kept(self, profiled: np.ndarray, events) -> np.ndarray:
         """The share of each profiled host time that remains."""

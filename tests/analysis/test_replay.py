@@ -399,8 +399,6 @@ def test_the_prediction_gives_its_range_over_the_hosts_pace():
     the step, so what the fixes save depends on the host's pace; the prediction gives the saving at each end of
     HOST_PACE_RANGE, and the report says so. At the GPU-bound size (H200, 4x2048) the GPU's work sets the step:
     the range is narrow and no note is given."""
-    from dataclasses import replace
-
     from profiler_svc.recommendations import recommend
     from profiler_svc.recommendations.analysis import HOST_PACE_RANGE
     from profiler_svc.recommendations.report import render_text
@@ -409,8 +407,7 @@ def test_the_prediction_gives_its_range_over_the_hosts_pace():
     report = recommend(str(fixture_path("llama8_bf16_4x1024_train_calibrated")))
     analysis, p = report.analyses[0], report.prediction
     combined = [f for f in analysis.findings if f.key in p["findings"]]
-    at_ends = [analysis.predict(combined, host=replace(analysis.host, scale=analysis.host.scale * pace))
-               for pace in HOST_PACE_RANGE]
+    at_ends = [analysis.predict(combined, host=analysis.host.paced(pace)) for pace in HOST_PACE_RANGE]
     savings = [p["saving_us_per_step"]] + [e["saving_us_per_step"] for e in at_ends]
     assert p["saving_range_us"] == pytest.approx([min(savings), max(savings)], abs=0.02)
     low, high = p["saving_range_us"]

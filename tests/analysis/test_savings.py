@@ -4,7 +4,6 @@ import bisect
 import gzip
 import json
 import math
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -65,8 +64,7 @@ def test_savings_are_bounded_and_claims_disjoint(path):
     assert 0.0 <= p["saving_us_per_step"] <= step and p["step_us_after"] >= 0.0
     low, high = p["saving_range_us"]  # over the host's pace: never more than the step at the pace that gave it
     analysis = r.analyses[0]
-    paced = [analysis.trace.timeline.replay(host=replace(analysis.host, scale=analysis.host.scale * pace)).loop_step_us
-             for pace in HOST_PACE_RANGE]
+    paced = [analysis.trace.timeline.replay(host=analysis.host.paced(pace)).loop_step_us for pace in HOST_PACE_RANGE]
     assert low <= p["saving_us_per_step"] <= high <= max([step, *paced]) + 0.01
     best = max([f.saving_us_per_step for f in r.findings] + [0.0])
     assert p["saving_us_per_step"] >= best - 1.0  # together never less than the best one alone
