@@ -12,6 +12,7 @@ calls' own time passing half the sleep).
 """
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -48,10 +49,12 @@ def host_ms(launch, n: int, cycles: int) -> float:
     return round(sorted(times)[1], 3)
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if not os.access(os.path.dirname(os.path.abspath(args.out)), os.W_OK):  # now, not after the run
+        parser.exit(2, f"launch_queue_depth.py: cannot write {args.out}: its folder is missing or not writable\n")
     if not torch.cuda.is_available():
         parser.exit(2, "launch_queue_depth.py: needs a CUDA GPU\n")
     x, y = torch.zeros(1, device="cuda"), torch.ones(1, device="cuda")

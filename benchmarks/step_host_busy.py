@@ -14,6 +14,7 @@ for the eager model (A), then with the swaps applied (B).
 """
 import argparse
 import json
+import os
 import statistics
 
 import torch
@@ -21,12 +22,12 @@ import torch
 try:
     from host_costs import host_samples  # run as a script
     from launch_queue_depth import sleep_cycles
-    from predict_vs_ab import make_case
+    from predict_vs_ab import FAMILIES, make_case
     from swap_trace_diff import unprofiled_ms
 except ImportError:  # imported as benchmarks.step_host_busy
     from benchmarks.host_costs import host_samples
     from benchmarks.launch_queue_depth import sleep_cycles
-    from benchmarks.predict_vs_ab import make_case
+    from benchmarks.predict_vs_ab import FAMILIES, make_case
     from benchmarks.swap_trace_diff import unprofiled_ms
 
 SLEEP_MS = 150.0
@@ -91,7 +92,24 @@ def run_each(family: str, mode: str, swaps: list, rounds: int) -> dict:
     return out
 
 
-def main():
+def _bad_arguments(args, families, modes, swaps) -> str | None:
+    """What is wrong with the command line, before any model is built; None where nothing is."""
+    from profiler_svc import available_swaps
+
+    if set(families) - set(FAMILIES):
+        return f"unknown family in --families (one of {', '.join(FAMILIES)})"
+    if set(modes) - {"train", "infer"}:
+        return "--modes takes train and infer"
+    if set(swaps) - set(available_swaps()):
+        return f"unknown swap in --swaps (one of {', '.join(available_swaps())})"
+    if args.each is not None and args.each < 1:
+        return "--each takes a number of rounds of 1 or more"
+    if not os.access(os.path.dirname(os.path.abspath(args.out)), os.W_OK):  # now, not after the first case
+        return f"cannot write {args.out}: its folder is missing or not writable"
+    return None if torch.cuda.is_available() else "needs a CUDA GPU"
+
+
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--families", default="llama,phi3")
@@ -99,16 +117,17 @@ def main():
     parser.add_argument("--swaps", default="rms_norm,rope,swiglu")
     parser.add_argument("--each", type=int, metavar="ROUNDS",
                         help="instead: eager, each swap alone and all, in ROUNDS interleaved rounds (run_each)")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        parser.exit(2, "step_host_busy.py: needs a CUDA GPU\n")
+    args = parser.parse_args(argv)
+    families, modes, swaps = (value.split(",") for value in (args.families, args.modes, args.swaps))
+    problem = _bad_arguments(args, families, modes, swaps)
+    if problem:
+        parser.exit(2, f"step_host_busy.py: {problem}\n")
     cycles = sleep_cycles(SLEEP_MS)
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "sleep_ms": SLEEP_MS, "calls": CALLS,
            "cases": []}
-    for family in args.families.split(","):
-        for mode in args.modes.split(","):
-            case = (run_each(family, mode, args.swaps.split(","), args.each) if args.each
-                    else run_case(family, mode, args.swaps.split(","), cycles))
+    for family in families:
+        for mode in modes:
+            case = run_each(family, mode, swaps, args.each) if args.each else run_case(family, mode, swaps, cycles)
             print(json.dumps(case), flush=True)
             out["cases"].append(case)
             with open(args.out, "w") as f:

@@ -133,3 +133,25 @@ def test_power_cap_reads_the_nvidia_smi_lines_an_h200_wrote():
     assert [row[1:] for row in rows] == [(1770.0, 289.49, 56.0, "0x0000000000000004"),
                                          (1680.0, 693.99, 61.0, "0x0000000000000004")]
     assert round(rows[1][0] - rows[0][0], 3) == 24.75
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--families", "llama,nope"], "unknown family in --families"),
+    (["--modes", "fwd"], "--modes takes train and infer"),
+    (["--swaps", "rms_norm,zz"], "unknown swap in --swaps"),
+    (["--each", "0"], "--each takes a number of rounds of 1 or more"),
+    (["--out", "/nonexistent/dir/out.json"], "its folder is missing or not writable"),
+])
+def test_the_host_time_scripts_refuse_bad_arguments_in_one_line(tmp_path, capsys, argv, message):
+    """benchmarks/step_host_busy.py and launch_queue_depth.py: a bad command line is one line and status 2, before
+    any model is built or GPU asked for, and writes nothing."""
+    from benchmarks import launch_queue_depth, step_host_busy
+
+    out = str(tmp_path / "out.json")
+    with pytest.raises(SystemExit) as exit_info:
+        step_host_busy.main(["--out", out, *argv])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and message in err and not os.listdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        launch_queue_depth.main(["--out", "/nonexistent/dir/out.json"])
+    assert exit_info.value.code == 2 and "its folder is missing or not writable" in capsys.readouterr().err
