@@ -23,8 +23,8 @@ COUNTS = (256, 512, 768, 896, 960, 992, 1008, 1016, 1020, 1021, 1022, 1023, 1024
 
 
 def sleep_cycles(ms: float) -> int:
-    """GPU clock cycles of torch.cuda._sleep that take about MS on this GPU, timed warm (a first, cold sleep's
-    events also hold module loading and a low clock: calibrated on one, the sleeps ran about 25% short)."""
+    """GPU clock cycles of torch.cuda._sleep that take about MS on this GPU, timed warm: a first, cold sleep's
+    events also hold module loading and a low clock."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     cycles = 50_000_000
     torch.cuda._sleep(cycles)

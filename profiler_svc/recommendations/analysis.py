@@ -33,8 +33,7 @@ UNSTEADY_SPREAD = 0.2
 POWER_CAPPED_CLOCK = 0.98
 _GPU_FIGURE_MAX = 1e5  # MHz, W or readings above this are not a GPU's: junk in the metadata
 # Host time multipliers the prediction is also replayed at: how far from capture's calibration the host's pace was
-# when the A/B ran, 10th to 90th percentile over the committed runs, rounded (0.841 and 1.466 over the 172 cases
-# where some pace gave the A/B's A step: benchmarks/results/host_pace_drift_*.json)
+# when the A/B ran, 10th to 90th percentile over the committed runs, rounded (benchmarks/results/host_pace_drift_*.json)
 HOST_PACE_RANGE = (0.85, 1.45)
 # The prediction names its range where the saving moves across HOST_PACE_RANGE by over this share of it and by over
 # PACE_NOTE_STEP of the step
