@@ -60,6 +60,7 @@ FAMILIES = {
     "mixtral": ("MixtralForCausalLM", "MixtralConfig", dict(intermediate_size=2816, num_local_experts=8,
                                                             num_experts_per_tok=2),
                 dict(intermediate_size=88, num_local_experts=4, num_experts_per_tok=2), "swiglu"),
+    "phi3": ("Phi3ForCausalLM", "Phi3Config", dict(pad_token_id=0), dict(pad_token_id=0), "swiglu"),  # gate_up_proj
 }
 # (variant, mode) of every measure stage, in order; ours_low_memory: the fused loss keeps its gradients in bf16
 # (Liger's layout), training only
@@ -161,9 +162,9 @@ def stage_measure(args) -> dict:
         for _, _, name, *_ in report.swapped:
             swapped[name] = swapped.get(name, 0) + 1
         if args.keep_activation:
-            from profiler_svc.kernels.swiglu import GatedMLP
+            from profiler_svc.kernels.swiglu import GatedMLP, GateUpMLP
             for module in model.modules():
-                if isinstance(module, GatedMLP):
+                if isinstance(module, (GatedMLP, GateUpMLP)):
                     module.recompute = False
     dev = device()
     losses = []
@@ -371,7 +372,7 @@ def main(argv=None) -> int:
     p.add_argument("--use-cache", action="store_true",
                    help="build the model with use_cache=True (no packed-sequence check on the host in training)")
     p.add_argument("--keep-activation", action="store_true",
-                   help="'ours' gated MLPs keep their activation for the backward (GatedMLP(recompute=False))")
+                   help="'ours' gated MLPs keep their activation for the backward (recompute=False)")
     p.add_argument("--profile", type=int, default=0, metavar="STEPS",
                    help="after timing, profile STEPS steps of each variant: GPU time per step by kernel")
     args = p.parse_args(argv)

@@ -175,26 +175,33 @@ class GatedActFunction(torch.autograd.Function):
 class GatedDownFunction(torch.autograd.Function):
     """linear(act(gate) · up, weight, bias), keeping gate and up (the projections' own outputs, overwritten with
     their gradients) but not the activation: the activation's backward kernel, which reads gate and up anyway,
-    writes it again for the weight's gradient. One activation-sized buffer a layer fewer for one more write."""
+    writes it again for the weight's gradient. One activation-sized buffer a layer fewer for one more write.
+    With up None, gate is one [..., 2·w] gate_up tensor (Phi-3's gate_up_proj), read in place as its halves."""
 
     @staticmethod
     def forward(ctx, gate, up, weight, bias, act):
-        gate, up = gate.contiguous(), up.contiguous()
+        gate = gate.contiguous()
+        up = None if up is None else up.contiguous()
         ctx.save_for_backward(gate, up, weight)
         ctx.act, ctx.has_bias = act, bias is not None
-        return F.linear(gated_act_fwd(gate, up, act), weight, bias)
+        hidden = gated_split_fwd(gate, act) if up is None else gated_act_fwd(gate, up, act)
+        return F.linear(hidden, weight, bias)
 
     @staticmethod
     def backward(ctx, dy):
         gate, up, weight = ctx.saved_tensors
         dy = dy.contiguous()
-        hidden = torch.empty_like(gate)
-        launch_elementwise(_gated_bwd_kernel, dy @ weight, gate, up, gate, up, hidden, 1, n=gate.numel(), ACT=ctx.act,
-                           SPLIT=False, STORE_HIDDEN=True)
-        torch.autograd.graph.increment_version(gate)  # a second backward through the graph fails loudly
-        torch.autograd.graph.increment_version(up)
+        d_hidden = dy @ weight
+        hidden = torch.empty_like(d_hidden)
+        split = up is None
+        width = d_hidden.shape[-1]
+        gate_half, up_half = (gate, gate[..., width:]) if split else (gate, up)
+        launch_elementwise(_gated_bwd_kernel, d_hidden, gate_half, up_half, gate_half, up_half, hidden,
+                           width if split else 1, n=d_hidden.numel(), ACT=ctx.act, SPLIT=split, STORE_HIDDEN=True)
+        for saved in (gate,) if split else (gate, up):  # a second backward through the graph fails loudly
+            torch.autograd.graph.increment_version(saved)
         rows = dy.reshape(-1, dy.shape[-1])
-        d_weight = rows.t() @ hidden.reshape(-1, hidden.shape[-1]) if ctx.needs_input_grad[2] else None
+        d_weight = rows.t() @ hidden.reshape(-1, width) if ctx.needs_input_grad[2] else None
         d_bias = rows.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
         return gate, up, d_weight, d_bias, None
 
@@ -290,8 +297,7 @@ class GatedMLP(nn.Module):
     def forward(self, x):
         # The projections' outputs are ours alone: their memory is reused for their gradients.
         gate, up = self.gate_proj(x), self.up_proj(x)
-        recompute = self.recompute is not False and needs_grad(gate, up, *self.down_proj.parameters()) \
-            and not torch.compiler.is_compiling() and not _native(gate)  # under compile its partitioner decides
+        recompute = self.recompute is not False and _recompute_fits(self.down_proj, gate, up)
         if recompute and _plain_linear(self.down_proj, gate):
             return GatedDownFunction.apply(gate, up, self.down_proj.weight, self.down_proj.bias, self.act)
         hidden = gated_act(gate, up, self.act, reuse_inputs=True)
@@ -306,18 +312,24 @@ class GatedMLP(nn.Module):
 
 class GateUpMLP(nn.Module):
     """down_proj(act(gate) · up), gate and up the halves of one gate_up_proj (Phi-3), with the fused gated
-    activation reading them in place. Shares (does not copy) the two projections."""
+    activation reading them in place. Shares (does not copy) the two projections. As GatedMLP, it recomputes the
+    activation in its backward kernel where down_proj is a plain nn.Linear (``recompute`` None or True; there is no
+    saved-tensor-hooks path here) and keeps it with ``recompute=False``."""
 
-    def __init__(self, gate_up_proj: nn.Module, down_proj: nn.Module, act: int):
+    def __init__(self, gate_up_proj: nn.Module, down_proj: nn.Module, act: int, recompute: Optional[bool] = None):
         super().__init__()
-        self.gate_up_proj, self.down_proj, self.act = gate_up_proj, down_proj, act
+        self.gate_up_proj, self.down_proj, self.act, self.recompute = gate_up_proj, down_proj, act, recompute
 
     def forward(self, x):
         # the projection's output is ours alone: the backward writes its gradient over it
-        return self.down_proj(gated_act_split(self.gate_up_proj(x), self.act, reuse_input=True))
+        gate_up = self.gate_up_proj(x)
+        if self.recompute is not False and gate_up.shape[-1] % 2 == 0 and _recompute_fits(self.down_proj, gate_up) \
+                and _plain_linear(self.down_proj, gate_up):  # an odd width: gated_act_split names the error
+            return GatedDownFunction.apply(gate_up, None, self.down_proj.weight, self.down_proj.bias, self.act)
+        return self.down_proj(gated_act_split(gate_up, self.act, reuse_input=True))
 
     def extra_repr(self):
-        return f"act={ACT_NAMES[self.act]}"
+        return f"act={ACT_NAMES[self.act]}, recompute={self.recompute}"
 
 
 class GatedExperts(nn.Module):
@@ -366,6 +378,13 @@ def experts_loop(experts, hidden_states, top_k_index, top_k_weights, apply_gate)
         hidden = nn.functional.linear(hidden, experts.down_proj[expert]) * top_k_weights[token_idx, top_k_pos, None]
         out.index_add_(0, token_idx, hidden.to(out.dtype))
     return out
+
+
+def _recompute_fits(down_proj: nn.Module, *inputs: torch.Tensor) -> bool:
+    """Is this a call whose activation is worth recomputing: one that trains, in eager (under compile its
+    partitioner decides), above the size where eager's ops run instead of ours?"""
+    return needs_grad(*inputs, *down_proj.parameters()) and not torch.compiler.is_compiling() \
+        and not _native(inputs[0])
 
 
 def _plain_linear(layer: nn.Module, x: torch.Tensor) -> bool:

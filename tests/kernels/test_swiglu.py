@@ -5,8 +5,8 @@ from kernel_numerics import assert_no_worse
 from torch import nn
 
 from profiler_svc.kernels import geglu, swap, swapped, swiglu, unswap
-from profiler_svc.kernels._elementwise import SILU
-from profiler_svc.kernels.swiglu import SWAP, GatedMLP
+from profiler_svc.kernels._elementwise import GELU_TANH, SILU
+from profiler_svc.kernels.swiglu import SWAP, GatedMLP, GateUpMLP
 
 transformers = pytest.importorskip("transformers")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -194,3 +194,50 @@ def test_gated_mlp_recomputes_in_the_activation_backward_over_a_plain_linear(sha
     # a wrapped forward (how capture labels a module) is called, and the activation kept
     down_proj.forward = lambda h, forward=down_proj.forward: forward(h)
     assert type(GatedMLP(gate_proj, up_proj, down_proj, act=SILU)(x).grad_fn).__name__ != "GatedDownFunctionBackward"
+
+
+def _kept_by_graph(fn, x, *ours) -> int:
+    """Elements the autograd graph of fn(x) holds for its backward, besides x and the parameters of OURS."""
+    skip = {t.untyped_storage().data_ptr() for m in ours for t in m.parameters()} | {x.untyped_storage().data_ptr()}
+    saved = []
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in skip:
+            saved.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = fn(x)
+    return y, sum(saved)
+
+
+@pytest.mark.parametrize("act", [SILU, GELU_TANH])
+@pytest.mark.parametrize("shape", [(3, 16), (2, 5, 16)])
+def test_gate_up_mlp_recomputes_in_the_activation_backward(shape, act):
+    """Phi-3's fused gate_up_proj: by default the graph keeps gate_up alone, and the backward kernel writes the
+    activation again for down_proj's weight gradient; recompute=False keeps the activation too. Gradients are
+    bit-identical either way and match eager's act(gate) · up."""
+    torch.manual_seed(0)
+    gate_up_proj, down_proj = nn.Linear(16, 80), nn.Linear(40, 16)
+    x = torch.randn(*shape, requires_grad=True)
+    grads, kept = {}, {}
+    for recompute in (False, None):
+        mlp = GateUpMLP(gate_up_proj, down_proj, act=act, recompute=recompute)
+        y, kept[recompute] = _kept_by_graph(mlp, x, gate_up_proj, down_proj)
+        assert (type(y.grad_fn).__name__ == "GatedDownFunctionBackward") == (recompute is None)
+        grads[recompute] = torch.autograd.grad(y.sum(), [x, *mlp.parameters()])
+    rows = x.numel() // 16
+    assert kept == {False: 3 * rows * 40, None: 2 * rows * 40}  # gate_up (and the activation)
+    for a, b in zip(grads[False], grads[None]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    eager_act = F.silu if act == SILU else (lambda t: F.gelu(t, approximate="tanh"))
+    gate, up = gate_up_proj(x).chunk(2, dim=-1)
+    eager = torch.autograd.grad(down_proj(eager_act(gate) * up).sum(), [x, *mlp.parameters()])
+    for a, b in zip(grads[None], eager):
+        torch.testing.assert_close(a, b)
+    y = GateUpMLP(gate_up_proj, down_proj, act=act)(x)
+    y.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()  # the saved gate_up now holds its gradient: refused, not misread
+    down_proj.register_forward_hook(lambda *_: None)  # a hooked down_proj (capture's labels) keeps the activation
+    assert type(GateUpMLP(gate_up_proj, down_proj, act=act)(x).grad_fn).__name__ != "GatedDownFunctionBackward"
