@@ -155,3 +155,24 @@ def test_the_host_time_scripts_refuse_bad_arguments_in_one_line(tmp_path, capsys
     with pytest.raises(SystemExit) as exit_info:
         launch_queue_depth.main(["--out", "/nonexistent/dir/out.json"])
     assert exit_info.value.code == 2 and "its folder is missing or not writable" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--swaps", "rms_norm,zz"], "unknown swap in --swaps"),
+    (["--steps", "1"], "--steps takes 2 or more"),
+    (["--rounds", "0"], "--rounds 1 or more"),
+    (["--out", "/nonexistent/dir/out.json"], "its folder is missing or not writable"),
+    pytest.param([], "needs a CUDA GPU", marks=pytest.mark.skipif(
+        __import__("torch").cuda.is_available(), reason="on a GPU machine this would start a run")),
+    (["--family", "zz"], "invalid choice"),
+])
+def test_step_lead_refuses_bad_arguments_in_one_line(tmp_path, capsys, argv, message):
+    """benchmarks/step_lead.py: a bad command line is one line and status 2, before any model is built, and
+    writes nothing."""
+    from benchmarks import step_lead
+
+    with pytest.raises(SystemExit) as exit_info:
+        step_lead.main(["--out", str(tmp_path / "out.json"), *argv])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and message in err and not os.listdir(tmp_path)
+    assert err.count("\n") == 1 or "invalid choice" in err  # argparse's own error adds its usage line
