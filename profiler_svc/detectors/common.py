@@ -281,26 +281,50 @@ def fused(trace: Trace, kernel_rows, fused_us: float, host: bool = True) -> Chan
     """KERNEL_ROWS (one chain) become one kernel of FUSED_US in the first one's place. The ops fused away whole
     take their device copies along. With HOST, those ops' host work goes too, but for the first op's: the fused
     op costs the host about what one eager op did."""
-    rows = sorted(kernel_rows, key=trace.column("kernels", "ts").__getitem__)
-    if not rows:
-        return Change()
-    whole = _whole_ops(trace, rows)
-    intervals = _host_intervals(trace, whole) if host else []
-    return Change(durations={rows[0]: float(fused_us)}, removed=set(rows[1:]), host_removed=intervals[1:],
-                  copies_removed=set(trace.copies_of(whole).tolist()) if len(whole) else set())
+    return fused_chains(trace, [kernel_rows], [fused_us], host)[0]
 
 
-def _whole_ops(trace: Trace, kernel_rows) -> np.ndarray:
-    """The outermost ops every kernel of which is among KERNEL_ROWS and that copied nothing to or from the host
-    (such a copy, a sync's, stays)."""
-    tops = trace.column("kernels", "top_op")[np.asarray(kernel_rows, dtype=np.int64)]
-    ops, claimed = np.unique(tops[tops >= 0], return_counts=True)
-    ops = ops[claimed >= trace.kernels_per_top_op[ops]]
+def fused_chains(trace: Trace, chains: list, fused_us: list, host: bool = True) -> list:
+    """fused() of each chain of CHAINS (kernel rows) with its FUSED_US, in one pass over all of them: a trace holds
+    thousands of chains, and numpy's per-call cost would dominate one at a time."""
+    ts = trace.column("kernels", "ts")
+    chains = [sorted(rows, key=ts.__getitem__) for rows in chains]
+    out = []
+    for rows, us, whole, copies in zip(chains, fused_us, *_whole_ops_and_copies(trace, chains)):
+        if not rows:
+            out.append(Change())
+            continue
+        intervals = _host_intervals(trace, whole) if host else []
+        out.append(Change(durations={rows[0]: float(us)}, removed=set(rows[1:]), host_removed=intervals[1:],
+                          copies_removed=copies))
+    return out
+
+
+def _whole_ops_and_copies(trace: Trace, chains: list) -> tuple[list, list]:
+    """Per chain of CHAINS (kernel rows): the outermost ops every kernel of which is in the chain and that copied
+    nothing to or from the host (such a copy, a sync's, stays), sorted; and the set of device copies and memsets
+    those ops launched (trace.memory index)."""
+    n = len(chains)
+    rows = np.fromiter((r for chain in chains for r in chain), dtype=np.int64)
+    chain_of = np.repeat(np.arange(n, dtype=np.int64), [len(chain) for chain in chains])
+    tops = trace.column("kernels", "top_op")[rows]
+    chain_of, tops = chain_of[tops >= 0], tops[tops >= 0]
+    stride = np.int64(len(trace.cpu) + 1)
+    keys, claimed = np.unique(chain_of * stride + tops, return_counts=True)  # by chain, then op
+    chain_of, ops = np.divmod(keys, stride)
+    keep = claimed >= trace.kernels_per_top_op[ops]
     host_copy = trace.ops_with_host_copy  # sorted
     if len(host_copy) and len(ops):
-        at = np.minimum(np.searchsorted(host_copy, ops), len(host_copy) - 1)
-        ops = ops[host_copy[at] != ops]
-    return ops
+        keep &= host_copy[np.minimum(np.searchsorted(host_copy, ops), len(host_copy) - 1)] != ops
+    chain_of, ops = chain_of[keep], ops[keep]
+    bounds = np.searchsorted(chain_of, np.arange(n + 1)).tolist()
+    wholes = [ops[a:b] for a, b in zip(bounds, bounds[1:])]
+    copies: list = [set() for _ in range(n)]
+    copy_tops, copy_index = trace.copies_by_top_op
+    lo, hi = np.searchsorted(copy_tops, ops, side="left"), np.searchsorted(copy_tops, ops, side="right")
+    for chain, a, b in zip(chain_of[hi > lo].tolist(), lo[hi > lo].tolist(), hi[hi > lo].tolist()):
+        copies[chain].update(copy_index[a:b].tolist())
+    return wholes, copies
 
 
 def _host_intervals(trace: Trace, whole: np.ndarray) -> list:

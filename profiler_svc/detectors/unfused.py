@@ -17,7 +17,7 @@ import pandas as pd
 from ..trace.labels import ROOT_NAME
 from ..trace.model import Trace, element_bytes
 from ..trace.replay import Change
-from .common import (Finding, Recommendation, fmt_us, fused, module_class, numel, op_bytes, op_record_codes, per_step,
+from .common import (Finding, Recommendation, fmt_us, fused, fused_chains, module_class, numel, op_bytes, op_record_codes, per_step,
                      per_step_note, plural, short_kernel_name, tensor_bytes)
 from .swap_costs import (
     experts_block, experts_hidden_size, gated_backward_passes, native_below, native_is_eager, swap_applies, swap_host_cost,
@@ -764,20 +764,23 @@ def _change(trace, swap, group, fused_times, experts: bool = False) -> tuple[Cha
     cost_name = f"{swap}_experts" if experts else variant
     dispatches = bool(swap) and native_below(variant) is not None
     opens_call = _opens_call(group) if swap else [True] * len(group)
-    for chain, fused_us, opens in zip(group, fused_times, opens_call):
-        rows = chain.kernels.index[chain.rows].tolist()
+    natives = [bool(swap) and dispatches and _native_call(swap, chain, offset_norm) for chain in group]
+    as_eager = [native and native_is_eager(swap) for native in natives]  # the swap runs eager's own ops
+    to_fuse = [i for i, eager in enumerate(as_eager) if not eager]
+    fused_of = dict(zip(to_fuse, fused_chains(trace, [group[i].kernels.index[group[i].rows].tolist() for i in to_fuse],
+                                              [fused_times[i] for i in to_fuse], host=not swap)))
+    for i, (chain, opens) in enumerate(zip(group, opens_call)):
         if swap:
-            native = dispatches and _native_call(swap, chain, offset_norm)
-            if native and native_is_eager(swap) and not experts:
-                continue  # the swap runs eager's own ops on this call: nothing changes
+            if as_eager[i] and not experts:
+                continue  # nothing changes on this call
+            one = fused_of.get(i) or Change()
             # the registry's measured host cost per call, relative to the eager module (unknown: the same)
-            one = Change() if native and native_is_eager(swap) else fused(trace, rows, fused_us, host=False)
-            cost = swap_host_cost(cost_name, chain.backward, triton_path=dispatches and not native,
+            cost = swap_host_cost(cost_name, chain.backward, triton_path=dispatches and not natives[i],
                                   routed_rows=numel(chain.shape[:-1]) if experts and chain.shape else None)
             if cost and opens:  # the cost is per module call, which may hold several chains (rope: q and k)
                 one.host_added = [(float(chain.kernels.columns["ts"][chain.rows[0]]), cost)]
         else:
-            one = fused(trace, rows, fused_us, host=True)
+            one = fused_of[i]
         changes.append(one)
     if swap and swap_host_cost(cost_name, False) is None:
         note = f" The `{swap}` swap's host cost per call is not measured: taken as the eager module's."

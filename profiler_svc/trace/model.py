@@ -195,16 +195,12 @@ class Trace:
         return np.unique(self.memory["top_op"].to_numpy()[host])
 
     @cached_property
-    def _copies_by_top_op(self) -> tuple[np.ndarray, np.ndarray]:
+    def copies_by_top_op(self) -> tuple[np.ndarray, np.ndarray]:
+        """The device copies and memsets by the outermost CPU op that launched them: (those ops' rows, sorted;
+        the copies' trace.memory index in the same order)."""
         tops = self.memory["top_op"].to_numpy()
         order = np.argsort(tops, kind="stable")
         return tops[order], self.memory.index.to_numpy()[order]
-
-    def copies_of(self, ops: np.ndarray) -> np.ndarray:
-        """trace.memory index of the copies and memsets that OPS (outermost CPU op rows) launched."""
-        tops, index = self._copies_by_top_op
-        lo, hi = np.searchsorted(tops, ops, side="left"), np.searchsorted(tops, ops, side="right")
-        return np.concatenate([index[a:b] for a, b in zip(lo.tolist(), hi.tolist()) if b > a] or [np.empty(0, np.int64)])
 
     def column(self, table: str, name: str) -> np.ndarray:
         """TABLE's column NAME as a numpy array (cached: per-kernel lookups in detectors index it)."""

@@ -1074,3 +1074,30 @@ def test_a_module_call_spans_its_childrens_kernels_not_another_call():
 
     group = [chain([0, 1]), chain([3, 4]), chain([6, 7]), chain([3, 4], backward=True)]
     assert _opens_call(group) == [True, False, True, True]
+
+
+def test_fused_chains_at_once_equal_each_chain_by_the_definition():
+    """fused_chains prices thousands of chains in one pass. Against the definition, chain by chain, on a real trace
+    with device copies (Mixtral, masked_fill's clones): an op goes whole when every kernel it launched is in the
+    chain and it copied nothing to or from the host, and its device copies go with it. Chains of consecutive
+    kernels of every length from 0 to 40, so they cut ops in every place; with their ops' host work."""
+    import numpy as np
+
+    from profiler_svc.detectors.common import _host_intervals, fused_chains
+
+    trace = load_trace(str(MIXTRAL_SWAPPED / "swiglu_A.json.gz"))
+    k, mem = trace.kernels, trace.memory
+    by_time = k.sort_values("ts", kind="stable").index.to_numpy()
+    chains = [by_time[start:start + length].tolist() for length in range(41)
+              for start in range(0, len(by_time) - length, 97 + length)]
+    changes = fused_chains(trace, chains, [1.0] * len(chains), host=True)
+    host_copy = set(mem.loc[mem["name"].str.contains("HtoD|DtoH|Host|Pinned|Pageable"), "top_op"])
+    kernels_of = k.groupby("top_op").groups
+    assert len(chains) > 1000 and sum(bool(c.copies_removed) for c in changes) > 10
+    for rows, change in zip(chains, changes):
+        whole = {op for op in k.loc[rows, "top_op"] if op >= 0 and op not in host_copy
+                 and set(kernels_of[op]) <= set(rows)}
+        assert change.copies_removed == set(mem.index[mem["top_op"].isin(whole)]), rows
+        assert change.host_removed == _host_intervals(trace, np.array(sorted(whole), dtype=np.int64))[1:], rows
+        first = min(rows, key=lambda r: k.at[r, "ts"]) if rows else None
+        assert change.durations == ({first: 1.0} if rows else {}) and change.removed == set(rows) - {first}
