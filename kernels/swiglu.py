@@ -297,6 +297,8 @@ class GatedMLP(nn.Module):
     def forward(self, x):
         # The projections' outputs are ours alone: their memory is reused for their gradients.
         gate, up = self.gate_proj(x), self.up_proj(x)
+        if _native(gate):  # eager's own ops, and no more host work than eager's: the host sets the time here
+            return self.down_proj(_NATIVE_ACT[self.act](gate) * up)
         recompute = self.recompute is not False and _recompute_fits(self.down_proj, gate, up)
         if recompute and _plain_linear(self.down_proj, gate):
             return GatedDownFunction.apply(gate, up, self.down_proj.weight, self.down_proj.bias, self.act)
@@ -323,6 +325,9 @@ class GateUpMLP(nn.Module):
     def forward(self, x):
         # the projection's output is ours alone: the backward writes its gradient over it
         gate_up = self.gate_up_proj(x)
+        if _native(gate_up):  # as GatedMLP's
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.down_proj(_NATIVE_ACT[self.act](gate) * up)
         if self.recompute is not False and gate_up.shape[-1] % 2 == 0 and _recompute_fits(self.down_proj, gate_up) \
                 and _plain_linear(self.down_proj, gate_up):  # an odd width: gated_act_split names the error
             return GatedDownFunction.apply(gate_up, None, self.down_proj.weight, self.down_proj.bias, self.act)
@@ -381,10 +386,9 @@ def experts_loop(experts, hidden_states, top_k_index, top_k_weights, apply_gate)
 
 
 def _recompute_fits(down_proj: nn.Module, *inputs: torch.Tensor) -> bool:
-    """Is this a call whose activation is worth recomputing: one that trains, in eager (under compile its
-    partitioner decides), above the size where eager's ops run instead of ours?"""
-    return needs_grad(*inputs, *down_proj.parameters()) and not torch.compiler.is_compiling() \
-        and not _native(inputs[0])
+    """Is this a call (above the size where eager's ops run) whose activation is worth recomputing: one that
+    trains, in eager (under compile its partitioner decides)?"""
+    return needs_grad(*inputs, *down_proj.parameters()) and not torch.compiler.is_compiling()
 
 
 def _plain_linear(layer: nn.Module, x: torch.Tensor) -> bool:

@@ -241,3 +241,49 @@ def test_gate_up_mlp_recomputes_in_the_activation_backward(shape, act):
         y.sum().backward()  # the saved gate_up now holds its gradient: refused, not misread
     down_proj.register_forward_hook(lambda *_: None)  # a hooked down_proj (capture's labels) keeps the activation
     assert type(GateUpMLP(gate_up_proj, down_proj, act=act)(x).grad_fn).__name__ != "GatedDownFunctionBackward"
+
+
+@pytest.mark.parametrize("fused_projection", [False, True])
+def test_a_small_call_runs_eagers_ops_and_nothing_else(monkeypatch, fused_projection):
+    """Below NATIVE_BELOW (a small 16-bit GPU call, forced here on the CPU) the host sets the time, so the
+    gated MLP runs eager's own ops, forward and backward, and no others: the same ATen calls as the HF module's
+    (in another order: both projections first)."""
+    import sys
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    # the module (profiler_svc.kernels.swiglu the attribute is the function)
+    monkeypatch.setattr(sys.modules["profiler_svc.kernels.swiglu"], "_native", lambda t: True)
+
+    class Calls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    if fused_projection:
+        gate_up_proj, down_proj = nn.Linear(16, 80), nn.Linear(40, 16)
+        ours = GateUpMLP(gate_up_proj, down_proj, act=SILU)
+
+        def eager(x):
+            gate, up = gate_up_proj(x).chunk(2, dim=-1)
+            return down_proj(F.silu(gate) * up)
+    else:
+        mlp = tiny("Llama").model.layers[0].mlp
+        ours, eager = GatedMLP(mlp.gate_proj, mlp.up_proj, mlp.down_proj, act=SILU), mlp
+    x = torch.randn(3, ours.down_proj.out_features, requires_grad=True)
+    seen = {}
+    for name, fn in (("eager", eager), ("ours", ours)):
+        with Calls() as calls:
+            out = fn(x)
+            grads = torch.autograd.grad(out.sum(), [x, *ours.parameters()])
+        seen[name] = (calls.ops, out, grads)
+    assert Counter(seen["ours"][0]) == Counter(seen["eager"][0])
+    torch.testing.assert_close(seen["ours"][1], seen["eager"][1], rtol=0, atol=0)
+    for a, b in zip(seen["ours"][2], seen["eager"][2]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
