@@ -392,10 +392,13 @@ def _recompute_fits(down_proj: nn.Module, *inputs: torch.Tensor) -> bool:
 
 
 def _plain_linear(layer: nn.Module, x: torch.Tensor) -> bool:
-    """Is `layer` an nn.Linear that GatedDownFunction may run by its weight: no hooks or wrapped forward to call
-    (a capture's labels, an adapter's), no autocast to cast its weight, and x's dtype?"""
-    return type(layer) is nn.Linear and "forward" not in vars(layer) and not (layer._forward_hooks or layer._forward_pre_hooks) \
-        and not (nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks) \
+    """Is `layer` an nn.Linear that GatedDownFunction may run by its weight: no hooks, forward or backward, or wrapped
+    forward to call (a capture's labels, an adapter's, a gradient monitor's), no autocast to cast its weight, and x's dtype?"""
+    hooks = nn.modules.module
+    return type(layer) is nn.Linear and "forward" not in vars(layer) \
+        and not (layer._forward_hooks or layer._forward_pre_hooks or layer._backward_hooks or layer._backward_pre_hooks) \
+        and not (hooks._global_forward_hooks or hooks._global_forward_pre_hooks or hooks._global_backward_hooks
+                 or hooks._global_backward_pre_hooks) \
         and layer.weight.dtype == x.dtype and not torch.is_autocast_enabled(x.device.type)
 
 

@@ -287,3 +287,19 @@ def test_a_small_call_runs_eagers_ops_and_nothing_else(monkeypatch, fused_projec
     torch.testing.assert_close(seen["ours"][1], seen["eager"][1], rtol=0, atol=0)
     for a, b in zip(seen["ours"][2], seen["eager"][2]):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fused_projection", [False, True])
+@pytest.mark.parametrize("hook", ["full_backward", "full_backward_pre"])
+def test_a_backward_hook_on_down_proj_is_called(fused_projection, hook):
+    """The recompute path runs down_proj by its weight, without calling the module: a down_proj with a backward
+    hook (a gradient monitor's) keeps the module call, and its hook fires."""
+    torch.manual_seed(0)
+    down_proj, called = nn.Linear(40, 16), []
+    getattr(down_proj, f"register_{hook}_hook")(lambda *_: called.append(True))
+    mlp = GateUpMLP(nn.Linear(16, 80), down_proj, act=SILU) if fused_projection else \
+        GatedMLP(nn.Linear(16, 40), nn.Linear(16, 40), down_proj, act=SILU)
+    y = mlp(torch.randn(3, 16, requires_grad=True))
+    assert type(y.grad_fn).__name__ != "GatedDownFunctionBackward"
+    y.sum().backward()
+    assert called
