@@ -238,6 +238,12 @@ def _native(t: torch.Tensor) -> bool:
     return takes_native(t, NATIVE_BELOW)
 
 
+def _eager_split(gate_up: torch.Tensor, act: int) -> torch.Tensor:
+    """Eager's act(gate) · up over the halves of a gate_up tensor: what a small call runs."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return _NATIVE_ACT[act](gate) * up
+
+
 def gated_act_split(gate_up: torch.Tensor, act: int, reuse_input: bool = False) -> torch.Tensor:
     """act(gate) · up with gate, up = gate_up.chunk(2, -1) (Phi-3's gate_up_proj, MoE experts), without
     splitting: the kernels read both halves of each row in place."""
@@ -245,8 +251,7 @@ def gated_act_split(gate_up: torch.Tensor, act: int, reuse_input: bool = False) 
     if gate_up.shape[-1] % 2:
         raise ValueError(f"gate_up's last dim must be even, got {gate_up.shape[-1]}")
     if _native(gate_up):
-        gate, up = gate_up.chunk(2, dim=-1)
-        return _NATIVE_ACT[act](gate) * up
+        return _eager_split(gate_up, act)
     if not needs_grad(gate_up):
         return gated_split_fwd(gate_up.contiguous(), act)
     return GatedSplitFunction.apply(gate_up, act, reuse_input)
@@ -326,10 +331,10 @@ class GateUpMLP(nn.Module):
         # the projection's output is ours alone: the backward writes its gradient over it
         gate_up = self.gate_up_proj(x)
         if _native(gate_up):  # as GatedMLP's
-            gate, up = gate_up.chunk(2, dim=-1)
-            return self.down_proj(_NATIVE_ACT[self.act](gate) * up)
+            return self.down_proj(_eager_split(gate_up, self.act))
+        # an odd width fails as eager's chunk does on a small call, and gated_act_split names it on a large one
         if self.recompute is not False and gate_up.shape[-1] % 2 == 0 and _recompute_fits(self.down_proj, gate_up) \
-                and _plain_linear(self.down_proj, gate_up):  # an odd width: gated_act_split names the error
+                and _plain_linear(self.down_proj, gate_up):
             return GatedDownFunction.apply(gate_up, None, self.down_proj.weight, self.down_proj.bias, self.act)
         return self.down_proj(gated_act_split(gate_up, self.act, reuse_input=True))
 

@@ -290,7 +290,7 @@ def fused_chains(trace: Trace, chains: list, fused_us: list, host: bool = True) 
     ts = trace.column("kernels", "ts")
     chains = [sorted(rows, key=ts.__getitem__) for rows in chains]
     out = []
-    for rows, us, whole, copies in zip(chains, fused_us, *_whole_ops_and_copies(trace, chains)):
+    for rows, us, whole, copies in zip(chains, fused_us, *_whole_ops_and_copies(trace, chains), strict=True):
         if not rows:
             out.append(Change())
             continue

@@ -196,8 +196,8 @@ def test_gated_mlp_recomputes_in_the_activation_backward_over_a_plain_linear(sha
     assert type(GatedMLP(gate_proj, up_proj, down_proj, act=SILU)(x).grad_fn).__name__ != "GatedDownFunctionBackward"
 
 
-def _kept_by_graph(fn, x, *ours) -> int:
-    """Elements the autograd graph of fn(x) holds for its backward, besides x and the parameters of OURS."""
+def _kept_by_graph(fn, x, *ours) -> tuple[torch.Tensor, int]:
+    """fn(x), and the elements its autograd graph holds for the backward besides x and the parameters of OURS."""
     skip = {t.untyped_storage().data_ptr() for m in ours for t in m.parameters()} | {x.untyped_storage().data_ptr()}
     saved = []
 
@@ -253,7 +253,7 @@ def test_a_small_call_runs_eagers_ops_and_nothing_else(monkeypatch, fused_projec
 
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    # the module (profiler_svc.kernels.swiglu the attribute is the function)
+    # the op file's module: `profiler_svc.kernels.swiglu` as an attribute is the function of that name
     monkeypatch.setattr(sys.modules["profiler_svc.kernels.swiglu"], "_native", lambda t: True)
 
     class Calls(TorchDispatchMode):
