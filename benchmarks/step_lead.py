@@ -7,10 +7,10 @@ event and the host clock (a few µs each), and the lead is the event's GPU time 
 clock set at a synchronize (an empty queue, so the first event runs as it is recorded).
 
 Points: the step's start, each decoder layer's forward (a pre-hook), each layer's backward (a hook on the
-gradient of its input) and the step's end; in the bar's step also the loss, the end of backward and the
-optimizer's end. The same points are also timed in steps started one at a time on an idle GPU (after a
-synchronize): the host's time to each point there against in the loop says whether the host runs slower behind
-a busy GPU, and where.
+gradient of its input) and the step's end ("step end": in the bar's step after the optimizer's step and
+zero_grad); in the bar's step also the loss and the end of backward. The same points are also timed in steps
+started one at a time on an idle GPU (after a synchronize): the host's time to each point there against in the
+loop says whether the host runs slower behind a busy GPU, and where.
 
 The model, batch, swaps and loss are ab_end_to_end.py's (the Llama bar's step: `--variant ours --swaps
 rope,rms_norm,swiglu --fused-loss`), or with --size a predict_vs_ab.py case's (its model, inputs and step).
@@ -126,7 +126,11 @@ def build_step(args, points: Points, state: dict):
 
 def measure(model, step, points: Points, args) -> dict:
     """One variant's loop: its unmarked step (ms), the marked loop's steps (after the first, which starts on an
-    idle GPU) and as many steps started one at a time after a synchronize."""
+    idle GPU) and as many steps started one at a time after a synchronize.
+
+    loop_ms_marked (the GPU's time) and host_enqueue_ms_marked (the host's) are per step over all of the marked
+    loop's steps, the first included, which starts from an idle GPU. host_enqueue_ms_marked is the host's wall
+    time to the last step's return, so it includes any time the host spent blocked in a sync inside the step."""
     plain_ms = unprofiled_ms(step, steps=args.steps, warmup=3)  # no step started: no marks
     handles = instrument(model, points, args.modules)
     for _ in range(3):  # warm the hooks
