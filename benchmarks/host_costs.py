@@ -507,6 +507,11 @@ def median_of(paths: list, command: str) -> dict:
     meta = {"versions": first["versions"], "hidden": first["hidden"], "vocab": first.get("vocab", 32000),
             "command": command}
     merged = costs_json(modules, {}, meta, merge_into=first)
+    for name in modules:  # stamped with the versions the runs measured it on (an --ops run's own, merged in)
+        measured_on = [t["swaps"][name].get("measured", {}).get("versions", t["versions"]) for t in tables]
+        if any(v != measured_on[0] for v in measured_on):
+            raise ValueError(f"the runs measured {name} on different versions or devices")
+        merged["swaps"][name]["measured"]["versions"] = measured_on[0]
     for name, per_row in ROUTED_ROWS_PER_ROW.items():  # how this script routes, for entries kept as they were
         if name in merged["swaps"]:
             merged["swaps"][name]["routed_rows_per_row"] = per_row
@@ -514,14 +519,19 @@ def median_of(paths: list, command: str) -> dict:
 
 
 def markdown(data: dict) -> str:
-    about = ", ".join(f"{k} {v}" for k, v in data["versions"].items())
-    remeasured: dict = {}  # command -> the entries it re-measured (merged in with --ops)
+    def about(versions):
+        return ", ".join(f"{k} {v}" for k, v in versions.items())
+
+    remeasured: dict = {}  # (command, versions) -> the entries it re-measured (merged in with --ops)
     for name, entry in data["swaps"].items():
         if "measured" in entry:
-            remeasured.setdefault(entry["measured"]["command"], []).append(name)
-    since = "".join(f"\n\nRe-measured with `{command}`: {', '.join(names)}." for command, names in remeasured.items())
-    lines = [f"# Host cost per call\n\n{about}, {data['dtype']}, hidden {data['hidden']}.\n\nCommand: "
-             f"`{data['command']}`{since}\n\n## Host µs per module call (idle GPU), fwd / inference / fwd+bwd\n",
+            measured = entry["measured"]
+            remeasured.setdefault((measured["command"], about(measured["versions"])), []).append(name)
+    since = "".join(f"\n\nRe-measured on {on} with `{command}`: {', '.join(names)}."
+                    for (command, on), names in remeasured.items())
+    lines = [f"# Host cost per call\n\n{data['dtype']}, hidden {data['hidden']}. First measured, with the native-op "
+             f"crossover, on {about(data['versions'])}: `{data['command']}`{since}\n\n"
+             "## Host µs per module call (idle GPU), fwd / inference / fwd+bwd\n",
              "| swap | eager class | rows | eager | ours | native | ours − eager (fwd, fwd+bwd) |", "| --- | --- | ---: | --- | --- | --- | --- |"]
     for name, entry in data["swaps"].items():
         for rows, row in entry["host_us_by_rows"].items():

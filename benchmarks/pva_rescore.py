@@ -29,7 +29,7 @@ TRITON_LAUNCH_COSTS = "host_costs_h100_triton_launch_2026-11-25.json"
 FAST_LAUNCH_COSTS = "host_costs_h100_fast_launch_2026-11-25.json"  # the runs since: kernels/_launch.py's fast path
 # and since the swiglu swap routes MoE experts' tokens (kernels/moe_routing.py): the table with its swiglu_experts
 ROUTED_EXPERTS_COSTS = "host_costs_h100_routed_experts_2026-11-27.json"
-PACKAGED_COSTS = os.path.join("..", "..", "kernels", "host_costs.json")  # the same kernels, the table as shipped
+PACKAGED_COSTS = "host_costs_h100_packaged_2026-11-28.json"  # the same kernels: kernels/host_costs.json as shipped then
 # (results JSON, its traces, cases left out and why, host costs): every committed run that timed a loop as
 # ab_test does today and whose swaps take today's code paths. Left out: predict_vs_ab_h100_per_event_cost.json
 # and older, whose A/B timed isolated steps (each after a synchronize: the GPU-bound ones carry the host's

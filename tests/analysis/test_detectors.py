@@ -132,7 +132,7 @@ def test_llama_profiled_step_is_launch_bound_and_says_why():
     top = r.findings[0]
     assert top.category == "launch_gaps" and top.severity == "high"
     # the GPU time a swap frees barely counts in a launch-bound step; the host time it saves per call
-    # (kernels/host_costs.json, measured on the H100) does, once per forward and backward chain
+    # (kernels/host_costs.json, measured on a GPU host) does, once per forward and backward chain
     rms = one("llama_bf16_train", "unfused_chain:rms_norm")
     cost = swap_host_costs()["rms_norm"]
     chains = rms.evidence["directions"]
