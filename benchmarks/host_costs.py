@@ -41,8 +41,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from profiler_svc.agent.host_probe import host_probe_us
-
 DEVICE = "cuda"
 DTYPE = torch.bfloat16
 
@@ -236,7 +234,7 @@ def measure_modules(rows_list, hidden, vocab, calls, log, ops=None) -> dict:
         candidates = {"eager": eager, "ours": entry.replace(eager)}
         if native is not None and native is not eager:
             candidates["native"] = _place(native)
-        by_rows, probes = {}, []
+        by_rows = {}
         for rows in rows_list:
             torch.manual_seed(0)
             inputs = make_inputs(rows)
@@ -247,7 +245,6 @@ def measure_modules(rows_list, hidden, vocab, calls, log, ops=None) -> dict:
             # than a swap's cost), and a candidate measured all at once would carry its moment's pace
             samples: dict = {label: {kind: [] for kind in KINDS} for label in candidates}
             for _ in range(TURNS):
-                probes.append(host_probe_us(DEVICE))  # the host's pace beside these figures, for the analyser
                 for label, kinds in steps.items():
                     for kind, step in kinds.items():
                         samples[label][kind] += host_samples(step, max(calls // TURNS, 1), warmup=2)
@@ -257,8 +254,7 @@ def measure_modules(rows_list, hidden, vocab, calls, log, ops=None) -> dict:
             print(f"{name:14s} rows {rows:6d} " + "  ".join(
                 f"{label} {v['forward']:.0f}/{v['inference']:.0f}/{v['forward_backward']:.0f}" for label, v in row.items())
                 + "  (µs fwd/inference/fwd+bwd)", file=log, flush=True)
-        results[name] = {"eager_class": type(eager).__name__, "by_rows": by_rows,
-                         "host_probe_us": round(statistics.median(probes), 2)}
+        results[name] = {"eager_class": type(eager).__name__, "by_rows": by_rows}
     return results
 
 
@@ -473,8 +469,6 @@ def costs_json(modules: dict, cross: dict, meta: dict, merge_into: Optional[dict
             "eager_class": result["eager_class"],
             "host_us_by_rows": result["by_rows"],
         }
-        if result.get("host_probe_us"):
-            swaps[name]["host_probe_us"] = result["host_probe_us"]
         width = dispatch_elements_per_row(name, meta["hidden"], meta["vocab"])
         if width:
             swaps[name]["dispatch_elements_per_row"] = width
@@ -509,9 +503,7 @@ def median_of(paths: list, command: str) -> dict:
             by_rows[int(rows)] = {label: {kind: round(statistics.median(r[rows][label][kind] for r in runs), 1)
                                           for kind in KINDS}
                                   for label in row if all(label in r.get(rows, {}) for r in runs)}
-        probes = [t["swaps"][name].get("host_probe_us") for t in tables]
-        modules[name] = {"eager_class": entry["eager_class"], "by_rows": by_rows,
-                         "host_probe_us": round(statistics.median(probes), 2) if all(probes) else None}
+        modules[name] = {"eager_class": entry["eager_class"], "by_rows": by_rows}
     meta = {"versions": first["versions"], "hidden": first["hidden"], "vocab": first.get("vocab", 32000),
             "command": command}
     merged = costs_json(modules, {}, meta, merge_into=first)

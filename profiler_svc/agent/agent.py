@@ -30,7 +30,6 @@ from ..trace.labels import METADATA_KEY
 from ..workload_spec import check_workload_spec
 from .gpu_clocks import GpuClocks
 from .hooks import ModuleLabels, class_name
-from .host_probe import host_probe_us
 from .metadata import model_device, numerics, rank_and_world_size, static_metadata
 from .step_timer import StepTimer, host_alone_steps
 from .upload import UploadError, upload_trace
@@ -109,9 +108,7 @@ class Capture:
         self.uploads: list[dict] = []  # the service's replies, one per uploaded trace
         self.steps = 0
         self.timer = StepTimer(host_steps=host_alone_steps(self.schedule["wait"]) if self.schedule else 0)
-        self.device = model_device(model)
-        self.clocks = GpuClocks(self.device)  # read as each timed step ends
-        self.host_probe_us: Optional[float] = None  # the host's pace (host_probe.py), timed as the block is entered
+        self.clocks = GpuClocks(model_device(model))  # read as each timed step ends
         self._step_range = None  # this step's ProfilerStep#N range, when capture marks steps itself
         self._numerics = None
         self._profiler: Optional[torch.profiler.profile] = None
@@ -128,10 +125,7 @@ class Capture:
         self._profiler = torch.profiler.profile(
             activities=activities, schedule=schedule, record_shapes=self.record_shapes,
             on_trace_ready=self._write_trace, **self.profile_kwargs)
-        if self.device.type == "cuda":  # before the profiler starts and the first (warm-up) step: timed alone
-            _drain_gpu()
-            self.host_probe_us = host_probe_us(self.device)
-        elif self._profiler.current_action in RECORDING:
+        if self._profiler.current_action in RECORDING:
             _drain_gpu()
         self._profiler.__enter__()
         self.clocks.reset()  # a block's own readings, should the Capture be entered again
@@ -227,8 +221,7 @@ class Capture:
 
     def _add_metadata(self, profiler):
         metadata = {**self.metadata, "numerics": self._numerics or numerics(), "steps": self.steps,
-                    "unprofiled": {**self.timer.summary(), "gpu_clocks": self.clocks.summary(),
-                                   "host_probe_us": self.host_probe_us}}
+                    "unprofiled": {**self.timer.summary(), "gpu_clocks": self.clocks.summary()}}
         profiler.add_metadata_json(METADATA_KEY, json.dumps(metadata))
 
     def _write_trace(self, profiler):

@@ -150,37 +150,19 @@ def _cost_at(swap: str, pick) -> Optional[dict]:
         return None
 
 
-def host_pace(swap: str, host_probe_us: Optional[float]) -> float:
-    """How much longer the trace's host takes than the host that measured SWAP's cost: the ratio of their host
-    probes (agent/host_probe.py; capture records the trace's), within HOST_PACE_BOUNDS; 1 where either is
-    missing (a plain torch.profiler trace, a table entry measured before the probe)."""
-    measured = _costs().get(swap, {}).get("host_probe_us")
-    if not (isinstance(host_probe_us, (int, float)) and isinstance(measured, (int, float))
-            and host_probe_us > 0 and measured > 0):
-        return 1.0
-    low, high = HOST_PACE_BOUNDS
-    return min(max(host_probe_us / measured, low), high)
-
-
-# A probe this far from the table's is not a host's pace but a probe gone wrong (a descheduled thread).
-HOST_PACE_BOUNDS = (0.25, 4.0)
-
-
 def swap_host_cost(swap: str, backward: bool, triton_path: bool = False,
-                   routed_rows: Optional[int] = None, host_probe_us: Optional[float] = None) -> Optional[float]:
+                   routed_rows: Optional[int] = None) -> Optional[float]:
     """Host µs per call that SWAP adds over the eager module it replaces (negative: saves), for the forward
     or for the backward; None where the registry has no measurement. The registry's figure is at a small
     size, where a swap with a native dispatch takes it; triton_path: a call that dispatch does not take (the
-    figure at the largest size it measured); routed_rows: an experts call's, priced at its size;
-    host_probe_us: the trace's host probe, which paces the figure to the trace's host (host_pace)."""
+    figure at the largest size it measured); routed_rows: an experts call's, priced at its size."""
     entry = _triton_path_cost(swap) if triton_path else None
     entry = entry or (_routed_cost(swap, routed_rows) if routed_rows else None) or _costs().get(swap)
     if not isinstance(entry, dict):
         return None
     forward, both = entry.get("forward_us"), entry.get("forward_backward_us")
-    pace = host_pace(swap, host_probe_us)
     if not backward:
-        return float(forward) * pace if isinstance(forward, (int, float)) else None
+        return float(forward) if isinstance(forward, (int, float)) else None
     if isinstance(forward, (int, float)) and isinstance(both, (int, float)):
-        return (float(both) - float(forward)) * pace
+        return float(both) - float(forward)
     return None

@@ -20,8 +20,7 @@ from ..trace.replay import Change
 from .common import (Finding, Recommendation, fmt_us, fused, fused_chains, module_class, numel, op_bytes, op_record_codes, per_step,
                      per_step_note, plural, short_kernel_name, tensor_bytes)
 from .swap_costs import (
-    experts_block, experts_hidden_size, gated_backward_passes, host_pace, native_below, native_is_eager, swap_applies,
-    swap_host_cost,
+    experts_block, experts_hidden_size, gated_backward_passes, native_below, native_is_eager, swap_applies, swap_host_cost,
 )
 
 # How many kernels after an activation its gated product may come: the up projection (a GEMM, with
@@ -777,8 +776,7 @@ def _change(trace, swap, group, fused_times, experts: bool = False) -> tuple[Cha
             one = fused_of.get(i) or Change()
             # the registry's measured host cost per call, relative to the eager module (unknown: the same)
             cost = swap_host_cost(cost_name, chain.backward, triton_path=dispatches and not natives[i],
-                                  routed_rows=numel(chain.shape[:-1]) if experts and chain.shape else None,
-                                  host_probe_us=trace.host_probe_us)
+                                  routed_rows=numel(chain.shape[:-1]) if experts and chain.shape else None)
             if cost and opens:  # the cost is per module call, which may hold several chains (rope: q and k)
                 one.host_added = [(float(chain.kernels.columns["ts"][chain.rows[0]]), cost)]
         else:
@@ -786,9 +784,6 @@ def _change(trace, swap, group, fused_times, experts: bool = False) -> tuple[Cha
         changes.append(one)
     if swap and swap_host_cost(cost_name, False) is None:
         note = f" The `{swap}` swap's host cost per call is not measured: taken as the eager module's."
-    elif swap and (pace := host_pace(cost_name, trace.host_probe_us)) != 1.0:
-        note = (f" The `{swap}` swap's measured host cost per call is taken at {pace:.2f}x: this host's pace against "
-                "the measuring host's, by capture's host probe.")
     return Change.union(changes), note
 
 

@@ -6,7 +6,6 @@ Times are microseconds since the trace's first event. Row links are integer posi
   cpu.module / kernels.module -> "qualified.name (Class)" from capture's labels (backward ops through
   their autograd sequence number)
 """
-import math
 from dataclasses import dataclass, field
 from functools import cached_property
 from operator import itemgetter
@@ -295,20 +294,6 @@ class Trace:
     def capture_metadata(self) -> dict:
         info = self.metadata.get(labels.METADATA_KEY)
         return info if isinstance(info, dict) else {}
-
-    @property
-    def host_probe_us(self) -> Optional[float]:
-        """Capture's host probe (agent/host_probe.py), µs per call: the capturing host's pace, which the swaps'
-        measured host costs are scaled to; None where the trace has no usable one."""
-        info = self.capture_metadata.get("unprofiled")
-        value = info.get("host_probe_us") if isinstance(info, dict) else None
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            return None
-        try:
-            number = float(value)
-        except OverflowError:  # an integer of hundreds of digits is valid JSON
-            return None
-        return number if math.isfinite(number) and number > 0 else None
 
     @property
     def numerics(self) -> dict:
