@@ -66,37 +66,43 @@ def test_the_analyser_keeps_its_accuracy_on_the_committed_ab_runs():
 
 def test_the_analyser_keeps_its_accuracy_on_the_h200_runs():
     """The same ratchet on the H200's runs: GPU-bound (every family, both modes), whose training savings are
-    over-predicted by 6-13% (the swapped steps' GEMMs clock lower at the board's power cap), host-bound twice and
-    balanced three times, priced with the swaps' host costs measured on the H100's host
-    (benchmarks/results/predict_vs_ab.md, 2026-11-28)."""
-    from benchmarks.pva_rescore import H200_RUNS, rescore, summary
+    over-predicted by 6-13% (the swapped steps' GEMMs clock lower at the board's power cap), balanced three times,
+    host-bound five times on five machines: twice priced with the swaps' host costs measured on the H100's host,
+    then with the table re-measured on H200 hosts (benchmarks/results/predict_vs_ab.md, 2026-11-28 and -29)."""
+    from benchmarks.pva_rescore import H200_REPEATS, H200_RUNS, against_mean, rescore, summary
 
-    scores = summary(rescore(runs=H200_RUNS))
+    rows = rescore(runs=H200_RUNS)
+    scores = summary(rows)
     gpu, host, balanced = scores["GPU-bound 4x2048"], scores["host-bound 1x256"], scores["balanced 4x1024"]
     assert gpu["cases"] == 10 and gpu["direction_right"] == 10 and gpu["median_abs_error_share"] <= 0.07
-    assert host["cases"] == 19 and host["direction_right"] == 19 and host["median_abs_error_share"] <= 0.15
-    assert host["range_meets_ci"] >= 17 and gpu["range_meets_ci"] >= 2
+    # one run's measured saving moves with its machine's host pace (a Llama step of 11.0 ms on one, 17.5-22.3 on
+    # others, its saving ~27% of it on each): 0.143 over the first two runs, 0.213 over all five; against the mean
+    # of the five runs' A/Bs, 0.09
+    assert host["cases"] == 47 and host["direction_right"] == 47 and host["median_abs_error_share"] <= 0.215
+    assert against_mean(rows, H200_REPEATS)["host-bound 1x256"]["median_abs_error_share"] <= 0.09
+    assert host["range_meets_ci"] >= 28 and gpu["range_meets_ci"] >= 2
     # three runs on three machines; training is predicted too high (Llama 5.6-7.2 ms against 2.1-3.1 measured)
     assert balanced["cases"] == 17 and balanced["direction_right"] == 17 and balanced["median_abs_error_share"] <= 0.42
     assert balanced["range_meets_ci"] >= 6
 
 
 def test_the_installed_host_costs_are_the_median_of_the_committed_runs():
-    """kernels/host_costs.json is `host_costs.py --median-of` over three committed runs of the same kernels (one
-    H200 host, every swap): each figure the median of the three, ours - eager recomputed from those, each entry
-    stamped with the device the runs measured it on."""
+    """kernels/host_costs.json is `host_costs.py --median-of` over six committed runs of the same kernels (three on
+    each of two H200 hosts, every swap): each figure the median of the six, ours - eager recomputed from those,
+    each entry stamped with the device the runs measured it on."""
     import statistics
 
     from benchmarks.host_costs import median_of
     from profiler_svc.detectors.swap_costs import COSTS_FILE, _kernels_dir
 
-    runs = [os.path.join(RESULTS, f"host_costs_h200_run{i}_2026-11-28.json") for i in (1, 2, 3)]
+    runs = [os.path.join(RESULTS, f"host_costs_h200_run{i}_2026-11-28.json") for i in (1, 2, 3)] + \
+        [os.path.join(RESULTS, f"host_costs_h200_b_run{i}_2026-11-29.json") for i in (1, 2, 3)]
     tables = [json.load(open(path))["swaps"] for path in runs]
     installed = json.loads((_kernels_dir() / COSTS_FILE).read_text())["swaps"]
     computed = median_of(runs, "test")["swaps"]
     for name in ("rms_norm", "rope", "geglu"):
         cell = statistics.median(t[name]["host_us_by_rows"]["8"]["ours"]["forward_backward"] for t in tables)
-        assert computed[name]["host_us_by_rows"][8]["ours"]["forward_backward"] == cell
+        assert computed[name]["host_us_by_rows"][8]["ours"]["forward_backward"] == round(cell, 1)
         rows = installed[name]["host_us_by_rows"]["8"]
         assert installed[name]["forward_backward_us"] == round(
             rows["ours"]["forward_backward"] - rows["eager"]["forward_backward"], 1)
