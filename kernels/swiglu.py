@@ -119,13 +119,21 @@ def gated_split_fwd(gate_up: torch.Tensor, act: int) -> torch.Tensor:
     return out
 
 
+def _split_bwd_into(dgate_up: torch.Tensor, dout: torch.Tensor, gate_up: torch.Tensor, act: int,
+                    hidden: Optional[torch.Tensor] = None) -> None:
+    """d gate_up into DGATE_UP (gate_up itself, in place, where only the backward reads it); with HIDDEN, also
+    act(gate)·up again into it. dout [..., w], gate_up [..., 2·w], contiguous."""
+    width = dout.shape[-1]
+    launch_elementwise(_gated_bwd_kernel, dout, gate_up, gate_up[..., width:], dgate_up, dgate_up[..., width:],
+                       dout if hidden is None else hidden, width, n=dout.numel(), ACT=act, SPLIT=True,
+                       STORE_HIDDEN=hidden is not None)
+
+
 @kernel_op("profiler_svc::gated_split_bwd", mutates_args={})
 def gated_split_bwd(dout: torch.Tensor, gate_up: torch.Tensor, act: int) -> torch.Tensor:
     """dout [..., w], gate_up [..., 2·w], contiguous. Returns d gate_up."""
-    width = dout.shape[-1]
     dgate_up = torch.empty_like(gate_up)
-    launch_elementwise(_gated_bwd_kernel, dout, gate_up, gate_up[..., width:], dgate_up, dgate_up[..., width:], dout,
-                       width, n=dout.numel(), ACT=act, SPLIT=True, STORE_HIDDEN=False)
+    _split_bwd_into(dgate_up, dout, gate_up, act)
     return dgate_up
 
 
@@ -195,9 +203,11 @@ class GatedDownFunction(torch.autograd.Function):
         hidden = torch.empty_like(d_hidden)
         split = up is None
         width = d_hidden.shape[-1]
-        gate_half, up_half = (gate, gate[..., width:]) if split else (gate, up)
-        launch_elementwise(_gated_bwd_kernel, d_hidden, gate_half, up_half, gate_half, up_half, hidden,
-                           width if split else 1, n=d_hidden.numel(), ACT=ctx.act, SPLIT=split, STORE_HIDDEN=True)
+        if split:
+            _split_bwd_into(gate, d_hidden, gate, ctx.act, hidden)
+        else:
+            launch_elementwise(_gated_bwd_kernel, d_hidden, gate, up, gate, up, hidden, 1, n=d_hidden.numel(),
+                               ACT=ctx.act, SPLIT=False, STORE_HIDDEN=True)
         for saved in (gate,) if split else (gate, up):  # a second backward through the graph fails loudly
             torch.autograd.graph.increment_version(saved)
         rows = dy.reshape(-1, dy.shape[-1])
@@ -219,9 +229,7 @@ class GatedSplitFunction(torch.autograd.Function):
         (gate_up,) = ctx.saved_tensors
         dout = dout.contiguous()
         if ctx.reuse_input and not torch.compiler.is_compiling():  # as GatedActFunction: over the projection's output
-            width = dout.shape[-1]
-            launch_elementwise(_gated_bwd_kernel, dout, gate_up, gate_up[..., width:], gate_up, gate_up[..., width:],
-                               dout, width, n=dout.numel(), ACT=ctx.act, SPLIT=True, STORE_HIDDEN=False)
+            _split_bwd_into(gate_up, dout, gate_up, ctx.act)
             torch.autograd.graph.increment_version(gate_up)
             return gate_up, None, None
         return gated_split_bwd(dout, gate_up, ctx.act), None, None
