@@ -100,12 +100,19 @@ def gated_act_fwd(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tenso
     return out
 
 
+def _pair_bwd_into(dgate: torch.Tensor, dup: torch.Tensor, dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                   act: int, hidden: Optional[torch.Tensor] = None) -> None:
+    """d gate and d up into DGATE and DUP (gate and up themselves, in place, where only the backward reads them);
+    with HIDDEN, also act(gate)·up again into it. All contiguous, same shape."""
+    launch_elementwise(_gated_bwd_kernel, dout, gate, up, dgate, dup, dout if hidden is None else hidden, 1,
+                       n=dout.numel(), ACT=act, SPLIT=False, STORE_HIDDEN=hidden is not None)
+
+
 @kernel_op("profiler_svc::gated_act_bwd", mutates_args={})
 def gated_act_bwd(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: int) -> tuple[torch.Tensor, torch.Tensor]:
     """All contiguous, same shape. Returns (d gate, d up)."""
     dgate, dup = torch.empty_like(gate), torch.empty_like(up)
-    launch_elementwise(_gated_bwd_kernel, dout, gate, up, dgate, dup, dout, 1, n=gate.numel(), ACT=act, SPLIT=False,
-                       STORE_HIDDEN=False)
+    _pair_bwd_into(dgate, dup, dout, gate, up, act)
     return dgate, dup
 
 
@@ -171,8 +178,7 @@ class GatedActFunction(torch.autograd.Function):
             # is written by the same program. The bumped versions make a second backward through this
             # graph fail loudly instead of reading gradients as activations.
             dout = dout.contiguous()
-            launch_elementwise(_gated_bwd_kernel, dout, gate, up, gate, up, dout, 1, n=gate.numel(), ACT=ctx.act,
-                               SPLIT=False, STORE_HIDDEN=False)
+            _pair_bwd_into(gate, up, dout, gate, up, ctx.act)
             torch.autograd.graph.increment_version(gate)
             torch.autograd.graph.increment_version(up)
             return gate, up, None, None
@@ -206,8 +212,7 @@ class GatedDownFunction(torch.autograd.Function):
         if split:
             _split_bwd_into(gate, d_hidden, gate, ctx.act, hidden)
         else:
-            launch_elementwise(_gated_bwd_kernel, d_hidden, gate, up, gate, up, hidden, 1, n=d_hidden.numel(),
-                               ACT=ctx.act, SPLIT=False, STORE_HIDDEN=True)
+            _pair_bwd_into(gate, up, d_hidden, gate, up, ctx.act, hidden)
         for saved in (gate,) if split else (gate, up):  # a second backward through the graph fails loudly
             torch.autograd.graph.increment_version(saved)
         rows = dy.reshape(-1, dy.shape[-1])

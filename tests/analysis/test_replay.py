@@ -249,12 +249,12 @@ def test_a_gpu_bound_step_takes_its_host_time_from_the_step_timed_on_the_host():
     does not move them."""
     import os
 
+    from benchmarks.pva_rescore import PACKAGED_COSTS, RESULTS
     from profiler_svc.detectors.swap_costs import host_costs_from
     from profiler_svc.recommendations.analysis import analyse
     from tests.plugins.traces import fixture_path
 
-    table = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "results",
-                         "host_costs_h100_packaged_2026-11-28.json")
+    table = os.path.join(RESULTS, PACKAGED_COSTS)
     savings = {}
     for host_ms in (None, 20.0, 34.0):
         trace = load_trace(fixture_path("gemma8_bf16_4x1024_train_pva"))
