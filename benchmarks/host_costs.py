@@ -17,7 +17,8 @@ Three measurements:
    (`rms_norm_offset`: Gemma's (1 + w) norm against GemmaRMSNorm) is measured under its own name.
    kernels/host_costs.json gets `swaps[name].forward_us` / `forward_backward_us`: ours − eager at the
    smallest row count (what profiler_svc/detectors/swap_costs.py reads for the what-if replay); for a call
-   a swap's native dispatch does not take, the analyser reads ours − eager at the largest row count.
+   a swap's native dispatch does not take, the analyser reads ours − eager at the largest row count. Each size
+   keeps it as `ours_minus_eager`; `--median-of` takes the median of each run's own difference.
 2. Where the host functions dispatch to torch's native op below a size (`NATIVE_BELOW` in the op files),
    the wall time per call of the Triton path (dispatch off) against the native op over a sweep of rows
    (a loop of calls, synchronized once: GPU and host time together, as a step sees them); the
@@ -210,6 +211,7 @@ def _steps(module, inputs):
 
 
 KINDS = ("forward", "inference", "forward_backward")  # the order _steps returns them in
+DELTA = "ours_minus_eager"  # a size's figure that the analyser reads (profiler_svc/detectors/swap_costs.py)
 TURNS = 10  # rounds in which the candidates take turns (measure_modules; --rounds is the in-model one)
 
 
@@ -460,14 +462,14 @@ def costs_json(modules: dict, cross: dict, meta: dict, merge_into: Optional[dict
     each stamped with this run's command and versions."""
     swaps = {}
     for name, result in modules.items():
-        smallest = result["by_rows"][min(result["by_rows"])]
-        ours, eager = smallest["ours"], smallest["eager"]
+        by_rows = {rows: {**row, DELTA: row.get(DELTA) or ours_minus_eager(row)} for rows, row in result["by_rows"].items()}
+        smallest = by_rows[min(by_rows)][DELTA]
         swaps[name] = {
-            "forward_us": round(ours["forward"] - eager["forward"], 1),
-            "forward_backward_us": round(ours["forward_backward"] - eager["forward_backward"], 1),
-            "inference_us": round(ours["inference"] - eager["inference"], 1),
+            "forward_us": smallest["forward"],
+            "forward_backward_us": smallest["forward_backward"],
+            "inference_us": smallest["inference"],
             "eager_class": result["eager_class"],
-            "host_us_by_rows": result["by_rows"],
+            "host_us_by_rows": by_rows,
         }
         width = dispatch_elements_per_row(name, meta["hidden"], meta["vocab"])
         if width:
@@ -485,9 +487,16 @@ def costs_json(modules: dict, cross: dict, meta: dict, merge_into: Optional[dict
             **meta, "swaps": swaps, "native_crossover": cross}
 
 
+def ours_minus_eager(row: dict) -> dict:
+    """One run's ours − eager at one size, per kind of call: both measured in turns in one process, at one pace."""
+    return {kind: round(row["ours"][kind] - row["eager"][kind], 1) for kind in KINDS}
+
+
 def median_of(paths: list, command: str) -> dict:
     """The first file's table with each swap that every file measured (differently) replaced by the median,
-    figure by figure (rows x candidate x forward/inference/forward+backward), of the files' measurements."""
+    figure by figure (rows x candidate x forward/inference/forward+backward), of the files' measurements; ours −
+    eager is the median of each run's own difference (paired: runs on hosts of different pace would otherwise
+    mix one host's ours with another's eager)."""
     tables = []
     for path in paths:
         with open(path) as f:
@@ -502,7 +511,9 @@ def median_of(paths: list, command: str) -> dict:
         for rows, row in runs[0].items():
             by_rows[int(rows)] = {label: {kind: round(statistics.median(r[rows][label][kind] for r in runs), 1)
                                           for kind in KINDS}
-                                  for label in row if all(label in r.get(rows, {}) for r in runs)}
+                                  for label in row if label != DELTA and all(label in r.get(rows, {}) for r in runs)}
+            by_rows[int(rows)][DELTA] = {kind: round(statistics.median(ours_minus_eager(r[rows])[kind] for r in runs), 1)
+                                         for kind in KINDS}
         modules[name] = {"eager_class": entry["eager_class"], "by_rows": by_rows}
     meta = {"versions": first["versions"], "hidden": first["hidden"], "vocab": first.get("vocab", 32000),
             "command": command}
@@ -518,6 +529,11 @@ def median_of(paths: list, command: str) -> dict:
     return merged
 
 
+def _signed(us: float) -> str:
+    """µs to the table's precision, signed; half a µs either way is "0", not "-0"."""
+    return f"{round(us):+d}" if round(us) else "0"
+
+
 def markdown(data: dict) -> str:
     def about(versions):
         return ", ".join(f"{k} {v}" for k, v in versions.items())
@@ -531,15 +547,17 @@ def markdown(data: dict) -> str:
                     for (command, on), names in remeasured.items())
     lines = [f"# Host cost per call\n\n{data['dtype']}, hidden {data['hidden']}. First measured, with the native-op "
              f"crossover, on {about(data['versions'])}: `{data['command']}`{since}\n\n"
-             "## Host µs per module call (idle GPU), fwd / inference / fwd+bwd\n",
+             "## Host µs per module call (idle GPU), fwd / inference / fwd+bwd\n\n"
+             "Over several runs each column is the runs' median, and ours − eager the median of each run's own "
+             "difference (the two sides of a run share its host's pace; the difference of the medians need not).\n",
              "| swap | eager class | rows | eager | ours | native | ours − eager (fwd, fwd+bwd) |", "| --- | --- | ---: | --- | --- | --- | --- |"]
     for name, entry in data["swaps"].items():
         for rows, row in entry["host_us_by_rows"].items():
             cell = lambda label: "/".join(f"{row[label][k]:.0f}" for k in ("forward", "inference", "forward_backward")) \
                 if label in row else ""  # noqa: E731
+            delta = row.get(DELTA) or ours_minus_eager(row)
             lines.append(f"| {name} | {entry['eager_class']} | {rows} | {cell('eager')} | {cell('ours')} | {cell('native')} | "
-                         f"{row['ours']['forward'] - row['eager']['forward']:+.0f}, "
-                         f"{row['ours']['forward_backward'] - row['eager']['forward_backward']:+.0f} |")
+                         f"{_signed(delta['forward'])}, {_signed(delta['forward_backward'])} |")
     lines += ["", "## Triton path vs native op, wall µs per call (loop, one sync), fwd / fwd+bwd\n",
               "| op | rows × width | ours | native |", "| --- | --- | --- | --- |"]
     for op, entry in data["native_crossover"].items():

@@ -143,7 +143,11 @@ def _cost_at(swap: str, pick) -> Optional[dict]:
         return None
     measured = rows[pick(list(rows))]
     ours, eager = measured.get("ours", {}), measured.get("eager", {})
+    # a table of several runs keeps the median of each run's own difference (tables before it: one run's)
+    paired = measured.get("ours_minus_eager")
     try:
+        if paired:
+            return {"forward_us": paired["forward"], "forward_backward_us": paired["forward_backward"]}
         return {"forward_us": ours["forward"] - eager["forward"],
                 "forward_backward_us": ours["forward_backward"] - eager["forward_backward"]}
     except (TypeError, KeyError):
