@@ -395,18 +395,21 @@ def _check(logits_or_hidden, target, reduction, label_smoothing, what="logits"):
 
 # Below this many logits a 16-bit call on a GPU goes to F.cross_entropy on an fp32 copy (HF's own loss path:
 # two ATen kernels each way and a cast): there the host sets the time, and ours costs it more (placement.py).
+# The cast is the price of a loss in fp32, as ours returns it: asking log-softmax for fp32 log-probabilities of
+# bf16 logits costs the host as much (it casts them first; benchmarks/results/host_costs_h200.md).
 NATIVE_BELOW = placement.NATIVE_BELOW["cross_entropy"]
 
 
 def cross_entropy(logits, target, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0):
     """F.cross_entropy with class indices: logits (N, C) or (N, C, d1, ...) and target (N,) or (N, d1, ...)."""
+    if takes_native(logits, NATIVE_BELOW) and logits.is_floating_point() and target.dtype is torch.int64 \
+            and reduction in REDUCTIONS:  # torch checks the shapes and the smoothing itself
+        return F.cross_entropy(logits.float(), target, ignore_index=ignore_index, reduction=reduction,
+                               label_smoothing=label_smoothing)
     _check(logits, target, reduction, label_smoothing)
     classes_last = logits.movedim(1, -1) if logits.dim() > 2 else logits  # class dim is 1, as in F.cross_entropy
     if classes_last.shape[:-1] != target.shape:
         raise ValueError(f"target shape {tuple(target.shape)} does not fit logits {tuple(classes_last.shape)}")
-    if takes_native(logits, NATIVE_BELOW):  # fp32 logits, as HF's loss: the loss stays fp32 as ours does
-        return F.cross_entropy(logits.float(), target, ignore_index=ignore_index, reduction=reduction,
-                               label_smoothing=label_smoothing)
     rows = classes_last.reshape(-1, classes_last.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()

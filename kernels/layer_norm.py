@@ -23,10 +23,10 @@ NATIVE_BELOW = placement.NATIVE_BELOW["layer_norm"]
 
 def layer_norm(x, weight=None, bias=None, eps: float = 1e-5, *, residual=None):
     """LayerNorm over the last dim; returns y, or (y, x + residual) when `residual` is given."""
-    check_norm_args(x, weight, bias, residual)
-    if (residual is None and takes_native(x, NATIVE_BELOW)
-            and all(p is None or p.dtype == x.dtype for p in (weight, bias))):
+    if (residual is None and takes_native(x, NATIVE_BELOW)  # torch checks the shapes itself
+            and (weight is None or weight.dtype is x.dtype) and (bias is None or bias.dtype is x.dtype)):
         return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
+    check_norm_args(x, weight, bias, residual)
     return normalize(x, weight, bias, float(eps), 0.0, True, residual)
 
 

@@ -308,13 +308,13 @@ NATIVE_BELOW = placement.NATIVE_BELOW["softmax"]
 
 def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Softmax along `dim` (the last dim is the fast path; any other is moved there and back)."""
+    if takes_native(x, NATIVE_BELOW) and x.is_floating_point():
+        return torch.softmax(x, dim)
     require_triton(x)
     if not x.is_floating_point():
         raise ValueError(f"softmax needs a floating-point tensor, got {x.dtype}")
     if x.dim() == 0:
         return torch.ones_like(x)
-    if takes_native(x, NATIVE_BELOW):
-        return torch.softmax(x, dim)
     dim = dim % x.dim()
     if dim != x.dim() - 1:
         return softmax(x.movedim(dim, -1)).movedim(-1, dim)
