@@ -32,6 +32,7 @@ ROUTED_EXPERTS_COSTS = "host_costs_h100_routed_experts_2026-11-27.json"
 PACKAGED_COSTS = "host_costs_h100_packaged_2026-11-28.json"  # the same kernels: kernels/host_costs.json as shipped then
 H200_PACKAGED_COSTS = "host_costs_h200_packaged_2026-11-28.json"  # the table as shipped next: three runs on one H200 host
 H200_TWO_HOSTS_COSTS = "host_costs_h200_two_hosts_2026-11-29.json"  # and after: six runs on two H200 hosts
+H200_PAIRED_COSTS = "host_costs_h200_two_hosts_paired_2026-11-29.json"  # the same runs, each one's ours − eager
 # (results JSON, its traces, cases left out and why, host costs): every committed run that timed a loop as
 # ab_test does today and whose swaps take today's code paths. Left out: predict_vs_ab_h100_per_event_cost.json
 # and older, whose A/B timed isolated steps (each after a synchronize: the GPU-bound ones carry the host's
@@ -89,6 +90,8 @@ H200_RUNS = [
     ("predict_vs_ab_h200_host4_2026-11-29.json", "pva_traces_h200_2026-11-29_host4", {}, H200_PACKAGED_COSTS),
     # and on a fifth, with the table that followed: the median of six runs on two H200 hosts
     ("predict_vs_ab_h200_host5_2026-11-29.json", "pva_traces_h200_2026-11-29_host5", {}, H200_TWO_HOSTS_COSTS),
+    # and on a sixth, with that table's ours − eager taken as the median of each run's own difference
+    ("predict_vs_ab_h200_host6_2026-11-29.json", "pva_traces_h200_2026-11-29_host6", {}, H200_PAIRED_COSTS),
 ]
 # Runs of the same kernels and sizes, one process each: every case is also scored against the mean of their
 # measurements, the true change as well as these runs can tell it (one run's A/B moves with its process's host
@@ -96,7 +99,7 @@ H200_RUNS = [
 REPEATS = ("predict_vs_ab_h100_fresh_host_2026-11-27.json",
            *(f"predict_vs_ab_h100_host_repeat{i}_2026-11-28.json" for i in (1, 2, 3, 4)))
 H200_REPEATS = (*(f"predict_vs_ab_h200_host{i}_2026-11-28.json" for i in (1, 2, 3)),
-                *(f"predict_vs_ab_h200_host{i}_2026-11-29.json" for i in (4, 5)))
+                *(f"predict_vs_ab_h200_host{i}_2026-11-29.json" for i in (4, 5, 6)))
 # The regimes the bar is judged on, by the tokens of a case: 4x1024 at twice the width balances host and GPU
 REGIMES = (("host-bound 1x256", "_1x256_"), ("balanced 4x1024", "_4x1024_"), ("GPU-bound 4x2048", "_4x2048_"))
 # The same cases by the replay's host time over GPU time after the swaps: the GPU bounds the step, both about
