@@ -42,6 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from profiler_svc.detectors.swap_costs import OURS_MINUS_EAGER
+
 DEVICE = "cuda"
 DTYPE = torch.bfloat16
 
@@ -211,7 +213,6 @@ def _steps(module, inputs):
 
 
 KINDS = ("forward", "inference", "forward_backward")  # the order _steps returns them in
-DELTA = "ours_minus_eager"  # a size's figure that the analyser reads (profiler_svc/detectors/swap_costs.py)
 TURNS = 10  # rounds in which the candidates take turns (measure_modules; --rounds is the in-model one)
 
 
@@ -462,8 +463,8 @@ def costs_json(modules: dict, cross: dict, meta: dict, merge_into: Optional[dict
     each stamped with this run's command and versions."""
     swaps = {}
     for name, result in modules.items():
-        by_rows = {rows: {**row, DELTA: row.get(DELTA) or ours_minus_eager(row)} for rows, row in result["by_rows"].items()}
-        smallest = by_rows[min(by_rows)][DELTA]
+        by_rows = {rows: {**row, OURS_MINUS_EAGER: ours_minus_eager(row)} for rows, row in result["by_rows"].items()}
+        smallest = by_rows[min(by_rows)][OURS_MINUS_EAGER]
         swaps[name] = {
             "forward_us": smallest["forward"],
             "forward_backward_us": smallest["forward_backward"],
@@ -488,8 +489,9 @@ def costs_json(modules: dict, cross: dict, meta: dict, merge_into: Optional[dict
 
 
 def ours_minus_eager(row: dict) -> dict:
-    """One run's ours − eager at one size, per kind of call: both measured in turns in one process, at one pace."""
-    return {kind: round(row["ours"][kind] - row["eager"][kind], 1) for kind in KINDS}
+    """A table's ours − eager at one size, per kind of call: as stored (a median table's, of each run's own), else
+    one run's, whose two sides were measured in turns in one process, at one pace."""
+    return row.get(OURS_MINUS_EAGER) or {kind: round(row["ours"][kind] - row["eager"][kind], 1) for kind in KINDS}
 
 
 def median_of(paths: list, command: str) -> dict:
@@ -511,9 +513,11 @@ def median_of(paths: list, command: str) -> dict:
         for rows, row in runs[0].items():
             by_rows[int(rows)] = {label: {kind: round(statistics.median(r[rows][label][kind] for r in runs), 1)
                                           for kind in KINDS}
-                                  for label in row if label != DELTA and all(label in r.get(rows, {}) for r in runs)}
-            by_rows[int(rows)][DELTA] = {kind: round(statistics.median(ours_minus_eager(r[rows])[kind] for r in runs), 1)
-                                         for kind in KINDS}
+                                  for label in row if label != OURS_MINUS_EAGER
+                                  and all(label in r.get(rows, {}) for r in runs)}
+            measured = [ours_minus_eager(r[rows]) for r in runs if rows in r]
+            by_rows[int(rows)][OURS_MINUS_EAGER] = {kind: round(statistics.median(m[kind] for m in measured), 1)
+                                                    for kind in KINDS}
         modules[name] = {"eager_class": entry["eager_class"], "by_rows": by_rows}
     meta = {"versions": first["versions"], "hidden": first["hidden"], "vocab": first.get("vocab", 32000),
             "command": command}
@@ -555,7 +559,7 @@ def markdown(data: dict) -> str:
         for rows, row in entry["host_us_by_rows"].items():
             cell = lambda label: "/".join(f"{row[label][k]:.0f}" for k in ("forward", "inference", "forward_backward")) \
                 if label in row else ""  # noqa: E731
-            delta = row.get(DELTA) or ours_minus_eager(row)
+            delta = ours_minus_eager(row)
             lines.append(f"| {name} | {entry['eager_class']} | {rows} | {cell('eager')} | {cell('ours')} | {cell('native')} | "
                          f"{_signed(delta['forward'])}, {_signed(delta['forward_backward'])} |")
     lines += ["", "## Triton path vs native op, wall µs per call (loop, one sync), fwd / fwd+bwd\n",

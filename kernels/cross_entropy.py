@@ -395,8 +395,8 @@ def _check(logits_or_hidden, target, reduction, label_smoothing, what="logits"):
 
 # Below this many logits a 16-bit call on a GPU goes to F.cross_entropy on an fp32 copy (HF's own loss path:
 # two ATen kernels each way and a cast): there the host sets the time, and ours costs it more (placement.py).
-# The cast is the price of a loss in fp32, as ours returns it: asking log-softmax for fp32 log-probabilities of
-# bf16 logits costs the host as much (it casts them first; benchmarks/results/host_costs_h200.md).
+# The cast is the price of a loss in fp32, as ours returns it (log-softmax asked for fp32 output casts bf16
+# logits first: benchmarks/results/host_costs_native_paths_h200_2026-11-29.md).
 NATIVE_BELOW = placement.NATIVE_BELOW["cross_entropy"]
 
 

@@ -14,6 +14,8 @@ from typing import Optional
 
 COSTS_FILE = "host_costs.json"
 PLACEMENT_FILE = "placement.py"
+# A measured size's ours − eager per kind of call; over several runs, the median of each run's own difference
+OURS_MINUS_EAGER = "ours_minus_eager"
 
 
 def _kernels_dir() -> Optional[Path]:
@@ -143,13 +145,10 @@ def _cost_at(swap: str, pick) -> Optional[dict]:
         return None
     measured = rows[pick(list(rows))]
     ours, eager = measured.get("ours", {}), measured.get("eager", {})
-    # a table of several runs keeps the median of each run's own difference (tables before it: one run's)
-    paired = measured.get("ours_minus_eager")
+    paired = measured.get(OURS_MINUS_EAGER) or {}  # tables without it: the difference of the two columns
     try:
-        if paired:
-            return {"forward_us": paired["forward"], "forward_backward_us": paired["forward_backward"]}
-        return {"forward_us": ours["forward"] - eager["forward"],
-                "forward_backward_us": ours["forward_backward"] - eager["forward_backward"]}
+        return {key: paired[kind] if kind in paired else ours[kind] - eager[kind]
+                for key, kind in (("forward_us", "forward"), ("forward_backward_us", "forward_backward"))}
     except (TypeError, KeyError):
         return None
 

@@ -67,8 +67,9 @@ def test_the_analyser_keeps_its_accuracy_on_the_committed_ab_runs():
 def test_the_analyser_keeps_its_accuracy_on_the_h200_runs():
     """The same ratchet on the H200's runs: GPU-bound (every family, both modes), whose training savings are
     over-predicted by 6-13% (the swapped steps' GEMMs clock lower at the board's power cap), balanced three times,
-    host-bound seven times on seven machines (the seventh Gemma, Llama and Phi-3 only): twice priced with the swaps' host costs measured on the H100's host,
-    then with the table re-measured on H200 hosts (benchmarks/results/predict_vs_ab.md, 2026-11-28 and -29)."""
+    host-bound seven times on seven machines (the seventh Gemma, Llama and Phi-3 only): twice priced with the
+    swaps' host costs measured on the H100's host, then with the table re-measured on H200 hosts
+    (benchmarks/results/predict_vs_ab.md, 2026-11-28 and -29)."""
     from benchmarks.pva_rescore import H200_REPEATS, H200_RUNS, against_mean, rescore, summary
 
     rows = rescore(runs=H200_RUNS)
@@ -200,11 +201,43 @@ def test_step_lead_refuses_bad_arguments_in_one_line(tmp_path, capsys, argv, mes
     assert err.count("\n") == 1 or "invalid choice" in err  # argparse's own error adds its usage line
 
 
-def test_the_host_cost_table_prints_a_half_microsecond_as_zero():
-    """The markdown rounds ours − eager to whole µs: geglu's forward at 8 rows, -0.4 µs, prints "0", not "-0"."""
-    from benchmarks.host_costs import markdown
+def _host_cost_run(eager: tuple, ours: tuple, stored=None) -> dict:
+    """A one-swap host-cost table as host_costs.py writes it: µs per call at 8 rows, forward / inference /
+    forward+backward; STORED: the ours − eager a median table keeps."""
+    kinds = ("forward", "inference", "forward_backward")
+    row = {"eager": dict(zip(kinds, eager)), "ours": dict(zip(kinds, ours))}
+    if stored is not None:
+        row["ours_minus_eager"] = dict(zip(kinds, stored))
+    return {"versions": {"device": "GPU"}, "hidden": 2048, "dtype": "bfloat16", "command": "run",
+            "native_crossover": {}, "swaps": {"norm": {"eager_class": "Norm", "host_us_by_rows": {"8": row}}}}
 
-    with open(os.path.join(RESULTS, "..", "..", "kernels", "host_costs.json")) as f:
-        table = markdown(json.load(f))
-    (geglu,) = [line for line in table.splitlines() if line.startswith("| geglu | GemmaMLP | 8 |")]
-    assert geglu.endswith("| 0, -4 |")
+
+def test_host_costs_pair_each_runs_ours_with_its_own_eager(tmp_path):
+    """Three runs on hosts of different pace: each column's median (eager 120, ours 100) would say -20 µs; the
+    median of each run's own difference (-10, +10, -20) is -10. A median table given as a run keeps its own
+    paired figure (5), not its columns' difference (0)."""
+    from benchmarks.host_costs import costs_json, markdown, median_of
+
+    runs = [_host_cost_run((100, 90, 500), (90, 80, 450)), _host_cost_run((150, 135, 750), (160, 145, 760)),
+            _host_cost_run((120, 110, 600), (100, 95, 580))]
+    paths = []
+    for i, run in enumerate(runs):
+        paths.append(str(tmp_path / f"run{i}.json"))
+        with open(paths[-1], "w") as f:
+            json.dump(run, f)
+    entry = median_of(paths, "median")["swaps"]["norm"]
+    assert entry["host_us_by_rows"][8]["eager"]["forward"] == 120 and entry["host_us_by_rows"][8]["ours"]["forward"] == 100
+    assert entry["host_us_by_rows"][8]["ours_minus_eager"] == {"forward": -10, "inference": -10, "forward_backward": -20}
+    assert (entry["forward_us"], entry["inference_us"], entry["forward_backward_us"]) == (-10, -10, -20)
+    with open(paths[0], "w") as f:
+        json.dump(_host_cost_run((100, 90, 500), (100, 90, 500), stored=(5, 5, 5)), f)
+    assert median_of(paths[:2], "median")["swaps"]["norm"]["forward_us"] == 7.5  # median of 5 and +10
+    # one run's table keeps its own difference; the markdown prints half a µs or less as "0", not "-0"
+    single = costs_json({"norm": {"eager_class": "Norm", "by_rows": {8: {"eager": {"forward": 100.4, "inference": 90,
+                                                                                  "forward_backward": 500},
+                                                                        "ours": {"forward": 100, "inference": 90,
+                                                                                 "forward_backward": 497}}}}},
+                        {}, {"versions": {}, "hidden": 2048, "vocab": 32000, "command": "run"})
+    assert single["swaps"]["norm"]["host_us_by_rows"][8]["ours_minus_eager"]["forward"] == -0.4
+    (line,) = [line for line in markdown({**single, "dtype": "bfloat16"}).splitlines() if line.startswith("| norm |")]
+    assert line.endswith("| 0, -3 |")

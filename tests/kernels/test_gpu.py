@@ -161,6 +161,21 @@ def test_small_calls_take_torchs_op_and_large_ones_our_kernel(op):
             torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 
 
+def test_a_small_cross_entropy_call_with_int32_targets_runs_our_kernel():
+    """Our checks take int32 class indices, which F.cross_entropy rejects: a small 16-bit call with them runs our
+    kernel (before, it reached torch's op and failed there), and matches torch on the same indices as int64."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = (3 * torch.randn(64, 32000, device="cuda", generator=gen)).bfloat16().requires_grad_()
+    target = torch.randint(0, 32000, (64,), device="cuda", generator=gen)
+    target[3] = -100
+    got = K.cross_entropy(x, target.int())
+    (grad,) = torch.autograd.grad(got, x)
+    want = F.cross_entropy(x.float(), target)
+    (want_grad,) = torch.autograd.grad(want, x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad, want_grad)
+
+
 def test_small_gemma_norms_take_torchs_fused_op_in_fp32_and_stay_as_accurate():
     """Below NATIVE_BELOW_OFFSET elements a 16-bit Gemma (1 + w) norm runs F.rms_norm on fp32 copies (bitwise
     that path's output and gradients); above, our kernel. Both paths' errors against fp64 stay within 1.1x
