@@ -406,7 +406,9 @@ def experts_loop(experts, hidden_states, top_k_index, top_k_weights, apply_gate)
 def _recompute_fits(down_proj: nn.Module, *inputs: torch.Tensor) -> bool:
     """Is this a call (above the size where eager's ops run) whose activation is worth recomputing: one that
     trains, in eager (under compile its partitioner decides)?"""
-    return needs_grad(*inputs, *down_proj.parameters()) and not torch.compiler.is_compiling()
+    # down_proj's parameters last: walking a module's parameters costs µs of every call's host time
+    return torch.is_grad_enabled() and not torch.compiler.is_compiling() and (
+        any(t.requires_grad for t in inputs) or any(p.requires_grad for p in down_proj.parameters()))
 
 
 def _plain_linear(layer: nn.Module, x: torch.Tensor) -> bool:
