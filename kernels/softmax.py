@@ -313,6 +313,8 @@ def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     require_triton(x)
     if not x.is_floating_point():
         raise ValueError(f"softmax needs a floating-point tensor, got {x.dtype}")
+    if not -max(x.dim(), 1) <= dim < max(x.dim(), 1):  # as torch.softmax: a 0-d tensor takes dim 0 or -1
+        raise IndexError(f"softmax: dim {dim} is out of range for a {x.dim()}-d tensor")
     if x.dim() == 0:
         return torch.ones_like(x)
     dim = dim % x.dim()

@@ -40,6 +40,11 @@ def test_masked_rows_and_other_dims():
     torch.testing.assert_close(softmax(zt), torch.softmax(zt, -1))
     with pytest.raises(ValueError, match="floating-point"):
         softmax(torch.ones(3, dtype=torch.long))
+    for bad in (3, -4):  # out of range for a 3-d tensor, as torch says: not wrapped to another dim
+        with pytest.raises(IndexError, match="out of range"):
+            softmax(z, dim=bad)
+        with pytest.raises(IndexError):
+            torch.softmax(z, dim=bad)
 
 
 def test_swap_replaces_last_dim_softmax_only():
