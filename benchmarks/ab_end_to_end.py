@@ -3,7 +3,7 @@ profiler_svc recommends for it vs Liger-Kernel's apply_liger_kernel_to_<family>,
 
     python benchmarks/ab_end_to_end.py [--family llama|gemma|qwen2|mixtral] [--out DIR] [--steps 20]
                                        [--warmup 5] [--budget-s 460] [--skip-ab] [--small] [--child-timeout-s 120]
-                                       [--variants ours:train,...] [--swaps rope,rms_norm,swiglu [--fused-loss]]
+                                       [--variants ours:train,...] [--swaps rope,rms_norm,swiglu [--fused-loss]] [--ab-tokens 1x512]
                                        [--profile STEPS]
 
 --swaps skips the recommend stage and measures "ours" with those swaps; --profile adds, after each variant's
@@ -21,8 +21,9 @@ module globals, which would patch every model built after it in the same process
              events over --steps steps after --warmup, and peak memory (torch.cuda.max_memory_allocated
              over the timed steps, model + optimizer state + activations). train = forward + loss +
              backward + fused AdamW step; infer = forward under no_grad, all logits, no KV cache
-  ab         profiler_svc.ab_test on the eager model with the recommended module swaps, batch 1:
-             parity against fp64 (loss and every gradient) and interleaved timing with its CI
+  ab         profiler_svc.ab_test on the eager model with the recommended module swaps at --ab-tokens
+             (1x512: where the host bounds the step): parity against fp64 (loss and every gradient) and
+             interleaved timing with its CI
 
 "ours" = the recommended module swaps (kernels.swap, parity-checked per instance: e.g. rms_norm on
 the norms, swiglu on the MLPs, rope on the attention instances, which then call our fused rotary
@@ -99,11 +100,12 @@ def build(family: str, small: bool, liger: bool = False, use_cache: bool = False
     return model.to(torch.bfloat16)
 
 
-def batch(family: str, small: bool, size: int | None = None):
-    rows, seq = (2, 64) if small else (4, 2048)
+def batch(family: str, small: bool, size: tuple[int, int] | None = None):
+    """Token ids (and labels) of the bar's size, or of `size` (rows, seq); a tiny batch with `small`."""
+    rows, seq = (2, 64) if small else size or (4, 2048)
     gen = torch.Generator().manual_seed(1)
     vocab = config_of(family, small)["vocab_size"]
-    ids = torch.randint(0, vocab, (size or rows, seq), generator=gen).to(device())
+    ids = torch.randint(0, vocab, (rows, seq), generator=gen).to(device())
     return ids, ids.clone()  # labels = inputs: HF shifts them inside the loss
 
 
@@ -244,7 +246,7 @@ def stage_ab(args) -> dict:
     from profiler_svc import ab_test
 
     model = build(args.family, args.small)
-    ids, labels = batch(args.family, args.small, size=1)  # the fp64 reference of a 4 x 2048 step would need ~50 GB
+    ids, labels = batch(args.family, args.small, size=args.ab_tokens)  # fp64 at 4 x 2048 would need ~50 GB
     out = {}
     for mode in ("train", "infer", "train_repeat"):  # the repeat: do two runs' intervals overlap?
         if mode.startswith("train"):
@@ -273,9 +275,21 @@ STAGES = {"recommend": stage_recommend, "measure": stage_measure, "ab": stage_ab
 # ---- orchestration --------------------------------------------------------------------------------
 
 
+def tokens(text: str) -> tuple[int, int]:
+    """"1x512" -> (1, 512): an --ab-tokens value."""
+    try:
+        rows, seq = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ROWSxSEQ such as 1x512, got {text!r}") from None
+    if rows < 1 or seq < 2:
+        raise argparse.ArgumentTypeError(f"ROWSxSEQ needs at least 1 row of 2 tokens, got {text!r}")
+    return rows, seq
+
+
 def run_child(stage: str, extra: list, args, timeout: float) -> dict:
     cmd = [sys.executable, __file__, "--child", stage, "--family", args.family, "--steps", str(args.steps),
-           "--warmup", str(args.warmup), *(["--small"] if args.small else []),
+           "--warmup", str(args.warmup), "--ab-tokens", "x".join(map(str, args.ab_tokens)),
+           *(["--small"] if args.small else []),
            *(["--use-cache"] if args.use_cache else []), *extra]
     t0 = time.time()
     try:
@@ -331,7 +345,8 @@ def table(runs: list, rec: dict, ab: dict, args) -> str:
             lines.append(f"| {r['variant']} | {r['median_ms']:.2f} | {r['min_ms']:.2f}-{r['max_ms']:.2f} | {peak} "
                          f"| {speedup} | {loss} | {swapped} |")
         lines.append("")
-    lines += ["## ab_test (eager vs recommended module swaps, batch 1, same process, interleaved)", ""]
+    rows, seq = args.ab_tokens
+    lines += [f"## ab_test (eager vs recommended module swaps, {rows}x{seq} tokens, same process, interleaved)", ""]
     if "error" in ab:
         lines.append(f"failed: {ab['error']}")
     for mode, d in ((m, ab[m]) for m in ("train", "infer", "train_repeat") if m in ab):
@@ -359,6 +374,8 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=460, help="stop starting stages after this long")
     p.add_argument("--small", action="store_true", help="a tiny config: a smoke test on any machine")
     p.add_argument("--skip-ab", action="store_true", help="measure the variants only, no ab_test stage")
+    p.add_argument("--ab-tokens", type=tokens, default=(1, 512), metavar="ROWSxSEQ",
+                   help="the ab_test stage's batch (default 1x512, where the host bounds the step)")
     p.add_argument("--child-timeout-s", type=float, default=120, help="limit of one measure stage (Liger's "
                    "Mixtral compiles its kernels for longer than the default)")
     p.add_argument("--variants", type=lambda s: [x for x in s.split(",") if x], default=[],
