@@ -1,6 +1,7 @@
 """Several ranks of one job: the same problem on each is one finding, and the rank the others wait for is a
 cause of its own (the straggler), priced by what its peers lose waiting for it: over NCCL from the ranks
 replayed together (trace.job_replay)."""
+from collections import Counter
 from dataclasses import dataclass
 from typing import Optional
 
@@ -50,8 +51,11 @@ def merge_ranks(analyses: list[Analysis]) -> list[Finding]:
     rank's (the rank the headline names), its spread across ranks in the evidence."""
     by_key: dict = {}
     for a in analyses:
-        for f in a.findings:
-            by_key.setdefault(f.key or f"{f.category}:{f.title}", []).append(f)
+        seen: Counter = Counter()
+        for f in a.findings:  # one rank's findings are never merged: its n-th of a key goes with another's n-th
+            key = f.key or f"{f.category}:{f.title}"
+            by_key.setdefault((key, seen[key]), []).append(f)
+            seen[key] += 1
     out = []
     for group in by_key.values():
         worst = max(group, key=lambda f: f.saving_us_per_step)

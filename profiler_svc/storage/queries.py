@@ -1,4 +1,6 @@
 """Read side: the data behind every page, as plain dicts (the HTML pages and the JSON API share it)."""
+from collections import Counter
+
 from sqlalchemy import func, or_, select
 
 from ..errors import UserError
@@ -137,9 +139,14 @@ def findings(session, run_id: int) -> list[dict]:
         for step in (t.prediction or {}).get("waterfall") or []:
             keys[(t.id, step.get("title"))] = by_title[step.get("title")] = step.get("finding")
     groups: dict = {}
+    seen: Counter = Counter()
     for f in rows:
         cause = keys.get((f.trace_id, f.title)) or by_title.get(f.title) or f"{f.category}:{f.title}"
-        groups.setdefault(cause, []).append(f)
+        # findings of one trace are never merged (two can share a title, and so the title's key): the n-th
+        # of a cause on one rank goes with the n-th on another
+        nth = seen[f.trace_id, cause]
+        seen[f.trace_id, cause] += 1
+        groups.setdefault(cause if not nth else f"{cause}#{nth + 1}", []).append(f)
     out = []
     for cause, group in groups.items():
         worst = group[0]  # rows come best saving first

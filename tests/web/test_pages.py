@@ -163,6 +163,19 @@ def test_multi_rank_run_is_one_finding_per_cause_with_each_ranks_figures(engine,
     assert "straggler</strong>" not in page
 
 
+def test_findings_sharing_a_title_are_not_merged(engine, blobs, client):
+    """gpt2_fp16_train has three chain findings titled "chain of memory-bound kernels: 2 chains, 6 kernels"
+    (different ops each): one trace's findings are never one cause, whatever their titles."""
+    path = fixture_path("gpt2_fp16_train")
+    report = recommend(str(path)).to_dict()
+    titles = [f["title"] for f in report["findings"]]
+    assert max(titles.count(t) for t in titles) >= 3
+    run = client.get(f"/api/v1/runs/{ingest(engine, blobs, path)}").get_json()
+    assert sorted((f["title"], f["saving_us_per_step"]) for f in run["findings"]) == sorted(
+        (f["title"], f["saving_us_per_step"]) for f in report["findings"])
+    assert len({f["cause"] for f in run["findings"]}) == len(report["findings"])
+
+
 @pytest.mark.parametrize("name", ["gpt2_ddp_straggler", "llama_nccl_ddp_straggler"])  # gloo, NCCL
 def test_straggler_rank_is_marked(engine, blobs, client, name):
     folder = fixture_dir(name)
