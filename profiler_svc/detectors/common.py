@@ -79,6 +79,13 @@ def tensor_bytes(shape, dtype) -> int:
     return numel(shape) * (element_bytes(dtype) or 0)
 
 
+def read_bytes(shape, dtype, strides) -> int:
+    """Bytes a kernel reads of an input: a broadcast view's (stride 0, as expand makes) only once."""
+    if isinstance(strides, list) and len(strides) == len(shape):
+        shape = [size for size, stride in zip(shape, strides) if stride != 0]
+    return tensor_bytes(shape, dtype)
+
+
 GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear",
             "aten::_scaled_mm", "aten::addmv", "aten::mv"}
 
@@ -191,15 +198,62 @@ def op_record_codes(trace: Trace, kernels) -> np.ndarray:
     return codes
 
 
-def op_bytes(inputs: OpInputs) -> int:
+# ops that read only the rows or elements their index picks, not the whole table they index
+GATHER_OPS = {"aten::embedding", "aten::index_select", "aten::gather", "aten::take_along_dim"}
+# ops that write their first tensor without reading it
+WRITE_ONLY_OPS = {"aten::fill_", "aten::zero_", "aten::normal_", "aten::uniform_", "aten::bernoulli_",
+                  "aten::random_", "aten::exponential_"}
+# ops whose output is bool, one byte an element
+BOOL_OUTPUT_OPS = {"aten::eq", "aten::ne", "aten::lt", "aten::le", "aten::gt", "aten::ge", "aten::isnan",
+                   "aten::isinf", "aten::isneginf", "aten::isposinf", "aten::isfinite", "aten::logical_not",
+                   "aten::logical_and", "aten::logical_or", "aten::logical_xor"}
+
+
+def op_bytes(inputs: OpInputs, op: Optional[str] = None) -> int:
     """Bytes an elementwise/reduction op moves: its tensor inputs read once, plus one output as large as
-    its largest input (written once). Broadcast inputs count at their own size."""
+    its largest input (written once). Given the op's name, a broadcast (stride-0) input is read once, and the
+    ops that move otherwise: a gather reads what its index picks, `copy_` does not read its destination, a fill
+    only writes, a comparison writes bool; 0 (unknown) where the record cannot say (aten::index's index list,
+    a compiled kernel that gathers)."""
     tensors = inputs.tensors()
     if not tensors:
         return 0
-    read = sum(tensor_bytes(s, d) for s, d, _ in tensors)
+    if op in GATHER_OPS:
+        return _gather_bytes(op, inputs, tensors)
+    if op == "aten::index" or (op and op.startswith("triton_") and any(w in op for w in ("embedding", "gather", "index"))):
+        return 0
+    if op in WRITE_ONLY_OPS:
+        return tensor_bytes(tensors[0][0], tensors[0][1])
+    if op == "aten::copy_":
+        return tensor_bytes(tensors[0][0], tensors[0][1]) + sum(read_bytes(s, d, st) for s, d, st in tensors[1:2])
+    # without the op's name, as the chains' pricing has always counted: a broadcast input at its recorded size
+    read = sum(read_bytes(s, d, st) if op else tensor_bytes(s, d) for s, d, st in tensors)
     largest = max(tensors, key=lambda x: numel(x[0]))
-    return read + tensor_bytes(largest[0], largest[1])
+    return read + tensor_bytes(largest[0], "bool" if op in BOOL_OUTPUT_OPS else largest[1])
+
+
+def _gather_bytes(op: str, inputs: OpInputs, tensors: list) -> int:
+    """A gather's index read, and its output (the picked elements) read from the table and written."""
+    if len(tensors) < 2:
+        return 0
+    (table, dtype, _), (index, index_dtype, index_strides) = tensors[0], tensors[1]
+    if op == "aten::embedding":  # weight [V, ...], indices: a row each
+        picked = numel(index) * numel(table[1:])
+    elif op == "aten::index_select":  # (self, dim, index): self with dim's size replaced by the index's
+        dim = _int_at(inputs.concrete, 1, 0)
+        if not -len(table) <= dim < len(table) or not table[dim]:
+            return 0
+        picked = numel(table) // table[dim] * numel(index)
+    else:  # gather, take_along_dim: an element for each index
+        picked = numel(index)
+    return read_bytes(index, index_dtype, index_strides) + 2 * picked * (element_bytes(dtype) or 0)
+
+
+def _int_at(values: list, i: int, default: int) -> int:
+    try:
+        return int(values[i])
+    except (IndexError, TypeError, ValueError):
+        return default
 
 
 def is_dense(shape, strides) -> bool:

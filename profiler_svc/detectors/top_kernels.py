@@ -19,6 +19,7 @@ def top_kernels(trace: Trace, n: int = 20) -> list[dict]:
     grouped = kernels.groupby("name", sort=False)["dur"].agg(["sum", "count", "mean"]).sort_values("sum", ascending=False)
     out = []
     cache: dict[int, tuple[float, float]] = {}  # op row -> (FLOPs, bytes)
+    credited, op_time = _credited_kernels(kernels)
     bandwidth = trace.device.memory_bandwidth_gbps
     for name, stats in grouped.head(n).iterrows():
         rows = kernels[name_mask(kernels, lambda n: n == name)]
@@ -38,7 +39,8 @@ def top_kernels(trace: Trace, n: int = 20) -> list[dict]:
             "achieved_gbps": None, "bandwidth_pct": None, "achieved_tflops": None, "peak_pct": None,
             "bound": None,
         }
-        flops, moved, timed = _work(trace, rows, cache)
+        flops, moved, timed = _work(trace, rows, cache, credited.loc[rows.index].to_numpy(),
+                                    op_time.loc[rows.index].to_numpy())
         shape = gemm_shape(op, inputs) if op else None
         dtype = shape.dtype if shape else None
         if moved and timed:
@@ -60,11 +62,27 @@ def top_kernels(trace: Trace, n: int = 20) -> list[dict]:
     return out
 
 
-def _work(trace: Trace, rows: pd.DataFrame, cache: dict) -> tuple[float, float, float]:
-    """(FLOPs, bytes, µs) over every timed call of one kernel: shapes differ between calls, and repeat over
-    steps, so each distinct (op, recorded inputs) is priced once (CACHE: across kernels) and counted."""
+def _credited_kernels(kernels: pd.DataFrame) -> tuple[pd.Series, pd.Series]:
+    """(is this the kernel its op's work is credited to, that op's kernels' total µs), by kernel row. An op that
+    launches several kernels (a GEMM and its split-K reduction, a convolution and its padding) did its work
+    over all of them: the longest gets the op's FLOPs and bytes over their total time, the others none."""
+    ops, durs = kernels["op"].to_numpy(), kernels["dur"].to_numpy()
+    launched = np.flatnonzero(ops >= 0)
+    credited, total = np.zeros(len(ops), dtype=bool), durs.astype(float)
+    if len(launched):
+        per_op = pd.Series(durs[launched]).groupby(ops[launched])
+        credited[launched[per_op.idxmax().to_numpy()]] = True
+        total[launched] = per_op.transform("sum").to_numpy()
+    return pd.Series(credited, index=kernels.index), pd.Series(total, index=kernels.index)
+
+
+def _work(trace: Trace, rows: pd.DataFrame, cache: dict, credited: np.ndarray,
+          op_time: np.ndarray) -> tuple[float, float, float]:
+    """(FLOPs, bytes, µs) over every timed call of one kernel that its op's work is credited to (CREDITED;
+    OP_TIME: the op's kernels' time): shapes differ between calls, and repeat over steps, so each distinct
+    (op, recorded inputs) is priced once (CACHE: across kernels) and counted."""
     ops, durs = rows["op"].to_numpy(), rows["dur"].to_numpy()
-    timed = (ops >= 0) & (durs > 0)
+    timed = (ops >= 0) & (durs > 0) & credited
     if not timed.any():
         return 0.0, 0.0, 0.0
     ops, names = ops[timed], rows["op_name"].to_numpy()[timed]
@@ -75,11 +93,11 @@ def _work(trace: Trace, rows: pd.DataFrame, cache: dict) -> tuple[float, float, 
         if op_row not in cache:
             inp = trace.op_inputs(op_row)
             g = gemm_shape(names[f], inp)
-            cache[op_row] = (g.flops if g else 0.0, g.bytes if g else op_bytes(inp))
+            cache[op_row] = (g.flops if g else 0.0, g.bytes if g else op_bytes(inp, names[f]))
         op_flops, op_moved = cache[op_row]
         flops += op_flops * count
         moved += op_moved * count
-    return flops, moved, float(durs[timed].sum())
+    return flops, moved, float(op_time[timed].sum())
 
 
 def _most_common(series: pd.Series):

@@ -243,6 +243,8 @@ def render_text(report: Report, top: int = 10) -> str:
         for k in report.top_kernels[:top]:
             lines.append(f"{k['share_pct']:5.1f}%  {fmt_us(k['us_per_step']):>9}  {k['count']:>6}  {_rate(k):>22}  "
                          f"{_truncate(clean(k['short_name']), 70)}  ({_where(k)})")
+        if note := above_dram_note(report.top_kernels[:top], report.trace):
+            lines.append(note)
     elif report.top_ops:
         lines.append("No GPU kernels in this trace. Top CPU ops (outermost, host time)")
         lines.append(f"{'share':>6}  {'total':>9}  {'calls':>6}  op")
@@ -259,6 +261,17 @@ def _rate(k: dict) -> str:
     if k["achieved_gbps"] is not None:
         return f"{k['achieved_gbps']:.0f} GB/s ({k['bandwidth_pct']:.0f}%)"
     return ""
+
+
+def above_dram_note(kernels: list, trace: dict) -> str:
+    """What a bandwidth above 100% means, where a shown kernel has one: its bytes were counted from its op's
+    recorded shapes, and a kernel whose inputs were just written can read them from L2 faster than from DRAM."""
+    if not any((k.get("bandwidth_pct") or 0) > 100 for k in kernels):
+        return ""
+    gbps = (trace.get("device") or {}).get("memory_bandwidth_gbps")
+    of = f" ({gbps:.0f} GB/s)" if isinstance(gbps, (int, float)) else ""
+    return (f"Bandwidth is a share of the device's copy bandwidth{of}; above 100%, part of the kernel's data "
+            "came from L2 (just written by the kernel before it), not from DRAM.")
 
 
 def _where(k: dict) -> str:
@@ -305,4 +318,6 @@ def render_markdown(report: Report, top: int = 10) -> str:
         for k in report.top_kernels[:top]:
             out.append(f"| {k['share_pct']:.1f}% | {fmt_us(k['us_per_step'])} | {k['count']} | {_rate(k)} | "
                        f"{_code(k['short_name'])} | {_md(k['top_op'] or k['op'] or '')} | {_md(k['module'] or '')} |")
+        if note := above_dram_note(report.top_kernels[:top], report.trace):
+            out += ["", _md(note)]
     return "\n".join(out) + "\n"

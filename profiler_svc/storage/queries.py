@@ -4,6 +4,7 @@ from collections import Counter
 from sqlalchemy import func, or_, select
 
 from ..errors import UserError
+from ..recommendations.report import above_dram_note
 from ..trace.kernel_names import short_kernel_name
 from .models import ABJob, AnalysisJob, FindingRecord, KernelSummary, Run, TraceRecord
 
@@ -264,6 +265,7 @@ def modules_page(session, run_id: int, rank: int | None = None) -> dict:
     page["modules"] = stored.get("modules") or []
     page["labelled"] = bool(stored.get("labelled"))
     page["top_kernels"] = top_kernels(session, run_id, main)
+    page["bandwidth_note"] = above_dram_note(page["top_kernels"], stored)
     page["top_ops"] = stored.get("top_ops") or []
     return page
 

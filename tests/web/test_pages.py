@@ -212,6 +212,12 @@ def test_top_kernels_show_the_reports_short_names_ops_and_rates(engine, blobs, c
     row = row[:row.index("</tr>")]
     assert f"{rated['achieved_tflops']:.0f} TFLOP/s" in row and f"{rated['peak_pct']:.0f} % FLOP/s" in row
     assert html.escape(rated["top_op"] or rated["op"], quote=False) in row
+    # a rate above the copy bandwidth (L2-sized tensors just written) comes with where the bytes came from
+    assert ('id="bandwidth-note"' in page) == any((k["bandwidth_pct"] or 0) > 100 for k in kernels)
+    plain = ingest(engine, blobs, fixture_path("gpt2_fp16_decode_b1"))  # every rate under it
+    assert 'id="bandwidth-note"' not in client.get(f"/runs/{plain}/modules").get_data(as_text=True)
+    fast = ingest(engine, blobs, fixture_path("gpt2_hidden1020_fp16_infer"))
+    assert "came from L2" in client.get(f"/runs/{fast}/modules").get_data(as_text=True)
 
 
 def test_timeline_page_links_perfetto_and_explains_gaps(engine, blobs, client):
