@@ -9,6 +9,7 @@ import importlib
 import sys
 
 from .errors import UserError
+from .formats import clean
 
 # Areas that contribute subcommands, in help order. Each module defines add_commands(subparsers).
 COMMAND_MODULES = (
@@ -48,8 +49,8 @@ def main(argv=None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except UserError as exc:
-        print(f"profiler_svc: error: {exc}", file=sys.stderr)
+    except UserError as exc:  # one line, whatever a path or name in it holds
+        print(f"profiler_svc: error: {clean(exc)}".replace("\n", " "), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("profiler_svc: interrupted", file=sys.stderr)

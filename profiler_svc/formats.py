@@ -3,6 +3,7 @@
 Imports nothing of profiler_svc, so every layer (detectors, storage, the web app) can use it.
 """
 import math
+import re
 
 
 def fmt_us(us) -> str:
@@ -47,3 +48,11 @@ def plain_json(value):
     if hasattr(value, "tolist"):  # numpy scalars and arrays
         return plain_json(value.tolist())
     return str(value)
+
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f\x9b]")
+
+
+def clean(text) -> str:
+    """Drop terminal control characters (a hostile kernel name or path must not drive the terminal)."""
+    return _CONTROL.sub("?", str(text))

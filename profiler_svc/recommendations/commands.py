@@ -46,9 +46,16 @@ def run(args) -> int:
     else:
         text = render_text(report, args.top)
     if args.output:
-        _write_atomic(args.output, text)
+        write_output(args.output, text, args.trace)
     else:
-        sys.stdout.write(text)
+        try:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as exc:  # a full disk, a closed terminal
+            from ..errors import UserError
+            raise UserError(f"cannot write the report to standard output: {exc.strerror or exc}") from None
     if args.fail_on and report.findings:
         worst = report.worst_severity()
         if SEVERITIES.index(worst) >= SEVERITIES.index(args.fail_on):
@@ -56,15 +63,40 @@ def run(args) -> int:
     return 0
 
 
-def _write_atomic(path, text):
+def write_output(path, text, trace):
+    """The report at PATH: a regular file, new or replaced whole (never half-written), with an existing file's
+    mode (else the umask's) and through a symlink to its target; a device or a pipe written as it is. Never the
+    trace being analysed."""
     import os
+    import stat
     import tempfile
     from ..errors import UserError
-    directory = os.path.dirname(os.path.abspath(path))
+    target = os.path.realpath(path)
     try:
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".report-")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
+        if os.path.exists(trace) and os.path.exists(target) and os.path.samefile(target, trace):
+            raise UserError(f"--output {path} is the trace being analysed: write the report to another file")
+        try:
+            mode = os.stat(target).st_mode
+        except FileNotFoundError:
+            mode = None
+        if mode is not None and stat.S_ISDIR(mode):
+            raise UserError(f"--output {path} is a folder: name a file")
+        if mode is not None and not stat.S_ISREG(mode):  # /dev/null, a pipe: not ours to replace
+            with open(target, "w", encoding="utf-8") as f:
+                f.write(text)
+            return
+        if mode is None:
+            umask = os.umask(0)
+            os.umask(umask)
+            mode = 0o666 & ~umask
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), prefix=".report-")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+            os.chmod(tmp, stat.S_IMODE(mode))
+            os.replace(tmp, target)
+        except BaseException:
+            os.unlink(tmp)
+            raise
     except OSError as exc:
         raise UserError(f"cannot write {path}: {exc.strerror or exc}") from None

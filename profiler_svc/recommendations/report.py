@@ -1,13 +1,12 @@
 """The report: findings from every rank, ranked by what their fix buys per step, with the steps, what bounds
 them, and one combined prediction for applying every recommended fix."""
 import json
-import re
 from dataclasses import asdict, dataclass, field, replace
 from typing import Optional
 
 from ..detectors import CATEGORIES, Finding, module_times, top_kernels, top_ops
 from ..detectors.common import recommended
-from ..formats import fmt_us, plain_json
+from ..formats import clean, fmt_us, plain_json
 from ..trace import Trace, load_traces
 from ..trace.replay import Change
 
@@ -148,12 +147,6 @@ def recommend(path, top: int = 20, progress=None) -> Report:
 
 # -- rendering -----------------------------------------------------------------------------------
 
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f\x9b]")
-
-
-def clean(text) -> str:
-    """Drop terminal control characters (a hostile kernel name must not drive the terminal)."""
-    return _CONTROL.sub("?", str(text))
 
 
 def _headline(report: Report) -> list[str]:

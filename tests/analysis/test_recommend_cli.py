@@ -1,8 +1,11 @@
 """`profiler_svc recommend`: formats, exit codes, and bad input (one line, exit 2, no traceback)."""
 import gzip
 import json
+import os
+import stat
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -51,6 +54,47 @@ def test_output_file(tmp_path, capsys):
     code, out, _ = run(capsys, "recommend", str(fixture_path("bert_fp16_odd_hidden_infer")), "--format", "json",
                        "-o", str(target))
     assert code == 0 and out == "" and json.loads(target.read_text())["findings"]
+
+
+def test_output_goes_where_the_path_points_and_keeps_what_is_there(tmp_path, capsys):
+    """-o writes through a symlink to its target, keeps a file's mode, writes a device in place, and refuses the
+    trace itself: it never replaces what is at the path with something else."""
+    trace = str(fixture_path("bert_fp16_odd_hidden_infer"))
+    target, link = tmp_path / "target.txt", tmp_path / "link.txt"
+    target.write_text("old")
+    target.chmod(0o640)
+    link.symlink_to(target.name)
+    assert run(capsys, "recommend", trace, "-o", str(link))[0] == 0
+    assert link.is_symlink() and target.read_text().startswith("profiler_svc report")
+    assert target.stat().st_mode & 0o777 == 0o640
+    pipe, read = tmp_path / "pipe", []  # not a regular file: written in place (as /dev/null would be), not replaced
+    os.mkfifo(pipe)
+    reader = threading.Thread(target=lambda: read.append(pipe.read_text()))
+    reader.start()
+    assert run(capsys, "recommend", trace, "-o", str(pipe))[0] == 0
+    reader.join(timeout=30)
+    assert stat.S_ISFIFO(pipe.stat().st_mode) and read[0].startswith("profiler_svc report")
+    copy = tmp_path / "trace.json.gz"
+    copy.write_bytes(fixture_path("bert_fp16_odd_hidden_infer").read_bytes())
+    code, _, err = run(capsys, "recommend", str(copy), "-o", str(copy))
+    assert code == 2 and "is the trace being analysed" in err
+    assert copy.read_bytes() == fixture_path("bert_fp16_odd_hidden_infer").read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.txt", "pipe", "target.txt", "trace.json.gz"]  # no temp left
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_full_disk_is_one_line(tmp_path):
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-m", "profiler_svc.cli", "recommend",
+                               str(fixture_path("bert_fp16_odd_hidden_infer"))], stdout=full, stderr=subprocess.PIPE, text=True)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "No space left" in proc.stderr
+
+
+def test_an_error_naming_a_hostile_path_stays_one_clean_line(tmp_path, capsys):
+    bad = tmp_path / "two\nlines\x1b[31m.json"
+    bad.write_text("not json")
+    code, _, err = run(capsys, "recommend", str(bad))
+    assert code == 2 and err.count("\n") == 1 and "\x1b" not in err
 
 
 def _bad_inputs(tmp_path):
