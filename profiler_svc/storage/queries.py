@@ -1,7 +1,7 @@
 """Read side: the data behind every page, as plain dicts (the HTML pages and the JSON API share it)."""
 from collections import Counter
 
-from sqlalchemy import func, or_, select
+from sqlalchemy import false, func, or_, select
 
 from ..errors import UserError
 from ..recommendations.report import above_dram_note
@@ -16,13 +16,20 @@ class NotFound(UserError):
     """Asked for a run, job or finding that does not exist."""
 
 
+# the widest column the runs' search looks in (Run.workload): a longer term is in none of them
+SEARCHED_WIDTH = 500
+
+
 def list_runs(session, q: str | None = None, limit: int = 100, offset: int = 0) -> dict:
     stmt = (select(Run.id, Run.name, Run.host, Run.workload, Run.created_at,
                    func.count(TraceRecord.id).label("traces"), func.max(TraceRecord.span_us).label("span_us"),
                    func.avg(TraceRecord.gpu_busy_pct).label("gpu_busy_pct"))
             .outerjoin(TraceRecord, TraceRecord.run_id == Run.id).group_by(Run.id))
-    if q:
-        pattern = f"%{like_escaped(q.strip().replace(chr(0), ''))}%"
+    term = (q or "").strip().replace(chr(0), "")
+    if len(term) > SEARCHED_WIDTH:  # in no column (and too long a LIKE pattern for SQLite)
+        stmt = stmt.where(false())
+    elif term:
+        pattern = f"%{like_escaped(term)}%"
         stmt = stmt.where(or_(*(column.ilike(pattern, escape="\\") for column in (Run.name, Run.host, Run.workload))))
     rows = session.execute(stmt.order_by(Run.id.desc()).limit(limit).offset(offset)).all()
     top = _top_findings(session, [r.id for r in rows])
