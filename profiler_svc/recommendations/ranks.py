@@ -126,7 +126,10 @@ def _even_slowdown(analyses: list[Analysis], rank) -> Optional[float]:
     counts = ops(mine)
     if not all(ops(a).equals(counts) for a in peers):
         return None
-    pace = mine.trace.timeline.host_pace_us / float(np.median([a.trace.timeline.host_pace_us for a in peers]))
+    peers_pace = float(np.median([a.trace.timeline.host_pace_us for a in peers]))
+    if not peers_pace > 0:  # no host time before the peers' runtime calls: nothing to compare with
+        return None
+    pace = mine.trace.timeline.host_pace_us / peers_pace
     return pace if pace >= EVEN_SLOWDOWN else None
 
 

@@ -135,6 +135,8 @@ def work_once(engine: Engine, *, worker: str | None = None, runner=run_ab_job_is
         if error is None:
             try:
                 ingest.store_analysed_job(engine, blobs, spec["id"], worker, result)
+            except UserError as exc:  # e.g. the run holds this rank already
+                error = str(exc)
             except Exception as exc:  # e.g. the database refused a value: the upload's fault, say so
                 log.exception("storing the analysis of job %s failed", spec["id"])
                 error = f"{spec['filename']}: could not store the analysis: {one_line(exc)}"

@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session
 from ..detectors.common import recommended
 from ..errors import TraceError, UserError
 from ..formats import one_line, plain_json
-from ..trace.load import MAX_TRACE_BYTES
+from ..trace.load import MAX_TRACE_BYTES, named_rank
 from ..trace.timeline import build_timeline
 from ..workload_spec import check_workload_allowed
 from . import jobs
@@ -77,7 +77,7 @@ def analyse_file(path, filename: str) -> dict:
     meta = _trace_metadata(loaded)
     ours = meta.get("profiler_svc")
     return {"report": data, "run_meta": _run_meta(meta), "ours": ours if isinstance(ours, dict) else {},
-            "rank": getattr(loaded, "rank", None) or 0,  # the loader reads it from the trace's metadata
+            "rank": named_rank(meta),  # None: the trace names none (the report numbers such files 0, 1, ...)
             "timeline": build_timeline(getattr(loaded, "kernels", None), launches=getattr(loaded, "runtime", None))}
 
 
@@ -324,6 +324,7 @@ def _store(engine, blobs, upload: Upload, analysed: dict, *, move_blob=None, job
                                  meta=analysed["run_meta"])
         if workload and run.workload != workload:
             note = f"run {run.id} keeps its workload {run.workload!r}; workload {workload!r} was not applied"
+        rank = _rank_in(session, run, rank, upload.filename)
         trace = TraceRecord(
             run_id=run.id, rank=rank, filename=upload.filename,
             content_sha256=upload.sha256, size_bytes=upload.size_bytes,
@@ -359,6 +360,18 @@ def _store(engine, blobs, upload: Upload, analysed: dict, *, move_blob=None, job
             blobs.delete(trace.blob_path)
             raise
         return result
+
+
+def _rank_in(session, run: Run, rank: int | None, filename: str) -> int:
+    """The trace's rank in RUN: the one it names, unless the run holds that rank already (a job's ranks go in
+    once each, or a rank's figures could not be told apart); the lowest free one where it names none."""
+    taken = set(session.scalars(select(TraceRecord.rank).where(TraceRecord.run_id == run.id)))
+    if rank is None:
+        return next(r for r in range(len(taken) + 1) if r not in taken)
+    if rank in taken:
+        raise UserError(f"{_text(filename, 255)}: run {run.id} already holds a trace of rank {rank}; "
+                        "a run is one job, each rank once")
+    return rank
 
 
 def _get_or_create_run(session, *, group_key, name, host, workload, meta) -> Run:

@@ -81,11 +81,18 @@ def trace_files(path) -> list[Path]:
 
 
 def load_traces(path, progress=None) -> list[Trace]:
-    """Every trace under PATH (one per rank for a folder), sorted by rank."""
+    """Every trace under PATH (one per rank for a folder), sorted by rank: a file that names no rank takes the
+    lowest one no other file names; two files naming one rank are two jobs' files, not one job's."""
     traces = [load_trace(f, progress=progress) for f in trace_files(path)]
-    for index, trace in enumerate(traces):
+    named: dict = {}
+    for trace in traces:
+        if trace.rank is not None and named.setdefault(trace.rank, trace) is not trace:
+            raise TraceError(f"{path}: {Path(named[trace.rank].path).name} and {Path(trace.path).name} are both "
+                             f"rank {trace.rank}: a folder holds one job's traces, one file a rank")
+    free = (r for r in range(len(traces) + len(named)) if r not in named)
+    for trace in traces:
         if trace.rank is None:
-            trace.rank = index
+            trace.rank = next(free)
     return sorted(traces, key=lambda t: cast(int, t.rank))  # every rank set just above
 
 
@@ -795,7 +802,7 @@ class TableBuilder:
         _add_op_context(kernels, cpu)
         _add_op_context(memory, cpu)
         names = {self.thread_index[key]: name for key, name in self.thread_names.items() if key in self.thread_index}
-        return Trace(path=self.path, rank=_rank(metadata), metadata=metadata,
+        return Trace(path=self.path, rank=named_rank(metadata), metadata=metadata,
                      device=device_from_properties(metadata.get("deviceProperties")),
                      kernels=kernels, memory=memory, cpu=cpu, runtime=runtime, raw_inputs=self.raw,
                      event_count=self.event_count, threads=self.threads, thread_names=names,
@@ -1042,11 +1049,16 @@ def _none_where_missing(column: pd.Series) -> np.ndarray:
     return values
 
 
-def _rank(metadata):
-    info = metadata.get(labels.METADATA_KEY)
-    if isinstance(info, dict) and isinstance(info.get("rank"), int):
-        return info["rank"]
-    dist = metadata.get("distributedInfo")
-    if isinstance(dist, dict) and isinstance(dist.get("rank"), int):
-        return dist["rank"]
+# ranks a trace may name: a job of up to 2^20 processes (what the pages take, and a 32-bit column holds)
+MAX_RANK = (1 << 20) - 1
+
+
+def named_rank(metadata):
+    """The rank the trace names (capture's metadata, else torch.distributed's), or None where it names none that
+    could be one (not a whole number in 0..MAX_RANK)."""
+    for key, field_name in ((labels.METADATA_KEY, "rank"), ("distributedInfo", "rank")):
+        info = metadata.get(key)
+        value = info.get(field_name) if isinstance(info, dict) else None
+        if type(value) is int and 0 <= value <= MAX_RANK:
+            return value
     return None

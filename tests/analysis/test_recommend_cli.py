@@ -173,6 +173,32 @@ def test_hostile_names_are_inert(tmp_path, capsys):
     assert json.loads(js)["top_kernels"][0]["name"] == name  # JSON keeps the data exact
 
 
+def _rank_file(folder, name, rank, host_us=50):
+    """A tiny per-rank trace (one op, three kernels) that names RANK in torch.distributed's metadata."""
+    events = [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 1, "ts": 0, "dur": host_us,
+               "args": {"External id": 1}}]
+    events += [{"ph": "X", "cat": "kernel", "name": "k", "pid": 0, "tid": 7, "ts": 10 + 10 * i, "dur": 5,
+                "args": {"External id": 1, "stream": 7, "correlation": 100 + i}} for i in range(3)]
+    (folder / name).write_text(json.dumps({"traceEvents": events, "distributedInfo": {"rank": rank, "world_size": 2}}))
+
+
+def test_a_folder_naming_one_rank_twice_is_refused(tmp_path, capsys):
+    _rank_file(tmp_path, "a.json", 0)
+    _rank_file(tmp_path, "b.json", 0)
+    code, out, err = run(capsys, "recommend", str(tmp_path))
+    assert code == 2 and out == "" and err.count("\n") == 1 and "a.json and b.json are both rank 0" in err
+
+
+@pytest.mark.parametrize("bad", [2 ** 63, -5, True, "1", 1.5, None])
+def test_a_rank_that_cannot_be_one_takes_a_free_rank(tmp_path, capsys, bad):
+    """A peer host without CUDA runtime calls (host pace 0) beside it, as a hand-made pair had: no division by 0."""
+    _rank_file(tmp_path, "a.json", 0, host_us=50)
+    _rank_file(tmp_path, "b.json", bad, host_us=1000)
+    code, out, err = run(capsys, "recommend", str(tmp_path), "--format", "json")
+    assert code == 0 and err == "", err
+    assert sorted(r["rank"] for r in json.loads(out)["ranks"]) == [0, 1]
+
+
 def test_python_api():
     import profiler_svc
     report = profiler_svc.recommend(fixture_path("qwen2_bf16_decode"))

@@ -208,6 +208,28 @@ def test_ranks_of_one_capture_join_one_run_by_its_run_id(engine, blobs, tmp_path
         assert run.workload == "pkg.mod:make" and run.group_key == "capture:20261122-abc"
 
 
+def test_a_run_holds_each_rank_once(engine, blobs, tmp_path):
+    """Two different files that both say rank 0 of one capture: the second is refused in one line and the run
+    keeps the first; a file naming no rank joins a run at the lowest free rank."""
+    def variant(label, rank):
+        path = trace_variant(tmp_path, label)
+        data = json.loads(gzip.decompress(path.read_bytes()))
+        data["profiler_svc"] = {"schema": "profiler_svc.capture/1", "run": "20261129-dup", "world_size": 2,
+                                **({"rank": rank} if rank is not None else {})}
+        data.pop("distributedInfo", None)
+        path.write_bytes(gzip.compress(json.dumps(data).encode()))
+        return path
+
+    [first] = ingest.ingest_path(engine, variant("a", 0), blobs=blobs)
+    with pytest.raises(UserError, match="already holds a trace of rank 0"):
+        ingest.ingest_path(engine, variant("b", 0), blobs=blobs)
+    [unnamed] = ingest.ingest_path(engine, variant("c", None), blobs=blobs)
+    with storage_db.session_scope(engine) as s:
+        run = s.get(Run, first.run_id)
+        assert unnamed.run_id == run.id and sorted(t.rank for t in run.traces) == [0, 1]
+        assert [t.filename for t in run.traces if t.rank == 0] == [variant("a", 0).name]
+
+
 def test_non_finite_numbers_in_a_report_are_stored_as_null(engine, blobs, monkeypatch):
     import math
 
