@@ -309,24 +309,23 @@ class Timeline:
         self.gpu_launch = gpu["launch"].to_numpy()
         streams = self.gpu_stream = gpu["stream"].to_numpy()
         self.stream_bounds = np.flatnonzero(np.r_[True, streams[1:] != streams[:-1], True]) if len(gpu) else np.array([0])
-        # Measured busy-until of each stream before the chosen steps: work already queued.
-        self.stream_free = {}
-        for s in np.unique(streams):
-            before = trace.kernels[(trace.kernels["stream"] == s) & (trace.kernels["ts"] < self.start)]["end"]
-            self.stream_free[s] = float(before.max()) if len(before) else -np.inf
+        # Measured busy-until of each stream before the chosen steps: work already queued (one pass over the
+        # kernels, not one per stream: a trace may hold thousands of streams).
+        earlier = trace.kernels[(trace.kernels["ts"] < self.start).to_numpy()]
+        free = earlier.groupby("stream")["end"].max().reindex(np.unique(streams)).fillna(-np.inf)
+        self.stream_free = {s: float(v) for s, v in free.items()}
         # An activity launched while its stream was still busy queued behind its predecessor: it starts the
         # GPU's switch gap after that one ends. One launched onto an idle stream waited for its launch: it
         # starts its measured launch latency after the call.
         launched = self.gpu_launch >= 0
         launch_ts = np.full(len(gpu), np.nan)
         launch_ts[launched] = self.host_ts[self.gpu_launch[launched]]
+        # each activity's predecessor end: the latest end before it on its stream, or the stream's queued work
+        ends_so_far = pd.Series(self.gpu_start + self.gpu_dur).groupby(streams, sort=False).cummax().to_numpy()
         prev_end = np.full(len(gpu), -np.inf)
-        for lo, hi in zip(self.stream_bounds[:-1], self.stream_bounds[1:]):
-            if hi <= lo:
-                continue
-            ends = self.gpu_start[lo:hi] + self.gpu_dur[lo:hi]
-            prev_end[lo] = self.stream_free.get(streams[lo], -np.inf)
-            prev_end[lo + 1:hi] = np.maximum(np.maximum.accumulate(ends)[:-1], prev_end[lo])
+        prev_end[1:] = ends_so_far[:-1]
+        prev_end[self.stream_bounds[:-1][self.stream_bounds[:-1] < len(gpu)]] = -np.inf  # a stream's first
+        prev_end = np.maximum(prev_end, free.reindex(streams).to_numpy(float) if len(gpu) else prev_end)
         queued = launched & (launch_ts < prev_end)
         waited = launched & ~queued
         offset = self.gpu_start - launch_ts
