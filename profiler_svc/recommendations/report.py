@@ -137,7 +137,19 @@ def trace_summary(trace: Trace) -> dict:
         "labelled": bool(trace.cpu["module"].notna().any()) if len(trace.cpu) else False,
         "numerics": trace.numerics or None,
         "workload": trace.capture_metadata.get("workload"),
+        "warnings": trace_warnings(trace, len(in_window)),
     }
+
+
+def trace_warnings(trace: Trace, in_window: int) -> list:
+    """What the loader ignored, and GPU work the analysis cannot place: kernels outside the steps it analyses
+    (a GPU clock offset from the host's, or work after the last step)."""
+    out = list(trace.warnings)
+    outside = len(trace.kernels) - in_window
+    if outside and outside >= 0.5 * len(trace.kernels):
+        out.append(f"{outside} of {len(trace.kernels)} GPU kernels lie outside the analysed steps and are left out "
+                   "(the GPU's clock offset from the host's in this trace?)")
+    return out
 
 
 def recommend(path, top: int = 20, progress=None) -> Report:
@@ -152,7 +164,7 @@ def recommend(path, top: int = 20, progress=None) -> Report:
 def _headline(report: Report) -> list[str]:
     """The step, what bounds it, and what every recommended fix together would make of it."""
     steps, prediction = report.steps, report.prediction
-    lines = []
+    lines = [f"warning: {w}" for w in report.trace.get("warnings") or []]
     if steps.get("step_us"):
         s = steps["step_us"]
         where = {"profiler": "ProfilerStep ranges", "root module": "model calls", "none": "no steps found: the window"}

@@ -173,6 +173,26 @@ def test_hostile_names_are_inert(tmp_path, capsys):
     assert json.loads(js)["top_kernels"][0]["name"] == name  # JSON keeps the data exact
 
 
+def test_gpu_work_the_analysis_leaves_out_is_said(tmp_path, capsys):
+    """A real trace with its GPU clock 1 s behind the host's: every kernel falls outside the steps. The report
+    says so (and so do the loader's own warnings) instead of a quiet "no GPU kernels"."""
+    data = json.loads(gzip.decompress(fixture_path("llama_bf16_compiled_infer").read_bytes()))
+    kernels = [e for e in data["traceEvents"] if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    for e in kernels:
+        e["ts"] -= 1_000_000
+    data["traceEvents"].append({"ph": "B", "name": "never closed", "pid": 1, "tid": 1, "ts": 0})
+    path = tmp_path / "offset.json"
+    path.write_text(json.dumps(data))
+    code, out, _ = run(capsys, "recommend", str(path), "--format", "json")
+    warnings = json.loads(out)["trace"]["warnings"]
+    assert code == 0 and any("lie outside the analysed steps" in w for w in warnings)
+    assert any("'B' events without an 'E'" in w for w in warnings)
+    _, text, _ = run(capsys, "recommend", str(path))
+    assert text.splitlines()[2].startswith("warning: ")
+    _, clean_text, _ = run(capsys, "recommend", str(fixture_path("llama_bf16_compiled_infer")))
+    assert "warning:" not in clean_text
+
+
 def _rank_file(folder, name, rank, host_us=50):
     """A tiny per-rank trace (one op, three kernels) that names RANK in torch.distributed's metadata."""
     events = [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 1, "ts": 0, "dur": host_us,
