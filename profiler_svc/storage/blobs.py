@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UserError
+from ..trace.load import MAX_GZIP_RATIO, inflated_too_far
 
 CHUNK = 1 << 20
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -118,13 +119,17 @@ def _copy_as_gzip(source, out, max_bytes):
     if head == b"\x1f\x8b":
         # Already gzip: keep the bytes as sent, decompress only to hash and to check them.
         inflater = zlib.decompressobj(wbits=31)
-        chunk = head
+        chunk, consumed = head, 0
         while chunk:
             out.write(chunk)
+            consumed += len(chunk)
             while chunk:
                 data = _inflate(inflater, chunk)  # bounded output: a gzip bomb stops at the size limit
                 size += len(data)
                 _check_size(size, max_bytes)
+                if inflated_too_far(size, consumed):  # ... or sooner, at the loader's ratio
+                    raise UserError(f"the trace decompresses to over {MAX_GZIP_RATIO}x its compressed size, "
+                                    "which no trace does (a decompression bomb?)")
                 digest.update(data)
                 chunk = inflater.unconsumed_tail
                 if not chunk and inflater.eof and inflater.unused_data:

@@ -49,8 +49,8 @@ _MAX_FIELDS_BYTES = 16 << 20
 _DECODE_HEADROOM = 4
 _MAX_DEPTH = 64             # Kineto nests 7 deep; msgspec would raise RecursionError near 1000
 # Real traces gunzip 12-20x (tests/data, tiled ones too); a deflate bomb reaches ~1000x.
-_MAX_GZIP_RATIO = 100
-_GZIP_RATIO_AFTER = 16 << 20
+MAX_GZIP_RATIO = 100
+GZIP_RATIO_AFTER = 16 << 20
 _MAX_DURATION_US = 86400e6  # a day: no profiled event lasts longer, and no trace spans more
 _LINK_ROUNDS = 64
 _JSON_SPACE = b" \t\r\n"
@@ -203,12 +203,17 @@ def _gunzip_chunks(f, path, bar):
         raise TraceError(f"{path}: gzip holds an empty file")
 
 
+def inflated_too_far(total: int, consumed: int) -> bool:
+    """Has a gzip stream inflated past what any trace does (a decompression bomb): TOTAL bytes out of CONSUMED?"""
+    return total > GZIP_RATIO_AFTER and total > MAX_GZIP_RATIO * consumed
+
+
 def _check_gunzipped(path, total, consumed):
     if total > MAX_TRACE_BYTES:
         raise TraceError(f"{path}: decompresses to over the {MAX_TRACE_BYTES / 1e9:.1f} GB limit "
                          "(PROFILER_SVC_MAX_TRACE_BYTES)")
-    if total > _GZIP_RATIO_AFTER and total > _MAX_GZIP_RATIO * consumed:
-        raise TraceError(f"{path}: decompresses to over {_MAX_GZIP_RATIO}x its compressed size, which no trace "
+    if inflated_too_far(total, consumed):
+        raise TraceError(f"{path}: decompresses to over {MAX_GZIP_RATIO}x its compressed size, which no trace "
                          "does (a decompression bomb?)")
 
 

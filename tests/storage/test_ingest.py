@@ -193,6 +193,16 @@ def test_decompressed_size_limit_stops_gzip_bombs(engine, blobs, tmp_path):
     assert stored_files(blobs) == []
 
 
+def test_an_upload_inflating_past_the_loaders_ratio_is_refused_as_it_arrives(engine, blobs, tmp_path):
+    """64 MiB of spaces in ~64 KiB of gzip, under the size limit: the receiver stops at the loader's 100x ratio
+    (it would inflate a 4 GB bomb to hash it otherwise), and nothing is stored."""
+    bomb = tmp_path / "bomb.json.gz"
+    bomb.write_bytes(gzip.compress(b" " * (64 << 20)))
+    with open(bomb, "rb") as f, pytest.raises(UserError, match="over 100x its compressed size"):
+        ingest.submit_upload(engine, f, filename="bomb.json.gz", blobs=blobs)
+    assert stored_files(blobs) == []
+
+
 def test_ranks_of_one_capture_join_one_run_by_its_run_id(engine, blobs, tmp_path):
     results = []
     for rank in (0, 1):
