@@ -19,7 +19,7 @@ from flask_wtf.csrf import CSRFError, CSRFProtect
 from sqlalchemy.orm import Session
 from werkzeug.exceptions import HTTPException
 
-from ..errors import UserError
+from ..errors import UserError, setting_int
 from ..formats import fmt_us
 from ..storage.db import database_url, get_engine, home
 from ..storage.blobs import BlobStore
@@ -36,7 +36,7 @@ def create_app(config: dict | None = None) -> Flask:
         BLOB_DIR=os.environ.get("PROFILER_SVC_BLOB_DIR"),
         API_TOKEN=os.environ.get("PROFILER_SVC_TOKEN"),
         SECRET_KEY=os.environ.get("PROFILER_SVC_SECRET_KEY"),
-        MAX_CONTENT_LENGTH=int(os.environ.get("PROFILER_SVC_MAX_UPLOAD_MB", "1024")) << 20,
+        MAX_CONTENT_LENGTH=setting_int(os.environ, "PROFILER_SVC_MAX_UPLOAD_MB", 1024) << 20,
         PUBLIC_READ=_flag("PROFILER_SVC_PUBLIC_READ"),
         WTF_CSRF_TIME_LIMIT=None,  # tokens live as long as the session
         SESSION_COOKIE_SAMESITE="Lax",  # the session cookie: the CSRF secret and the signed-in token's id

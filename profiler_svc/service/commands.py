@@ -26,6 +26,14 @@ def _positive(kind):
     return parse
 
 
+def _count(text: str) -> int:
+    """A number of things, 0 or more."""
+    import argparse
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"must be 0 or more: {text!r}")
+    return int(text)
+
+
 def add_commands(subparsers) -> None:
     p = subparsers.add_parser("ingest", help="store a trace (or a folder of per-rank traces) and its analysis")
     p.add_argument("trace", help=".json or .json.gz trace, or a folder of per-rank traces (one run)")
@@ -39,7 +47,7 @@ def add_commands(subparsers) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--threads", type=_positive(int), default=8, help="threads that answer requests")
-    p.add_argument("--analysis-workers", type=int, default=None, metavar="N",
+    p.add_argument("--analysis-workers", type=_count, default=None, metavar="N",
                    help="analyse uploads in N worker threads of this process, each analysis in a child process "
                         "(default: 1 on SQLite, 0 on PostgreSQL, where `profiler_svc worker` hosts do it)")
     p.set_defaults(func=cmd_serve)

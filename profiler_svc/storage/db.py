@@ -24,7 +24,10 @@ HOME_ENV = "PROFILER_SVC_HOME"
 
 def home() -> Path:
     path = Path(os.environ.get(HOME_ENV) or Path.home() / ".local" / "share" / "profiler_svc")
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"{HOME_ENV}: cannot use {path} as the data folder: {exc.strerror or exc}") from None
     return path
 
 

@@ -27,7 +27,7 @@ import msgspec
 import numpy as np
 import pandas as pd
 
-from ..errors import TraceError
+from ..errors import TraceError, setting_int
 from . import labels
 from .device import device_from_properties
 from .kernel_names import kernel_kinds, name_mask
@@ -35,7 +35,7 @@ from .model import RawInputs, Trace
 from .schema import ANY_DECODER, ARRAY_DECODER, TOP_LEVEL_DECODER, TraceEvent
 
 # A decompressed trace above this is refused while it is read (gzip bombs included).
-MAX_TRACE_BYTES = int(os.environ.get("PROFILER_SVC_MAX_TRACE_BYTES", 8 << 30))
+MAX_TRACE_BYTES = setting_int(os.environ, "PROFILER_SVC_MAX_TRACE_BYTES", 8 << 30)
 TRACE_SUFFIXES = (".json", ".json.gz", ".pt.trace.json", ".pt.trace.json.gz")
 _CHUNK = 4 << 20  # decompressed bytes per batch; the scan's numpy temporaries are a few times this
 _PROGRESS_MIN_BYTES = 64 << 20

@@ -154,6 +154,30 @@ def test_usage_errors_exit_2(capsys):
     assert exc.value.code == 2
 
 
+@pytest.mark.parametrize("setting, message", [
+    ({"PROFILER_SVC_MAX_TRACE_BYTES": "abc"}, "PROFILER_SVC_MAX_TRACE_BYTES='abc' is not a whole number"),
+    ({"PROFILER_SVC_MAX_TRACE_BYTES": "-1"}, "PROFILER_SVC_MAX_TRACE_BYTES=-1 is below its least value"),
+])
+def test_a_bad_setting_is_one_line_naming_it(setting, message):
+    proc = subprocess.run([sys.executable, "-m", "profiler_svc.cli", "recommend", str(fixture_path("gpt2_fp16_train"))],
+                          capture_output=True, text=True, env={**os.environ, **setting})
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+
+
+def test_a_data_folder_that_is_a_file_is_one_line(tmp_path):
+    home = tmp_path / "not-a-folder"
+    home.write_text("")
+    proc = subprocess.run([sys.executable, "-m", "profiler_svc.cli", "db", "upgrade"], capture_output=True, text=True,
+                          env={**os.environ, "PROFILER_SVC_HOME": str(home), "PROFILER_SVC_DATABASE_URL": ""})
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "PROFILER_SVC_HOME: cannot use" in proc.stderr
+
+
+def test_a_negative_worker_count_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--analysis-workers", "-1"])
+    assert exc.value.code == 2 and "must be 0 or more" in capsys.readouterr().err
+
+
 def test_hostile_names_are_inert(tmp_path, capsys):
     name = "<img src=x onerror=alert`1`>\x1b[2J|evil"
     events = [{"ph": "X", "cat": "cpu_op", "name": "aten::mul", "pid": 1, "tid": 1, "ts": 0, "dur": 50,
