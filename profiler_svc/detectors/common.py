@@ -49,6 +49,8 @@ class Finding:
     recommendation: Recommendation
     # what the fix does to the step; the report replays it for the saving
     change: Change = field(default_factory=Change, repr=False)
+    # a finding for several ranks of one job: each rank's own change (the report replays them together)
+    change_by_rank: dict = field(default_factory=dict, repr=False)
     # identifies "the same problem" across ranks and runs (e.g. "unfused_chain:rms_norm:LlamaRMSNorm")
     key: str = ""
     # (key, title) of the root cause when several findings can share one (a misaligned size): the report

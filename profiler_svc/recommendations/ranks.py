@@ -11,7 +11,7 @@ import pandas as pd
 from ..detectors import Finding, Recommendation
 from ..formats import fmt_us
 from ..trace.job_replay import JobReplay, keyed_by_name_and_order
-from ..trace.replay import HostCost
+from ..trace.replay import Change, HostCost
 
 from .analysis import Analysis, unprofiled_step_us
 from .severity import severity_for
@@ -46,36 +46,86 @@ def job_of(analyses: list[Analysis]) -> Optional[Job]:
     return Job(replay, hosts, per_event, replay.step_us(replay.replay(hosts)))
 
 
-def merge_ranks(analyses: list[Analysis]) -> list[Finding]:
-    """The same problem on several ranks is one finding, with each rank's saving; its figures are the worst
-    rank's (the rank the headline names), its spread across ranks in the evidence."""
+def _cause_groups(analyses: list[Analysis]) -> list[list[Finding]]:
+    """Each root cause's findings, one per rank that has it (a rank's own findings are never merged: its n-th
+    of a key goes with another's n-th)."""
     by_key: dict = {}
     for a in analyses:
         seen: Counter = Counter()
-        for f in a.findings:  # one rank's findings are never merged: its n-th of a key goes with another's n-th
+        for f in a.findings:
             key = f.key or f"{f.category}:{f.title}"
             by_key.setdefault((key, seen[key]), []).append(f)
             seen[key] += 1
+    return list(by_key.values())
+
+
+def merge_ranks(analyses: list[Analysis], job: Optional[Job] = None) -> list[Finding]:
+    """The same problem on several ranks is one finding, with each rank's saving in its evidence, its spread
+    across ranks too. Its saving: with JOB (ranks coupled by their collectives), what the job's step gets shorter
+    with its change on every rank that has it, all replayed together; else the worst rank's own."""
     out = []
-    for group in by_key.values():
+    for group in _cause_groups(analyses):
         worst = max(group, key=lambda f: f.saving_us_per_step)
-        if len(group) > 1:
+        if len(group) > 1 or job is not None:
             per_rank = {str(f.rank): round(f.saving_us_per_step, 2) for f in group}
             values = list(per_rank.values())
             worst.evidence["ranks"] = sorted(f.rank for f in group if f.rank is not None)
             worst.evidence["saving_us_per_step_by_rank"] = per_rank
             worst.evidence["spread_us_per_step"] = round(max(values) - min(values), 2)
+        if job is not None:
+            worst.change_by_rank = {f.rank: f.change for f in group}
+            if worst.saving_us_per_step > 0:  # a change that shortens no rank's own step is not replayed again
+                worst.saving_us_per_step = round(job.step_us - job.replay.step_us(job.replay.replay(
+                    job.hosts, _rank_changes(analyses, [worst]))), 2)
+            worst.share_of_step_pct = round(100 * worst.saving_us_per_step / job.step_us, 2) if job.step_us else 0.0
+            worst.severity = severity_for(worst.saving_us_per_step, job.step_us)
         out.append(worst)
     return out
 
 
-def straggler(analyses: list[Analysis]) -> list[Finding]:
+def _rank_changes(analyses: list[Analysis], findings: list[Finding]) -> list[Change]:
+    """Per rank (in ANALYSES' order), the union of FINDINGS' changes on that rank (merge_ranks' change_by_rank)."""
+    changes: dict = {a.trace.rank: [] for a in analyses}
+    for f in findings:
+        for rank, change in f.change_by_rank.items():
+            changes[rank].append(change)
+    return [Change.union(changes[a.trace.rank]) if changes[a.trace.rank] else Change() for a in analyses]
+
+
+def job_prediction(analyses: list[Analysis], job: Job, findings: list[Finding]) -> dict:
+    """The job's step replayed with every helpful fix on every rank that has it, ranks together (merge_ranks'
+    findings, largest job saving first; a fix that lengthens the job's step on top of those is left out), as
+    Analysis's prediction is for one trace. The straggler is a cause the replay cannot undo: named apart."""
+    step_us = job.step_us
+    waterfall: list = []
+    not_combined: list = []
+    kept: list[Finding] = []
+    step = step_us
+    for f in sorted((f for f in findings if f.saving_us_per_step > 0 and f.change_by_rank),
+                    key=lambda f: -f.saving_us_per_step):
+        after_us = job.replay.step_us(job.replay.replay(job.hosts, _rank_changes(analyses, kept + [f])))
+        if after_us > step + 0.01:
+            not_combined.append({"finding": f.key, "title": f.title, "saving_us_per_step": round(step - after_us, 2)})
+            continue
+        kept.append(f)
+        waterfall.append({"finding": f.key, "title": f.title, "saving_us_per_step": round(step - after_us, 2),
+                          "step_us_after": round(after_us, 2)})
+        step = after_us
+    unprofiled = [u for u in (unprofiled_step_us(a.trace) for a in analyses) if u]
+    measured = float(np.median(unprofiled)) if len(unprofiled) == len(analyses) else None
+    return {"scope": "job", "step_us": round(step_us, 2), "step_us_after": round(step, 2),
+            "saving_us_per_step": round(step_us - step, 2),
+            "saving_pct": round(100 * (1 - step / step_us), 2) if step_us else 0.0,
+            "replay_error_pct": round(100 * (step_us / measured - 1), 2) if measured else None,
+            "findings": [w["finding"] for w in waterfall], "waterfall": waterfall, "not_combined": not_combined}
+
+
+def straggler(analyses: list[Analysis], job: Optional[Job] = None) -> list[Finding]:
     """The rank the others wait for: from the ranks replayed together where collective kernels couple them
-    (NCCL), else from the host work each rank does outside its collective calls (gloo). Over NCCL, the ranks
-    whose steps that wait lengthens get it as their bottleneck."""
+    (NCCL: JOB, job_of's), else from the host work each rank does outside its collective calls (gloo). Over NCCL,
+    the ranks whose steps that wait lengthens get it as their bottleneck."""
     if len(analyses) < 2 or not all(a.trace.has_gpu for a in analyses):
         return []
-    job = job_of(analyses)
     if job is not None:
         rank, cost, detail, evidence, step = _from_job_replay(analyses, job)
     else:

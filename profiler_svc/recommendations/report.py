@@ -11,7 +11,7 @@ from ..trace import Trace, load_traces
 from ..trace.replay import Change
 
 from .analysis import analyse
-from .ranks import merge_ranks, rank_summary, straggler
+from .ranks import job_of, job_prediction, merge_ranks, rank_summary, straggler
 from .severity import SEVERITIES, severity_for
 
 SCHEMA = "profiler_svc.report/1"
@@ -79,8 +79,8 @@ class Report:
 
 def _finding_dict(f: Finding) -> dict:
     # without the replay's Change first: asdict would deep-copy its thousands of kernel rows only to drop them
-    d = asdict(replace(f, change=Change()))
-    for private in ("key", "change"):
+    d = asdict(replace(f, change=Change(), change_by_rank={}))
+    for private in ("key", "change", "change_by_rank"):
         d.pop(private)
     d["saving_us_per_step"] = round(f.saving_us_per_step, 2)
     d["gpu_time_saved_us_per_step"] = round(f.gpu_time_saved_us_per_step, 2)
@@ -101,7 +101,14 @@ def build_report(traces: list[Trace], path: str, top: int = 20) -> Report:
             f.saving_us_per_step = round(f.saving_us_per_step, 2)
             f.gpu_time_saved_us_per_step = round(f.gpu_time_saved_us_per_step, 2)
     main = analyses[0]
-    findings = merge_ranks(analyses) + straggler(analyses) if len(analyses) > 1 else main.findings
+    findings, prediction = main.findings, main.prediction
+    if len(analyses) > 1:
+        # ranks coupled by their collectives (NCCL) are priced together, as the job's step; else each on its own
+        job = job_of(analyses) if all(a.trace.has_gpu for a in analyses) else None
+        findings = merge_ranks(analyses, job)
+        if job is not None:
+            prediction = job_prediction(analyses, job, findings)
+        findings += straggler(analyses, job)
     findings.sort(key=lambda f: (-f.saving_us_per_step, f.category, f.title))
     counters: dict[str, int] = {}
     for f in findings:
@@ -111,7 +118,7 @@ def build_report(traces: list[Trace], path: str, top: int = 20) -> Report:
         source={"path": str(path), "files": [t.path for t in traces], "ranks": [t.rank for t in traces]},
         trace=trace_summary(main.trace),
         steps=main.steps,
-        prediction=main.prediction,
+        prediction=prediction,
         ranks=[rank_summary(a) for a in analyses] if len(analyses) > 1 else [],
         top_kernels=top_kernels(main.trace, top),
         findings=findings,
@@ -189,17 +196,30 @@ def _headline(report: Report) -> list[str]:
     if calibration.get("power_note"):
         lines.append(calibration["power_note"])
     if prediction:
+        error = prediction["replay_error_pct"] if "replay_error_pct" in prediction else steps.get("replay_error_pct", 0)
         lines.append(f"all recommended fixes together: {fmt_us(prediction['step_us'])} -> {fmt_us(prediction['step_us_after'])} "
-                     f"per step ({prediction['saving_pct']:.1f}% faster, one replay; replay error "
-                     f"{steps.get('replay_error_pct', 0):+.1f}%)")
+                     f"per step ({prediction['saving_pct']:.1f}% faster, one replay"
+                     + (f"; replay error {error:+.1f}%)" if error is not None else ")"))
         if prediction.get("pace_note"):
             lines.append(prediction["pace_note"])
         for left in prediction.get("not_combined", []):
             lines.append(f"left out of that: {left['title']}, {fmt_us(-left['saving_us_per_step'])} slower on top of the rest")
+        if prediction.get("scope") == "job":
+            lines += [f"not in that: {f.title} (the replay cannot balance the ranks' work)"
+                      for f in report.findings if f.key == "communication:straggler"]
     phases = steps.get("phases")
     if phases:
         lines.append(f"generation: {phases['note']}")
     return lines
+
+
+def _ranks_scope(report: Report) -> str:
+    """Which rank a multi-rank report's figures are, or that they are the job's."""
+    first = report.source["ranks"][0]
+    if report.prediction.get("scope") == "job":
+        return (f"step below: rank {first}; the prediction and each finding's saving: the job's step, its ranks "
+                "replayed together; each rank's own saving in a finding's evidence")
+    return f"step and prediction below: rank {first}; findings: the worst rank's figures"
 
 
 def _truncate(text: str, width: int) -> str:
@@ -213,8 +233,7 @@ def render_text(report: Report, top: int = 10) -> str:
              f"device {clean(dev.get('name') or 'unknown')}  window {fmt_us(t['span_us'])}  steps {t['steps']}  "
              f"GPU busy {t['gpu_busy_pct']:.1f}%  kernels {t['kernel_count']} ({fmt_us(t['kernel_time_us'])})"]
     if len(report.source["ranks"]) > 1:
-        lines.append(f"ranks {report.source['ranks']} (step and prediction below: rank {report.source['ranks'][0]}; "
-                     "findings: the worst rank's figures)")
+        lines.append(f"ranks {report.source['ranks']} ({_ranks_scope(report)})")
     lines += _headline(report)
     for r in report.ranks:
         lines.append(f"  rank {r['rank']}: step {fmt_us(r['step_us']['median'])}, bound by {r['bottleneck']}")
