@@ -194,7 +194,7 @@ def evidence_rows(evidence, depth: int = 0) -> list[dict]:
     mapping. Values are formatted by what their key says they are (µs, %, bytes, shapes)."""
     rows: list[dict] = []
     for key, value in (evidence or {}).items():
-        label = str(key).replace("_", " ")
+        label = _label(key)
         if isinstance(value, dict):
             if depth >= 2:
                 rows.append({"label": label, "text": _flat(value)})
@@ -206,13 +206,20 @@ def evidence_rows(evidence, depth: int = 0) -> list[dict]:
                                                 and not _is_shape_list(v.get(c)) for v in value)]
             columns = [c for c in columns if c not in nested] or columns
             table = [[fmt_value(c, v.get(c)) for c in columns] for v in value[:_MAX_ROWS]]
-            rows.append({"label": label, "table": {"columns": [c.replace("_", " ") for c in columns], "rows": table},
+            rows.append({"label": label, "table": {"columns": [_label(c) for c in columns], "rows": table},
                          "more": max(0, len(value) - _MAX_ROWS)})
         elif isinstance(value, list) and not _is_shape_list(value):
             rows.append({"label": label, "items": _counted(value)})
         else:
             rows.append({"label": label, "text": fmt_value(key, value)})
     return rows
+
+
+def _label(key) -> str:
+    """An evidence key for people: "idle_us_per_step" -> "idle per step". fmt_value shows the unit with the value
+    (µs as µs, ms or s; a share with %), so the key's unit would misname it."""
+    words = [w for w in str(key).split("_") if w not in ("us", "pct")]
+    return " ".join(words) or str(key).replace("_", " ")
 
 
 def _is_shape_list(value) -> bool:

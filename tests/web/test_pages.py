@@ -56,6 +56,9 @@ def test_run_page_answers_first(engine, blobs, client):
     # evidence as tables, never a JSON dump
     assert 'class="evidence-table"' in page and "\\u003c" not in page.split('id="waterfall-data"')[0]
     assert not re.search(r"<pre>\s*\{", page)
+    # a value shows its own unit (µs, ms or s; %): no row or column is labelled in µs or pct beside it
+    labels = re.findall(r'<th scope="row">(.*?)</th>', page) + re.findall(r"<thead><tr>(.*?)</tr></thead>", page)
+    assert labels and not any(re.search(r"\b(us|pct)\b", label) for label in labels)
     first_kernel = next(f["evidence"]["kernels"][0] for f in report["findings"]
                         if isinstance(f["evidence"].get("kernels"), list))
     assert f"<code>{html.escape(first_kernel, quote=False)}" in page.replace("&#34;", '"').replace("&#39;", "'")
