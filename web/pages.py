@@ -195,7 +195,11 @@ def evidence_rows(evidence, depth: int = 0) -> list[dict]:
     rows: list[dict] = []
     for key, value in (evidence or {}).items():
         label = _label(key)
-        if isinstance(value, dict):
+        if isinstance(value, dict) and value and all(str(k).lstrip("-").isdigit() for k in value):
+            # by rank ({"0": ..., "1": ...}): each value in the unit the key names
+            rows.append({"label": label, "rows": [{"label": f"rank {k}", "text": fmt_value(key, v)}
+                                                  for k, v in value.items()]})
+        elif isinstance(value, dict):
             if depth >= 2:
                 rows.append({"label": label, "text": _flat(value)})
             else:
@@ -217,7 +221,8 @@ def evidence_rows(evidence, depth: int = 0) -> list[dict]:
 
 def _label(key) -> str:
     """An evidence key for people: "idle_us_per_step" -> "idle per step". fmt_value shows the unit with the value
-    (µs as µs, ms or s; a share with %), so the key's unit would misname it."""
+    (µs as µs, ms or s; a share with %) by this key, also for a by-rank mapping's values, so the key's unit would
+    misname it."""
     words = [w for w in str(key).split("_") if w not in ("us", "pct")]
     return " ".join(words) or str(key).replace("_", " ")
 

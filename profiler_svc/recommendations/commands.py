@@ -71,10 +71,14 @@ def write_output(path, text, trace):
     import stat
     import tempfile
     from ..errors import UserError
+    from ..trace.load import TRACE_SUFFIXES
     target = os.path.realpath(path)
     try:
         if os.path.exists(trace) and os.path.exists(target) and os.path.samefile(target, trace):
             raise UserError(f"--output {path} is the trace being analysed: write the report to another file")
+        if os.path.isdir(trace) and os.path.samefile(os.path.dirname(target), trace) and target.endswith(TRACE_SUFFIXES):
+            raise UserError(f"--output {path} is a trace file of the folder being analysed (or would be read as one "
+                            "next time): write the report elsewhere")
         try:
             mode = os.stat(target).st_mode
         except FileNotFoundError:

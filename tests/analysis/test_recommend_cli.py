@@ -2,6 +2,7 @@
 import gzip
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -10,7 +11,7 @@ import threading
 import pytest
 
 from profiler_svc.cli import main
-from tests.plugins.traces import fixture_path
+from tests.plugins.traces import fixture_dir, fixture_path
 
 
 def run(capsys, *argv):
@@ -80,6 +81,14 @@ def test_output_goes_where_the_path_points_and_keeps_what_is_there(tmp_path, cap
     assert code == 2 and "is the trace being analysed" in err
     assert copy.read_bytes() == fixture_path("bert_fp16_odd_hidden_infer").read_bytes()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link.txt", "pipe", "target.txt", "trace.json.gz"]  # no temp left
+    # a folder's rank file, or a new .json beside them (the next run would read it as a rank): refused
+    folder = tmp_path / "ranks"
+    shutil.copytree(fixture_dir("llama_nccl_ddp"), folder)
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    for name in (sorted(before)[0], "report.json"):
+        code, _, err = run(capsys, "recommend", str(folder), "-o", str(folder / name))
+        assert code == 2 and "of the folder being analysed" in err
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")

@@ -166,6 +166,16 @@ def test_multi_rank_run_is_one_finding_per_cause_with_each_ranks_figures(engine,
     assert "straggler</strong>" not in page
 
 
+def test_evidence_by_rank_keeps_its_unit(engine, blobs, client):
+    """A straggler's per-rank figures ({"0": µs, "1": µs}) are shown in ms or µs, as every other µs value."""
+    run_id = ingest(engine, blobs, fixture_dir("llama_nccl_ddp_straggler"))
+    straggler = next(f for f in client.get(f"/api/v1/runs/{run_id}").get_json()["findings"]
+                     if f["category"] == "communication")
+    alone = straggler["evidence"]["step_alone_us_by_rank"]
+    page = text_of(client.get(f"/runs/{run_id}").get_data(as_text=True))
+    assert f"step alone by rank rank 0 {fmt_us(alone['0'])} rank 1 {fmt_us(alone['1'])}" in page
+
+
 def test_findings_sharing_a_title_are_not_merged(engine, blobs, client):
     """gpt2_fp16_train has three chain findings titled "chain of memory-bound kernels: 2 chains, 6 kernels"
     (different ops each): one trace's findings are never one cause, whatever their titles."""
