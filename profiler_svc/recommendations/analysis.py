@@ -83,7 +83,7 @@ def _pace_range(timeline: Timeline, change: Change, host: HostCost, saving_us: f
     return out
 
 
-def _slows_step(f: Finding, slower_us: float, on_top: bool = False) -> Recommendation:
+def slows_step(f: Finding, slower_us: float, on_top: bool = False) -> Recommendation:
     """The finding's fix still applies (Report.predict can price it) but is not recommended: the replay says
     the step gets slower, alone or on top of the report's other fixes. A swap's host time per call costs more
     than the kernels it fuses save here, so its advice becomes keeping the eager code."""
@@ -112,7 +112,7 @@ def analyse(trace: Trace) -> Analysis:
         f.saving_us_per_step = step_us - timeline.replay(f.change, host=host).loop_step_us
         f.gpu_time_saved_us_per_step = _gpu_time_saved(trace, f.change)
         if f.recommendation.swap and f.saving_us_per_step < 0:
-            f.recommendation = _slows_step(f, -f.saving_us_per_step)
+            f.recommendation = slows_step(f, -f.saving_us_per_step)
     helpful = sorted((f for f in findings if f.saving_us_per_step > 0), key=lambda f: -f.saving_us_per_step)
     # the waterfall: the fixes applied one after another, largest first; each bar is what that fix buys on
     # top of the ones before it, and the last step is the combined prediction. A fix that lengthens the step
@@ -122,7 +122,7 @@ def analyse(trace: Trace) -> Analysis:
         after_us = timeline.replay(combined.merged(f.change), host=host).loop_step_us
         if after_us > step + 0.01:  # more than rounding
             not_combined.append({"finding": f.key, "title": f.title, "saving_us_per_step": round(step - after_us, 2)})
-            f.recommendation = _slows_step(f, after_us - step, on_top=True)
+            f.recommendation = slows_step(f, after_us - step, on_top=True)
             continue
         combined = combined.merged(f.change)
         waterfall.append({"finding": f.key, "title": f.title, "saving_us_per_step": round(step - after_us, 2),

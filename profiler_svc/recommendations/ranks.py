@@ -13,7 +13,7 @@ from ..formats import fmt_us
 from ..trace.job_replay import JobReplay, keyed_by_name_and_order
 from ..trace.replay import Change, HostCost
 
-from .analysis import Analysis, unprofiled_step_us
+from .analysis import Analysis, slows_step, unprofiled_step_us
 from .severity import severity_for
 
 # A rank is a straggler when what its peers lose waiting for it is at least this share of the step.
@@ -65,7 +65,8 @@ def merge_ranks(analyses: list[Analysis], job: Optional[Job] = None) -> list[Fin
     with its change on every rank that has it, all replayed together; else the worst rank's own."""
     out = []
     for group in _cause_groups(analyses):
-        worst = max(group, key=lambda f: f.saving_us_per_step)
+        # on the job, the advice of a rank that did not find the fix slowing its own step speaks for the group
+        worst = max(group, key=lambda f: (job is not None and not f.recommendation.slows_step, f.saving_us_per_step))
         if len(group) > 1 or job is not None:
             per_rank = {str(f.rank): round(f.saving_us_per_step, 2) for f in group}
             values = list(per_rank.values())
@@ -74,9 +75,11 @@ def merge_ranks(analyses: list[Analysis], job: Optional[Job] = None) -> list[Fin
             worst.evidence["spread_us_per_step"] = round(max(values) - min(values), 2)
         if job is not None:
             worst.change_by_rank = {f.rank: f.change for f in group}
-            if worst.saving_us_per_step > 0:  # a change that shortens no rank's own step is not replayed again
+            if any(f.saving_us_per_step > 0 for f in group):  # one that shortens no rank's step is not replayed
                 worst.saving_us_per_step = round(job.step_us - job.replay.step_us(job.replay.replay(
                     job.hosts, _rank_changes(analyses, [worst]))), 2)
+                if worst.recommendation.swap and worst.saving_us_per_step < 0:
+                    worst.recommendation = slows_step(worst, -worst.saving_us_per_step)
             worst.share_of_step_pct = round(100 * worst.saving_us_per_step / job.step_us, 2) if job.step_us else 0.0
             worst.severity = severity_for(worst.saving_us_per_step, job.step_us)
         out.append(worst)
@@ -106,6 +109,7 @@ def job_prediction(analyses: list[Analysis], job: Job, findings: list[Finding]) 
         after_us = job.replay.step_us(job.replay.replay(job.hosts, _rank_changes(analyses, kept + [f])))
         if after_us > step + 0.01:
             not_combined.append({"finding": f.key, "title": f.title, "saving_us_per_step": round(step - after_us, 2)})
+            f.recommendation = slows_step(f, after_us - step, on_top=True)
             continue
         kept.append(f)
         waterfall.append({"finding": f.key, "title": f.title, "saving_us_per_step": round(step - after_us, 2),
