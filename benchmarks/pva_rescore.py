@@ -95,8 +95,9 @@ H200_RUNS = [
     # and on a seventh, Gemma, Llama and Phi-3 with each swap also A/B-tested alone (`--each`); its table differed
     # from that one only in swaps these cases do not name (layer_norm, softmax, cross_entropy)
     ("predict_vs_ab_h200_host7_each_2026-11-29.json", "pva_traces_h200_2026-11-29_host7_each", {}, H200_PAIRED_COSTS),
-    # and on an eighth, with that table again (Mixtral inference not reached)
+    # and on an eighth and a ninth, with that table again (Mixtral inference not reached in either)
     ("predict_vs_ab_h200_host8_2026-11-29.json", "pva_traces_h200_2026-11-29_host8", {}, H200_PAIRED_COSTS),
+    ("predict_vs_ab_h200_host9_2026-11-29.json", "pva_traces_h200_2026-11-29_host9", {}, H200_PAIRED_COSTS),
 ]
 # Runs of the same kernels and sizes, one process each: every case is also scored against the mean of their
 # measurements, the true change as well as these runs can tell it (one run's A/B moves with its process's host
@@ -105,7 +106,8 @@ REPEATS = ("predict_vs_ab_h100_fresh_host_2026-11-27.json",
            *(f"predict_vs_ab_h100_host_repeat{i}_2026-11-28.json" for i in (1, 2, 3, 4)))
 H200_REPEATS = (*(f"predict_vs_ab_h200_host{i}_2026-11-28.json" for i in (1, 2, 3)),
                 *(f"predict_vs_ab_h200_host{i}_2026-11-29.json" for i in (4, 5, 6)),
-                "predict_vs_ab_h200_host7_each_2026-11-29.json", "predict_vs_ab_h200_host8_2026-11-29.json")
+                "predict_vs_ab_h200_host7_each_2026-11-29.json", "predict_vs_ab_h200_host8_2026-11-29.json",
+                "predict_vs_ab_h200_host9_2026-11-29.json")
 # The regimes the bar is judged on, by the tokens of a case: 4x1024 at twice the width balances host and GPU
 REGIMES = (("host-bound 1x256", "_1x256_"), ("balanced 4x1024", "_4x1024_"), ("GPU-bound 4x2048", "_4x2048_"))
 # The same cases by the replay's host time over GPU time after the swaps: the GPU bounds the step, both about

@@ -1105,7 +1105,7 @@ def test_fused_chains_at_once_equal_each_chain_by_the_definition():
                                     "llama_nccl_ddp_hostsync_4step"])
 def test_a_jobs_prediction_and_savings_are_its_ranks_replayed_together(folder):
     """Over NCCL one rank's own replay is not the job's step: its collectives, as traced, wait for its peers
-    (llama_nccl_ddp's rank 0 alone replays to 26.6 ms, the job ran 17.1). The prediction and each finding's saving
+    (llama_nccl_ddp's rank 0 alone replays to 26.6 ms, the job ran 17.5). The prediction and each finding's saving
     are the job's: its ranks replayed together, every rank's change of a cause applied at once; each rank's own
     figure stays in the evidence. The straggler is not a change the replay makes, and is said to be left out."""
     r = recommend(fixture_dir(folder))

@@ -67,7 +67,7 @@ def test_the_analyser_keeps_its_accuracy_on_the_committed_ab_runs():
 def test_the_analyser_keeps_its_accuracy_on_the_h200_runs():
     """The same ratchet on the H200's runs: GPU-bound (every family, both modes), whose training savings are
     over-predicted by 6-13% (the swapped steps' GEMMs clock lower at the board's power cap), balanced three times,
-    host-bound eight times on eight machines (the seventh Gemma, Llama and Phi-3 only): twice priced with the
+    host-bound nine times on nine machines (the seventh Gemma, Llama and Phi-3 only): twice priced with the
     swaps' host costs measured on the H100's host, then with the table re-measured on H200 hosts
     (benchmarks/results/predict_vs_ab.md, 2026-11-28 and -29)."""
     from benchmarks.pva_rescore import H200_REPEATS, H200_RUNS, against_mean, rescore, summary
@@ -77,13 +77,13 @@ def test_the_analyser_keeps_its_accuracy_on_the_h200_runs():
     gpu, host, balanced = scores["GPU-bound 4x2048"], scores["host-bound 1x256"], scores["balanced 4x1024"]
     assert gpu["cases"] == 10 and gpu["direction_right"] == 10 and gpu["median_abs_error_share"] <= 0.07
     # one run's measured saving moves with its machine's host pace (a Llama step of 11.0 ms on one, 17.5-22.3 on
-    # others, its saving ~27% of it on each): 0.143 over the first two runs, 0.154 over all eight; against the mean
-    # of the runs' A/Bs, 0.091
-    assert host["cases"] == 72 and host["direction_right"] == 72 and host["median_abs_error_share"] <= 0.155
-    assert against_mean(rows, H200_REPEATS)["host-bound 1x256"]["median_abs_error_share"] <= 0.091
-    # the range over the host's pace meets the A/B's interval in 17 of runs 1-2's 19 cases, 33 of runs 3-8's 53: run
+    # others, its saving ~27% of it on each): 0.143 over the first two runs, 0.158 over all nine; against the mean
+    # of the runs' A/Bs, 0.104
+    assert host["cases"] == 81 and host["direction_right"] == 81 and host["median_abs_error_share"] <= 0.16
+    assert against_mean(rows, H200_REPEATS)["host-bound 1x256"]["median_abs_error_share"] <= 0.104
+    # the range over the host's pace meets the A/B's interval in 17 of runs 1-2's 19 cases, 41 of runs 3-9's 62: run
     # 3's host ran faster than the range's fastest pace (1 of 10)
-    assert host["range_meets_ci"] >= 50 and gpu["range_meets_ci"] >= 2
+    assert host["range_meets_ci"] >= 58 and gpu["range_meets_ci"] >= 2
     # three runs on three machines; training is predicted too high (Llama 5.6-7.2 ms against 2.1-3.1 measured)
     assert balanced["cases"] == 17 and balanced["direction_right"] == 17 and balanced["median_abs_error_share"] <= 0.42
     assert balanced["range_meets_ci"] >= 6
