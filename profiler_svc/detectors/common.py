@@ -203,8 +203,8 @@ def op_record_codes(trace: Trace, kernels) -> np.ndarray:
 # ops that read only the rows or elements their index picks, not the whole table they index
 GATHER_OPS = {"aten::embedding", "aten::index_select", "aten::gather", "aten::take_along_dim"}
 # ops that write their first tensor without reading it
-WRITE_ONLY_OPS = {"aten::fill_", "aten::zero_", "aten::normal_", "aten::uniform_", "aten::bernoulli_",
-                  "aten::random_", "aten::exponential_"}
+WRITE_ONLY_OPS = {"aten::fill_", "aten::zero_", "aten::normal_", "aten::uniform_", "aten::random_",
+                  "aten::exponential_"}
 # ops whose output is bool, one byte an element
 BOOL_OUTPUT_OPS = {"aten::eq", "aten::ne", "aten::lt", "aten::le", "aten::gt", "aten::ge", "aten::isnan",
                    "aten::isinf", "aten::isneginf", "aten::isposinf", "aten::isfinite", "aten::logical_not",

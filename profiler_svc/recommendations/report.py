@@ -114,9 +114,12 @@ def build_report(traces: list[Trace], path: str, top: int = 20) -> Report:
     for f in findings:
         counters[f.category] = counters.get(f.category, 0) + 1
         f.id = f"{f.category}-{counters[f.category]}"
+    summary = trace_summary(main.trace)
+    for a in analyses[1:]:  # the other ranks' warnings too: the summary is the first rank's
+        summary["warnings"] += [f"rank {a.trace.rank}: {w}" for w in trace_warnings(a.trace, len(a.trace.window_kernels))]
     return Report(
         source={"path": str(path), "files": [t.path for t in traces], "ranks": [t.rank for t in traces]},
-        trace=trace_summary(main.trace),
+        trace=summary,
         steps=main.steps,
         prediction=prediction,
         ranks=[rank_summary(a) for a in analyses] if len(analyses) > 1 else [],

@@ -4,6 +4,7 @@ Idempotent: a trace whose uncompressed content was stored before is not stored a
 answer says ``duplicate``). Transactional: the rows are written in one transaction and the blob
 is moved into place inside it, so a failure at any step leaves no rows and no file.
 """
+import itertools
 import logging
 import os
 from contextlib import contextmanager
@@ -12,7 +13,7 @@ import socket
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
@@ -335,7 +336,8 @@ def _store(engine, blobs, upload: Upload, analysed: dict, *, move_blob=None, job
             kernel_count=int(summary.get("kernel_count") or 0),
             kernel_time_us=float(summary.get("kernel_time_us") or 0),
             event_count=int(summary.get("event_count") or 0),
-            summary=plain_json({**summary, **{key: data.get(key) or [] for key in REPORT_EXTRAS}}),
+            summary=plain_json({**summary, **{key: data.get(key) or [] for key in REPORT_EXTRAS},
+                                RANK_NAMED: analysed["rank"] is not None}),
             steps=plain_json(data.get("steps") or {}), prediction=plain_json(data.get("prediction") or {}),
             timeline=analysed["timeline"])
         session.add(trace)
@@ -362,16 +364,29 @@ def _store(engine, blobs, upload: Upload, analysed: dict, *, move_blob=None, job
         return result
 
 
+# in a stored trace's summary: did the trace name its rank, or did we number it?
+RANK_NAMED = "rank_named"
+
+
 def _rank_in(session, run: Run, rank: int | None, filename: str) -> int:
-    """The trace's rank in RUN: the one it names, unless the run holds that rank already (a job's ranks go in
-    once each, or a rank's figures could not be told apart); the lowest free one where it names none."""
-    taken = set(session.scalars(select(TraceRecord.rank).where(TraceRecord.run_id == run.id)))
-    if rank is None:
-        return next(r for r in range(len(taken) + 1) if r not in taken)
-    if rank in taken:
+    """The trace's rank in RUN: the one it names, unless a trace that named it is there already (a job's ranks go
+    in once each, or a rank's figures could not be told apart). The traces that name none (this one among them)
+    take the ranks no trace names, in the order they came: as `profiler_svc recommend` numbers a folder's files,
+    so a folder's cross-rank findings land on the same files."""
+    traces = list(session.scalars(select(TraceRecord).where(TraceRecord.run_id == run.id).order_by(TraceRecord.id)))
+    named = {t.rank for t in traces if (t.summary or {}).get(RANK_NAMED, True)}
+    if rank is not None and rank in named:
         raise UserError(f"{_text(filename, 255)}: run {run.id} already holds a trace of rank {rank}; "
                         "a run is one job, each rank once")
-    return rank
+    free = (r for r in itertools.count() if r not in named and r != rank)
+    for trace in traces:
+        if not (trace.summary or {}).get(RANK_NAMED, True):
+            moved = next(free)
+            if trace.rank != moved:  # its findings move with it
+                session.execute(update(FindingRecord).where(FindingRecord.trace_id == trace.id).values(rank=moved))
+                trace.rank = moved
+    session.flush()
+    return rank if rank is not None else next(free)
 
 
 def _get_or_create_run(session, *, group_key, name, host, workload, meta) -> Run:
@@ -451,7 +466,7 @@ def _finding_rows(findings, trace_id, run_id, rank):
             evidence=plain_json(f.get("evidence") or {}),
             saving_us_per_step=float(f.get("saving_us_per_step") or 0),
             gpu_time_saved_us_per_step=float(f.get("gpu_time_saved_us_per_step") or 0),
-            rank=f.get("rank") if f.get("rank") is not None else rank,
+            rank=rank,  # the stored trace's (a file's own report numbers a file that names none 0)
             # the swap or fix it recommends applying: none where the analyser says it slows the step
             summary=_text(rec.get("summary") or ""), swap=_text(recommended(rec, "swap"), 255),
             fix=_text(recommended(rec, "fix"), 64),

@@ -235,6 +235,16 @@ def _rank_file(folder, name, rank, host_us=50):
     (folder / name).write_text(json.dumps({"traceEvents": events, "distributedInfo": {"rank": rank, "world_size": 2}}))
 
 
+def test_every_ranks_warnings_are_said(tmp_path, capsys):
+    _rank_file(tmp_path, "a.json", 0)
+    _rank_file(tmp_path, "b.json", 1)
+    data = json.loads((tmp_path / "b.json").read_text())
+    data["traceEvents"].append({"ph": "B", "name": "never closed", "pid": 1, "tid": 1, "ts": 0})
+    (tmp_path / "b.json").write_text(json.dumps(data))
+    code, out, _ = run(capsys, "recommend", str(tmp_path), "--format", "json")
+    assert code == 0 and json.loads(out)["trace"]["warnings"] == ["rank 1: 1 'B' events without an 'E' on their thread ignored"]
+
+
 def test_a_folder_naming_one_rank_twice_is_refused(tmp_path, capsys):
     _rank_file(tmp_path, "a.json", 0)
     _rank_file(tmp_path, "b.json", 0)

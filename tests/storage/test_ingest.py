@@ -1,5 +1,6 @@
 import gzip
 import json
+from pathlib import Path
 
 import pytest
 from sqlalchemy import func, inspect, select, text
@@ -10,6 +11,7 @@ from profiler_svc.errors import UserError
 from profiler_svc.storage import db as storage_db
 from profiler_svc.storage import ingest
 from profiler_svc.storage.models import FindingRecord, KernelSummary, Run, TraceRecord
+from profiler_svc.trace.load import load_traces
 
 
 def count(engine, model):
@@ -238,6 +240,28 @@ def test_a_run_holds_each_rank_once(engine, blobs, tmp_path):
         run = s.get(Run, first.run_id)
         assert unnamed.run_id == run.id and sorted(t.rank for t in run.traces) == [0, 1]
         assert [t.filename for t in run.traces if t.rank == 0] == [variant("a", 0).name]
+
+
+def test_a_folder_mixing_named_and_unnamed_ranks_is_numbered_as_recommend_numbers_it(engine, blobs, tmp_path):
+    """Files that name no rank take the ranks no file names, in order (a and b below 1 and 2, c keeps its 0),
+    whatever order they come in: as `profiler_svc recommend` numbers the folder, so its cross-rank findings
+    (the straggler) land on the right files."""
+    folder = tmp_path / "job"
+    folder.mkdir()
+    for name, rank in (("a", None), ("b", None), ("c", 0)):
+        data = json.loads(gzip.decompress(trace_variant(tmp_path, name).read_bytes()))
+        data.pop("distributedInfo", None)
+        if rank is not None:
+            data["distributedInfo"] = {"rank": rank, "world_size": 3}
+        (folder / f"{name}.json.gz").write_bytes(gzip.compress(json.dumps(data).encode()))
+    results = ingest.ingest_path(engine, folder, blobs=blobs)
+    expected = {Path(t.path).name: t.rank for t in load_traces(folder)}
+    assert expected == {"a.json.gz": 1, "b.json.gz": 2, "c.json.gz": 0}
+    with storage_db.session_scope(engine) as s:
+        run = s.get(Run, results[0].run_id)
+        assert {t.filename: t.rank for t in run.traces} == expected
+        for t in run.traces:  # each trace's findings carry its rank
+            assert {f.rank for f in s.scalars(select(FindingRecord).where(FindingRecord.trace_id == t.id))} <= {t.rank}
 
 
 def test_non_finite_numbers_in_a_report_are_stored_as_null(engine, blobs, monkeypatch):
