@@ -26,6 +26,13 @@ def report(name):
     return _cache[name]
 
 
+def folder_report(name):
+    """A folder of ranks' report, once per test process: the ranks' joint replays make each a few seconds."""
+    if ("folder", name) not in _cache:
+        _cache["folder", name] = recommend(fixture_dir(name))
+    return _cache["folder", name]
+
+
 def findings(name, category=None, key=None, min_severity="info"):
     return [f for f in report(name).findings
             if (category is None or f.category == category) and (key is None or key in f.key)
@@ -817,7 +824,7 @@ def test_calibrated_gpu_bound_capture_prices_the_fusions_within_the_host_room():
 
 def test_straggler_rank_and_its_cost():
     # rank 1 slept 30 ms at the start of every step (STRAGGLER_MS=30): the others wait that long for it
-    r = recommend(fixture_dir("gpt2_ddp_straggler"))
+    r = folder_report("gpt2_ddp_straggler")
     [straggler] = [f for f in r.findings if f.key == "communication:straggler"]
     assert straggler.evidence["rank"] == 1 and straggler.rank == 1
     assert straggler.saving_us_per_step == pytest.approx(30_000, rel=0.2)
@@ -856,7 +863,7 @@ def raw_collective_waits(folder):
 @pytest.mark.parametrize("folder, slowest", [("llama_nccl_ddp_straggler", 1), ("llama_nccl_fsdp2", 0),
                                              ("llama_nccl_ddp", 1)])
 def test_nccl_straggler_is_the_rank_whose_collectives_never_wait(folder, slowest):
-    r = recommend(fixture_dir(folder))
+    r = folder_report(folder)
     [straggler] = [f for f in r.findings if f.key == "communication:straggler"]
     assert straggler.rank == slowest and straggler.evidence["method"] == "joint replay"
     waits = raw_collective_waits(folder)
@@ -893,7 +900,7 @@ def test_straggler_slow_only_per_op_says_to_capture_again(folder, caveat):
     """Nothing is planted in the DDP and FSDP2 captures: their straggler runs the same host ops as its peer, each
     slower (a host's pace wanders; benchmarks/results/multi_rank.md), and the finding says so. A planted
     straggler (a sleep at the start of each step) runs its ops at its peer's pace: no such caveat."""
-    r = recommend(fixture_dir(folder))
+    r = folder_report(folder)
     [straggler] = [f for f in r.findings if f.key == "communication:straggler"]
     pace = raw_host_pace(folder)
     ratio = pace[straggler.rank] / pace[1 - straggler.rank]
@@ -919,7 +926,7 @@ def test_nccl_planted_straggler_costs_what_balancing_saved():
     without the sleep: the balanced capture's unprofiled step against this one's (same session, same machine),
     40.3 - 17.5 = 22.8 ms; more than the sleep, since rank 1's GPU idled behind it too. Each rank replayed alone
     had said 16.2 ms."""
-    r = recommend(fixture_dir("llama_nccl_ddp_straggler"))
+    r = folder_report("llama_nccl_ddp_straggler")
     [straggler] = [f for f in r.findings if f.key == "communication:straggler"]
     gained = raw_unprofiled_step("llama_nccl_ddp_straggler") - raw_unprofiled_step("llama_nccl_ddp")
     assert gained == pytest.approx(22_800, rel=0.01)
@@ -939,7 +946,7 @@ def test_nccl_rank_with_extra_work_is_the_straggler_and_costs_what_it_adds():
     (`llama_nccl_ddp_hostsync`) no straggler is named: rank 1's second step replays 9 ms slower than its first.
     The sleep is the one stretch in rank 0's steps with no op on any thread (the balanced run has none of 2 ms):
     the replay keeps it whole, which calibration had scaled like the profiler's host time (9.2 ms then)."""
-    r = recommend(fixture_dir("llama_nccl_ddp_hostsync_4step"))
+    r = folder_report("llama_nccl_ddp_hostsync_4step")
     [straggler] = [f for f in r.findings if f.key == "communication:straggler"]
     cost = raw_unprofiled_step("llama_nccl_ddp_hostsync_4step") - raw_unprofiled_step("llama_nccl_ddp_4step")
     assert cost == pytest.approx(11_000, rel=0.01)
@@ -956,7 +963,7 @@ def test_nccl_rank_with_extra_work_is_the_straggler_and_costs_what_it_adds():
     own = idle_breakdown(sleeps)["own_code"]
     assert own["gaps"] == 4 and own["idle_us_per_step"] == pytest.approx(10_200, rel=0.03)
     assert idle_breakdown(balanced)["own_code"]["gaps"] == 0
-    assert not [f for f in recommend(fixture_dir("llama_nccl_ddp_hostsync")).findings
+    assert not [f for f in folder_report("llama_nccl_ddp_hostsync").findings
                 if f.key == "communication:straggler"]
 
 
@@ -966,14 +973,14 @@ def test_nccl_fsdp2_planted_straggler_costs_what_balancing_saved():
     costs the job 12.2 ms a step, less than the sleep (rank 1's own GPU work waited on rank 0 without it). The
     joint replay names rank 1 at 15.0 ms. The tolerance is the balanced run's own spread: its two timed steps
     on rank 0 were 50.2 and 42.5 ms. The balanced run names no straggler."""
-    r = recommend(fixture_dir("llama_nccl_fsdp2_straggler_4step"))
+    r = folder_report("llama_nccl_fsdp2_straggler_4step")
     [straggler] = [f for f in r.findings if f.key == "communication:straggler"]
     cost = raw_unprofiled_step("llama_nccl_fsdp2_straggler_4step") - raw_unprofiled_step("llama_nccl_fsdp2_4step")
     assert cost == pytest.approx(12_180, rel=0.01)
     assert straggler.rank == 1 and straggler.saving_us_per_step == pytest.approx(cost, rel=0.3)
     assert straggler.evidence["job_step_us"] == pytest.approx(raw_unprofiled_step("llama_nccl_fsdp2_straggler_4step"),
                                                               rel=0.01)
-    assert not [f for f in recommend(fixture_dir("llama_nccl_fsdp2_4step")).findings
+    assert not [f for f in folder_report("llama_nccl_fsdp2_4step").findings
                 if f.key == "communication:straggler"]
 
 
@@ -983,7 +990,7 @@ def test_fsdp2_copies_into_its_collectives_buffers_are_no_optimizer_step():
     been reported as "optimizer step as many foreach kernels" whose fused form would move more bytes than
     they did. The optimizer here is fused AdamW: nothing to report."""
     for folder in ("llama_nccl_fsdp2_4step", "llama_nccl_fsdp2"):
-        r = recommend(fixture_dir(folder))
+        r = folder_report(folder)
         assert any(t.kernels["top_op_name"].eq("fsdp::all_gather_copy_in").any() for t in r.traces)
         for f in r.findings:
             assert f.evidence.get("pattern") != "optimizer", f.title
@@ -1012,7 +1019,7 @@ def test_job_replay_lines_up_the_ranks_by_their_collectives(folder):
     middle = len(differences) // 2
     raw = differences[middle] if len(differences) % 2 else (differences[middle - 1] + differences[middle]) / 2
     assert abs(raw) < 50.0 and differences[-1] - differences[0] < 100.0  # one clock, give or take tens of µs
-    job = JobReplay.of(recommend(fixture_dir(folder)).traces)
+    job = JobReplay.of(folder_report(folder).traces)
     assert job is not None and job.clock_offsets[1] == pytest.approx(raw - (first[1] - first[0]), abs=1.0)
 
 
@@ -1021,7 +1028,7 @@ def test_job_replay_lines_up_the_ranks_by_their_collectives(folder):
 def test_nccl_kernels_in_flight_are_not_host_waits(folder):
     """The host goes on launching while an NCCL kernel waits on the GPU: only its time inside collective
     calls (the enqueue, blocked or not) counts as waiting on communication."""
-    for trace in recommend(fixture_dir(folder)).traces:
+    for trace in folder_report(folder).traces:
         cpu = trace.cpu
         in_calls = cpu.loc[cpu["name"].str.startswith(("nccl:", "c10d::", "gloo:")), "dur"].sum()
         assert trace.timeline.gap_wait.sum() <= in_calls
@@ -1045,7 +1052,7 @@ def test_host_time_in_collectives_counts_nested_calls_once():
 
 def test_nccl_planted_host_sync_is_the_rank_that_reads_the_loss_mid_step():
     # rank 0 reads the loss before backward as well as at the end of each step: two aten::item a step
-    r = recommend(fixture_dir("llama_nccl_ddp_hostsync"))
+    r = folder_report("llama_nccl_ddp_hostsync")
     [sync] = [f for f in r.findings if f.key.startswith("host_sync:aten::item")]
     counts = {t.rank: int((t.cpu["name"] == "aten::item").sum()) for t in r.traces}
     assert counts == {0: 4, 1: 2}
@@ -1108,7 +1115,7 @@ def test_a_jobs_prediction_and_savings_are_its_ranks_replayed_together(folder):
     (llama_nccl_ddp's rank 0 alone replays to 26.6 ms, the job ran 17.5). The prediction and each finding's saving
     are the job's: its ranks replayed together, every rank's change of a cause applied at once; each rank's own
     figure stays in the evidence. The straggler is not a change the replay makes, and is said to be left out."""
-    r = recommend(fixture_dir(folder))
+    r = folder_report(folder)
     p = r.prediction
     measured = raw_unprofiled_step(folder)
     assert p["scope"] == "job" and p["step_us"] == pytest.approx(measured, rel=0.05)
