@@ -170,7 +170,6 @@ def recommend(path, top: int = 20, progress=None) -> Report:
 # -- rendering -----------------------------------------------------------------------------------
 
 
-
 def _headline(report: Report) -> list[str]:
     """The step, what bounds it, and what every recommended fix together would make of it."""
     steps, prediction = report.steps, report.prediction

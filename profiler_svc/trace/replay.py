@@ -324,8 +324,8 @@ class Timeline:
         ends_so_far = pd.Series(self.gpu_start + self.gpu_dur).groupby(streams, sort=False).cummax().to_numpy()
         prev_end = np.full(len(gpu), -np.inf)
         prev_end[1:] = ends_so_far[:-1]
-        prev_end[self.stream_bounds[:-1][self.stream_bounds[:-1] < len(gpu)]] = -np.inf  # a stream's first
-        prev_end = np.maximum(prev_end, free.reindex(streams).to_numpy(float) if len(gpu) else prev_end)
+        prev_end[self.stream_bounds[:-1]] = -np.inf  # a stream's first
+        prev_end = np.maximum(prev_end, free.reindex(streams).to_numpy(float))
         queued = launched & (launch_ts < prev_end)
         waited = launched & ~queued
         offset = self.gpu_start - launch_ts
