@@ -61,18 +61,21 @@ class Analysis:
         after = timeline.replay(change, host=host).loop_step_us
         return {"step_us": round(before, 2), "step_us_after": round(after, 2),
                 "saving_us_per_step": round(before - after, 2),
-                **_pace_range(timeline, change, host, before - after, before),
+                **pace_range(_replayed_saving(timeline, change, host), before - after, before, change.empty),
                 "findings": [f.key for f in findings]}
 
 
-def _pace_range(timeline: Timeline, change: Change, host: HostCost, saving_us: float, step_us: float) -> dict:
-    """{"saving_range_us": [low, high]}: the lowest and highest of the change's savings per step at the calibrated
-    host pace and at each end of HOST_PACE_RANGE (three replayed paces: a saving need not move one way between
-    them); with a "pace_note" where they are far apart."""
-    savings = [saving_us]
-    for pace in () if change.empty else HOST_PACE_RANGE:
-        paced = host.paced(pace)
-        savings.append(timeline.replay(host=paced).loop_step_us - timeline.replay(change, host=paced).loop_step_us)
+def _replayed_saving(timeline: Timeline, change: Change, host: HostCost):
+    """pace -> what CHANGE saves per step with the host's work taking PACE times its calibrated time."""
+    return lambda pace: (timeline.replay(host=host.paced(pace)).loop_step_us
+                         - timeline.replay(change, host=host.paced(pace)).loop_step_us)
+
+
+def pace_range(saving_at, saving_us: float, step_us: float, empty: bool = False) -> dict:
+    """{"saving_range_us": [low, high]}: the lowest and highest of a change's savings per step at the calibrated
+    host pace (SAVING_US) and at each end of HOST_PACE_RANGE (SAVING_AT(pace); three replayed paces: a saving need
+    not move one way between them); with a "pace_note" where they are far apart. EMPTY: no change, no range."""
+    savings = [saving_us] + [saving_at(pace) for pace in (() if empty else HOST_PACE_RANGE)]
     low, high = min(savings), max(savings)
     out: dict = {"saving_range_us": [round(low, 2), round(high, 2)]}
     if high - low > max(PACE_NOTE_SHARE * abs(saving_us), PACE_NOTE_STEP * step_us):
@@ -133,7 +136,7 @@ def analyse(trace: Trace) -> Analysis:
         "step_us_after": round(step, 2),
         "saving_us_per_step": round(step_us - step, 2),
         "saving_pct": round(100 * (1 - step / step_us), 2) if step_us else 0.0,
-        **_pace_range(timeline, combined, host, step_us - step, step_us),
+        **pace_range(_replayed_saving(timeline, combined, host), step_us - step, step_us, combined.empty),
         "findings": [w["finding"] for w in waterfall],
         "waterfall": waterfall,
         "not_combined": not_combined,

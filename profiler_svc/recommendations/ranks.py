@@ -13,7 +13,7 @@ from ..formats import fmt_us
 from ..trace.job_replay import JobReplay, keyed_by_name_and_order
 from ..trace.replay import Change, HostCost
 
-from .analysis import Analysis, slows_step, unprofiled_step_us
+from .analysis import Analysis, pace_range, slows_step, unprofiled_step_us
 from .severity import severity_for
 
 # A rank is a straggler when what its peers lose waiting for it is at least this share of the step.
@@ -76,8 +76,7 @@ def merge_ranks(analyses: list[Analysis], job: Optional[Job] = None) -> list[Fin
         if job is not None:
             worst.change_by_rank = {f.rank: f.change for f in group}
             if any(f.saving_us_per_step > 0 for f in group):  # one that shortens no rank's step is not replayed
-                worst.saving_us_per_step = round(job.step_us - job.replay.step_us(job.replay.replay(
-                    job.hosts, _rank_changes(analyses, [worst]))), 2)
+                worst.saving_us_per_step = round(job.step_us - _job_step_us(analyses, job, [worst]), 2)
                 if worst.recommendation.swap and worst.saving_us_per_step < 0:
                     worst.recommendation = slows_step(worst, -worst.saving_us_per_step)
             worst.share_of_step_pct = round(100 * worst.saving_us_per_step / job.step_us, 2) if job.step_us else 0.0
@@ -95,6 +94,29 @@ def _rank_changes(analyses: list[Analysis], findings: list[Finding]) -> list[Cha
     return [Change.union(changes[a.trace.rank]) if changes[a.trace.rank] else Change() for a in analyses]
 
 
+def _job_step_us(analyses: list[Analysis], job: Job, findings: list[Finding], pace: float = 1.0) -> float:
+    """The job's step with FINDINGS' changes on every rank that has them, its hosts at PACE times their time."""
+    hosts = job.hosts if pace == 1.0 else [h.paced(pace) for h in job.hosts]
+    changes = _rank_changes(analyses, findings) if findings else None
+    return job.replay.step_us(job.replay.replay(hosts, changes))
+
+
+def _job_pace_range(analyses: list[Analysis], job: Job, findings: list[Finding], saving_us: float) -> dict:
+    return pace_range(lambda pace: _job_step_us(analyses, job, [], pace) - _job_step_us(analyses, job, findings, pace),
+                      saving_us, job.step_us, empty=not findings)
+
+
+def job_predict(analyses: list[Analysis], job: Job, findings: list[Finding]) -> dict:
+    """The job's step replayed with these (merged) findings' fixes on every rank that has them, applied together
+    in one replay: what an A/B of exactly those fixes on the job should measure (Report.predict)."""
+    findings = [f for f in findings if f.change_by_rank]
+    after = _job_step_us(analyses, job, findings)
+    saving = job.step_us - after
+    return {"scope": "job", "step_us": round(job.step_us, 2), "step_us_after": round(after, 2),
+            "saving_us_per_step": round(saving, 2), **_job_pace_range(analyses, job, findings, saving),
+            "findings": [f.key for f in findings]}
+
+
 def job_prediction(analyses: list[Analysis], job: Job, findings: list[Finding]) -> dict:
     """The job's step replayed with every helpful fix on every rank that has it, ranks together (merge_ranks'
     findings, largest job saving first; a fix that lengthens the job's step on top of those is left out), as
@@ -106,7 +128,7 @@ def job_prediction(analyses: list[Analysis], job: Job, findings: list[Finding]) 
     step = step_us
     for f in sorted((f for f in findings if f.saving_us_per_step > 0 and f.change_by_rank),
                     key=lambda f: -f.saving_us_per_step):
-        after_us = job.replay.step_us(job.replay.replay(job.hosts, _rank_changes(analyses, kept + [f])))
+        after_us = _job_step_us(analyses, job, kept + [f])
         if after_us > step + 0.01:
             not_combined.append({"finding": f.key, "title": f.title, "saving_us_per_step": round(step - after_us, 2)})
             f.recommendation = slows_step(f, after_us - step, on_top=True)
@@ -120,6 +142,7 @@ def job_prediction(analyses: list[Analysis], job: Job, findings: list[Finding]) 
     return {"scope": "job", "step_us": round(step_us, 2), "step_us_after": round(step, 2),
             "saving_us_per_step": round(step_us - step, 2),
             "saving_pct": round(100 * (1 - step / step_us), 2) if step_us else 0.0,
+            **_job_pace_range(analyses, job, kept, step_us - step),
             "replay_error_pct": round(100 * (step_us / measured - 1), 2) if measured else None,
             "findings": [w["finding"] for w in waterfall], "waterfall": waterfall, "not_combined": not_combined}
 

@@ -11,7 +11,7 @@ from ..trace import Trace, load_traces
 from ..trace.replay import Change
 
 from .analysis import analyse
-from .ranks import job_of, job_prediction, merge_ranks, rank_summary, straggler
+from .ranks import Job, job_of, job_predict, job_prediction, merge_ranks, rank_summary, straggler
 from .severity import SEVERITIES, severity_for
 
 SCHEMA = "profiler_svc.report/1"
@@ -30,6 +30,7 @@ class Report:
     modules: list = field(default_factory=list)
     traces: list = field(default_factory=list, repr=False)
     analyses: list = field(default_factory=list, repr=False)
+    job: Optional[Job] = field(default=None, repr=False)  # ranks coupled by their collectives, replayed together
 
     def to_dict(self) -> dict:
         by_category = {c: 0 for c in CATEGORIES}
@@ -58,13 +59,17 @@ class Report:
         return max((f.severity for f in self.findings), key=SEVERITIES.index)
 
     def predict(self, swaps=(), fixes=()) -> dict:
-        """The first rank's step replayed with the fixes of every finding that recommends one of SWAPS or FIXES
-        applied together: what an A/B of exactly those should measure."""
+        """The step replayed with the fixes of every finding that recommends one of SWAPS or FIXES applied
+        together: what an A/B of exactly those should measure. Ranks coupled by their collectives: the job's step,
+        every rank's change replayed together; else the first rank's."""
+        if self.job is not None:
+            return job_predict(self.analyses, self.job, self.recommending(swaps, fixes))
         return self.analyses[0].predict(self.recommending(swaps, fixes)) if self.analyses else {}
 
     def recommending(self, swaps=(), fixes=()) -> list:
-        """The first rank's findings that recommend one of SWAPS or FIXES."""
-        return [f for f in self.analyses[0].findings
+        """The findings that recommend one of SWAPS or FIXES: the job's merged ones, else the first rank's."""
+        findings = self.findings if self.job is not None else self.analyses[0].findings if self.analyses else []
+        return [f for f in findings
                 if f.recommendation.swap in swaps or getattr(f.recommendation, "fix", None) in fixes]
 
     def swaps(self) -> list[str]:
@@ -101,7 +106,7 @@ def build_report(traces: list[Trace], path: str, top: int = 20) -> Report:
             f.saving_us_per_step = round(f.saving_us_per_step, 2)
             f.gpu_time_saved_us_per_step = round(f.gpu_time_saved_us_per_step, 2)
     main = analyses[0]
-    findings, prediction = main.findings, main.prediction
+    findings, prediction, job = main.findings, main.prediction, None
     if len(analyses) > 1:
         # ranks coupled by their collectives (NCCL) are priced together, as the job's step; else each on its own
         job = job_of(analyses) if all(a.trace.has_gpu for a in analyses) else None
@@ -129,6 +134,7 @@ def build_report(traces: list[Trace], path: str, top: int = 20) -> Report:
         modules=module_times(main.trace),
         traces=traces,
         analyses=analyses,
+        job=job,
     )
 
 

@@ -1132,3 +1132,25 @@ def test_a_jobs_prediction_and_savings_are_its_ranks_replayed_together(folder):
     assert "the prediction and each finding's saving: the job's step" in text
     if any(f.key == "communication:straggler" for f in r.findings):
         assert "not in that: rank" in text
+
+
+def test_predicting_fixes_on_a_job_replays_its_ranks_together():
+    """`ab --from-report` prices the swaps it tests with Report.predict. Over NCCL that is the job's step with the
+    swap on every rank, replayed together, as the finding's saving is: rank 0 replayed alone waits, as traced,
+    for its peer, and says 0.71 ms where the job saves 1.84 (llama_nccl_ddp, rms_norm)."""
+    r = folder_report("llama_nccl_ddp")
+    norm = next(f for f in r.findings if f.recommendation.swap == "rms_norm")
+    alone = r.analyses[0].predict([f for f in r.analyses[0].findings if f.recommendation.swap == "rms_norm"])
+    p = r.predict(swaps=["rms_norm"])
+    assert p["scope"] == "job" and p["findings"] == [norm.key]
+    assert p["step_us"] == r.prediction["step_us"]
+    assert p["saving_us_per_step"] == pytest.approx(norm.saving_us_per_step, abs=0.01)
+    assert p["saving_us_per_step"] > 2 * alone["saving_us_per_step"]
+    low, high = p["saving_range_us"]
+    assert low <= p["saving_us_per_step"] <= high
+    both = r.predict(swaps=["rms_norm", "rope"])
+    rope = next(f for f in r.findings if f.recommendation.swap == "rope")
+    assert set(both["findings"]) == {norm.key, rope.key}
+    # one replay of both changes, not the sum of each alone (the host and the GPU overlap differently)
+    assert norm.saving_us_per_step < both["saving_us_per_step"] < r.prediction["saving_us_per_step"]
+    assert r.predict(swaps=["no_such_swap"])["saving_us_per_step"] == 0
