@@ -73,7 +73,7 @@ def upload_trace():
         blobs=current_app.extensions["profiler_svc.blobs"], name=_text(form, "name"),
         group_key=_text(form, "run"), host=_text(form, "host") or request.remote_addr,
         workload=_text(form, "workload", limit=None),
-        max_bytes=current_app.config.get("MAX_TRACE_BYTES", ingest.DEFAULT_MAX_TRACE_BYTES))
+        max_bytes=current_app.config.get("MAX_TRACE_BYTES"))
     if isinstance(submitted, ingest.IngestResult):  # this content is stored already
         return jsonify(submitted.to_dict()), 200
     # Stored and queued: a worker analyses it (the web app never parses a trace).

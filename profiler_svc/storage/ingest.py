@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session
 from ..detectors.common import recommended
 from ..errors import TraceError, UserError
 from ..formats import one_line, plain_json
-from ..trace.load import MAX_TRACE_BYTES, named_rank
+from ..trace.load import max_trace_bytes, named_rank
 from ..trace.timeline import build_timeline
 from ..workload_spec import check_workload_allowed
 from . import jobs
@@ -33,8 +33,6 @@ from .models import AnalysisJob, FindingRecord, KernelSummary, Run, TraceRecord,
 log = logging.getLogger(__name__)
 
 BLOB_DIR_ENV = "PROFILER_SVC_BLOB_DIR"
-# Uncompressed, checked while receiving (a gzip bomb stops early); the analyser's own limit.
-DEFAULT_MAX_TRACE_BYTES = MAX_TRACE_BYTES
 # Report sections the run page shows as the analyser wrote them, kept beside the "trace" section.
 REPORT_EXTRAS = ("top_kernels", "top_ops", "modules")
 
@@ -89,7 +87,7 @@ def _without_path(message: str, path, filename: str) -> str:
 
 def ingest_stream(engine: Engine, stream, *, filename: str, blobs: BlobStore | None = None,
                   name: str | None = None, group_key: str | None = None, host: str | None = None,
-                  workload: str | None = None, max_bytes: int | None = DEFAULT_MAX_TRACE_BYTES) -> IngestResult:
+                  workload: str | None = None, max_bytes: int | None = None) -> IngestResult:
     """Store one trace read from a binary stream (plain or gzip JSON), analysed here and now (the CLI;
     the web app queues the analysis instead: `submit_upload`)."""
     blobs = blobs or default_blob_store()
@@ -118,7 +116,8 @@ def _receiving(engine, blobs, stream, workload, max_bytes):
     stored trace with the same content if there is one."""
     if workload is not None:
         check_workload_allowed(workload)
-    received = blobs.receive(stream, max_bytes=max_bytes)
+    # uncompressed, checked while receiving (a gzip bomb stops early); none given: the analyser's own limit
+    received = blobs.receive(stream, max_bytes=max_trace_bytes() if max_bytes is None else max_bytes)
     try:
         yield received, _find_trace(engine, received.sha256, workload)
     finally:
@@ -142,7 +141,7 @@ class Upload:
 
 def submit_upload(engine: Engine, stream, *, filename: str, blobs: BlobStore, name: str | None = None,
                   group_key: str | None = None, host: str | None = None, workload: str | None = None,
-                  max_bytes: int | None = DEFAULT_MAX_TRACE_BYTES) -> "IngestResult | AnalysisJob":
+                  max_bytes: int | None = None) -> "IngestResult | AnalysisJob":
     """Receive an upload into the blob store and queue its analysis (the web app: it never parses a
     trace). Returns the stored trace when this content is stored already, else its analysis job
     (a new one, the one already queued for the same content, or a failed one queued again)."""

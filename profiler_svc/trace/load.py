@@ -34,8 +34,13 @@ from .kernel_names import kernel_kinds, name_mask
 from .model import RawInputs, Trace
 from .schema import ANY_DECODER, ARRAY_DECODER, TOP_LEVEL_DECODER, TraceEvent
 
-# A decompressed trace above this is refused while it is read (gzip bombs included).
-MAX_TRACE_BYTES = setting_int(os.environ, "PROFILER_SVC_MAX_TRACE_BYTES", 8 << 30)
+# A decompressed trace above this is refused while it is read (gzip bombs included); PROFILER_SVC_MAX_TRACE_BYTES
+# sets another, read when a trace is (a bad value fails that read, not `import profiler_svc`).
+DEFAULT_MAX_TRACE_BYTES = 8 << 30
+
+
+def max_trace_bytes() -> int:
+    return setting_int(os.environ, "PROFILER_SVC_MAX_TRACE_BYTES", DEFAULT_MAX_TRACE_BYTES)
 TRACE_SUFFIXES = (".json", ".json.gz", ".pt.trace.json", ".pt.trace.json.gz")
 _CHUNK = 4 << 20  # decompressed bytes per batch; the scan's numpy temporaries are a few times this
 _PROGRESS_MIN_BYTES = 64 << 20
@@ -145,8 +150,9 @@ def byte_chunks(path, progress=None):
             if is_gzip:
                 chunks = _gunzip_chunks(f, path, bar)
             else:
-                if size > MAX_TRACE_BYTES:
-                    raise TraceError(f"{path}: {size / 1e9:.1f} GB is over the {MAX_TRACE_BYTES / 1e9:.1f} GB "
+                limit = max_trace_bytes()
+                if size > limit:
+                    raise TraceError(f"{path}: {size / 1e9:.1f} GB is over the {limit / 1e9:.1f} GB "
                                      "limit (PROFILER_SVC_MAX_TRACE_BYTES)")
                 chunks = _file_chunks(f, bar)
             first = True
@@ -209,8 +215,9 @@ def inflated_too_far(total: int, consumed: int) -> bool:
 
 
 def _check_gunzipped(path, total, consumed):
-    if total > MAX_TRACE_BYTES:
-        raise TraceError(f"{path}: decompresses to over the {MAX_TRACE_BYTES / 1e9:.1f} GB limit "
+    limit = max_trace_bytes()
+    if total > limit:
+        raise TraceError(f"{path}: decompresses to over the {limit / 1e9:.1f} GB limit "
                          "(PROFILER_SVC_MAX_TRACE_BYTES)")
     if inflated_too_far(total, consumed):
         raise TraceError(f"{path}: decompresses to over {MAX_GZIP_RATIO}x its compressed size, which no trace "

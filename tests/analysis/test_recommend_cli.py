@@ -173,6 +173,16 @@ def test_a_bad_setting_is_one_line_naming_it(setting, message):
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
 
 
+def test_a_bad_size_setting_fails_reading_a_trace_not_importing_the_package():
+    """A library user's `import profiler_svc` (and the service's modules) must not raise on a bad setting that
+    only reading a trace uses; reading one says what is wrong, in one line."""
+    code = ("import profiler_svc, profiler_svc.trace.load as load, profiler_svc.storage.ingest, profiler_svc.web\n"
+            "try:\n    load.max_trace_bytes()\nexcept profiler_svc.errors.UserError as err:\n    print(err)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "PROFILER_SVC_MAX_TRACE_BYTES": "8GB"})
+    assert proc.returncode == 0 and proc.stdout == "PROFILER_SVC_MAX_TRACE_BYTES='8GB' is not a whole number\n", proc.stderr
+
+
 def test_a_data_folder_that_is_a_file_is_one_line(tmp_path):
     home = tmp_path / "not-a-folder"
     home.write_text("")

@@ -330,7 +330,7 @@ def test_caps_on_one_event_and_the_top_level_fields(tmp_path, monkeypatch):
 
 
 def test_size_limit_counts_decompressed_bytes(tmp_path, monkeypatch):
-    monkeypatch.setattr(load, "MAX_TRACE_BYTES", 1 << 20)
+    monkeypatch.setenv("PROFILER_SVC_MAX_TRACE_BYTES", str(1 << 20))
     doc = _doc(*[_kernel(ts=i, name=f"k{random.Random(i).random()}") for i in range(20_000)])
     path = tmp_path / "big.json.gz"
     path.write_bytes(gzip.compress(doc))
