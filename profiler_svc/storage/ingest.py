@@ -372,6 +372,9 @@ def _rank_in(session, run: Run, rank: int | None, filename: str) -> int:
     in once each, or a rank's figures could not be told apart). The traces that name none (this one among them)
     take the ranks no trace names, in the order they came: as `profiler_svc recommend` numbers a folder's files,
     so a folder's cross-rank findings land on the same files."""
+    # the run's row is held until this upload commits: another upload to the run waits here, then sees this rank
+    # (PostgreSQL; SQLite lets one writer in at a time, and this session has written already)
+    session.execute(select(Run.id).where(Run.id == run.id).with_for_update())
     traces = list(session.scalars(select(TraceRecord).where(TraceRecord.run_id == run.id).order_by(TraceRecord.id)))
     named = {t.rank for t in traces if (t.summary or {}).get(RANK_NAMED, True)}
     if rank is not None and rank in named:

@@ -301,3 +301,57 @@ def test_a_folder_is_all_or_nothing(engine, blobs, tmp_path):
     with pytest.raises(UserError):
         ingest.ingest_path(engine, folder, blobs=blobs)
     assert count(engine, TraceRecord) == 1 and len(stored_files(blobs)) == 1
+
+
+def test_two_uploads_of_one_rank_at_once_cannot_both_land(engine, blobs, tmp_path, monkeypatch):
+    """Two files naming rank 0 of a run that exists already, uploaded at the same moment: the first holds the run
+    until it commits, so the second sees its rank and is refused. PostgreSQL only: SQLite lets one writer in at a
+    time, and the second upload's first write (its run's insert-or-nothing) waits for the first's commit anyway."""
+    import threading
+
+    if engine.dialect.name != "postgresql":
+        pytest.skip("SQLite serializes writers")
+
+    def variant(label, rank):
+        path = trace_variant(tmp_path, label)
+        data = json.loads(gzip.decompress(path.read_bytes()))
+        data["profiler_svc"] = {"schema": "profiler_svc.capture/1", "run": "20261129-race", "rank": rank}
+        data.pop("distributedInfo", None)
+        path.write_bytes(gzip.compress(json.dumps(data).encode()))
+        return path
+
+    [existing] = ingest.ingest_path(engine, variant("one", 1), blobs=blobs)
+    inside, release = threading.Event(), threading.Event()
+    rows = ingest._kernel_rows
+
+    def first_waits(*args):  # the first upload stops after taking its rank, before it commits
+        if threading.current_thread().name == "first":
+            inside.set()
+            release.wait(30)
+        return rows(*args)
+
+    monkeypatch.setattr(ingest, "_kernel_rows", first_waits)
+    outcome: dict = {}
+
+    def upload(label):
+        try:
+            outcome[label] = ingest.ingest_path(engine, variant(label, 0), blobs=blobs)
+        except UserError as err:
+            outcome[label] = err
+
+    first = threading.Thread(target=upload, args=("first",), name="first")
+    second = threading.Thread(target=upload, args=("second",), name="second")
+    first.start()
+    assert inside.wait(30)
+    second.start()
+    waiting = text("select count(*) from pg_stat_activity where datname = current_database() and wait_event_type = 'Lock'")
+    with engine.connect() as conn:  # until the second upload either lands or waits for the first's lock
+        while second.is_alive() and not conn.execute(waiting).scalar():
+            second.join(0.05)
+    release.set()
+    first.join(30)
+    second.join(30)
+    assert isinstance(outcome["second"], UserError) and "already holds a trace of rank 0" in str(outcome["second"])
+    with storage_db.session_scope(engine) as s:
+        ranks = sorted(t.rank for t in s.get(Run, existing.run_id).traces)
+    assert ranks == [0, 1]
