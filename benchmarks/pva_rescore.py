@@ -6,9 +6,11 @@ measured change as predict_vs_ab does. Cases are grouped by what bounds their st
 4x2048 the GPU, 4x1024 both about equally).
 
     python benchmarks/pva_rescore.py [--json OUT] [--cases] [--at-ab-pace]
+    python benchmarks/pva_rescore.py --pace-floor   # seconds: how far the capture tells the A/B its host pace
 """
 import argparse
 import json
+import math
 import os
 import statistics
 
@@ -260,13 +262,59 @@ def spread_between_runs(runs=REPEATS) -> dict:
                for i, what in enumerate(("a_step", "saving_ms", "saving_share"))}}
 
 
+def pace_floor(runs=H200_REPEATS) -> dict:
+    """How far the capture's host pace tells the A/B's, over repeated host-bound runs (each case's committed
+    prediction, A/B and unprofiled step; no re-analysis). The saving is a steady share of the A/B's own A step,
+    the capture's unprofiled step (another process) tracks that A step less well, and three ways to price the same
+    prediction: as made; scaled by the capture's step over the case's median one (the capture's pace); scaled by
+    the A/B's A step over that median (the A/B's pace, not known when the prediction is made)."""
+    cases = []
+    for name in runs:
+        for key, c in cases_of(os.path.join(RESULTS, name)).items():
+            unprofiled = (c.get("calibration") or {}).get("unprofiled_step_us")
+            if unprofiled and c.get("a_ms"):
+                cases.append((name, key, unprofiled, c["a_ms"] * 1e3, c["measured_us"],
+                              c["predicted"]["saving_us_per_step"]))
+    by_key: dict = {}
+    for case in cases:
+        by_key.setdefault(case[1], []).append(case)
+    within = {"unprofiled": [], "a": [], "measured": []}
+    errors: dict = {"as made": [], "at the capture's pace": [], "at the A/B's pace": []}
+    per_run: dict = {what: {} for what in errors}
+    for group in by_key.values():
+        median_step = statistics.median(c[2] for c in group)
+        logs = [[math.log(c[i]) for c in group] for i in (2, 3, 4)]
+        for what, values in zip(within, logs):
+            within[what] += [v - statistics.mean(values) for v in values]
+        for run, _, unprofiled, a_us, measured, predicted in group:
+            for what, value in (("as made", predicted), ("at the capture's pace", predicted * unprofiled / median_step),
+                                ("at the A/B's pace", predicted * a_us / median_step)):
+                errors[what].append(abs(value - measured) / abs(measured))
+                per_run[what].setdefault(run, []).append(errors[what][-1])
+    corr = lambda x, y: statistics.correlation(x, y)  # noqa: E731
+    return {"cases": len(cases), "runs": len(runs),
+            "r_measured_saving_vs_a_step": round(corr(within["measured"], within["a"]), 2),
+            "r_capture_step_vs_a_step": round(corr(within["unprofiled"], within["a"]), 2),
+            "sd_log_capture_over_a": round(statistics.pstdev(u - a for u, a in zip(within["unprofiled"], within["a"])), 3),
+            "saving_share_of_a_step": {key: round(statistics.mean(c[4] / c[3] for c in group), 3)
+                                       for key, group in sorted(by_key.items())},
+            "median_error": {what: round(statistics.median(v), 3) for what, v in errors.items()},
+            "median_error_run_by_run": {what: [round(statistics.median(v), 3) for v in runs_.values()]
+                                        for what, runs_ in per_run.items()}}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the rows and summary here")
     parser.add_argument("--cases", action="store_true", help="print each case")
     parser.add_argument("--at-ab-pace", action="store_true",
                         help="predict at the host pace that makes each replay take its A/B's A step (a diagnostic)")
+    parser.add_argument("--pace-floor", action="store_true",
+                        help="only how far the capture's host pace tells the A/B's (committed figures, no re-analysis)")
     args = parser.parse_args()
+    if args.pace_floor:
+        print(json.dumps(pace_floor(), indent=1))
+        return
     rows = rescore(args.at_ab_pace)
     h200_rows = rescore(args.at_ab_pace, H200_RUNS)
     if args.cases:
