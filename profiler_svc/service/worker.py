@@ -69,6 +69,12 @@ def analyse_isolated(path, filename: str) -> dict:
                         what=f"the analysis of {filename}")
 
 
+def analyse_run_isolated(folder) -> dict:
+    """`ingest.analyse_run_folder` (a run's ranks together) in a child process under `analysis_limits()`."""
+    return run_isolated(ingest.analyse_run_folder, str(folder), limits=analysis_limits(),
+                        what="the analysis of the run's ranks together")
+
+
 def use_triton_interpreter_without_gpu() -> None:
     """On a host without a GPU the bundled Triton kernels run through Triton's interpreter. Triton
     reads the switch when a kernel is defined, so this must run before anything imports them."""
@@ -98,9 +104,10 @@ class _Heartbeat(threading.Thread):
 
 def work_once(engine: Engine, *, worker: str | None = None, runner=run_ab_job_isolated,
               lease_s: float = jobs.DEFAULT_LEASE_S, kinds=KINDS, blobs: BlobStore | None = None,
-              analyser=analyse_isolated) -> int | None:
+              analyser=analyse_isolated, run_analyser=analyse_run_isolated) -> int | None:
     """Claim and run one job (of the first kind in `kinds` that has one queued); returns its id, or
-    None when those queues are empty. `runner(spec)` runs an A/B job, `analyser(path, filename)` an upload."""
+    None when those queues are empty. `runner(spec)` runs an A/B job, `analyser(path, filename)` an upload,
+    `run_analyser(folder)` the ranks of a run it joined, together."""
     worker = worker or default_worker_id()
     for kind in kinds:
         model = _MODELS[kind]
@@ -134,7 +141,9 @@ def work_once(engine: Engine, *, worker: str | None = None, runner=run_ab_job_is
     if kind == "analysis":
         if error is None:
             try:
-                ingest.store_analysed_job(engine, blobs, spec["id"], worker, result)
+                stored = ingest.store_analysed_job(engine, blobs, spec["id"], worker, result)
+                if stored is not None and not stored.duplicate:
+                    _refresh_run(engine, blobs, stored.run_id, run_analyser)
             except UserError as exc:  # e.g. the run holds this rank already
                 error = str(exc)
             except Exception as exc:  # e.g. the database refused a value: the upload's fault, say so
@@ -151,15 +160,24 @@ def work_once(engine: Engine, *, worker: str | None = None, runner=run_ab_job_is
     return spec["id"]
 
 
+def _refresh_run(engine, blobs, run_id: int, run_analyser) -> None:
+    """The run's ranks analysed together again; a failure leaves the upload stored and each rank's own figures."""
+    try:
+        ingest.refresh_run_analysis(engine, blobs, run_id, analyser=run_analyser)
+    except Exception as exc:
+        log.warning("run %s: analysing its ranks together failed: %s", run_id, one_line(exc))
+
+
 def run_worker(engine: Engine, *, once: bool = False, poll_s: float = 2.0, worker: str | None = None,
                runner=run_ab_job_isolated, lease_s: float = jobs.DEFAULT_LEASE_S, kinds=KINDS,
-               blobs: BlobStore | None = None, analyser=analyse_isolated, stop: threading.Event | None = None) -> int:
+               blobs: BlobStore | None = None, analyser=analyse_isolated, run_analyser=analyse_run_isolated,
+               stop: threading.Event | None = None) -> int:
     """Work until interrupted (or `stop` is set); with `once`, until the queues are empty. Returns the
     number of jobs run."""
     done = 0
     while stop is None or not stop.is_set():
         job_id = work_once(engine, worker=worker, runner=runner, lease_s=lease_s, kinds=kinds, blobs=blobs,
-                           analyser=analyser)
+                           analyser=analyser, run_analyser=run_analyser)
         if job_id is not None:
             done += 1
             continue

@@ -10,6 +10,7 @@ import os
 from contextlib import contextmanager
 import re
 import socket
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -240,7 +241,7 @@ def ingest_path(engine: Engine, path, *, name: str | None = None, group_key: str
                 results.append(ingest_stream(engine, stream, filename=file.name, blobs=blobs, name=name,
                                              group_key=group_key, host=host, workload=workload))
         if len(files) > 1 and not all(r.duplicate for r in results):
-            _store_cross_rank(engine, path, results[0].run_id)
+            _store_run_report(engine, analyse(path), results[0].run_id)
     except BaseException:
         # A folder is one job: all of its ranks or none of them.
         _remove(engine, blobs, [r for r in results if not r.duplicate])
@@ -248,19 +249,65 @@ def ingest_path(engine: Engine, path, *, name: str | None = None, group_key: str
     return results
 
 
-def _store_cross_rank(engine, folder: Path, run_id: int) -> None:
-    """What only the ranks together show (the straggler every collective waits for): the folder's report's
-    findings that no single rank's analysis has, stored with the rank they name."""
-    report = analyse(folder)
+def _store_run_report(engine, report, run_id: int) -> None:
+    """What only the ranks together show, from the report of the folder that is the whole run: the findings that
+    no single rank's analysis has (the straggler every collective waits for), stored with the rank they name; and
+    for ranks that NCCL couples, the job's prediction and findings (run_analysis)."""
     single = {f.key for a in report.analyses for f in a.findings}
     cross = {f.id for f in report.findings if f.key not in single}
-    if not cross:
-        return
     with session_scope(engine) as session:
         traces = {t.rank: t.id for t in session.scalars(select(TraceRecord).where(TraceRecord.run_id == run_id))}
         for f in report.to_dict()["findings"]:
             if f["id"] in cross and f.get("rank") in traces:
                 session.add_all(_finding_rows([f], traces[f["rank"]], run_id, f["rank"]))
+    _store_run_analysis(engine, run_id, run_analysis(report), list(traces.values()))
+
+
+def run_analysis(report) -> dict:
+    """What a run's ranks analysed together give, as plain data: where NCCL couples them (the report's prediction
+    is the job's), that prediction and the report's findings, each priced on the job's step; else nothing (each
+    rank's own analysis stands, and the dashboard shows the worst rank's figures of a cause, as the report does)."""
+    if report.prediction.get("scope") != "job":
+        return {}
+    data = report.to_dict()
+    return {"scope": "job", "prediction": data["prediction"], "findings": data["findings"]}
+
+
+def analyse_run_folder(path) -> dict:
+    """run_analysis of a folder holding one run's traces (a worker runs this in a child process under limits)."""
+    try:
+        return run_analysis(analyse(Path(path)))
+    except UserError:
+        raise
+    except Exception as exc:  # an analyser bug: the run keeps its ranks' own figures
+        raise TraceError(f"analysing the run's ranks together failed: {one_line(exc)}") from None
+
+
+def refresh_run_analysis(engine: Engine, blobs: BlobStore, run_id: int, analyser=analyse_run_folder) -> None:
+    """A rank has landed in a run of several: its ranks analysed together again, from the stored traces
+    (each under the name of its rank, so the analysis numbers them as they are stored)."""
+    with session_scope(engine) as session:
+        traces = [(t.id, t.rank, t.blob_path) for t in session.scalars(
+            select(TraceRecord).where(TraceRecord.run_id == run_id).order_by(TraceRecord.rank))]
+    if len(traces) < 2:
+        return
+    with tempfile.TemporaryDirectory(prefix="profiler_svc_run_") as folder:
+        for _, rank, blob_path in traces:
+            os.symlink(blobs.path(blob_path), Path(folder) / f"rank{rank:07d}.json.gz")
+        analysis = analyser(folder)
+    _store_run_analysis(engine, run_id, analysis, [t[0] for t in traces])
+
+
+def _store_run_analysis(engine, run_id: int, analysis: dict, trace_ids: list) -> bool:
+    """Keep ANALYSIS as the run's if it covers the traces the run holds now (else a rank came or went while it
+    ran, and the analysis that rank starts replaces it)."""
+    with session_scope(engine) as session:
+        run = session.get(Run, run_id, with_for_update=True)
+        current = sorted(session.scalars(select(TraceRecord.id).where(TraceRecord.run_id == run_id)))
+        if run is None or current != sorted(trace_ids):
+            return False
+        run.analysis = plain_json({**analysis, "trace_ids": current}) if analysis else {}
+    return True
 
 
 def _remove(engine, blobs, results) -> None:

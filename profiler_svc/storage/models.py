@@ -29,6 +29,9 @@ class Run(Base):
     host: Mapped[str | None] = mapped_column(String(255))
     workload: Mapped[str | None] = mapped_column(String(500))  # "pkg.module:factory", enables A/B
     meta: Mapped[dict] = mapped_column("metadata", default=dict)
+    # the ranks analysed together (ranks that NCCL couples): the job's prediction and findings, and the traces
+    # they cover (ingest.run_analysis); empty for one trace, or ranks priced each on its own
+    analysis: Mapped[dict] = mapped_column(default=dict, server_default="{}")
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
 
     traces: Mapped[list["TraceRecord"]] = relationship(back_populates="run", order_by="TraceRecord.rank",

@@ -3,6 +3,7 @@ from collections import Counter
 
 from sqlalchemy import false, func, or_, select
 
+from ..detectors.common import recommended
 from ..errors import UserError
 from ..recommendations.report import above_dram_note
 from ..trace.kernel_names import short_kernel_name
@@ -135,9 +136,42 @@ def _step_us(trace: TraceRecord) -> float | None:
     return (trace.prediction or {}).get("step_us") or ((trace.steps or {}).get("step_us") or {}).get("median")
 
 
+def job_analysis(session, run_id: int) -> dict | None:
+    """The run's ranks analysed together (ranks that NCCL couples: the job's prediction and findings), where that
+    analysis covers the traces the run holds now."""
+    run = session.get(Run, run_id)
+    stored = (run.analysis if run is not None else None) or {}
+    if stored.get("scope") != "job":
+        return None
+    current = sorted(session.scalars(select(TraceRecord.id).where(TraceRecord.run_id == run_id)))
+    return stored if sorted(stored.get("trace_ids") or []) == current else None
+
+
+def _job_findings(session, run_id: int, job: dict) -> list[dict]:
+    """The job's findings as the report gives them (each saving the job's step, each rank's own in its evidence),
+    each with the id of its stored row on the rank it names (what the A/B form and links point at)."""
+    ids: dict = {}
+    for f in session.scalars(select(FindingRecord).where(FindingRecord.run_id == run_id).order_by(FindingRecord.id)):
+        ids.setdefault((f.rank, f.title), f.id)
+    causes = {step.get("title"): step.get("finding") for step in (job.get("prediction") or {}).get("waterfall") or []}
+    out = []
+    for f in job.get("findings") or []:
+        rec = f.get("recommendation") or {}
+        out.append({**f, "id": ids.get((f.get("rank"), f.get("title"))), "key": f.get("id"), "ranks": [],
+                    "cause": causes.get(f.get("title")) or f"{f.get('category')}:{f.get('title')}",
+                    # as stored rows have it: no swap or fix where the analyser says it slows the step
+                    "recommendation": {"summary": rec.get("summary"), "swap": recommended(rec, "swap"),
+                                       "fix": recommended(rec, "fix"), "snippet": rec.get("snippet")}})
+    return out
+
+
 def findings(session, run_id: int) -> list[dict]:
     """The run's findings, one per root cause: the same problem found on several ranks is one finding with
-    the worst rank's figures (the report's rule) and every rank's in `ranks`; best saving first."""
+    the worst rank's figures (the report's rule) and every rank's in `ranks`; best saving first. Ranks that NCCL
+    couples: the job's findings, each priced on the job's step (job_analysis)."""
+    job = job_analysis(session, run_id)
+    if job is not None:
+        return _job_findings(session, run_id, job)
     traces = {t.id: t for t in session.scalars(select(TraceRecord).where(TraceRecord.run_id == run_id))}
     rows = session.scalars(select(FindingRecord).where(FindingRecord.run_id == run_id)
                            .order_by(FindingRecord.saving_us_per_step.desc(), FindingRecord.id)).all()
@@ -230,10 +264,15 @@ def ranks(session, run_id: int) -> list[dict]:
 def run_page(session, run_id: int, rank: int | None = None, with_timeline: bool = True) -> dict:
     """The run page: the answer (the step, the step after every recommended fix, what each fix buys), the
     findings one per cause, where the step goes, the ranks. Figures are one rank's (RANK, else the first), as
-    `profiler_svc recommend` gives them for the same files."""
+    `profiler_svc recommend` gives them for the same files; for ranks NCCL couples, the prediction and findings
+    are the job's, as there."""
     page = run_summary(session, run_id)
     main = _trace_for(session, run_id, rank)
     page["analysis"] = analysis(main)
+    job = job_analysis(session, run_id)
+    page["scope"] = "job" if job is not None else "rank"
+    if job is not None:  # the job's step after every fix: its ranks replayed together, as `recommend` gives it
+        page["analysis"]["prediction"] = job["prediction"]
     page["top_kernels"] = top_kernels(session, run_id, main)
     page["findings"] = findings(session, run_id)
     page["rank_table"] = ranks(session, run_id) if len(page["ranks"]) > 1 else []

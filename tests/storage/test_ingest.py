@@ -25,7 +25,7 @@ def test_upgrade_creates_every_table_and_is_repeatable(engine):
     assert {"runs", "traces", "kernel_summaries", "findings", "ab_jobs", "ab_results", "analysis_jobs",
             "api_tokens", "alembic_version"} <= tables
     with engine.connect() as conn:
-        assert conn.execute(text("select version_num from alembic_version")).scalar() == "0003"
+        assert conn.execute(text("select version_num from alembic_version")).scalar() == "0004"
 
 
 def downgrade(engine, revision):
@@ -41,7 +41,7 @@ def downgrade(engine, revision):
 
 def test_migrations_keep_stored_findings(engine):
     """0001 -> head: a stored finding's saving moves to saving_us_per_step, new columns get defaults
-    (0002); the finding's fix is empty and the job and token tables are new (0003)."""
+    (0002); the finding's fix is empty and the job and token tables are new (0003); runs get an empty analysis (0004)."""
     downgrade(engine, "0001")
     assert not {"analysis_jobs", "api_tokens"} & set(inspect(engine).get_table_names())
     with engine.begin() as conn:
@@ -64,6 +64,8 @@ def test_migrations_keep_stored_findings(engine):
     with engine.connect() as conn:
         assert tuple(conn.execute(text("select saving_us_per_step, fix from findings")).one()) == (123.5, None)
     assert {"analysis_jobs", "api_tokens"} <= set(inspect(engine).get_table_names())
+    with storage_db.session_scope(engine) as s:  # 0004: a run stored before has no analysis of its own
+        assert s.get(Run, run).analysis == {}
 
 
 def test_a_findings_configuration_fix_is_stored(engine, blobs):

@@ -9,7 +9,7 @@ import pytest
 from profiler_svc.cli import main
 from profiler_svc.formats import fmt_us
 from profiler_svc.storage.ingest import ingest_path
-from tests.plugins.traces import DDP, fixture_path
+from tests.plugins.traces import DDP, fixture_dir, fixture_path
 from tests.web.test_web import make_app
 
 TOP = 10
@@ -24,7 +24,8 @@ def visible(page: str) -> str:
     return re.sub(r"\s+", " ", html.unescape(re.sub(r"<[^>]+>", " ", page)))
 
 
-@pytest.mark.parametrize("trace", [fixture_path("llama_bf16_train_agent"), DDP], ids=["labelled", "two ranks"])
+@pytest.mark.parametrize("trace", [fixture_path("llama_bf16_train_agent"), DDP, fixture_dir("llama_nccl_ddp")],
+                         ids=["labelled", "two ranks", "two ranks over NCCL"])
 def test_cli_json_markdown_and_dashboard_agree(capsys, engine, blobs, trace):
     report = json.loads(cli(capsys, trace, "json"))
     text, table, markdown = cli(capsys, trace, "text"), cli(capsys, trace, "table"), cli(capsys, trace, "markdown")

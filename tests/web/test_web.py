@@ -4,7 +4,7 @@ import re
 import pytest
 
 from tests.plugins.database import stored_files, trace_variant
-from tests.plugins.traces import SMALL_TRACE, DDP, fixture_path
+from tests.plugins.traces import SMALL_TRACE, DDP, fixture_dir, fixture_path
 from tests.web.uploads import analyse_queued, post_trace, sign_in, stored as _stored
 from profiler_svc.errors import UserError
 from profiler_svc.web import create_app
@@ -87,6 +87,31 @@ def test_ranks_uploaded_separately_form_one_run(client):
     assert rank1["rank"] == 1
     assert client.get(f"/api/v1/runs/{run['id']}/timeline?rank=5").status_code == 404
     assert client.get(f"/runs/{run['id']}?rank=1").status_code == 200
+
+
+def test_ranks_over_nccl_uploaded_separately_show_the_jobs_figures(client):
+    """Ranks that NCCL couples, uploaded one at a time: once both are in, the worker analyses them together, and
+    the run page gives the job's prediction and findings, as `profiler_svc recommend` gives them for the folder
+    (one rank alone, replayed as traced, waits for its peer: llama_nccl_ddp's rank 0 alone says 26.6 ms a step)."""
+    from profiler_svc.recommendations import recommend
+
+    folder = fixture_dir("llama_nccl_ddp")
+    files = sorted(folder.glob("*.json.gz"))
+    first = stored(client, files[1], run="nccl-job-1")
+    alone = client.get(f"/api/v1/runs/{first['run_id']}").get_json()
+    assert alone["scope"] == "rank" and alone["analysis"]["prediction"].get("scope") is None
+    stored(client, files[0], run="nccl-job-1")
+    page = client.get(f"/api/v1/runs/{first['run_id']}").get_json()
+    report = recommend(str(folder)).to_dict()
+    assert page["scope"] == "job" and page["ranks"] == [0, 1]
+    assert page["analysis"]["prediction"]["step_us"] == report["prediction"]["step_us"]
+    assert page["analysis"]["prediction"]["step_us_after"] == report["prediction"]["step_us_after"]
+    assert [(f["title"], f["saving_us_per_step"]) for f in page["findings"]] == \
+        [(f["title"], f["saving_us_per_step"]) for f in report["findings"]]
+    # the A/B form still points at stored rows: a finding that recommends a swap has one
+    assert all(f["id"] is not None for f in page["findings"] if f["recommendation"]["swap"])
+    html = client.get(f"/runs/{first['run_id']}").get_data(as_text=True)
+    assert "prediction and findings: the job&#39;s step" in html or "prediction and findings: the job's step" in html
 
 
 def test_compare_two_runs(client, tmp_path):

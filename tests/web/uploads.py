@@ -9,7 +9,7 @@ from profiler_svc.storage import ingest
 def analyse_queued(app, isolated: bool = False) -> int:
     """Run every queued analysis of `app`'s database; in this process unless `isolated` (the worker's
     child process under limits, as in production). Returns how many ran."""
-    extra = {} if isolated else {"analyser": ingest.analyse_file}
+    extra = {} if isolated else {"analyser": ingest.analyse_file, "run_analyser": ingest.analyse_run_folder}
     return run_worker(app.extensions["profiler_svc.engine"], once=True, kinds=("analysis",),
                       blobs=app.extensions["profiler_svc.blobs"], worker="test-worker", **extra)
 
