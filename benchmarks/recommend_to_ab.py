@@ -1,13 +1,14 @@
 """The loop a user runs, on each model family Liger-Kernel patches: capture -> recommend -> ab_test with the
-swaps the report names, at two batch sizes, training.
+swaps the report names, at two batch sizes, training (or inference: --modes).
 
     python benchmarks/recommend_to_ab.py --out benchmarks/results/recommend_to_ab_h100.json
                                          [--families Llama,Phi-3] [--sizes 1x512,4x1024] [--rounds 20]
+                                         [--modes train,infer]
     TRITON_INTERPRET=1 python benchmarks/recommend_to_ab.py --tiny --out /tmp/r2ab.json   # CPU smoke test
 
-Per family and size: a model from a config (bf16 on the GPU, no download), 4 training steps captured with
-profiler_svc.capture, `recommend` on that trace, then profiler_svc.ab_test(model, batch, swaps the report
-names, train=True). Asserted, and listed under "failures" (exit 1 when any): every swap a recommendation
+Per family, size and mode: a model from a config (bf16 on the GPU, no download), 4 training steps (or forwards
+without autograd) captured with profiler_svc.capture, `recommend` on that trace, then
+profiler_svc.ab_test(model, batch, swaps the report names, train=the mode's). Asserted, and listed under "failures" (exit 1 when any): every swap a recommendation
 names is applied to at least one module (`swapped` count > 0), and no verdict is `slower` (nor a parity
 failure or an error). On the CPU (--tiny) the trace has no GPU kernels, so no finding names a swap; the
 swaps that the placement rules find in the captured module tree stand in, to exercise the same path.
@@ -74,23 +75,28 @@ def named_swaps(report: dict) -> tuple[list, list]:
     return named, code_fixes
 
 
-def run_case(family: str, batch: int, seq: int, tiny: bool, rounds: int) -> dict:
+def run_case(family: str, batch: int, seq: int, tiny: bool, rounds: int, train: bool = True) -> dict:
     import profiler_svc
     from profiler_svc.kernels.swap import swaps_for_modules
 
     model, vocab = build(family, tiny)
+    model.train(train)
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(3, vocab, (batch, seq), generator=gen).to(device)
-    inputs = {"input_ids": ids, "labels": ids}
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    inputs = {"input_ids": ids, "labels": ids} if train else {"input_ids": ids}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6) if train else None
     started = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         with profiler_svc.capture(model, out=tmp, wait=1, warmup=1, active=2, nvtx=False, upload=False) as cap:
             for _ in range(4):
-                model(**inputs).loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+                if train:
+                    model(**inputs).loss.backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                else:
+                    with torch.no_grad():
+                        model(**inputs)
                 cap.step()
         report = cap.recommend().to_dict()
         tree = cap.metadata.get("modules")  # the module tree the trace carries
@@ -100,11 +106,12 @@ def run_case(family: str, batch: int, seq: int, tiny: bool, rounds: int) -> dict
     if not named and tiny:  # a CPU trace has no kernels to find chains in: the placement rules stand in
         named = list(dict.fromkeys(s for swaps in swaps_for_modules(tree).values() for s in swaps))
         source = "placement rules (CPU: no GPU kernels in the trace)"
-    result = profiler_svc.ab_test(model, inputs, named, train=True, rounds=rounds, warmup=1 if tiny else 5)
+    result = profiler_svc.ab_test(model, inputs, named, train=train, rounds=rounds, warmup=1 if tiny else 5)
     counts = {name: sum(1 for row in result.swapped if row["swap"] == name) for name in named}
     timing = result.timing
     return {
-        "family": family, "size": f"{batch}x{seq}", "swaps_named": named, "named_by": source,
+        "family": family, "size": f"{batch}x{seq}", "mode": "train" if train else "infer",
+        "swaps_named": named, "named_by": source,
         "swapped": counts, "skipped": result.skipped[:8], "code_fixes": code_fixes, "verdict": result.verdict,
         "speedup": timing.speedup if timing else None,
         "ci": [timing.ci_low, timing.ci_high] if timing else None,
@@ -140,6 +147,7 @@ def main(argv=None) -> int:
     parser.add_argument("--families", help=f"comma-separated (default: all of {', '.join(FAMILIES)})")
     parser.add_argument("--sizes", default="1x512,4x1024", help="batch x sequence, comma-separated")
     parser.add_argument("--rounds", type=int, default=20, help="ab_test's timed rounds")
+    parser.add_argument("--modes", default="train", help="train, infer or both, comma-separated")
     parser.add_argument("--budget-s", type=float, default=1e9, help="start no new case after this")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test (TRITON_INTERPRET=1): tiny models")
     args = parser.parse_args(argv)
@@ -159,31 +167,34 @@ def main(argv=None) -> int:
     except ValueError:
         print(f"--sizes wants BATCHxSEQ,...; got {args.sizes!r}", file=sys.stderr)
         return 2
+    modes = args.modes.split(",")
+    if not set(modes) <= {"train", "infer"}:
+        print(f"--modes wants train and/or infer; got {args.modes!r}", file=sys.stderr)
+        return 2
     if args.tiny:
         sizes = [(1, 8), (2, 8)]
     deadline = time.time() + args.budget_s
     out = {"versions": versions(), "command": "python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
            "cases": [], "failures": []}
-    for family in families:
-        for batch, seq in sizes:
-            if time.time() > deadline:
-                out["cases"].append({"family": family, "size": f"{batch}x{seq}", "skipped": "time budget"})
-                continue
-            try:
-                case = run_case(family, batch, seq, args.tiny, 2 if args.tiny else args.rounds)
-            except Exception as err:  # one family failing must not stop the others
-                traceback.print_exc()
-                case = {"family": family, "size": f"{batch}x{seq}",
-                        "error": f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"}
-            problems = failures_of(case, args.tiny)
-            out["failures"] += [f"{family} {batch}x{seq}: {p}" for p in problems]
-            out["cases"].append(case)
-            print(f"{family:10s} {batch}x{seq:<5d} named {case.get('swaps_named')} swapped {case.get('swapped')} "
-                  f"verdict {case.get('verdict')} {case.get('speedup') or ''} {'; '.join(problems)}", flush=True)
-            with open(args.out, "w") as f:  # rewritten after every case: a run cut short keeps its results
-                json.dump(out, f, indent=1, default=str)
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+    for family, (batch, seq), mode in ((f, size, m) for f in families for size in sizes for m in modes):
+        if time.time() > deadline:
+            out["cases"].append({"family": family, "size": f"{batch}x{seq}", "mode": mode, "skipped": "time budget"})
+            continue
+        try:
+            case = run_case(family, batch, seq, args.tiny, 2 if args.tiny else args.rounds, train=mode == "train")
+        except Exception as err:  # one family failing must not stop the others
+            traceback.print_exc()
+            case = {"family": family, "size": f"{batch}x{seq}", "mode": mode,
+                    "error": f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"}
+        problems = failures_of(case, args.tiny)
+        out["failures"] += [f"{family} {batch}x{seq} {mode}: {p}" for p in problems]
+        out["cases"].append(case)
+        print(f"{family:10s} {batch}x{seq:<5d} {mode} named {case.get('swaps_named')} swapped {case.get('swapped')} "
+              f"verdict {case.get('verdict')} {case.get('speedup') or ''} {'; '.join(problems)}", flush=True)
+        with open(args.out, "w") as f:  # rewritten after every case: a run cut short keeps its results
+            json.dump(out, f, indent=1, default=str)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     print(f"{len(out['failures'])} failures" + "".join(f"\n  {line}" for line in out["failures"]))
     return 1 if out["failures"] else 0
 
