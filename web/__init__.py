@@ -24,6 +24,7 @@ from ..formats import fmt_us
 from ..storage.db import database_url, get_engine, home
 from ..storage.blobs import BlobStore
 from ..storage.ingest import default_blob_store
+from ..trace.load import max_trace_bytes
 from ..storage.queries import NotFound
 
 csrf = CSRFProtect()
@@ -37,6 +38,8 @@ def create_app(config: dict | None = None) -> Flask:
         API_TOKEN=os.environ.get("PROFILER_SVC_TOKEN"),
         SECRET_KEY=os.environ.get("PROFILER_SVC_SECRET_KEY"),
         MAX_CONTENT_LENGTH=setting_int(os.environ, "PROFILER_SVC_MAX_UPLOAD_MB", 1024) << 20,
+        # read here, so a bad value stops the app at start, not each upload (as the client's fault)
+        MAX_TRACE_BYTES=max_trace_bytes(),
         PUBLIC_READ=_flag("PROFILER_SVC_PUBLIC_READ"),
         WTF_CSRF_TIME_LIMIT=None,  # tokens live as long as the session
         SESSION_COOKIE_SAMESITE="Lax",  # the session cookie: the CSRF secret and the signed-in token's id

@@ -145,6 +145,8 @@ def cmd_worker(args) -> int:
     from .worker import KINDS, default_worker_id, run_worker, use_triton_interpreter_without_gpu
     if args.kind != "analysis":
         use_triton_interpreter_without_gpu()
+    from ..trace.load import max_trace_bytes
+    max_trace_bytes()  # a bad value stops the worker now, not each analysis (which would fail every upload)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     engine = ready_engine()
     worker = default_worker_id()

@@ -240,13 +240,27 @@ def ingest_path(engine: Engine, path, *, name: str | None = None, group_key: str
             with open(file, "rb") as stream:
                 results.append(ingest_stream(engine, stream, filename=file.name, blobs=blobs, name=name,
                                              group_key=group_key, host=host, workload=workload))
-        if len(files) > 1 and not all(r.duplicate for r in results):
-            _store_run_report(engine, analyse(path), results[0].run_id)
+        new = [r for r in results if not r.duplicate]
+        whole_run = len(files) > 1 and bool(new) and _holds_exactly(engine, new[0].run_id, results)
+        if whole_run:  # the folder is the run: its report is the run's
+            _store_run_report(engine, analyse(path), new[0].run_id)
     except BaseException:
         # A folder is one job: all of its ranks or none of them.
         _remove(engine, blobs, [r for r in results if not r.duplicate])
         raise
+    if new and not whole_run:  # joined a run holding other traces: its ranks analysed together from the store
+        try:
+            refresh_run_analysis(engine, blobs, new[0].run_id)
+        except UserError as exc:  # the traces stay stored, with each rank's own figures
+            log.warning("run %s: %s", new[0].run_id, exc)
     return results
+
+
+def _holds_exactly(engine, run_id: int, results: list) -> bool:
+    """Does run RUN_ID hold exactly the traces of RESULTS (none of them stored in another run, none besides)?"""
+    with session_scope(engine) as session:
+        held = set(session.scalars(select(TraceRecord.id).where(TraceRecord.run_id == run_id)))
+    return all(r.run_id == run_id for r in results) and held == {r.trace_id for r in results}
 
 
 def _store_run_report(engine, report, run_id: int) -> None:
@@ -283,19 +297,34 @@ def analyse_run_folder(path) -> dict:
         raise TraceError(f"analysing the run's ranks together failed: {one_line(exc)}") from None
 
 
-def refresh_run_analysis(engine: Engine, blobs: BlobStore, run_id: int, analyser=analyse_run_folder) -> None:
+def refresh_run_analysis(engine: Engine, blobs: BlobStore, run_id: int, analyser=None) -> None:
     """A rank has landed in a run of several: its ranks analysed together again, from the stored traces
     (each under the name of its rank, so the analysis numbers them as they are stored)."""
     with session_scope(engine) as session:
         traces = [(t.id, t.rank, t.blob_path) for t in session.scalars(
             select(TraceRecord).where(TraceRecord.run_id == run_id).order_by(TraceRecord.rank))]
-    if len(traces) < 2:
+        run = session.get(Run, run_id)
+        world = _world_size(run.meta if run is not None else {})
+    if len(traces) < max(2, world or 0):  # a job whose size the capture named waits for all its ranks
         return
+    missing = [rank for _, rank, blob_path in traces if not blobs.path(blob_path).is_file()]
+    if missing:  # analysed without them, the job would be another job
+        raise UserError(f"run {run_id}: the stored traces of ranks {missing[:8]} are missing from the blob store")
     with tempfile.TemporaryDirectory(prefix="profiler_svc_run_") as folder:
         for _, rank, blob_path in traces:
             os.symlink(blobs.path(blob_path), Path(folder) / f"rank{rank:07d}.json.gz")
-        analysis = analyser(folder)
+        analysis = (analyser or analyse_run_folder)(folder)
     _store_run_analysis(engine, run_id, analysis, [t[0] for t in traces])
+
+
+def _world_size(meta) -> int | None:
+    """The job's rank count as its capture named it (profiler_svc.world_size, else Kineto's distributedInfo)."""
+    for section in ("profiler_svc", "distributedInfo"):
+        value = (meta or {}).get(section, {})
+        value = value.get("world_size") if isinstance(value, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool) and 2 <= value <= 1 << 20:
+            return value
+    return None
 
 
 def _store_run_analysis(engine, run_id: int, analysis: dict, trace_ids: list) -> bool:

@@ -56,6 +56,11 @@ def _top_findings(session, run_ids: list[int]) -> dict:
     for r in rows:
         out.setdefault(r.run_id, {"id": r.id, "title": r.title, "severity": r.severity,
                                   "saving_us_per_step": r.saving_us_per_step})
+    for run_id in out:  # ranks analysed together: the job's largest (the run page's first)
+        job = job_analysis(session, run_id)
+        top = _job_findings(session, run_id, job)[:1] if job is not None else []
+        if top:
+            out[run_id] = {k: top[0][k] for k in ("id", "title", "severity", "saving_us_per_step")}
     return out
 
 
@@ -246,6 +251,17 @@ def analysis(trace: TraceRecord | None) -> dict:
                                                         if k not in ("top_kernels", "top_ops", "modules")}}
 
 
+def run_analysis_view(session, run_id: int, trace: TraceRecord | None) -> dict:
+    """analysis(TRACE), with the job's prediction in place of the rank's own where the run's ranks were analysed
+    together (job_analysis): what `profiler_svc recommend` gives for the same files."""
+    view = analysis(trace)
+    job = job_analysis(session, run_id)
+    view["scope"] = "job" if job is not None else "rank"
+    if job is not None:
+        view["prediction"] = job["prediction"]
+    return view
+
+
 def ranks(session, run_id: int) -> list[dict]:
     """Per rank: its step, what bounds it, its collective wait, and its own combined prediction."""
     out = []
@@ -268,11 +284,8 @@ def run_page(session, run_id: int, rank: int | None = None, with_timeline: bool 
     are the job's, as there."""
     page = run_summary(session, run_id)
     main = _trace_for(session, run_id, rank)
-    page["analysis"] = analysis(main)
-    job = job_analysis(session, run_id)
-    page["scope"] = "job" if job is not None else "rank"
-    if job is not None:  # the job's step after every fix: its ranks replayed together, as `recommend` gives it
-        page["analysis"]["prediction"] = job["prediction"]
+    page["analysis"] = run_analysis_view(session, run_id, main)
+    page["scope"] = page["analysis"]["scope"]
     page["top_kernels"] = top_kernels(session, run_id, main)
     page["findings"] = findings(session, run_id)
     page["rank_table"] = ranks(session, run_id) if len(page["ranks"]) > 1 else []
@@ -293,6 +306,8 @@ def ab_choices(findings: list[dict]) -> list[dict]:
     finding that recommends it most (its largest saving first)."""
     out, seen = [], set()
     for f in findings:
+        if f["id"] is None:  # a job's finding with no stored row to point the A/B job at
+            continue
         rec = f["recommendation"]
         for kind in AB_KINDS:
             if rec.get(kind) and (kind, rec[kind]) not in seen:
@@ -356,7 +371,7 @@ def compare(session, run_a: int, run_b: int, limit: int = 50) -> dict:
     the per-step breakdown, findings resolved / new / changed (by cause), and per-kernel time (B minus A)."""
     a, b = run_summary(session, run_a), run_summary(session, run_b)
     ta, tb = _trace_for(session, run_a, None), _trace_for(session, run_b, None)
-    sides = {"a": analysis(ta), "b": analysis(tb)}
+    sides = {"a": run_analysis_view(session, run_a, ta), "b": run_analysis_view(session, run_b, tb)}
 
     def kernel_totals(run_id):
         rows = session.execute(select(KernelSummary.name, func.sum(KernelSummary.total_us),

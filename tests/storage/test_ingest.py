@@ -1,5 +1,6 @@
 import gzip
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -357,3 +358,45 @@ def test_two_uploads_of_one_rank_at_once_cannot_both_land(engine, blobs, tmp_pat
     with storage_db.session_scope(engine) as s:
         ranks = sorted(t.rank for t in s.get(Run, existing.run_id).traces)
     assert ranks == [0, 1]
+
+
+def _job_run(engine, run_id) -> dict:
+    with storage_db.session_scope(engine) as s:
+        return dict(s.get(Run, run_id).analysis)
+
+
+def test_a_folder_is_the_run_only_where_it_holds_the_runs_traces(engine, blobs):
+    """A folder of NCCL ranks whose first file was stored before (in another run) is not one run: neither run gets
+    the job's figures, as neither holds the job. Stored alone, the folder's run gets them."""
+    from tests.plugins.traces import fixture_dir
+    folder = fixture_dir("llama_nccl_ddp")
+    [alone] = ingest.ingest_path(engine, sorted(folder.glob("*.json.gz"))[0], blobs=blobs)
+    results = ingest.ingest_path(engine, folder, blobs=blobs)
+    assert results[0].duplicate and results[0].run_id == alone.run_id and results[1].run_id != alone.run_id
+    assert _job_run(engine, alone.run_id) == {} and _job_run(engine, results[1].run_id) == {}
+
+
+def test_ranks_are_analysed_together_once_the_named_world_is_in(engine, blobs, tmp_path, monkeypatch):
+    """A capture that names its world size (3 here) is analysed together when its third rank lands, not at each
+    rank before it; a stored trace missing from the blob store stops that analysis with one line."""
+    calls = []
+    monkeypatch.setattr(ingest, "analyse_run_folder", lambda folder: calls.append(sorted(os.listdir(folder))) or {})
+
+    def variant(label, rank):
+        path = trace_variant(tmp_path, label)
+        data = json.loads(gzip.decompress(path.read_bytes()))
+        data["profiler_svc"] = {"schema": "profiler_svc.capture/1", "run": "20261129-world", "rank": rank,
+                                "world_size": 3}
+        data.pop("distributedInfo", None)
+        path.write_bytes(gzip.compress(json.dumps(data).encode()))
+        return path
+
+    for rank in (2, 0):
+        [stored] = ingest.ingest_path(engine, variant(f"r{rank}", rank), blobs=blobs)
+    assert calls == []
+    ingest.ingest_path(engine, variant("r1", 1), blobs=blobs)
+    assert calls == [["rank0000000.json.gz", "rank0000001.json.gz", "rank0000002.json.gz"]]
+    with storage_db.session_scope(engine) as s:
+        blobs.path(s.scalars(select(TraceRecord.blob_path).where(TraceRecord.rank == 1)).one()).unlink()
+    with pytest.raises(UserError, match=r"ranks \[1\] are missing from the blob store"):
+        ingest.refresh_run_analysis(engine, blobs, stored.run_id)

@@ -112,6 +112,27 @@ def test_ranks_over_nccl_uploaded_separately_show_the_jobs_figures(client):
     assert all(f["id"] is not None for f in page["findings"] if f["recommendation"]["swap"])
     html = client.get(f"/runs/{first['run_id']}").get_data(as_text=True)
     assert "prediction and findings: the job&#39;s step" in html or "prediction and findings: the job's step" in html
+    assert f"within {abs(report['prediction']['replay_error_pct']):.1f} %" in html  # the joint replay's own error
+    # the runs list leads with the job's largest finding, and compare takes the job's figures too
+    [listed] = [r for r in client.get("/api/v1/runs").get_json()["runs"] if r["id"] == first["run_id"]]
+    assert listed["top_finding"]["saving_us_per_step"] == report["findings"][0]["saving_us_per_step"]
+    cmp = client.get(f"/api/v1/compare?a={first['run_id']}&b={first['run_id']}").get_json()
+    assert cmp["a"]["analysis"]["prediction"]["step_us_after"] == report["prediction"]["step_us_after"]
+    assert not cmp["findings"]["changed"]
+
+
+def test_a_bad_trace_size_setting_stops_the_app_and_the_worker_at_start(engine, blobs, monkeypatch):
+    """Read when an upload is analysed, a bad PROFILER_SVC_MAX_TRACE_BYTES would fail every upload (and delete
+    it) as if the client had sent a bad trace: the app and `profiler_svc worker` refuse to start instead."""
+    import subprocess
+    import sys
+    monkeypatch.setenv("PROFILER_SVC_MAX_TRACE_BYTES", "8GB")
+    with pytest.raises(UserError, match="PROFILER_SVC_MAX_TRACE_BYTES='8GB' is not a whole number"):
+        make_app(engine, blobs)
+    proc = subprocess.run([sys.executable, "-m", "profiler_svc.cli", "worker", "--once"], capture_output=True,
+                          text=True, env={**__import__("os").environ, "PROFILER_SVC_DATABASE_URL":
+                                          engine.url.render_as_string(hide_password=False)})
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "is not a whole number" in proc.stderr, proc.stderr
 
 
 def test_compare_two_runs(client, tmp_path):
