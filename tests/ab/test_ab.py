@@ -88,7 +88,13 @@ def test_to_dict_round_trips_through_json():
 
 
 def test_repeated_runs_agree():
-    first, second = _run(NOOP, train=False), _run(NOOP, train=False)
+    # Two runs' 95% intervals of the same ratio miss each other now and then by chance, more often on a CPU that
+    # other tests share (it failed so in a clean-clone CI run: [1.007, 1.034] against [0.931, 1.004]); as in
+    # test_noop_swap_has_no_difference, three tries make that rare, while runs that truly disagree still fail.
+    for _ in range(3):
+        first, second = _run(NOOP, train=False), _run(NOOP, train=False)
+        if max(first.timing.ci_low, second.timing.ci_low) <= min(first.timing.ci_high, second.timing.ci_high):
+            break
     assert max(first.timing.ci_low, second.timing.ci_low) <= min(first.timing.ci_high, second.timing.ci_high)
     assert [t.a_max_abs for t in first.parity] == [t.a_max_abs for t in second.parity]
 
