@@ -19,27 +19,15 @@ import argparse
 import json
 import multiprocessing
 import os
-import statistics
 import time
 
 import numpy as np
 import torch
 
+from host_costs import host_us
+
 PROBE_CALLS = 200
 STEPS = 20
-
-
-def _idle_host_us(fn, calls: int = PROBE_CALLS) -> float:
-    for _ in range(10):
-        fn()
-    times = []
-    for _ in range(calls):
-        torch.cuda.synchronize()
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    torch.cuda.synchronize()
-    return round(1e6 * statistics.median(times), 3)
 
 
 def probes() -> dict:
@@ -54,9 +42,9 @@ def probes() -> dict:
             total += i * i
         return total
 
-    with torch.no_grad():
-        return {"dispatch": _idle_host_us(lambda: torch.add(x, x)), "module": _idle_host_us(lambda: norm(h)),
-                "python": _idle_host_us(python, 100)}
+    with torch.no_grad():  # host_us: the median of calls each started on an idle GPU
+        return {"dispatch": round(host_us(lambda: torch.add(x, x), PROBE_CALLS), 3),
+                "module": round(host_us(lambda: norm(h), PROBE_CALLS), 3), "python": round(host_us(python, 100), 3)}
 
 
 def step_ms(step) -> float:

@@ -23,13 +23,14 @@ from sqlalchemy.orm import Session
 from ..detectors.common import recommended
 from ..errors import TraceError, UserError
 from ..formats import one_line, plain_json
-from ..trace.load import max_trace_bytes, named_rank
+from ..trace.load import max_trace_bytes, named_rank, named_world_size
 from ..trace.timeline import build_timeline
 from ..workload_spec import check_workload_allowed
 from . import jobs
 from .blobs import BlobStore
 from .db import home, session_scope
 from .models import AnalysisJob, FindingRecord, KernelSummary, Run, TraceRecord, utcnow
+from .queries import trace_ids
 
 log = logging.getLogger(__name__)
 
@@ -259,8 +260,8 @@ def ingest_path(engine: Engine, path, *, name: str | None = None, group_key: str
 def _holds_exactly(engine, run_id: int, results: list) -> bool:
     """Does run RUN_ID hold exactly the traces of RESULTS (none of them stored in another run, none besides)?"""
     with session_scope(engine) as session:
-        held = set(session.scalars(select(TraceRecord.id).where(TraceRecord.run_id == run_id)))
-    return all(r.run_id == run_id for r in results) and held == {r.trace_id for r in results}
+        held = trace_ids(session, run_id)
+    return all(r.run_id == run_id for r in results) and held == sorted(r.trace_id for r in results)
 
 
 def _store_run_report(engine, report, run_id: int) -> None:
@@ -304,7 +305,7 @@ def refresh_run_analysis(engine: Engine, blobs: BlobStore, run_id: int, analyser
         traces = [(t.id, t.rank, t.blob_path) for t in session.scalars(
             select(TraceRecord).where(TraceRecord.run_id == run_id).order_by(TraceRecord.rank))]
         run = session.get(Run, run_id)
-        world = _world_size(run.meta if run is not None else {})
+        world = named_world_size((run.meta if run is not None else None) or {})
     if len(traces) < max(2, world or 0):  # a job whose size the capture named waits for all its ranks
         return
     missing = [rank for _, rank, blob_path in traces if not blobs.path(blob_path).is_file()]
@@ -317,23 +318,13 @@ def refresh_run_analysis(engine: Engine, blobs: BlobStore, run_id: int, analyser
     _store_run_analysis(engine, run_id, analysis, [t[0] for t in traces])
 
 
-def _world_size(meta) -> int | None:
-    """The job's rank count as its capture named it (profiler_svc.world_size, else Kineto's distributedInfo)."""
-    for section in ("profiler_svc", "distributedInfo"):
-        value = (meta or {}).get(section, {})
-        value = value.get("world_size") if isinstance(value, dict) else None
-        if isinstance(value, int) and not isinstance(value, bool) and 2 <= value <= 1 << 20:
-            return value
-    return None
-
-
-def _store_run_analysis(engine, run_id: int, analysis: dict, trace_ids: list) -> bool:
+def _store_run_analysis(engine, run_id: int, analysis: dict, covered: list) -> bool:
     """Keep ANALYSIS as the run's if it covers the traces the run holds now (else a rank came or went while it
     ran, and the analysis that rank starts replaces it)."""
     with session_scope(engine) as session:
         run = session.get(Run, run_id, with_for_update=True)
-        current = sorted(session.scalars(select(TraceRecord.id).where(TraceRecord.run_id == run_id)))
-        if run is None or current != sorted(trace_ids):
+        current = trace_ids(session, run_id)
+        if run is None or current != sorted(covered):
             return False
         run.analysis = plain_json({**analysis, "trace_ids": current}) if analysis else {}
     return True

@@ -56,11 +56,13 @@ def _top_findings(session, run_ids: list[int]) -> dict:
     for r in rows:
         out.setdefault(r.run_id, {"id": r.id, "title": r.title, "severity": r.severity,
                                   "saving_us_per_step": r.saving_us_per_step})
-    for run_id in out:  # ranks analysed together: the job's largest (the run page's first)
-        job = job_analysis(session, run_id)
-        top = _job_findings(session, run_id, job)[:1] if job is not None else []
+    # ranks analysed together: the job's largest (the run page's first); the runs in one query, which
+    # job_analysis's session.get then finds in the session
+    for run in session.scalars(select(Run).where(Run.id.in_(list(out)))).all():
+        job = job_analysis(session, run.id)
+        top = _job_findings(session, run.id, job)[:1] if job is not None else []
         if top:
-            out[run_id] = {k: top[0][k] for k in ("id", "title", "severity", "saving_us_per_step")}
+            out[run.id] = {k: top[0][k] for k in ("id", "title", "severity", "saving_us_per_step")}
     return out
 
 
@@ -141,6 +143,11 @@ def _step_us(trace: TraceRecord) -> float | None:
     return (trace.prediction or {}).get("step_us") or ((trace.steps or {}).get("step_us") or {}).get("median")
 
 
+def trace_ids(session, run_id: int) -> list[int]:
+    """The ids of the traces run RUN_ID holds, in order."""
+    return sorted(session.scalars(select(TraceRecord.id).where(TraceRecord.run_id == run_id)))
+
+
 def job_analysis(session, run_id: int) -> dict | None:
     """The run's ranks analysed together (ranks that NCCL couples: the job's prediction and findings), where that
     analysis covers the traces the run holds now."""
@@ -148,8 +155,7 @@ def job_analysis(session, run_id: int) -> dict | None:
     stored = (run.analysis if run is not None else None) or {}
     if stored.get("scope") != "job":
         return None
-    current = sorted(session.scalars(select(TraceRecord.id).where(TraceRecord.run_id == run_id)))
-    return stored if sorted(stored.get("trace_ids") or []) == current else None
+    return stored if sorted(stored.get("trace_ids") or []) == trace_ids(session, run_id) else None
 
 
 def _job_findings(session, run_id: int, job: dict) -> list[dict]:

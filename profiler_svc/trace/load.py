@@ -37,10 +37,6 @@ from .schema import ANY_DECODER, ARRAY_DECODER, TOP_LEVEL_DECODER, TraceEvent
 # A decompressed trace above this is refused while it is read (gzip bombs included); PROFILER_SVC_MAX_TRACE_BYTES
 # sets another, read when a trace is (a bad value fails that read, not `import profiler_svc`).
 DEFAULT_MAX_TRACE_BYTES = 8 << 30
-
-
-def max_trace_bytes() -> int:
-    return setting_int(os.environ, "PROFILER_SVC_MAX_TRACE_BYTES", DEFAULT_MAX_TRACE_BYTES)
 TRACE_SUFFIXES = (".json", ".json.gz", ".pt.trace.json", ".pt.trace.json.gz")
 _CHUNK = 4 << 20  # decompressed bytes per batch; the scan's numpy temporaries are a few times this
 _PROGRESS_MIN_BYTES = 64 << 20
@@ -58,6 +54,10 @@ MAX_GZIP_RATIO = 100
 GZIP_RATIO_AFTER = 16 << 20
 _MAX_DURATION_US = 86400e6  # a day: no profiled event lasts longer, and no trace spans more
 _LINK_ROUNDS = 64
+
+
+def max_trace_bytes() -> int:
+    return setting_int(os.environ, "PROFILER_SVC_MAX_TRACE_BYTES", DEFAULT_MAX_TRACE_BYTES)
 _JSON_SPACE = b" \t\r\n"
 _BOM = b"\xef\xbb\xbf"
 # Category names across Kineto versions (PyTorch 1.8 wrote "Kernel", "Runtime", "Operator", ...),
@@ -178,6 +178,7 @@ def _gunzip_chunks(f, path, bar):
     """Decompressed chunks of at most _CHUNK bytes: memory stays flat and the limits act mid-stream."""
     decompressor = zlib.decompressobj(16 + zlib.MAX_WBITS)
     total = consumed = 0
+    limit = max_trace_bytes()
     try:
         while not decompressor.eof and (chunk := f.read(_CHUNK // 4)):
             if bar:
@@ -186,14 +187,14 @@ def _gunzip_chunks(f, path, bar):
                 out = decompressor.decompress(chunk, _CHUNK)
                 consumed += len(chunk) - len(decompressor.unconsumed_tail) - len(decompressor.unused_data)
                 total += len(out)
-                _check_gunzipped(path, total, consumed)
+                _check_gunzipped(path, total, consumed, limit)
                 if out:
                     yield out
                 chunk = decompressor.unconsumed_tail
         if not decompressor.eof:
             tail = decompressor.flush()
             total += len(tail)
-            _check_gunzipped(path, total, consumed)
+            _check_gunzipped(path, total, consumed, limit)
             if tail:
                 yield tail
     except zlib.error as exc:
@@ -214,8 +215,7 @@ def inflated_too_far(total: int, consumed: int) -> bool:
     return total > GZIP_RATIO_AFTER and total > MAX_GZIP_RATIO * consumed
 
 
-def _check_gunzipped(path, total, consumed):
-    limit = max_trace_bytes()
+def _check_gunzipped(path, total, consumed, limit):
     if total > limit:
         raise TraceError(f"{path}: decompresses to over the {limit / 1e9:.1f} GB limit "
                          "(PROFILER_SVC_MAX_TRACE_BYTES)")
@@ -1068,9 +1068,18 @@ MAX_RANK = (1 << 20) - 1
 def named_rank(metadata):
     """The rank the trace names (capture's metadata, else torch.distributed's), or None where it names none that
     could be one (not a whole number in 0..MAX_RANK)."""
-    for key, field_name in ((labels.METADATA_KEY, "rank"), ("distributedInfo", "rank")):
+    return _named_int(metadata, "rank", 0, MAX_RANK)
+
+
+def named_world_size(metadata):
+    """The job's rank count as the trace names it (the same places), or None where it names none in 2..MAX_RANK+1."""
+    return _named_int(metadata, "world_size", 2, MAX_RANK + 1)
+
+
+def _named_int(metadata, field_name: str, low: int, high: int):
+    for key in (labels.METADATA_KEY, "distributedInfo"):
         info = metadata.get(key)
         value = info.get(field_name) if isinstance(info, dict) else None
-        if type(value) is int and 0 <= value <= MAX_RANK:
+        if type(value) is int and low <= value <= high:
             return value
     return None
