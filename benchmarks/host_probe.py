@@ -115,7 +115,10 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     if args.summarize:
-        print(json.dumps(summarize(args.summarize), indent=1))
+        try:
+            print(json.dumps(summarize(args.summarize), indent=1))
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            parser.exit(2, f"host_probe: cannot summarize {args.summarize}: {err}\n")
         return
     if not args.out:
         parser.error("--out is required to measure")
