@@ -238,6 +238,12 @@ def _progress_bar(progress, total, desc):
 _DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError)
 
 
+def _invalid_utf8(exc: Exception) -> bool:
+    """Did decoding stop at bytes that are not UTF-8? (msgspec 0.22 raises UnicodeDecodeError, 0.23 a
+    DecodeError saying so.)"""
+    return isinstance(exc, UnicodeDecodeError) or (isinstance(exc, msgspec.DecodeError) and "UTF-8" in str(exc))
+
+
 class _Cutter:
     """Cuts a trace document of any layout, fed in chunks, into batches of whole events for TableBuilder,
     keeping the other top-level fields aside. It follows the nesting (strings and escapes included) with
@@ -416,15 +422,14 @@ class _Cutter:
                               "space left")
         try:
             events = ARRAY_DECODER.decode(batch)
-        except UnicodeDecodeError:
+        except _DECODE_ERRORS as exc:
+            if not _invalid_utf8(exc):
+                raise self._error(exc, self.batch_at - 1) from None
             try:
                 batch.decode()
-            except UnicodeDecodeError as exc:
-                at = self.batch_at - 1 + exc.start
-                raise TraceError(f"{self.path}: invalid UTF-8 at byte {at}") from None
+            except UnicodeDecodeError as bad:
+                raise TraceError(f"{self.path}: invalid UTF-8 at byte {self.batch_at - 1 + bad.start}") from None
             raise TraceError(f"{self.path}: invalid UTF-8 in the events from byte {self.batch_at}") from None
-        except _DECODE_ERRORS as exc:
-            raise self._error(exc, self.batch_at - 1) from None
         self.builder.add(events)
         self.events += len(events)
         self.after_event, self.comma = True, False
@@ -432,7 +437,7 @@ class _Cutter:
     def _error(self, exc, offset=None) -> TraceError:
         """One line for a msgspec error on a batch at document OFFSET (None: on the top-level fields),
         its positions made the document's: byte offsets and event indexes."""
-        if isinstance(exc, UnicodeDecodeError):
+        if _invalid_utf8(exc):
             return TraceError(f"{self.path}: invalid UTF-8 in a string of the top-level fields")
         message = str(exc)
         if offset is None:
