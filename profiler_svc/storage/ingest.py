@@ -14,7 +14,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from sqlalchemy import select, update
+from sqlalchemy import delete, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
@@ -265,27 +265,25 @@ def _holds_exactly(engine, run_id: int, results: list) -> bool:
 
 
 def _store_run_report(engine, report, run_id: int) -> None:
-    """What only the ranks together show, from the report of the folder that is the whole run: the findings that
-    no single rank's analysis has (the straggler every collective waits for), stored with the rank they name; and
-    for ranks that NCCL couples, the job's prediction and findings (run_analysis)."""
-    single = {f.key for a in report.analyses for f in a.findings}
-    cross = {f.id for f in report.findings if f.key not in single}
+    """The report of the folder that is the whole run, kept as the run's (run_analysis)."""
     with session_scope(engine) as session:
-        traces = {t.rank: t.id for t in session.scalars(select(TraceRecord).where(TraceRecord.run_id == run_id))}
-        for f in report.to_dict()["findings"]:
-            if f["id"] in cross and f.get("rank") in traces:
-                session.add_all(_finding_rows([f], traces[f["rank"]], run_id, f["rank"]))
-    _store_run_analysis(engine, run_id, run_analysis(report), list(traces.values()))
+        covered = trace_ids(session, run_id)
+    _store_run_analysis(engine, run_id, run_analysis(report), covered)
 
 
 def run_analysis(report) -> dict:
-    """What a run's ranks analysed together give, as plain data: where NCCL couples them (the report's prediction
-    is the job's), that prediction and the report's findings, each priced on the job's step; else nothing (each
-    rank's own analysis stands, and the dashboard shows the worst rank's figures of a cause, as the report does)."""
-    if report.prediction.get("scope") != "job":
-        return {}
+    """What a run's ranks analysed together give, as plain data: the findings that no single rank's analysis has
+    (the straggler every collective waits for), which are stored as rows on the rank they name; and where NCCL
+    couples the ranks (the report's prediction is the job's), that prediction and the report's findings, each
+    priced on the job's step. Else each rank's own analysis stands, and the dashboard shows the worst rank's
+    figures of a cause, as the report does."""
     data = report.to_dict()
-    return {"scope": "job", "prediction": data["prediction"], "findings": data["findings"]}
+    single = {f.key for a in report.analyses for f in a.findings}
+    cross = {f.id for f in report.findings if f.key not in single}
+    out: dict = {"cross_findings": [f for f in data["findings"] if f["id"] in cross]}
+    if report.prediction.get("scope") == "job":
+        out.update(scope="job", prediction=data["prediction"], findings=data["findings"])
+    return out
 
 
 def analyse_run_folder(path) -> dict:
@@ -320,13 +318,25 @@ def refresh_run_analysis(engine: Engine, blobs: BlobStore, run_id: int, analyser
 
 def _store_run_analysis(engine, run_id: int, analysis: dict, covered: list) -> bool:
     """Keep ANALYSIS as the run's if it covers the traces the run holds now (else a rank came or went while it
-    ran, and the analysis that rank starts replaces it)."""
+    ran, and the analysis that rank starts replaces it). Its cross-rank findings replace the previous analysis's
+    rows."""
     with session_scope(engine) as session:
         run = session.get(Run, run_id, with_for_update=True)
         current = trace_ids(session, run_id)
         if run is None or current != sorted(covered):
             return False
-        run.analysis = plain_json({**analysis, "trace_ids": current}) if analysis else {}
+        stale = (run.analysis or {}).get("cross_finding_ids") or []
+        if stale:
+            session.execute(delete(FindingRecord).where(FindingRecord.run_id == run_id, FindingRecord.id.in_(stale)))
+        traces = {t.rank: t.id for t in session.scalars(select(TraceRecord).where(TraceRecord.run_id == run_id))}
+        rows = [row for f in analysis.get("cross_findings") or [] if f.get("rank") in traces
+                for row in _finding_rows([f], traces[f["rank"]], run_id, f["rank"])]
+        session.add_all(rows)
+        session.flush()
+        kept = {k: v for k, v in analysis.items() if k != "cross_findings"}
+        if rows:
+            kept["cross_finding_ids"] = [row.id for row in rows]
+        run.analysis = plain_json({**kept, "trace_ids": current}) if kept else {}
     return True
 
 

@@ -121,6 +121,33 @@ def test_ranks_over_nccl_uploaded_separately_show_the_jobs_figures(client):
     assert not cmp["findings"]["changed"]
 
 
+def test_ranks_over_gloo_uploaded_separately_get_the_straggler_once(client):
+    """The straggler is a cause only the ranks together show: gloo ranks uploaded one at a time get it as a folder
+    ingest does (the report's figures, on the rank it names), and analysing the run again replaces it."""
+    from profiler_svc.recommendations import recommend
+    from profiler_svc.storage.ingest import refresh_run_analysis
+
+    folder = fixture_dir("gpt2_ddp_straggler")
+    files = sorted(folder.glob("*.json.gz"))
+    first = stored(client, files[0], run="gloo-job-1")
+    assert not [f for f in client.get(f"/api/v1/runs/{first['run_id']}").get_json()["findings"]
+                if "straggles" in f["title"]]
+    stored(client, files[1], run="gloo-job-1")
+    [expected] = [f for f in recommend(str(folder)).to_dict()["findings"] if "straggles" in f["title"]]
+
+    def stragglers():
+        page = client.get(f"/api/v1/runs/{first['run_id']}").get_json()
+        assert page["scope"] == "rank"  # gloo does not couple the ranks' replays: each rank's own figures stand
+        return [(f["rank"], f["title"], f["saving_us_per_step"]) for f in page["findings"] if "straggles" in f["title"]]
+
+    assert stragglers() == [(expected["rank"], expected["title"], expected["saving_us_per_step"])]
+    app = client.application
+    refresh_run_analysis(app.extensions["profiler_svc.engine"], app.extensions["profiler_svc.blobs"], first["run_id"])
+    assert len(stragglers()) == 1
+    page = client.get(f"/runs/{first['run_id']}").get_data(as_text=True)
+    assert page.count('class="straggler"') == 1
+
+
 def test_a_bad_trace_size_setting_stops_the_app_and_the_worker_at_start(engine, blobs, monkeypatch):
     """Read when an upload is analysed, a bad PROFILER_SVC_MAX_TRACE_BYTES would fail every upload (and delete
     it) as if the client had sent a bad trace: the app and `profiler_svc worker` refuse to start instead."""
