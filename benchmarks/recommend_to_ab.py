@@ -77,6 +77,7 @@ def named_swaps(report: dict) -> tuple[list, list]:
 
 def run_case(family: str, batch: int, seq: int, tiny: bool, rounds: int, train: bool = True) -> dict:
     import profiler_svc
+    from profiler_svc.kernels import parity
     from profiler_svc.kernels.swap import swaps_for_modules
 
     model, vocab = build(family, tiny)
@@ -109,6 +110,7 @@ def run_case(family: str, batch: int, seq: int, tiny: bool, rounds: int, train: 
     result = profiler_svc.ab_test(model, inputs, named, train=train, rounds=rounds, warmup=1 if tiny else 5)
     counts = {name: sum(1 for row in result.swapped if row["swap"] == name) for name in named}
     timing = result.timing
+    worst = parity.worst(result.parity)
     return {
         "family": family, "size": f"{batch}x{seq}", "mode": "train" if train else "infer",
         "swaps_named": named, "named_by": source,
@@ -118,6 +120,9 @@ def run_case(family: str, batch: int, seq: int, tiny: bool, rounds: int, train: 
         "median_ms": [timing.median_a_ms, timing.median_b_ms] if timing else None,
         "peak_memory_bytes": [result.peak_memory_a_bytes, result.peak_memory_b_bytes],
         "seconds": round(time.time() - started, 1),
+        # the tensor nearest its allowance (the one that failed, where parity failed)
+        "parity_worst": {k: getattr(worst, k) for k in ("name", "gate", "a_rms_rel", "b_rms_rel", "allowed_rms_rel",
+                                                         "a_max_abs", "b_max_abs", "allowed_abs")} if worst else None,
     }
 
 
