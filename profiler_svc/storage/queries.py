@@ -133,9 +133,13 @@ def finding_dict(f: FindingRecord, step_us: float | None = None) -> dict:
             "saving_us_per_step": f.saving_us_per_step,
             "gpu_time_saved_us_per_step": f.gpu_time_saved_us_per_step,
             # the report's share: the saving against the rank's step (its replayed step, as the report)
-            "share_of_step_pct": round(100 * f.saving_us_per_step / step_us, 2) if step_us else None,
+            "share_of_step_pct": _share_pct(f.saving_us_per_step, step_us),
             "rank": f.rank,
             "recommendation": {"summary": f.summary, "swap": f.swap, "fix": f.fix, "snippet": f.snippet}}
+
+
+def _share_pct(saving_us: float, step_us: float | None) -> float | None:
+    return round(100 * saving_us / step_us, 2) if step_us else None
 
 
 def _step_us(trace: TraceRecord) -> float | None:
@@ -159,16 +163,22 @@ def job_analysis(session, run_id: int) -> dict | None:
 
 
 def _job_findings(session, run_id: int, job: dict) -> list[dict]:
-    """The job's findings as the report gives them (each saving the job's step, each rank's own in its evidence),
-    each with the id of its stored row on the rank it names (what the A/B form and links point at)."""
+    """The job's findings as the report gives them (each saving the job's step), each with the id of its stored
+    row on the rank it names (what the A/B form and links point at) and, in `ranks`, what each rank saves
+    replayed alone (from the finding's evidence), as a share of that rank's own step."""
     ids: dict = {}
     for f in session.scalars(select(FindingRecord).where(FindingRecord.run_id == run_id).order_by(FindingRecord.id)):
         ids.setdefault((f.rank, f.title), f.id)
+    steps = {t.rank: _step_us(t) for t in session.scalars(select(TraceRecord).where(TraceRecord.run_id == run_id))}
     causes = {step.get("title"): step.get("finding") for step in (job.get("prediction") or {}).get("waterfall") or []}
     out = []
     for f in job.get("findings") or []:
         rec = f.get("recommendation") or {}
-        out.append({**f, "id": ids.get((f.get("rank"), f.get("title"))), "key": f.get("id"), "ranks": [],
+        by_rank = (f.get("evidence") or {}).get("saving_us_per_step_by_rank") or {}
+        ranks = [{"rank": int(rank), "finding_id": None, "saving_us_per_step": saving, "gpu_time_saved_us_per_step": None,
+                  "share_of_step_pct": _share_pct(saving, steps.get(int(rank)))}
+                 for rank, saving in sorted(by_rank.items(), key=lambda item: int(item[0]))]
+        out.append({**f, "id": ids.get((f.get("rank"), f.get("title"))), "key": f.get("id"), "ranks": ranks,
                     "cause": causes.get(f.get("title")) or f"{f.get('category')}:{f.get('title')}",
                     # as stored rows have it: no swap or fix where the analyser says it slows the step
                     "recommendation": {"summary": rec.get("summary"), "swap": recommended(rec, "swap"),
@@ -180,7 +190,10 @@ def findings(session, run_id: int) -> list[dict]:
     """The run's findings, one per root cause: the same problem found on several ranks is one finding with
     the worst rank's figures (the report's rule) and every rank's in `ranks`; best saving first. Ranks that NCCL
     couples: the job's findings, each priced on the job's step (job_analysis)."""
-    job = job_analysis(session, run_id)
+    return _findings(session, run_id, job_analysis(session, run_id))
+
+
+def _findings(session, run_id: int, job: dict | None) -> list[dict]:
     if job is not None:
         return _job_findings(session, run_id, job)
     traces = {t.id: t for t in session.scalars(select(TraceRecord).where(TraceRecord.run_id == run_id))}
@@ -228,7 +241,7 @@ def job_dict(job: ABJob, with_result: bool = True) -> dict:
 def upload_dict(job: AnalysisJob) -> dict:
     """An upload's analysis job: where it stands, and the run and trace it became."""
     return {"id": job.id, "status": job.status, "filename": job.filename, "size_bytes": job.size_bytes,
-            "blob_path": job.blob_path, "run_id": job.run_id, "trace_id": job.trace_id, "note": job.note,
+            "blob_path": job.blob_path, "group_key": job.group_key, "run_id": job.run_id, "trace_id": job.trace_id, "note": job.note,
             "error": job.error, "attempts": job.attempts, "created_at": job.created_at.isoformat(),
             "started_at": job.started_at.isoformat() if job.started_at else None,
             "finished_at": job.finished_at.isoformat() if job.finished_at else None}
@@ -260,8 +273,11 @@ def analysis(trace: TraceRecord | None) -> dict:
 def run_analysis_view(session, run_id: int, trace: TraceRecord | None) -> dict:
     """analysis(TRACE), with the job's prediction in place of the rank's own where the run's ranks were analysed
     together (job_analysis): what `profiler_svc recommend` gives for the same files."""
+    return _analysis_view(trace, job_analysis(session, run_id))
+
+
+def _analysis_view(trace: TraceRecord | None, job: dict | None) -> dict:
     view = analysis(trace)
-    job = job_analysis(session, run_id)
     view["scope"] = "job" if job is not None else "rank"
     if job is not None:
         view["prediction"] = job["prediction"]
@@ -290,10 +306,11 @@ def run_page(session, run_id: int, rank: int | None = None, with_timeline: bool 
     are the job's, as there."""
     page = run_summary(session, run_id)
     main = _trace_for(session, run_id, rank)
-    page["analysis"] = run_analysis_view(session, run_id, main)
+    job = job_analysis(session, run_id)
+    page["analysis"] = _analysis_view(main, job)
     page["scope"] = page["analysis"]["scope"]
     page["top_kernels"] = top_kernels(session, run_id, main)
-    page["findings"] = findings(session, run_id)
+    page["findings"] = _findings(session, run_id, job)
     page["rank_table"] = ranks(session, run_id) if len(page["ranks"]) > 1 else []
     page["ab_choices"] = ab_choices(page["findings"])
     page["jobs"] = [job_dict(j, with_result=False) for j in session.scalars(

@@ -166,6 +166,31 @@ def test_multi_rank_run_is_one_finding_per_cause_with_each_ranks_figures(engine,
     assert "straggler</strong>" not in page
 
 
+def test_a_jobs_findings_show_what_each_rank_saves_alone(engine, blobs, client):
+    """Ranks NCCL couples: each finding saves the job's step, and its per-rank table gives what each rank saves
+    replayed alone (the finding's evidence), as a share of that rank's own step."""
+    folder = fixture_dir("llama_nccl_ddp")
+    run_id = ingest(engine, blobs, folder)
+    report = recommend(str(folder)).to_dict()
+    run = client.get(f"/api/v1/runs/{run_id}").get_json()
+    assert run["scope"] == "job"
+    norm = next(f for f in run["findings"] if f["title"].startswith("eager RMSNorm"))
+    by_rank = next(f for f in report["findings"] if f["title"] == norm["title"])["evidence"]["saving_us_per_step_by_rank"]
+    assert [(r["rank"], r["saving_us_per_step"]) for r in norm["ranks"]] == [(0, by_rank["0"]), (1, by_rank["1"])]
+    assert by_rank["0"] != by_rank["1"]
+    # each rank's share of its own step: the rank's replayed step, as the rank's own report gives it
+    own = {int(rank): recommend(str(path)).to_dict()["prediction"]["step_us"]
+           for rank, path in enumerate(sorted(folder.glob("*.json.gz")))}
+    for r in norm["ranks"]:
+        assert r["share_of_step_pct"] == pytest.approx(100 * r["saving_us_per_step"] / own[r["rank"]], abs=0.01)
+    page = client.get(f"/runs/{run_id}").get_data(as_text=True)
+    table = page[page.index(html.escape(norm["title"], quote=False)):]
+    table = table[table.index('<table class="per-rank">'):table.index("</table>", table.index('<table class="per-rank">'))]
+    assert "the rank replayed alone" in table
+    for rank, saving in by_rank.items():
+        assert f"<td>{rank}</td><td class=\"num\">{fmt_us(saving)}</td>" in table
+
+
 def test_evidence_by_rank_keeps_its_unit(engine, blobs, client):
     """A straggler's per-rank figures ({"0": µs, "1": µs}) are shown in ms or µs, as every other µs value."""
     run_id = ingest(engine, blobs, fixture_dir("llama_nccl_ddp_straggler"))
