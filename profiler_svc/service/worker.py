@@ -151,6 +151,10 @@ def work_once(engine: Engine, *, worker: str | None = None, runner=run_ab_job_is
                 error = f"{spec['filename']}: could not store the analysis: {one_line(exc)}"
         if error is not None:
             ingest.fail_analysis_job(engine, blobs, spec["id"], worker, error)
+            # a rank that landed before it may have left the run's joint analysis to this upload
+            run_id = ingest.run_awaiting_analysis(engine, spec["group_key"])
+            if run_id is not None:
+                _refresh_run(engine, blobs, run_id, run_analyser)
         return spec["id"]
     with session_scope(engine) as session:
         if error is None:
@@ -161,8 +165,11 @@ def work_once(engine: Engine, *, worker: str | None = None, runner=run_ab_job_is
 
 
 def _refresh_run(engine, blobs, run_id: int, run_analyser) -> None:
-    """The run's ranks analysed together again; a failure leaves the upload stored and each rank's own figures."""
+    """The run's ranks analysed together again, unless another upload for the run waits in the queue (its turn
+    comes); a failure leaves the upload stored and each rank's own figures."""
     try:
+        if ingest.uploads_waiting(engine, run_id):
+            return
         ingest.refresh_run_analysis(engine, blobs, run_id, analyser=run_analyser)
     except Exception as exc:
         log.warning("run %s: analysing its ranks together failed: %s", run_id, one_line(exc))

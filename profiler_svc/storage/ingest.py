@@ -336,8 +336,29 @@ def _store_run_analysis(engine, run_id: int, analysis: dict, covered: list) -> b
         kept = {k: v for k, v in analysis.items() if k != "cross_findings"}
         if rows:
             kept["cross_finding_ids"] = [row.id for row in rows]
-        run.analysis = plain_json({**kept, "trace_ids": current}) if kept else {}
+        run.analysis = plain_json({**kept, "trace_ids": current})
     return True
+
+
+def uploads_waiting(engine, run_id: int) -> bool:
+    """Do uploads named for run RUN_ID (the same `run` asked for) wait in the queue, unclaimed? Then the last of them
+    analyses the run's ranks together, rather than each rank that lands before it (N²/2 analyses for N ranks)."""
+    with session_scope(engine) as session:
+        run = session.get(Run, run_id)
+        return run is not None and session.scalar(select(AnalysisJob.id).where(
+            AnalysisJob.group_key == run.group_key, AnalysisJob.status == "queued").limit(1)) is not None
+
+
+def run_awaiting_analysis(engine, group_key: str | None) -> int | None:
+    """The run of GROUP_KEY if its ranks' joint analysis does not cover the traces it holds (an upload that was to
+    do it failed), else None."""
+    if group_key is None:
+        return None
+    with session_scope(engine) as session:
+        run = session.scalars(select(Run).where(Run.group_key == _text(group_key, 255))).one_or_none()
+        if run is None or len(held := trace_ids(session, run.id)) < 2:
+            return None
+        return run.id if sorted((run.analysis or {}).get("trace_ids") or []) != held else None
 
 
 def _remove(engine, blobs, results) -> None:

@@ -1,5 +1,6 @@
 import io
 import re
+from pathlib import Path
 
 import pytest
 
@@ -146,6 +147,52 @@ def test_ranks_over_gloo_uploaded_separately_get_the_straggler_once(client):
     assert len(stragglers()) == 1
     page = client.get(f"/runs/{first['run_id']}").get_data(as_text=True)
     assert page.count('class="straggler"') == 1
+
+
+def test_ranks_queued_together_are_analysed_together_once(client, tmp_path):
+    """Ranks whose capture names no world size, uploaded into one run: a rank that lands while another upload for
+    the run waits leaves the joint analysis to it (three ranks: one joint analysis, not one per rank after the
+    first). An upload that fails does it in its place."""
+    import gzip
+    import json
+
+    from profiler_svc.service.worker import run_worker
+    from profiler_svc.storage import ingest
+
+    def rank_file(source, rank, tag):  # a gloo rank as a plain torch.profiler capture names it, without the size
+        data = json.loads(gzip.decompress(source.read_bytes()))
+        data["distributedInfo"] = {"backend": "gloo", "rank": rank}
+        data["trace_id"] = f"{tag}-{rank}"  # each its own content
+        path = tmp_path / f"{tag}_rank{rank}.json.gz"
+        path.write_bytes(gzip.compress(json.dumps(data).encode(), mtime=0))
+        return path
+
+    sources = sorted(DDP.glob("*.json.gz"))
+    app = client.application
+    calls = []
+
+    def counting(folder):
+        calls.append(sorted(p.name for p in Path(folder).iterdir()))
+        return ingest.analyse_run_folder(folder)
+
+    def work():
+        run_worker(app.extensions["profiler_svc.engine"], once=True, kinds=("analysis",),
+                   blobs=app.extensions["profiler_svc.blobs"], worker="test-worker", analyser=ingest.analyse_file,
+                   run_analyser=counting)
+
+    for rank in range(3):
+        assert upload(client, rank_file(sources[min(rank, 1)], rank, "a"), run="three-ranks").status_code == 202
+    work()
+    assert calls == [["rank0000000.json.gz", "rank0000001.json.gz", "rank0000002.json.gz"]]
+    # the last upload of the run fails: the one before it had left the joint analysis to it
+    calls.clear()
+    for rank in range(2):
+        upload(client, rank_file(sources[rank], rank, "b"), run="two-and-a-bad-one")
+    bad = tmp_path / "bad_rank2.json"
+    bad.write_text('{"traceEvents": 7}')
+    assert upload(client, bad, run="two-and-a-bad-one").status_code == 202
+    work()
+    assert calls == [["rank0000000.json.gz", "rank0000001.json.gz"]]
 
 
 def test_a_bad_trace_size_setting_stops_the_app_and_the_worker_at_start(engine, blobs, monkeypatch):
