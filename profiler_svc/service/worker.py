@@ -139,11 +139,10 @@ def work_once(engine: Engine, *, worker: str | None = None, runner=run_ab_job_is
         beat.stopped.set()
         beat.join()
     if kind == "analysis":
+        stored = None
         if error is None:
             try:
                 stored = ingest.store_analysed_job(engine, blobs, spec["id"], worker, result)
-                if stored is not None and not stored.duplicate:
-                    _refresh_run(engine, blobs, stored.run_id, run_analyser)
             except UserError as exc:  # e.g. the run holds this rank already
                 error = str(exc)
             except Exception as exc:  # e.g. the database refused a value: the upload's fault, say so
@@ -151,7 +150,9 @@ def work_once(engine: Engine, *, worker: str | None = None, runner=run_ab_job_is
                 error = f"{spec['filename']}: could not store the analysis: {one_line(exc)}"
         if error is not None:
             ingest.fail_analysis_job(engine, blobs, spec["id"], worker, error)
-            # a rank that landed before it may have left the run's joint analysis to this upload
+        if stored is not None and not stored.duplicate:
+            _refresh_run(engine, blobs, stored.run_id, run_analyser)
+        else:  # failed, or a duplicate: a rank that landed before it may have left the joint analysis to it
             run_id = ingest.run_awaiting_analysis(engine, spec["group_key"])
             if run_id is not None:
                 _refresh_run(engine, blobs, run_id, run_analyser)

@@ -321,7 +321,10 @@ def _store_run_analysis(engine, run_id: int, analysis: dict, covered: list) -> b
     ran, and the analysis that rank starts replaces it). Its cross-rank findings replace the previous analysis's
     rows."""
     with session_scope(engine) as session:
-        run = session.get(Run, run_id, with_for_update=True)
+        # the run's row held before anything is read: two analyses stored at once run one after the other, and
+        # the second replaces the first's rows (PostgreSQL locks the row; SQLite takes its one writer's lock here)
+        session.execute(update(Run).where(Run.id == run_id).values(analysis=Run.analysis))
+        run = session.get(Run, run_id, populate_existing=True)
         current = trace_ids(session, run_id)
         if run is None or current != sorted(covered):
             return False
@@ -350,15 +353,17 @@ def uploads_waiting(engine, run_id: int) -> bool:
 
 
 def run_awaiting_analysis(engine, group_key: str | None) -> int | None:
-    """The run of GROUP_KEY if its ranks' joint analysis does not cover the traces it holds (an upload that was to
-    do it failed), else None."""
+    """GROUP_KEY's run if it holds several traces and its ranks' joint analysis does not cover them (the upload
+    that was to do it failed, or was a duplicate), else None."""
     if group_key is None:
         return None
     with session_scope(engine) as session:
         run = session.scalars(select(Run).where(Run.group_key == _text(group_key, 255))).one_or_none()
-        if run is None or len(held := trace_ids(session, run.id)) < 2:
+        if run is None:
             return None
-        return run.id if sorted((run.analysis or {}).get("trace_ids") or []) != held else None
+        held = trace_ids(session, run.id)
+        covered = sorted((run.analysis or {}).get("trace_ids") or [])
+        return run.id if len(held) > 1 and covered != held else None
 
 
 def _remove(engine, blobs, results) -> None:
@@ -472,7 +477,12 @@ def _rank_in(session, run: Run, rank: int | None, filename: str) -> int:
     so a folder's cross-rank findings land on the same files."""
     # the run's row is held until this upload commits: another upload to the run waits here, then sees this rank
     # (PostgreSQL; SQLite lets one writer in at a time, and this session has written already)
-    session.execute(select(Run.id).where(Run.id == run.id).with_for_update())
+    analysis = session.scalar(select(Run.analysis).where(Run.id == run.id).with_for_update()) or {}
+    # another rank makes it another job: the cross-rank findings of the ranks analysed together before go with it
+    if analysis.get("cross_finding_ids"):
+        session.execute(delete(FindingRecord).where(FindingRecord.run_id == run.id,
+                                                    FindingRecord.id.in_(analysis["cross_finding_ids"])))
+        run.analysis = {k: v for k, v in analysis.items() if k != "cross_finding_ids"}
     traces = list(session.scalars(select(TraceRecord).where(TraceRecord.run_id == run.id).order_by(TraceRecord.id)))
     named = {t.rank for t in traces if (t.summary or {}).get(RANK_NAMED, True)}
     if rank is not None and rank in named:

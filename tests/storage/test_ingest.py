@@ -7,7 +7,7 @@ import pytest
 from sqlalchemy import func, inspect, select, text
 
 from tests.plugins.database import stored_files, trace_variant
-from tests.plugins.traces import SMALL_TRACE, DDP, fixture_path
+from tests.plugins.traces import SMALL_TRACE, DDP, fixture_dir, fixture_path
 from profiler_svc.errors import UserError
 from profiler_svc.storage import db as storage_db
 from profiler_svc.storage import ingest
@@ -400,3 +400,44 @@ def test_ranks_are_analysed_together_once_the_named_world_is_in(engine, blobs, t
         blobs.path(s.scalars(select(TraceRecord.blob_path).where(TraceRecord.rank == 1)).one()).unlink()
     with pytest.raises(UserError, match=r"ranks \[1\] are missing from the blob store"):
         ingest.refresh_run_analysis(engine, blobs, stored.run_id)
+
+
+def test_two_joint_analyses_stored_at_once_leave_one_straggler(engine, blobs, monkeypatch):
+    """Two workers storing the same run's joint analysis at once: the second waits for the first and replaces
+    its cross-rank rows (before, both read the same old rows on SQLite and the first's straggler stayed twice)."""
+    import threading
+
+    from sqlalchemy import delete
+
+    from profiler_svc.storage.queries import trace_ids
+    folder = fixture_dir("gpt2_ddp_straggler")
+    run_id = ingest.ingest_path(engine, folder, blobs=blobs)[0].run_id
+    analysis = ingest.run_analysis(ingest.analyse(folder))
+    with storage_db.session_scope(engine) as s:
+        run = s.get(Run, run_id)
+        s.execute(delete(FindingRecord).where(FindingRecord.id.in_(run.analysis["cross_finding_ids"])))
+        run.analysis = {}
+        covered = trace_ids(s, run_id)
+    # each store reads the run's traces, then waits (up to 3 s) for the other to have read them too
+    barrier = threading.Barrier(2, timeout=3)
+
+    def read_then_wait(session, rid):
+        held = trace_ids(session, rid)
+        try:
+            barrier.wait()
+        except threading.BrokenBarrierError:
+            pass
+        return held
+    monkeypatch.setattr(ingest, "trace_ids", read_then_wait)
+    stored = []
+    threads = [threading.Thread(target=lambda: stored.append(ingest._store_run_analysis(engine, run_id, analysis,
+                                                                                         covered)))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert stored == [True, True]
+    with storage_db.session_scope(engine) as s:
+        titles = [f.title for f in s.scalars(select(FindingRecord).where(FindingRecord.run_id == run_id))]
+    assert sum("straggles" in t for t in titles) == 1

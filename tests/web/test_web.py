@@ -193,6 +193,73 @@ def test_ranks_queued_together_are_analysed_together_once(client, tmp_path):
     assert upload(client, bad, run="two-and-a-bad-one").status_code == 202
     work()
     assert calls == [["rank0000000.json.gz", "rank0000001.json.gz"]]
+    assert joint_analysis_covers(app.extensions["profiler_svc.engine"], "two-and-a-bad-one")
+    # the last upload turns out to be a duplicate (the same file ingested from the command line meanwhile)
+    calls.clear()
+    files = [rank_file(sources[rank], rank, "c") for rank in range(2)] + [rank_file(sources[0], 2, "c")]
+    for path in files:
+        upload(client, path, run="two-and-a-duplicate")
+    with open(files[2], "rb") as stream:
+        ingest.ingest_stream(app.extensions["profiler_svc.engine"], stream, filename="cli.json.gz",
+                             blobs=app.extensions["profiler_svc.blobs"])
+    work()
+    assert calls == [["rank0000000.json.gz", "rank0000001.json.gz"]]
+    assert joint_analysis_covers(app.extensions["profiler_svc.engine"], "two-and-a-duplicate")
+
+
+def joint_analysis_covers(engine, group_key: str) -> bool:
+    """Does the run of GROUP_KEY keep an analysis of its ranks together that covers every trace it holds?"""
+    from sqlalchemy import select
+
+    from profiler_svc.storage.db import session_scope
+    from profiler_svc.storage.models import Run
+    from profiler_svc.storage.queries import trace_ids
+    with session_scope(engine) as session:
+        run = session.scalars(select(Run).where(Run.group_key == group_key)).one()
+        return sorted((run.analysis or {}).get("trace_ids") or []) == trace_ids(session, run.id)
+
+
+def test_a_rank_that_joins_takes_the_previous_ranks_straggler_away(client, tmp_path):
+    """The straggler of two ranks is not the straggler of three: when a third lands and the three cannot be
+    analysed together, the run shows each rank's own findings, not the two ranks' straggler."""
+    import gzip
+    import json
+
+    from profiler_svc.errors import TraceError
+    from profiler_svc.service.worker import run_worker
+    from profiler_svc.storage import ingest
+
+    sources = sorted(fixture_dir("gpt2_ddp_straggler").glob("*.json.gz"))
+    app = client.application
+
+    def rank_file(source, rank):
+        data = json.loads(gzip.decompress(source.read_bytes()))
+        data["distributedInfo"] = {"backend": "gloo", "rank": rank}
+        data["trace_id"] = f"joins-{rank}"
+        path = tmp_path / f"rank{rank}.json.gz"
+        path.write_bytes(gzip.compress(json.dumps(data).encode(), mtime=0))
+        return path
+
+    def work(run_analyser):
+        run_worker(app.extensions["profiler_svc.engine"], once=True, kinds=("analysis",),
+                   blobs=app.extensions["profiler_svc.blobs"], worker="test-worker", analyser=ingest.analyse_file,
+                   run_analyser=run_analyser)
+
+    def stragglers(run_id):
+        return [f["title"] for f in client.get(f"/api/v1/runs/{run_id}").get_json()["findings"]
+                if "straggles" in f["title"]]
+
+    for rank in range(2):
+        upload(client, rank_file(sources[rank], rank), run="joins")
+    work(ingest.analyse_run_folder)
+    [run] = client.get("/api/v1/runs").get_json()["runs"]
+    assert len(stragglers(run["id"])) == 1
+
+    def fails(folder):
+        raise TraceError("analysing the run's ranks together failed: over its memory limit")
+    upload(client, rank_file(sources[0], 2), run="joins")
+    work(fails)
+    assert stragglers(run["id"]) == []
 
 
 def test_a_bad_trace_size_setting_stops_the_app_and_the_worker_at_start(engine, blobs, monkeypatch):
