@@ -20,7 +20,7 @@ from torch import nn
 # wrong one far from it; twice eager's error (plus one rounding unit) tells them apart.
 SWAP_CHECK_FACTOR = 2.0
 # A whole model: B's error may exceed eager's by this many times eager's own spread (how far eager's
-# error moves when its parameters move by a rounding unit).
+# error moves when its parameters move by a few rounding units).
 MODEL_FACTOR = 4.0
 # A tensor eager computes with a normwise error this large against fp64 is at least half rounding noise
 # (a randomly initialised ResNet-50's BatchNorm gradients: 0.6 in fp32 with TF32 convolutions, 1.3 in bf16).
@@ -189,8 +189,8 @@ def judge_strict(name: str, ref: torch.Tensor | tuple, dtype: torch.dtype, a: Er
     """Is B as close to fp64 as eager (A) is, within eager's own spread? `ref`: the fp64 reference, or
     its (shape, max |value|) where the tensor itself is gone.
 
-    spread_runs: eager's errors on the same model with its parameters moved by about a rounding
-    unit, each against an fp64 run of those parameters: how far eager's error moves by chance.
+    spread_runs: eager's errors on the same model with its parameters moved by a few rounding units,
+    each against an fp64 run of those parameters: how far eager's error moves by chance.
     B may exceed A's error by `factor` times that spread, normwise and in max abs error, plus one
     rounding of the result to the tensor's own dtype (never the model's: a float32 loss of a bf16
     model is held to float32's rounding and to the bf16 model's measured spread). A 1% bias on a bf16 model
