@@ -31,9 +31,10 @@ from .result import ABResult, Timing
 
 # Runs of the baseline with its parameters nudged: eager's own spread.
 SPREAD_RUNS = 3
-# How far a spread run moves each parameter: up to this many of its rounding units (relative). One unit
-# flips too few roundings downstream: correct swaps failed on a loss or a QK norm's weight gradient in 4 of
-# 15 H200 runs, none at 8, while 1%-wrong kernels failed at both (benchmarks/results/predict_vs_ab.md).
+# How far a spread run moves each parameter: up to this many of its rounding units (relative). At one unit
+# eager's error moved less than a correct swap's own roundings move it: correct swaps failed on a loss or a QK
+# norm's weight gradient in 4 of 15 H200 runs, none at 8; 1%-wrong kernels failed at both
+# (benchmarks/results/predict_vs_ab.md).
 NUDGE_UNITS = 8
 
 
