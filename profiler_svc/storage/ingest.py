@@ -244,7 +244,7 @@ def ingest_path(engine: Engine, path, *, name: str | None = None, group_key: str
         new = [r for r in results if not r.duplicate]
         whole_run = len(files) > 1 and bool(new) and _holds_exactly(engine, new[0].run_id, results)
         if whole_run:  # the folder is the run: its report is the run's
-            _store_run_report(engine, analyse(path), new[0].run_id)
+            _store_run_analysis(engine, new[0].run_id, run_analysis(analyse(path)), [r.trace_id for r in results])
     except BaseException:
         # A folder is one job: all of its ranks or none of them.
         _remove(engine, blobs, [r for r in results if not r.duplicate])
@@ -262,13 +262,6 @@ def _holds_exactly(engine, run_id: int, results: list) -> bool:
     with session_scope(engine) as session:
         held = trace_ids(session, run_id)
     return all(r.run_id == run_id for r in results) and held == sorted(r.trace_id for r in results)
-
-
-def _store_run_report(engine, report, run_id: int) -> None:
-    """The report of the folder that is the whole run, kept as the run's (run_analysis)."""
-    with session_scope(engine) as session:
-        covered = trace_ids(session, run_id)
-    _store_run_analysis(engine, run_id, run_analysis(report), covered)
 
 
 def run_analysis(report) -> dict:

@@ -441,3 +441,27 @@ def test_two_joint_analyses_stored_at_once_leave_one_straggler(engine, blobs, mo
     with storage_db.session_scope(engine) as s:
         titles = [f.title for f in s.scalars(select(FindingRecord).where(FindingRecord.run_id == run_id))]
     assert sum("straggles" in t for t in titles) == 1
+
+
+def test_a_folders_report_is_not_kept_for_a_trace_that_joined_while_it_ran(engine, blobs, monkeypatch, tmp_path):
+    """A trace stored into the folder's run while the folder's ranks are analysed together is not one the report
+    saw: the report is not kept as covering it (the next joint analysis does)."""
+    from sqlalchemy import select
+
+    from profiler_svc.storage.queries import trace_ids
+    analyse = ingest.analyse
+
+    def analyse_while_a_rank_joins(path):
+        if not Path(path).is_dir():  # each file's own analysis
+            return analyse(path)
+        with storage_db.session_scope(engine) as s:
+            group_key = s.scalars(select(Run.group_key).order_by(Run.id.desc()).limit(1)).one()
+        with open(trace_variant(tmp_path, "joiner"), "rb") as stream:
+            ingest.ingest_stream(engine, stream, filename="joiner.json.gz", blobs=blobs, group_key=group_key)
+        return analyse(path)
+    monkeypatch.setattr(ingest, "analyse", analyse_while_a_rank_joins)
+    results = ingest.ingest_path(engine, DDP, blobs=blobs)
+    with storage_db.session_scope(engine) as s:
+        run = s.get(Run, results[0].run_id)
+        assert len(trace_ids(s, run.id)) == 3
+        assert set((run.analysis or {}).get("trace_ids") or []) <= {r.trace_id for r in results}
