@@ -112,14 +112,18 @@ def work_once(engine: Engine, *, worker: str | None = None, runner=run_ab_job_is
     for kind in kinds:
         model = _MODELS[kind]
         with session_scope(engine) as session:
-            job = jobs.claim(session, worker, lease_s, model=model)
+            # an upload its workers died on is failed here, in the worker's failure path (see below)
+            job = jobs.claim(session, worker, lease_s, model=model, fail_exhausted=kind != "analysis")
             spec = (upload_dict(job) if kind == "analysis" else job_dict(job, with_result=False)) if job else None
         if spec is not None:
             break
     else:
         return None
     blobs = blobs or ingest.default_blob_store()
-    if kind == "analysis":
+    if kind == "analysis" and spec["attempts"] > jobs.MAX_ATTEMPTS:
+        def work():
+            raise UserError(f"{spec['filename']}: {jobs.LEASE_EXPIRED}")
+    elif kind == "analysis":
         log.info("job %s: analyse upload %s", spec["id"], spec["filename"])
         work = lambda: analyser(blobs.path(spec["blob_path"]), spec["filename"])  # noqa: E731
     else:

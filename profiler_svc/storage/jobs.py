@@ -3,8 +3,9 @@ many workers on many hosts, one dashboard.
 
 A worker claims the oldest queued job of a kind and holds it under a lease that a heartbeat extends.
 A job whose lease ran out (the worker crashed or lost its host) goes back to the queue, up to
-``MAX_ATTEMPTS`` claims; after that it fails with the reason. The same functions serve both kinds
-(`model`: the job's table).
+``MAX_ATTEMPTS`` claims; after that it fails with the reason (an upload fails in the worker that claims it once
+more, which also removes its blob and analyses its run's ranks together without it). The same functions serve both
+kinds (`model`: the job's table).
 """
 import re
 from datetime import timedelta
@@ -18,6 +19,7 @@ from .models import ABJob, ABResultRow, FindingRecord, utcnow
 from .queries import NotFound
 
 MAX_ATTEMPTS = 3
+LEASE_EXPIRED = f"worker lease expired {MAX_ATTEMPTS} times"
 SWAP_NAME = re.compile(r"[A-Za-z_][\w.-]{0,63}", re.ASCII)
 DEFAULT_LEASE_S = 120.0
 
@@ -55,22 +57,22 @@ def enqueue(session, run, *, swap: str | None = None, finding_id: int | None = N
     return job
 
 
-def requeue_expired(session, model=ABJob) -> int:
-    """Jobs whose worker stopped heartbeating: back to the queue, or failed after MAX_ATTEMPTS."""
+def requeue_expired(session, model=ABJob, fail_exhausted: bool = True) -> int:
+    """Jobs whose worker stopped heartbeating: back to the queue, or failed after MAX_ATTEMPTS (with
+    `fail_exhausted`; else back to the queue too, for the next claimer to fail: it finds attempts > MAX_ATTEMPTS)."""
     now = utcnow()
     expired = (model.status == "running") & (model.lease_expires_at < now)
-    failed = session.execute(
+    failed = 0 if not fail_exhausted else session.execute(
         update(model).where(expired, model.attempts >= MAX_ATTEMPTS)
-        .values(status="failed", finished_at=now, lease_expires_at=None,
-                error=f"worker lease expired {MAX_ATTEMPTS} times")).rowcount
+        .values(status="failed", finished_at=now, lease_expires_at=None, error=LEASE_EXPIRED)).rowcount
     requeued = session.execute(
         update(model).where(expired).values(status="queued", worker=None, lease_expires_at=None)).rowcount
     return requeued + failed
 
 
-def claim(session, worker: str, lease_s: float = DEFAULT_LEASE_S, model=ABJob):
+def claim(session, worker: str, lease_s: float = DEFAULT_LEASE_S, model=ABJob, fail_exhausted: bool = True):
     """Take the oldest queued job, or None. Safe against any number of concurrent workers."""
-    requeue_expired(session, model)
+    requeue_expired(session, model, fail_exhausted)
     candidates = select(model.id).where(model.status == "queued").order_by(model.id).limit(1)
     if session.bind.dialect.name == "postgresql":
         candidates = candidates.with_for_update(skip_locked=True)

@@ -207,6 +207,46 @@ def test_ranks_queued_together_are_analysed_together_once(client, tmp_path):
     assert joint_analysis_covers(app.extensions["profiler_svc.engine"], "two-and-a-duplicate")
 
 
+def test_an_upload_its_workers_keep_dying_on_fails_in_a_worker(client, tmp_path):
+    """An upload whose workers' leases ran out three times fails in the worker that claims it next, as any failed
+    upload does: its blob goes, and the ranks that had left the run's joint analysis to it get one."""
+    import gzip
+    import json
+    from datetime import timedelta
+
+    from sqlalchemy import select, update
+
+    from profiler_svc.service.worker import run_worker, work_once
+    from profiler_svc.storage import ingest, jobs
+    from profiler_svc.storage.db import session_scope
+    from profiler_svc.storage.models import AnalysisJob, utcnow
+
+    app = client.application
+    engine, blobs = app.extensions["profiler_svc.engine"], app.extensions["profiler_svc.blobs"]
+    sources = sorted(DDP.glob("*.json.gz"))
+    for rank in range(3):
+        data = json.loads(gzip.decompress(sources[min(rank, 1)].read_bytes()))
+        data["distributedInfo"], data["trace_id"] = {"backend": "gloo", "rank": rank}, f"dying-{rank}"
+        path = tmp_path / f"rank{rank}.json.gz"
+        path.write_bytes(gzip.compress(json.dumps(data).encode(), mtime=0))
+        upload(client, path, run="dying")
+    for _ in range(2):  # ranks 0 and 1 land while rank 2 waits: they leave the joint analysis to it
+        work_once(engine, worker="w", kinds=("analysis",), blobs=blobs, analyser=ingest.analyse_file,
+                  run_analyser=ingest.analyse_run_folder)
+    assert not joint_analysis_covers(engine, "dying")
+    with session_scope(engine) as s:  # rank 2's third worker died too: its lease ran out
+        s.execute(update(AnalysisJob).where(AnalysisJob.status == "queued").values(
+            status="running", attempts=jobs.MAX_ATTEMPTS, worker="dead", lease_expires_at=utcnow() - timedelta(seconds=5)))
+    before = len(stored_files(blobs))
+    run_worker(engine, once=True, kinds=("analysis",), blobs=blobs, worker="w", analyser=ingest.analyse_file,
+               run_analyser=ingest.analyse_run_folder)
+    with session_scope(engine) as s:
+        [failed] = s.scalars(select(AnalysisJob).where(AnalysisJob.status == "failed")).all()
+        assert failed.error == f"rank2.json.gz: {jobs.LEASE_EXPIRED}"
+    assert len(stored_files(blobs)) == before - 1
+    assert joint_analysis_covers(engine, "dying")
+
+
 def joint_analysis_covers(engine, group_key: str) -> bool:
     """Does the run of GROUP_KEY keep an analysis of its ranks together that covers every trace it holds?"""
     from sqlalchemy import select
