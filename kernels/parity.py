@@ -203,8 +203,11 @@ def judge_strict(name: str, ref: torch.Tensor | tuple, dtype: torch.dtype, a: Er
             a_max_abs=a.max_abs, a_max_rel=a.max_rel, b_max_abs=b.max_abs, b_max_rel=b.max_rel,
             allowed_abs=math.inf, passed=math.isfinite(b.max_abs) and b.rms_rel <= 2 * a.rms_rel,
             a_rms_rel=a.rms_rel, b_rms_rel=b.rms_rel, allowed_rms_rel=2 * a.rms_rel, gate="ill_conditioned")
-    spread_rms = max((abs(e.rms_rel - a.rms_rel) for e in spread_runs), default=0.0)
-    spread_abs = max((abs(e.max_abs - a.max_abs) for e in spread_runs), default=0.0)
+    # a spread run without the tensor (an MoE expert that got no tokens there) or with a non-finite one says
+    # nothing of eager's spread: it is left out, not taken as an unbounded allowance
+    finite = [e for e in spread_runs if math.isfinite(e.rms_rel) and math.isfinite(e.max_abs)]
+    spread_rms = max((abs(e.rms_rel - a.rms_rel) for e in finite), default=0.0)
+    spread_abs = max((abs(e.max_abs - a.max_abs) for e in finite), default=0.0)
     # one rounding of the result to its own dtype: the error B may add where eager happened to be exact
     half_unit = torch.finfo(dtype).eps / 2 if dtype.is_floating_point else 0.0
     allowed_rms = a.rms_rel + factor * spread_rms + half_unit / math.sqrt(3)  # RMS of a uniform rounding
@@ -212,7 +215,7 @@ def judge_strict(name: str, ref: torch.Tensor | tuple, dtype: torch.dtype, a: Er
     return TensorParity(
         name=name, shape=list(ref.shape if torch.is_tensor(ref) else ref[0]), dtype=str(dtype).removeprefix("torch."),
         a_max_abs=a.max_abs, a_max_rel=a.max_rel, b_max_abs=b.max_abs, b_max_rel=b.max_rel,
-        allowed_abs=allowed_abs, passed=b.max_abs <= allowed_abs and b.rms_rel <= allowed_rms,
+        allowed_abs=allowed_abs, passed=math.isfinite(b.max_abs) and b.max_abs <= allowed_abs and b.rms_rel <= allowed_rms,
         a_rms_rel=a.rms_rel, b_rms_rel=b.rms_rel, spread_rms_rel=spread_rms, spread_max_abs=spread_abs,
         allowed_rms_rel=allowed_rms, gate="strict")
 

@@ -36,6 +36,8 @@ SPREAD_RUNS = 3
 # norm's weight gradient in 4 of 15 H200 runs, none at 8; 1%-wrong kernels failed at both
 # (benchmarks/results/predict_vs_ab.md).
 NUDGE_UNITS = 8
+# ... but never more than this relative move (bf16's 8 units): 8 units of an fp8 type would zero or flip weights.
+NUDGE_MAX = 2.0 ** -4
 
 
 def ab_test(model: nn.Module, inputs, swaps=(), *, fixes=(), train: bool = False, loss_fn=None, optimizer=None,
@@ -287,7 +289,8 @@ def _spread(model, step, variant, state, seed, reference, keys, routed) -> tuple
             for _, p in step.named_params:
                 if p.is_floating_point():
                     u = torch.rand(p.shape, generator=generator, dtype=torch.float64) * 2 - 1
-                    p.copy_((p.double() * (1 + u.to(p.device) * NUDGE_UNITS * torch.finfo(p.dtype).eps)).to(p.dtype))
+                    nudge = min(NUDGE_UNITS * torch.finfo(p.dtype).eps, NUDGE_MAX)
+                    p.copy_((p.double() * (1 + u.to(p.device) * nudge)).to(p.dtype))
         nudged = [p.detach().clone() for _, p in step.named_params]
         got, picked = _run_variant(model, step, variant, state, seed, record=routed)  # restores the parameters
         ref = reference.run(parameters=nudged, choices=picked)

@@ -320,3 +320,17 @@ def test_parity_out_of_memory_it_cannot_split_is_one_clear_error(inputs, message
 
     with pytest.raises(UserError, match="the parity check ran out of GPU memory" + message):
         ab_test(FloatSixtyFourMemory(fits=0), inputs, [NOOP], **QUICK)
+
+
+def test_a_spread_run_without_the_tensor_does_not_lift_the_allowance():
+    """A nudged run in which an MoE expert got no tokens has no gradient for it (MISSING): that run says nothing
+    of eager's spread, and must not make the allowance infinite, which would pass a wrong or lost tensor."""
+    from kernels.parity import MISSING, Error, judge_strict
+    ref = ((512,), 1.0)
+    a, nudged = Error(1e-3, 1e-3, 0.01), Error(1e-3, 1e-3, 0.0101)
+    wrong = judge_strict("grad.experts.3.w1", ref, torch.bfloat16, a, [nudged, MISSING], Error(0.1, 0.1, 0.05), 4.0)
+    assert not wrong.passed and wrong.allowed_rms_rel < 0.02
+    lost = judge_strict("grad.experts.3.w1", ref, torch.bfloat16, a, [MISSING], MISSING, 4.0)
+    assert not lost.passed
+    same = judge_strict("grad.experts.3.w1", ref, torch.bfloat16, a, [nudged, MISSING], Error(1e-3, 1e-3, 0.0102), 4.0)
+    assert same.passed
