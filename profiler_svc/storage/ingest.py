@@ -469,13 +469,15 @@ def _rank_in(session, run: Run, rank: int | None, filename: str) -> int:
     take the ranks no trace names, in the order they came: as `profiler_svc recommend` numbers a folder's files,
     so a folder's cross-rank findings land on the same files."""
     # the run's row is held until this upload commits: another upload to the run waits here, then sees this rank
-    # (PostgreSQL; SQLite lets one writer in at a time, and this session has written already)
-    analysis = session.scalar(select(Run.analysis).where(Run.id == run.id).with_for_update()) or {}
-    # another rank makes it another job: the cross-rank findings of the ranks analysed together before go with it
+    # (PostgreSQL, FOR NO KEY UPDATE: an insert whose foreign key names the run, an A/B job's, need not wait; SQLite
+    # lets one writer in at a time, and this session has written already)
+    analysis = session.scalar(select(Run.analysis).where(Run.id == run.id).with_for_update(key_share=True)) or {}
+    # another rank makes it another job: the ranks' joint analysis goes, and its cross-rank findings with it
     if analysis.get("cross_finding_ids"):
         session.execute(delete(FindingRecord).where(FindingRecord.run_id == run.id,
                                                     FindingRecord.id.in_(analysis["cross_finding_ids"])))
-        run.analysis = {k: v for k, v in analysis.items() if k != "cross_finding_ids"}
+    if analysis:
+        run.analysis = {}
     traces = list(session.scalars(select(TraceRecord).where(TraceRecord.run_id == run.id).order_by(TraceRecord.id)))
     named = {t.rank for t in traces if (t.summary or {}).get(RANK_NAMED, True)}
     if rank is not None and rank in named:

@@ -465,3 +465,25 @@ def test_a_folders_report_is_not_kept_for_a_trace_that_joined_while_it_ran(engin
         run = s.get(Run, results[0].run_id)
         assert len(trace_ids(s, run.id)) == 3
         assert set((run.analysis or {}).get("trace_ids") or []) <= {r.trace_id for r in results}
+
+
+def test_a_folder_that_fails_into_a_run_leaves_no_joint_analysis_without_its_straggler(engine, blobs, tmp_path):
+    """A folder ingested into a run whose ranks were analysed together, one of its files bad: its traces are removed
+    again, and the run is not shown as analysed together without the straggler that analysis found."""
+    from profiler_svc.storage.queries import trace_ids
+    ranks = ingest.ingest_path(engine, fixture_dir("gpt2_ddp_straggler"), blobs=blobs, group_key="x")
+    folder = tmp_path / "more"
+    folder.mkdir()
+    data = json.loads(gzip.decompress(sorted(fixture_dir("gpt2_ddp_straggler").glob("*.json.gz"))[0].read_bytes()))
+    data["distributedInfo"] = {"backend": "gloo", "rank": 2}
+    (folder / "a_rank2.json.gz").write_bytes(gzip.compress(json.dumps(data).encode(), mtime=0))
+    (folder / "b_bad.json").write_text('{"traceEvents": 7}')
+    with pytest.raises(UserError):
+        ingest.ingest_path(engine, folder, blobs=blobs, group_key="x")
+    with storage_db.session_scope(engine) as s:
+        run = s.get(Run, ranks[0].run_id)
+        assert trace_ids(s, run.id) == sorted(r.trace_id for r in ranks)
+        covers = sorted((run.analysis or {}).get("trace_ids") or []) == trace_ids(s, run.id)
+        stragglers = [f for f in s.scalars(select(FindingRecord).where(FindingRecord.run_id == run.id))
+                      if "straggles" in f.title]
+        assert stragglers or not covers
