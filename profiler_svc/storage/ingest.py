@@ -14,7 +14,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from sqlalchemy import delete, select, update
+from sqlalchemy import delete, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
@@ -208,14 +208,23 @@ def store_analysed_job(engine: Engine, blobs: BlobStore, job_id: int, worker: st
 
 
 def fail_analysis_job(engine: Engine, blobs: BlobStore, job_id: int, worker: str, error: str) -> None:
-    """The upload could not be analysed: the job fails with the reason and its blob goes (no trace has it)."""
+    """The upload could not be analysed: the job fails with the reason and its blob goes (no trace has it). A trace
+    of the same content being stored meanwhile (`profiler_svc ingest` of the same file) holds the content's lock
+    from before its blob moves in until it commits: the blob is deleted before that, or not at all."""
     with session_scope(engine) as session:
-        job = session.get(AnalysisJob, job_id)
         if not jobs.fail(session, job_id, worker, error, model=AnalysisJob):
             return
-        sha, blob_path = job.content_sha256, job.blob_path
-    if not _find_trace(engine, sha, None):
-        blobs.delete(blob_path)
+        job = session.get(AnalysisJob, job_id)
+        _lock_content(session, job.content_sha256)
+        if session.scalar(select(TraceRecord.id).where(TraceRecord.content_sha256 == job.content_sha256)) is None:
+            blobs.delete(job.blob_path)
+
+
+def _lock_content(session, sha256: str) -> None:
+    """Hold the content hash until the transaction ends: storing a trace of it and deleting its blob take turns
+    (PostgreSQL: an advisory lock; SQLite: the writer's lock, which a session that has written holds already)."""
+    if session.bind.dialect.name == "postgresql":
+        session.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": int(sha256[:15], 16)})
 
 
 def ingest_path(engine: Engine, path, *, name: str | None = None, group_key: str | None = None,
@@ -435,6 +444,7 @@ def _store(engine, blobs, upload: Upload, analysed: dict, *, move_blob=None, job
                                 RANK_NAMED: analysed["rank"] is not None}),
             steps=plain_json(data.get("steps") or {}), prediction=plain_json(data.get("prediction") or {}),
             timeline=analysed["timeline"])
+        _lock_content(session, upload.sha256)
         session.add(trace)
         session.flush()  # the unique content hash is checked here, before the blob moves
         session.add_all(_kernel_rows(data.get("top_kernels", []), trace.id, run.id))

@@ -487,3 +487,44 @@ def test_a_folder_that_fails_into_a_run_leaves_no_joint_analysis_without_its_str
         stragglers = [f for f in s.scalars(select(FindingRecord).where(FindingRecord.run_id == run.id))
                       if "straggles" in f.title]
         assert stragglers or not covers
+
+
+def test_a_failed_upload_leaves_the_blob_of_the_same_trace_being_stored(engine, blobs, monkeypatch):
+    """An upload fails while `profiler_svc ingest` stores a trace of the same content: the failure deletes the
+    content's blob only if no trace holds it, and waits for the store in flight to know (before, it could delete
+    the blob the other had just moved in, and the stored trace had no file)."""
+    import threading
+
+    from profiler_svc.storage import jobs
+    from profiler_svc.storage.models import AnalysisJob
+    with open(SMALL_TRACE, "rb") as stream:
+        ingest.submit_upload(engine, stream, filename="upload.json.gz", blobs=blobs)
+    with storage_db.session_scope(engine) as s:
+        job_id = jobs.claim(s, "w", model=AnalysisJob).id
+    moved, go, stored = threading.Event(), threading.Event(), []
+    commit = blobs.commit
+
+    def commit_then_wait(received):  # the store's blob is in place; its transaction has not committed yet
+        relpath = commit(received)
+        moved.set()
+        go.wait(30)
+        return relpath
+    monkeypatch.setattr(blobs, "commit", commit_then_wait)
+
+    def cli_ingest():
+        with open(SMALL_TRACE, "rb") as stream:
+            stored.append(ingest.ingest_stream(engine, stream, filename="cli.json.gz", blobs=blobs))
+    cli = threading.Thread(target=cli_ingest)
+    cli.start()
+    assert moved.wait(120)
+    failing = threading.Thread(target=lambda: ingest.fail_analysis_job(engine, blobs, job_id, "w", "bad trace"))
+    failing.start()
+    failing.join(1.0)  # it deletes now, or waits for the store
+    go.set()
+    cli.join(60)
+    failing.join(60)
+    [result] = stored
+    assert not result.duplicate
+    with storage_db.session_scope(engine) as s:
+        assert s.get(AnalysisJob, job_id).status == "failed"
+        assert blobs.path(s.get(TraceRecord, result.trace_id).blob_path).is_file()
