@@ -277,6 +277,14 @@ def _run_variant(model, step, variant, state, seed, record=False):
     return got, (recorder.indices if record else None)
 
 
+def nudged_copy(p: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """P with each value moved by a uniformly random share of up to NUDGE_UNITS of its dtype's rounding units
+    (relative), at most NUDGE_MAX, rounded back to its dtype."""
+    u = torch.rand(p.shape, generator=generator, dtype=torch.float64) * 2 - 1
+    nudge = min(NUDGE_UNITS * torch.finfo(p.dtype).eps, NUDGE_MAX)
+    return (p.double() * (1 + u.to(p.device) * nudge)).to(p.dtype)
+
+
 def _spread(model, step, variant, state, seed, reference, keys, routed) -> tuple[dict[str, list], list[float]]:
     """The baseline's errors with every floating parameter nudged by up to NUDGE_UNITS rounding units
     (uniformly at random), each against an fp64 run of the same parameters (and of the same choices, for
@@ -288,9 +296,7 @@ def _spread(model, step, variant, state, seed, reference, keys, routed) -> tuple
         with torch.no_grad():
             for _, p in step.named_params:
                 if p.is_floating_point():
-                    u = torch.rand(p.shape, generator=generator, dtype=torch.float64) * 2 - 1
-                    nudge = min(NUDGE_UNITS * torch.finfo(p.dtype).eps, NUDGE_MAX)
-                    p.copy_((p.double() * (1 + u.to(p.device) * nudge)).to(p.dtype))
+                    p.copy_(nudged_copy(p, generator))
         nudged = [p.detach().clone() for _, p in step.named_params]
         got, picked = _run_variant(model, step, variant, state, seed, record=routed)  # restores the parameters
         ref = reference.run(parameters=nudged, choices=picked)

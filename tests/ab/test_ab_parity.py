@@ -334,3 +334,18 @@ def test_a_spread_run_without_the_tensor_does_not_lift_the_allowance():
     assert not lost.passed
     same = judge_strict("grad.experts.3.w1", ref, torch.bfloat16, a, [nudged, MISSING], Error(1e-3, 1e-3, 0.0102), 4.0)
     assert same.passed
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn])
+def test_spread_runs_nudge_each_parameter_by_a_few_of_its_rounding_units(dtype):
+    """Up to NUDGE_UNITS rounding units, relative (so most values move, by more than one unit where the dtype
+    allows), never more than NUDGE_MAX: 8 units of an fp8 type would zero weights or flip their signs."""
+    from profiler_svc.ab.runner import NUDGE_MAX, NUDGE_UNITS, nudged_copy
+    p = (0.5 + torch.rand(4096, generator=torch.Generator().manual_seed(0))).to(dtype)
+    nudged = nudged_copy(p, torch.Generator().manual_seed(1))
+    moved = nudged.double() / p.double() - 1
+    ulp = torch.finfo(dtype).eps  # one rounding back to the dtype, relative, at most
+    assert moved.abs().max() <= min(NUDGE_UNITS * ulp, NUDGE_MAX) + ulp
+    assert bool((nudged.double() > 0).all())  # none zeroed, none of its sign flipped
+    if NUDGE_UNITS * ulp <= NUDGE_MAX:
+        assert (moved != 0).float().mean() > 0.5 and moved.abs().max() > 2 * ulp  # most move, some by units
