@@ -30,7 +30,7 @@ from . import jobs
 from .blobs import BlobStore
 from .db import home, session_scope
 from .models import AnalysisJob, FindingRecord, KernelSummary, Run, TraceRecord, utcnow
-from .queries import trace_ids
+from .queries import analysis_covers, trace_ids
 
 log = logging.getLogger(__name__)
 
@@ -327,13 +327,13 @@ def _store_run_analysis(engine, run_id: int, analysis: dict, covered: list) -> b
         # the second replaces the first's rows (PostgreSQL locks the row; SQLite takes its one writer's lock here)
         session.execute(update(Run).where(Run.id == run_id).values(analysis=Run.analysis))
         run = session.get(Run, run_id, populate_existing=True)
-        current = trace_ids(session, run_id)
+        traces = {t.rank: t.id for t in session.scalars(select(TraceRecord).where(TraceRecord.run_id == run_id))}
+        current = sorted(traces.values())
         if run is None or current != sorted(covered):
             return False
         stale = (run.analysis or {}).get("cross_finding_ids") or []
         if stale:
             session.execute(delete(FindingRecord).where(FindingRecord.run_id == run_id, FindingRecord.id.in_(stale)))
-        traces = {t.rank: t.id for t in session.scalars(select(TraceRecord).where(TraceRecord.run_id == run_id))}
         rows = [row for f in analysis.get("cross_findings") or [] if f.get("rank") in traces
                 for row in _finding_rows([f], traces[f["rank"]], run_id, f["rank"])]
         session.add_all(rows)
@@ -361,11 +361,9 @@ def run_awaiting_analysis(engine, group_key: str | None) -> int | None:
         return None
     with session_scope(engine) as session:
         run = session.scalars(select(Run).where(Run.group_key == _text(group_key, 255))).one_or_none()
-        if run is None:
+        if run is None or len(trace_ids(session, run.id)) < 2:
             return None
-        held = trace_ids(session, run.id)
-        covered = sorted((run.analysis or {}).get("trace_ids") or [])
-        return run.id if len(held) > 1 and covered != held else None
+        return None if analysis_covers(session, run) else run.id
 
 
 def _remove(engine, blobs, results) -> None:

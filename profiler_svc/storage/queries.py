@@ -152,14 +152,18 @@ def trace_ids(session, run_id: int) -> list[int]:
     return sorted(session.scalars(select(TraceRecord.id).where(TraceRecord.run_id == run_id)))
 
 
+def analysis_covers(session, run: Run) -> bool:
+    """Does the run's stored joint analysis (runs.analysis) cover exactly the traces the run holds now?"""
+    return sorted((run.analysis or {}).get("trace_ids") or []) == trace_ids(session, run.id)
+
+
 def job_analysis(session, run_id: int) -> dict | None:
     """The run's ranks analysed together (ranks that NCCL couples: the job's prediction and findings), where that
     analysis covers the traces the run holds now."""
     run = session.get(Run, run_id)
-    stored = (run.analysis if run is not None else None) or {}
-    if stored.get("scope") != "job":
+    if run is None or (run.analysis or {}).get("scope") != "job":
         return None
-    return stored if sorted(stored.get("trace_ids") or []) == trace_ids(session, run_id) else None
+    return run.analysis if analysis_covers(session, run) else None
 
 
 def _job_findings(session, run_id: int, job: dict) -> list[dict]:
