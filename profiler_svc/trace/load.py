@@ -54,10 +54,6 @@ MAX_GZIP_RATIO = 100
 GZIP_RATIO_AFTER = 16 << 20
 _MAX_DURATION_US = 86400e6  # a day: no profiled event lasts longer, and no trace spans more
 _LINK_ROUNDS = 64
-
-
-def max_trace_bytes() -> int:
-    return setting_int(os.environ, "PROFILER_SVC_MAX_TRACE_BYTES", DEFAULT_MAX_TRACE_BYTES)
 _JSON_SPACE = b" \t\r\n"
 _BOM = b"\xef\xbb\xbf"
 # Category names across Kineto versions (PyTorch 1.8 wrote "Kernel", "Runtime", "Operator", ...),
@@ -70,6 +66,10 @@ _MEMORY_CATS = {"gpu_memcpy", "gpu_memset", "Memcpy", "Memset"}
 _NAME_OR_SLICE = frozenset("MBE")  # phases besides "X" that the tables use: thread names, B/E slices
 _SEP = b"\x01"
 _NO_INPUTS = _SEP * 3
+
+
+def max_trace_bytes() -> int:
+    return setting_int(os.environ, "PROFILER_SVC_MAX_TRACE_BYTES", DEFAULT_MAX_TRACE_BYTES)
 
 
 def trace_files(path) -> list[Path]:
