@@ -1,8 +1,8 @@
 """`profiler_svc worker`: claim queued jobs, run each in a child process under limits, store the results.
 
-Two kinds of job, one queue discipline (`storage.jobs`): the analysis of an uploaded trace (CPU and
-memory limits per upload: a bomb fails its own job, nothing else) and A/B tests on this host's GPU
-(or CPU). A workload is imported only if the operator allowed it (`workload_spec`), and only in the
+Two kinds of job, one queue discipline (`storage.jobs`): analysis, of an uploaded trace (CPU and memory
+limits per upload: a bomb fails its own job, nothing else) and of a run's ranks together once its uploads are in;
+and A/B tests on this host's GPU (or CPU). A workload is imported only if the operator allowed it (`workload_spec`), and only in the
 child: a workload that exits, crashes or hangs fails its job with the reason.
 """
 import logging
@@ -18,13 +18,14 @@ from ..formats import one_line
 from ..storage import ingest, jobs
 from ..storage.blobs import BlobStore
 from ..storage.db import session_scope
-from ..storage.models import ABJob, AnalysisJob
+from ..storage.models import ABJob, AnalysisJob, RunAnalysisJob
 from ..storage.queries import job_dict, upload_dict
 from ..workload_spec import check_workload_allowed
 from .sandbox import JobFailed, Limits, run_isolated
 
 KINDS = ("analysis", "ab")
-_MODELS = {"analysis": AnalysisJob, "ab": ABJob}
+# a kind's tables, claimed in this order: the uploads of a run before its ranks' joint analysis
+_MODELS = {"analysis": (AnalysisJob, RunAnalysisJob), "ab": (ABJob,)}
 
 
 def analysis_limits() -> Limits:
@@ -107,25 +108,30 @@ def work_once(engine: Engine, *, worker: str | None = None, runner=run_ab_job_is
               analyser=analyse_isolated, run_analyser=analyse_run_isolated) -> int | None:
     """Claim and run one job (of the first kind in `kinds` that has one queued); returns its id, or
     None when those queues are empty. `runner(spec)` runs an A/B job, `analyser(path, filename)` an upload,
-    `run_analyser(folder)` the ranks of a run it joined, together."""
+    `run_analyser(folder)` a run's ranks together."""
     worker = worker or default_worker_id()
-    for kind in kinds:
-        model = _MODELS[kind]
+    spec = None
+    for model in (model for kind in kinds for model in _MODELS[kind]):
         with session_scope(engine) as session:
             # an upload its workers died on is failed here, in the worker's failure path (see below)
-            job = jobs.claim(session, worker, lease_s, model=model, fail_exhausted=kind != "analysis")
-            spec = (upload_dict(job) if kind == "analysis" else job_dict(job, with_result=False)) if job else None
+            job = jobs.claim(session, worker, lease_s, model=model, fail_exhausted=model is not AnalysisJob,
+                             ready=ingest.run_analysis_ready() if model is RunAnalysisJob else None)
+            spec = _spec(model, job) if job else None
         if spec is not None:
             break
-    else:
+    if spec is None:
         return None
     blobs = blobs or ingest.default_blob_store()
-    if kind == "analysis" and spec["attempts"] > jobs.MAX_ATTEMPTS:
+    if model is AnalysisJob and spec["attempts"] > jobs.MAX_ATTEMPTS:
         def work():
             raise UserError(f"{spec['filename']}: {jobs.LEASE_EXPIRED}")
-    elif kind == "analysis":
+    elif model is AnalysisJob:
         log.info("job %s: analyse upload %s", spec["id"], spec["filename"])
         work = lambda: analyser(blobs.path(spec["blob_path"]), spec["filename"])  # noqa: E731
+    elif model is RunAnalysisJob:
+        log.info("job %s: analyse run %s's ranks together", spec["id"], spec["run_id"])
+        work = lambda: ingest.refresh_run_analysis(engine, blobs, spec["run_id"],  # noqa: E731
+                                                   analyser=run_analyser, worker=worker)
     else:
         log.info("job %s: A/B %s on %s", spec["id"], spec["swap"], spec["workload"])
         work = lambda: runner(spec)  # noqa: E731
@@ -135,49 +141,48 @@ def work_once(engine: Engine, *, worker: str | None = None, runner=run_ab_job_is
         result, error = work(), None
     except UserError as exc:  # the job failed, not the worker: record why and go on
         log.warning("job %s failed: %s", spec["id"], exc)
-        result, error = None, str(exc) if kind == "analysis" or isinstance(exc, JobFailed) else one_line(exc)
+        result, error = None, str(exc) if model is not ABJob or isinstance(exc, JobFailed) else one_line(exc)
     except Exception as exc:
         log.exception("job %s failed", spec["id"])
         result, error = None, one_line(exc)
     finally:
         beat.stopped.set()
         beat.join()
-    if kind == "analysis":
-        stored = None
-        if error is None:
-            try:
-                stored = ingest.store_analysed_job(engine, blobs, spec["id"], worker, result)
-            except UserError as exc:  # e.g. the run holds this rank already
-                error = str(exc)
-            except Exception as exc:  # e.g. the database refused a value: the upload's fault, say so
-                log.exception("storing the analysis of job %s failed", spec["id"])
-                error = f"{spec['filename']}: could not store the analysis: {one_line(exc)}"
-        if error is not None:
-            ingest.fail_analysis_job(engine, blobs, spec["id"], worker, error)
-        if stored is not None and not stored.duplicate:
-            _refresh_run(engine, blobs, stored.run_id, run_analyser)
-        else:  # failed, or a duplicate: a rank that landed before it may have left the joint analysis to it
-            run_id = ingest.run_awaiting_analysis(engine, spec["group_key"])
-            if run_id is not None:
-                _refresh_run(engine, blobs, run_id, run_analyser)
+    if model is AnalysisJob:
+        _store_upload(engine, blobs, spec, worker, result, error)
         return spec["id"]
     with session_scope(engine) as session:
-        if error is None:
+        if error is not None:
+            jobs.fail(session, spec["id"], worker, error, model=model)
+        elif model is ABJob:
             jobs.finish(session, spec["id"], worker, result, device=(result or {}).get("device"))
-        else:
-            jobs.fail(session, spec["id"], worker, error)
+        else:  # stored with its analysis; else there was nothing to analyse, or a rank came and queued it again
+            jobs.mark_done(session, spec["id"], worker, model)
     return spec["id"]
 
 
-def _refresh_run(engine, blobs, run_id: int, run_analyser) -> None:
-    """The run's ranks analysed together again, unless another upload for the run waits in the queue (its turn
-    comes); a failure leaves the upload stored and each rank's own figures."""
-    try:
-        if ingest.uploads_waiting(engine, run_id):
-            return
-        ingest.refresh_run_analysis(engine, blobs, run_id, analyser=run_analyser)
-    except Exception as exc:
-        log.warning("run %s: analysing its ranks together failed: %s", run_id, one_line(exc))
+def _spec(model, job) -> dict:
+    if model is AnalysisJob:
+        return upload_dict(job)
+    if model is RunAnalysisJob:
+        return {"id": job.id, "run_id": job.run_id, "attempts": job.attempts}
+    return job_dict(job, with_result=False)
+
+
+def _store_upload(engine, blobs, spec: dict, worker: str, result: dict | None, error: str | None) -> None:
+    """An upload's analysis stored (its run's ranks, if several, are queued to be analysed together), or the
+    upload failed with ERROR."""
+    if error is None:
+        assert result is not None  # the analyser returned
+        try:
+            ingest.store_analysed_job(engine, blobs, spec["id"], worker, result)
+        except UserError as exc:  # e.g. the run holds this rank already
+            error = str(exc)
+        except Exception as exc:  # e.g. the database refused a value: the upload's fault, say so
+            log.exception("storing the analysis of job %s failed", spec["id"])
+            error = f"{spec['filename']}: could not store the analysis: {one_line(exc)}"
+    if error is not None:
+        ingest.fail_analysis_job(engine, blobs, spec["id"], worker, error)
 
 
 def run_worker(engine: Engine, *, once: bool = False, poll_s: float = 2.0, worker: str | None = None,

@@ -14,7 +14,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from sqlalchemy import delete, select, text, update
+from sqlalchemy import delete, exists, or_, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
@@ -29,8 +29,8 @@ from ..workload_spec import check_workload_allowed
 from . import jobs
 from .blobs import BlobStore
 from .db import home, session_scope
-from .models import AnalysisJob, FindingRecord, KernelSummary, Run, TraceRecord, utcnow
-from .queries import analysis_covers, trace_ids
+from .models import AnalysisJob, FindingRecord, KernelSummary, Run, RunAnalysisJob, TraceRecord, utcnow
+from .queries import trace_ids
 
 log = logging.getLogger(__name__)
 
@@ -298,9 +298,10 @@ def analyse_run_folder(path) -> dict:
         raise TraceError(f"analysing the run's ranks together failed: {one_line(exc)}") from None
 
 
-def refresh_run_analysis(engine: Engine, blobs: BlobStore, run_id: int, analyser=None) -> None:
-    """A rank has landed in a run of several: its ranks analysed together again, from the stored traces
-    (each under the name of its rank, so the analysis numbers them as they are stored)."""
+def refresh_run_analysis(engine: Engine, blobs: BlobStore, run_id: int, analyser=None,
+                         worker: str | None = None) -> None:
+    """The run's ranks analysed together again, from the stored traces (each under the name of its rank, so the
+    analysis numbers them as they are stored); `worker`: the one holding the run's RunAnalysisJob."""
     with session_scope(engine) as session:
         traces = [(t.id, t.rank, t.blob_path) for t in session.scalars(
             select(TraceRecord).where(TraceRecord.run_id == run_id).order_by(TraceRecord.rank))]
@@ -315,13 +316,13 @@ def refresh_run_analysis(engine: Engine, blobs: BlobStore, run_id: int, analyser
         for _, rank, blob_path in traces:
             os.symlink(blobs.path(blob_path), Path(folder) / f"rank{rank:07d}.json.gz")
         analysis = (analyser or analyse_run_folder)(folder)
-    _store_run_analysis(engine, run_id, analysis, [t[0] for t in traces])
+    _store_run_analysis(engine, run_id, analysis, [t[0] for t in traces], worker=worker)
 
 
-def _store_run_analysis(engine, run_id: int, analysis: dict, covered: list) -> bool:
+def _store_run_analysis(engine, run_id: int, analysis: dict, covered: list, worker: str | None = None) -> bool:
     """Keep ANALYSIS as the run's if it covers the traces the run holds now (else a rank came or went while it
-    ran, and the analysis that rank starts replaces it). Its cross-rank findings replace the previous analysis's
-    rows."""
+    ran, and the analysis that rank queued replaces it). Its cross-rank findings replace the previous analysis's
+    rows; the run's queued analysis job (or WORKER's running one) is done with it."""
     with session_scope(engine) as session:
         # the run's row held before anything is read: two analyses stored at once run one after the other, and
         # the second replaces the first's rows (PostgreSQL locks the row; SQLite takes its one writer's lock here)
@@ -342,28 +343,34 @@ def _store_run_analysis(engine, run_id: int, analysis: dict, covered: list) -> b
         if rows:
             kept["cross_finding_ids"] = [row.id for row in rows]
         run.analysis = plain_json({**kept, "trace_ids": current})
+        ours = RunAnalysisJob.status == "queued"
+        if worker is not None:
+            ours = or_(ours, (RunAnalysisJob.status == "running") & (RunAnalysisJob.worker == worker))
+        session.execute(update(RunAnalysisJob).where(RunAnalysisJob.run_id == run_id, ours).values(
+            status="done", finished_at=utcnow(), lease_expires_at=None, error=None))
     return True
 
 
-def uploads_waiting(engine, run_id: int) -> bool:
-    """Do uploads named for run RUN_ID (the same `run` asked for) wait in the queue, unclaimed? Then the last of them
-    analyses the run's ranks together, rather than each rank that lands before it (N²/2 analyses for N ranks)."""
-    with session_scope(engine) as session:
-        run = session.get(Run, run_id)
-        return run is not None and session.scalar(select(AnalysisJob.id).where(
-            AnalysisJob.group_key == run.group_key, AnalysisJob.status == "queued").limit(1)) is not None
+def run_analysis_ready():
+    """A queued RunAnalysisJob is ready once no upload named for its run waits or runs: the last of them brings
+    the rank that changes the job (N uploads of a run: one joint analysis, not N²/2)."""
+    return ~exists().where(Run.id == RunAnalysisJob.run_id, AnalysisJob.group_key == Run.group_key,
+                           AnalysisJob.status.in_(("queued", "running")))
 
 
-def run_awaiting_analysis(engine, group_key: str | None) -> int | None:
-    """GROUP_KEY's run if it holds several traces and its ranks' joint analysis does not cover them (the upload
-    that was to do it failed, or was a duplicate), else None."""
-    if group_key is None:
-        return None
-    with session_scope(engine) as session:
-        run = session.scalars(select(Run).where(Run.group_key == _text(group_key, 255))).one_or_none()
-        if run is None or len(trace_ids(session, run.id)) < 2:
-            return None
-        return None if analysis_covers(session, run) else run.id
+def _queue_run_analysis(session, run: Run, traces: int) -> None:
+    """The run will hold TRACES traces: its ranks wait to be analysed together once they are all in (every rank
+    of a job whose capture named its size, else any two)."""
+    if traces < max(2, named_world_size(run.meta or {}) or 0):
+        return
+    job = session.scalars(select(RunAnalysisJob).where(RunAnalysisJob.run_id == run.id)).one_or_none()
+    if job is None:
+        session.add(RunAnalysisJob(run_id=run.id, status="queued", attempts=0))
+        return
+    # a worker analysing the ranks without this one finds its analysis stale, and its job no longer its own
+    for key, value in dict(status="queued", attempts=0, error=None, worker=None, lease_expires_at=None,
+                           started_at=None, finished_at=None, created_at=utcnow()).items():
+        setattr(job, key, value)
 
 
 def _remove(engine, blobs, results) -> None:
@@ -499,6 +506,7 @@ def _rank_in(session, run: Run, rank: int | None, filename: str) -> int:
                 session.execute(update(FindingRecord).where(FindingRecord.trace_id == trace.id).values(rank=moved))
                 trace.rank = moved
     session.flush()
+    _queue_run_analysis(session, run, len(traces) + 1)
     return rank if rank is not None else next(free)
 
 

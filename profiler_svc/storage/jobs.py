@@ -1,11 +1,10 @@
-"""The job queues in the database: A/B tests (`ABJob`) and the analysis of uploads (`AnalysisJob`);
-many workers on many hosts, one dashboard.
+"""The job queues in the database: A/B tests (`ABJob`), the analysis of uploads (`AnalysisJob`) and of a run's
+ranks together (`RunAnalysisJob`); many workers on many hosts, one dashboard.
 
 A worker claims the oldest queued job of a kind and holds it under a lease that a heartbeat extends.
 A job whose lease ran out (the worker crashed or lost its host) goes back to the queue, up to
 ``MAX_ATTEMPTS`` claims; after that it fails with the reason (an upload fails in the worker that claims it once
-more, which also removes its blob and analyses its run's ranks together without it). The same functions serve both
-kinds (`model`: the job's table).
+more, which also removes its blob). The same functions serve every kind (`model`: the job's table).
 """
 import re
 from datetime import timedelta
@@ -70,10 +69,13 @@ def requeue_expired(session, model=ABJob, fail_exhausted: bool = True) -> int:
     return requeued + failed
 
 
-def claim(session, worker: str, lease_s: float = DEFAULT_LEASE_S, model=ABJob, fail_exhausted: bool = True):
-    """Take the oldest queued job, or None. Safe against any number of concurrent workers."""
+def claim(session, worker: str, lease_s: float = DEFAULT_LEASE_S, model=ABJob, fail_exhausted: bool = True,
+          ready=None):
+    """Take the oldest queued job (of those that meet `ready`, a SQL condition), or None. Safe against any number
+    of concurrent workers."""
     requeue_expired(session, model, fail_exhausted)
-    candidates = select(model.id).where(model.status == "queued").order_by(model.id).limit(1)
+    candidates = select(model.id).where(model.status == "queued", *([ready] if ready is not None else []))
+    candidates = candidates.order_by(model.id).limit(1)
     if session.bind.dialect.name == "postgresql":
         candidates = candidates.with_for_update(skip_locked=True)
     job_id = session.scalar(candidates)

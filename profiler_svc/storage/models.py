@@ -179,6 +179,15 @@ class AnalysisJob(LeasedJob, Base):
     note: Mapped[str | None] = mapped_column(Text)
 
 
+class RunAnalysisJob(LeasedJob, Base):
+    """A run's ranks waiting to be analysed together (one row a run, queued again when a rank joins): a worker
+    whose lease runs out leaves it to the next, and a failure keeps its reason for the run page."""
+    __tablename__ = "run_analysis_jobs"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), unique=True)
+
+
 class APIToken(Base):
     """A bearer token for the API and the dashboard's sign-in; only its SHA-256 is kept."""
     __tablename__ = "api_tokens"

@@ -7,7 +7,7 @@ from ..detectors.common import recommended
 from ..errors import UserError
 from ..recommendations.report import above_dram_note
 from ..trace.kernel_names import short_kernel_name
-from .models import ABJob, AnalysisJob, FindingRecord, KernelSummary, Run, TraceRecord
+from .models import ABJob, AnalysisJob, FindingRecord, KernelSummary, Run, RunAnalysisJob, TraceRecord
 
 TOP_KERNELS = 30
 JOB_STATUSES = ("queued", "running", "done", "failed")
@@ -155,6 +155,15 @@ def trace_ids(session, run_id: int) -> list[int]:
 def analysis_covers(session, run: Run) -> bool:
     """Does the run's stored joint analysis (runs.analysis) cover exactly the traces the run holds now?"""
     return sorted((run.analysis or {}).get("trace_ids") or []) == trace_ids(session, run.id)
+
+
+def joint_analysis_state(session, run_id: int) -> dict | None:
+    """Where the run's ranks' joint analysis stands when it is not simply done: queued or running (the figures
+    shown meanwhile are each rank's own), or failed, with the reason."""
+    job = session.scalars(select(RunAnalysisJob).where(RunAnalysisJob.run_id == run_id)).one_or_none()
+    if job is None or job.status == "done":
+        return None
+    return {"status": job.status, "error": job.error, "attempts": job.attempts}
 
 
 def job_analysis(session, run_id: int) -> dict | None:
@@ -316,6 +325,7 @@ def run_page(session, run_id: int, rank: int | None = None, with_timeline: bool 
     page["top_kernels"] = top_kernels(session, run_id, main)
     page["findings"] = _findings(session, run_id, job)
     page["rank_table"] = ranks(session, run_id) if len(page["ranks"]) > 1 else []
+    page["joint_analysis"] = joint_analysis_state(session, run_id)
     page["ab_choices"] = ab_choices(page["findings"])
     page["jobs"] = [job_dict(j, with_result=False) for j in session.scalars(
         select(ABJob).where(ABJob.run_id == run_id).order_by(ABJob.id.desc()))]

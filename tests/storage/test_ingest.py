@@ -24,9 +24,9 @@ def test_upgrade_creates_every_table_and_is_repeatable(engine):
     storage_db.upgrade(engine)  # second run: a no-op
     tables = set(inspect(engine).get_table_names())
     assert {"runs", "traces", "kernel_summaries", "findings", "ab_jobs", "ab_results", "analysis_jobs",
-            "api_tokens", "alembic_version"} <= tables
+            "api_tokens", "run_analysis_jobs", "alembic_version"} <= tables
     with engine.connect() as conn:
-        assert conn.execute(text("select version_num from alembic_version")).scalar() == "0004"
+        assert conn.execute(text("select version_num from alembic_version")).scalar() == "0005"
 
 
 def downgrade(engine, revision):
@@ -67,6 +67,38 @@ def test_migrations_keep_stored_findings(engine):
     assert {"analysis_jobs", "api_tokens"} <= set(inspect(engine).get_table_names())
     with storage_db.session_scope(engine) as s:  # 0004: a run stored before has no analysis of its own
         assert s.get(Run, run).analysis == {}
+
+
+def test_the_migrations_build_the_schema_the_models_declare(engine):
+    from alembic.autogenerate import compare_metadata
+    from alembic.migration import MigrationContext
+    from profiler_svc.storage.models import Base
+    with engine.connect() as conn:
+        assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
+
+
+def test_0005_lists_the_stragglers_stored_before_and_queues_their_runs(engine, blobs):
+    """A folder ingested before 0004 kept its straggler as a row its run's analysis did not list, so a later joint
+    analysis added a second: 0005 lists it, and queues the run, whose analysis covers none of its traces, for one."""
+    from profiler_svc.service.worker import run_worker
+    from profiler_svc.storage.models import RunAnalysisJob
+    folder = fixture_dir("gpt2_ddp_straggler")
+    results = ingest.ingest_path(engine, folder, blobs=blobs)
+    run_id = results[0].run_id
+    straggler = FindingRecord.title.like("rank % straggles: %")
+    with storage_db.session_scope(engine) as s:
+        [row] = s.scalars(select(FindingRecord.id).where(straggler)).all()
+        s.get(Run, run_id).analysis = {}  # as a folder ingest stored it before 0004
+    downgrade(engine, "0004")
+    storage_db.upgrade(engine)
+    with storage_db.session_scope(engine) as s:
+        assert s.get(Run, run_id).analysis == {"cross_finding_ids": [row]}
+        assert s.scalars(select(RunAnalysisJob.status).where(RunAnalysisJob.run_id == run_id)).all() == ["queued"]
+    run_worker(engine, once=True, kinds=("analysis",), blobs=blobs, worker="w", run_analyser=ingest.analyse_run_folder)
+    with storage_db.session_scope(engine) as s:
+        assert len(s.scalars(select(FindingRecord.id).where(straggler)).all()) == 1
+        assert sorted(s.get(Run, run_id).analysis["trace_ids"]) == sorted(r.trace_id for r in results)
+        assert s.scalars(select(RunAnalysisJob.status).where(RunAnalysisJob.run_id == run_id)).all() == ["done"]
 
 
 def test_a_findings_configuration_fix_is_stored(engine, blobs):

@@ -32,7 +32,7 @@ def test_uploaded_ranks_form_one_run_with_host_and_workload(service):
                for rank in (0, 1)]
     assert [r["duplicate"] for r in replies] == [False, False]
     assert [r["status"] for r in replies] == ["queued", "queued"]  # acknowledged; a worker analyses them
-    assert analyse_queued(client.application) == 2
+    assert analyse_queued(client.application) == 3  # the two uploads, then the run's ranks together
     done = [client.get(r["status_url"], headers={"Authorization": "Bearer tok"}).get_json() for r in replies]
     assert done[0]["run_id"] == done[1]["run_id"]
     run = client.get(f"/api/v1/runs/{done[0]['run_id']}", headers={"Authorization": "Bearer tok"}).get_json()

@@ -61,7 +61,7 @@ def test_eight_uploaders_fifty_traces_each(postgres_url, blobs, tmp_path):
     for i, got in answers.items():
         assert len(got) == UPLOADERS and len(set(got)) == 1, f"trace {i} queued as {got}"
     assert len({got[0] for got in answers.values()}) == TRACES
-    assert analyse_queued(app) == TRACES
+    assert analyse_queued(app) == TRACES + GROUPS  # and each run's ranks together once, after its last upload
     client = app.test_client()
     for i, got in answers.items():
         status = client.get(f"/api/v1/uploads/{got[0]}", headers={"Authorization": f"Bearer {TOKEN}"}).get_json()

@@ -153,19 +153,11 @@ def test_ranks_queued_together_are_analysed_together_once(client, tmp_path):
     """Ranks whose capture names no world size, uploaded into one run: a rank that lands while another upload for
     the run waits leaves the joint analysis to it (three ranks: one joint analysis, not one per rank after the
     first). An upload that fails does it in its place."""
-    import gzip
-    import json
-
     from profiler_svc.service.worker import run_worker
     from profiler_svc.storage import ingest
 
-    def rank_file(source, rank, tag):  # a gloo rank as a plain torch.profiler capture names it, without the size
-        data = json.loads(gzip.decompress(source.read_bytes()))
-        data["distributedInfo"] = {"backend": "gloo", "rank": rank}
-        data["trace_id"] = f"{tag}-{rank}"  # each its own content
-        path = tmp_path / f"{tag}_rank{rank}.json.gz"
-        path.write_bytes(gzip.compress(json.dumps(data).encode(), mtime=0))
-        return path
+    def rank_file(source, rank, tag):
+        return gloo_rank_file(tmp_path, source, rank, tag)
 
     sources = sorted(DDP.glob("*.json.gz"))
     app = client.application
@@ -210,8 +202,6 @@ def test_ranks_queued_together_are_analysed_together_once(client, tmp_path):
 def test_an_upload_its_workers_keep_dying_on_fails_in_a_worker(client, tmp_path):
     """An upload whose workers' leases ran out three times fails in the worker that claims it next, as any failed
     upload does: its blob goes, and the ranks that had left the run's joint analysis to it get one."""
-    import gzip
-    import json
     from datetime import timedelta
 
     from sqlalchemy import select, update
@@ -225,11 +215,7 @@ def test_an_upload_its_workers_keep_dying_on_fails_in_a_worker(client, tmp_path)
     engine, blobs = app.extensions["profiler_svc.engine"], app.extensions["profiler_svc.blobs"]
     sources = sorted(DDP.glob("*.json.gz"))
     for rank in range(3):
-        data = json.loads(gzip.decompress(sources[min(rank, 1)].read_bytes()))
-        data["distributedInfo"], data["trace_id"] = {"backend": "gloo", "rank": rank}, f"dying-{rank}"
-        path = tmp_path / f"rank{rank}.json.gz"
-        path.write_bytes(gzip.compress(json.dumps(data).encode(), mtime=0))
-        upload(client, path, run="dying")
+        upload(client, gloo_rank_file(tmp_path, sources[min(rank, 1)], rank, "dying"), run="dying")
     for _ in range(2):  # ranks 0 and 1 land while rank 2 waits: they leave the joint analysis to it
         work_once(engine, worker="w", kinds=("analysis",), blobs=blobs, analyser=ingest.analyse_file,
                   run_analyser=ingest.analyse_run_folder)
@@ -242,9 +228,88 @@ def test_an_upload_its_workers_keep_dying_on_fails_in_a_worker(client, tmp_path)
                run_analyser=ingest.analyse_run_folder)
     with session_scope(engine) as s:
         [failed] = s.scalars(select(AnalysisJob).where(AnalysisJob.status == "failed")).all()
-        assert failed.error == f"rank2.json.gz: {jobs.LEASE_EXPIRED}"
+        assert failed.error == f"dying_rank2.json.gz: {jobs.LEASE_EXPIRED}"
     assert len(stored_files(blobs)) == before - 1
     assert joint_analysis_covers(engine, "dying")
+
+
+def gloo_rank_file(folder: Path, source: Path, rank: int, tag: str) -> Path:
+    """SOURCE as rank RANK of a gloo job, named as a plain torch.profiler capture names it (no world size), with
+    content of its own (TAG)."""
+    import gzip
+    import json
+    data = json.loads(gzip.decompress(source.read_bytes()))
+    data["distributedInfo"], data["trace_id"] = {"backend": "gloo", "rank": rank}, f"{tag}-{rank}"
+    path = folder / f"{tag}_rank{rank}.json.gz"
+    path.write_bytes(gzip.compress(json.dumps(data).encode(), mtime=0))
+    return path
+
+
+def test_a_worker_that_dies_analysing_the_ranks_together_leaves_it_to_the_next(client, tmp_path):
+    """The ranks' joint analysis is a job of its own: a worker killed while it runs (after the last rank was stored)
+    holds it only until its lease runs out, and the next worker does it."""
+    import time
+
+    from profiler_svc.service.worker import run_worker, work_once
+    from profiler_svc.storage import ingest
+
+    app = client.application
+    engine, blobs = app.extensions["profiler_svc.engine"], app.extensions["profiler_svc.blobs"]
+    sources = sorted(fixture_dir("gpt2_ddp_straggler").glob("*.json.gz"))
+    for rank in range(2):
+        upload(client, gloo_rank_file(tmp_path, sources[rank], rank, "killed"), run="killed")
+
+    def killed(folder):
+        raise SystemExit("the worker's host went away")
+
+    for _ in range(2):  # the two uploads
+        work_once(engine, worker="w1", kinds=("analysis",), blobs=blobs, analyser=ingest.analyse_file)
+    with pytest.raises(SystemExit):
+        work_once(engine, worker="w1", kinds=("analysis",), blobs=blobs, run_analyser=killed, lease_s=0.5)
+    [run] = client.get("/api/v1/runs").get_json()["runs"]
+    assert not joint_analysis_covers(engine, "killed")
+    assert 'id="joint-analysis"' in client.get(f"/runs/{run['id']}").get_data(as_text=True)
+    time.sleep(0.6)
+    run_worker(engine, once=True, kinds=("analysis",), blobs=blobs, worker="w2", analyser=ingest.analyse_file,
+               run_analyser=ingest.analyse_run_folder)
+    assert joint_analysis_covers(engine, "killed")
+    page = client.get(f"/runs/{run['id']}").get_data(as_text=True)
+    assert page.count('class="straggler"') == 1 and 'id="joint-analysis"' not in page
+
+
+def test_a_joint_analysis_that_fails_says_why_and_waits_for_the_next_rank(client, tmp_path):
+    """A joint analysis that fails (over its limits, say) fails its job with the reason, which the run page shows;
+    it is not tried again until the run changes, and a rank that joins queues it again."""
+    from profiler_svc.errors import TraceError
+    from profiler_svc.service.worker import run_worker
+    from profiler_svc.storage import ingest
+
+    app = client.application
+    engine, blobs = app.extensions["profiler_svc.engine"], app.extensions["profiler_svc.blobs"]
+    sources = sorted(fixture_dir("gpt2_ddp_straggler").glob("*.json.gz"))
+    tries = []
+
+    def fails(folder):
+        tries.append(folder)
+        raise TraceError("analysing the run's ranks together failed: over its memory limit")
+
+    def work(run_analyser):
+        return run_worker(engine, once=True, kinds=("analysis",), blobs=blobs, worker="w",
+                          analyser=ingest.analyse_file, run_analyser=run_analyser)
+
+    for rank in range(2):
+        upload(client, gloo_rank_file(tmp_path, sources[rank], rank, "fails"), run="fails")
+    assert work(fails) == 3 and len(tries) == 1  # two uploads, one joint analysis
+    assert work(fails) == 0 and len(tries) == 1
+    [run] = client.get("/api/v1/runs").get_json()["runs"]
+    page = client.get(f"/runs/{run['id']}").get_data(as_text=True)
+    assert "The ranks' joint analysis failed (analysing the run&#39;s ranks together failed: over its memory " \
+        "limit); each rank's own figures stand." in page
+    assert client.get(f"/api/v1/runs/{run['id']}").get_json()["joint_analysis"]["status"] == "failed"
+    upload(client, gloo_rank_file(tmp_path, sources[0], 2, "fails"), run="fails")
+    assert work(ingest.analyse_run_folder) == 2
+    assert joint_analysis_covers(engine, "fails")
+    assert client.get(f"/api/v1/runs/{run['id']}").get_json()["joint_analysis"] is None
 
 
 def joint_analysis_covers(engine, group_key: str) -> bool:
@@ -262,9 +327,6 @@ def joint_analysis_covers(engine, group_key: str) -> bool:
 def test_a_rank_that_joins_takes_the_previous_ranks_straggler_away(client, tmp_path):
     """The straggler of two ranks is not the straggler of three: when a third lands and the three cannot be
     analysed together, the run shows each rank's own findings, not the two ranks' straggler."""
-    import gzip
-    import json
-
     from profiler_svc.errors import TraceError
     from profiler_svc.service.worker import run_worker
     from profiler_svc.storage import ingest
@@ -273,12 +335,7 @@ def test_a_rank_that_joins_takes_the_previous_ranks_straggler_away(client, tmp_p
     app = client.application
 
     def rank_file(source, rank):
-        data = json.loads(gzip.decompress(source.read_bytes()))
-        data["distributedInfo"] = {"backend": "gloo", "rank": rank}
-        data["trace_id"] = f"joins-{rank}"
-        path = tmp_path / f"rank{rank}.json.gz"
-        path.write_bytes(gzip.compress(json.dumps(data).encode(), mtime=0))
-        return path
+        return gloo_rank_file(tmp_path, source, rank, "joins")
 
     def work(run_analyser):
         run_worker(app.extensions["profiler_svc.engine"], once=True, kinds=("analysis",),
