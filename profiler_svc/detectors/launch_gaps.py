@@ -19,8 +19,8 @@ from .gpu_idle import blocking_calls, idle_gaps, launch_times
 _MIN_GAP_US = 2.0
 # Report a cause when its idle time is at least this share of the window.
 _MIN_SHARE = 0.03
-# An op whose input shapes take this many distinct values in the window runs with dynamic shapes (a growing
-# KV cache): CUDA graphs replay fixed shapes only.
+# An op one of whose dimensions takes this many sizes in the window, the others held, runs with dynamic shapes (a
+# growing KV cache): CUDA graphs replay fixed shapes only.
 _DYNAMIC_SHAPES = 8
 CAUSES = ("host_wait", "own_code", "sync", "collective", "kernel_to_kernel")
 
@@ -154,16 +154,28 @@ def detect(trace: Trace) -> list[Finding]:
 
 
 def _dynamic_shape_ops(trace: Trace) -> list:
-    """Attention and GEMM ops whose input shapes vary across the window."""
+    """Attention and GEMM ops with a dimension that takes many sizes, the others held (a KV cache growing token by
+    token). A model's layers give an op a few shapes that differ in several dimensions; those do not count."""
     cpu = trace.cpu
     names = ("aten::scaled_dot_product_attention", "aten::bmm", "aten::matmul")
     out = []
     for name in names:
         rows = cpu.index[name_mask(cpu, lambda n: n == name)][:2000]
-        shapes = {str(trace.op_inputs(r).dims) for r in rows}
-        if len(shapes) >= _DYNAMIC_SHAPES:
+        shapes = {tuple(tuple(d) if isinstance(d, list) else () for d in trace.op_inputs(r).dims) for r in rows}
+        if _most_sizes_of_one_dimension(shapes) >= _DYNAMIC_SHAPES:
             out.append(name.removeprefix("aten::"))
     return out
+
+
+def _most_sizes_of_one_dimension(shapes: set) -> int:
+    """The most sizes one dimension takes among SHAPES (each a tuple of input shapes) whose other dimensions are the
+    same; a dimension is every place one size sits (a KV cache's length sits in both the keys and the values)."""
+    sizes: dict = {}
+    for shape in shapes:
+        for size in {d for dims in shape for d in dims}:
+            held = tuple(tuple(None if d == size else d for d in dims) for dims in shape)
+            sizes.setdefault(held, set()).add(size)
+    return max((len(s) for s in sizes.values()), default=0)
 
 
 def _host_ops(trace, start, end, limit=3):

@@ -266,6 +266,18 @@ def test_decode_loop_host_syncs_graphs_and_phases():
     assert r.steps["bottleneck"]["kind"] == "launch overhead"
 
 
+@pytest.mark.parametrize("name, growing", [("qwen2_bf16_decode", True), ("gpt2_fp16_decode_b1", True),
+                                           ("mistral_bf16_sdpa_math_infer", False), ("t5_bf16_train", False)])
+def test_a_static_cache_is_asked_for_only_where_a_kv_cache_grows(name, growing):
+    """Decode loops' attention takes one more key a token; a fixed-size forward's GEMMs take a few shapes, one a
+    layer, which CUDA graphs replay as they are."""
+    [gaps] = [f for f in findings(name, "launch_gaps") if f.key == "launch_gaps:host_wait"] or [None]
+    advice = gaps is not None and "static" in gaps.detail
+    assert advice == growing
+    if gaps is not None and not growing:
+        assert gaps.recommendation.fix == "cuda_graphs"
+
+
 @pytest.mark.parametrize("name, direction", [("whisper_autocast_fp16_infer", "fp32->fp16"),
                                              ("vit_autocast_bf16_train", "fp32->bf16")])
 def test_autocast_cast_storm(name, direction):
