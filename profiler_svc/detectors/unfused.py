@@ -14,6 +14,7 @@ from typing import Optional
 import numpy as np
 import pandas as pd
 
+from ..trace.kernel_names import name_mask
 from ..trace.labels import ROOT_NAME
 from ..trace.model import Trace, element_bytes
 from ..trace.replay import Change
@@ -28,6 +29,11 @@ from .swap_costs import (
 _GATED_WINDOW = 12
 # A fused kernel still costs a launch and a tail.
 _FUSED_FLOOR_US = 2.0
+# torch.optim's optimizers with a fused step, and its passes over the parameters (one kernel reads each state once
+# and writes what it updates): Adam(W) reads the parameter, its gradient and two moments and writes three; SGD with
+# momentum (a foreach chain of it has some) and Adagrad read three and write two.
+FUSED_OPTIMIZER_PASSES = {"Adam": 7, "AdamW": 7, "SGD": 5, "Adagrad": 5}
+_OPTIMIZER_STEP = re.compile(r"Optimizer\.step#(\w+)\.step")
 
 
 @dataclass
@@ -65,8 +71,7 @@ PATTERNS = {
     "cross_entropy": Pattern("cross_entropy", "cross-entropy over upcast fp32 logits", 1,
                              "from profiler_svc.kernels import fused_linear_cross_entropy\n"
                              "loss = fused_linear_cross_entropy(hidden, lm_head.weight, labels)  # never materializes logits"),
-    "optimizer": Pattern(None, "optimizer step as many foreach kernels", 7,
-                         "opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)"),
+    "optimizer": Pattern(None, "optimizer step as many foreach kernels", 7, ""),  # its snippet: _optimizer_fix
     "generic": Pattern(None, "chain of memory-bound kernels", 2,
                        "model = torch.compile(model)  # inductor fuses elementwise/reduction chains"),
 }
@@ -621,8 +626,14 @@ def _finding(trace, kind, cls, group, bandwidth) -> Finding:
     pattern = PATTERNS[kind]
     time = sum(c.time for c in group)
     gated = kind in ("swiglu", "geglu")
+    optimizer = _optimizer_name(trace) if kind == "optimizer" else None
+    if optimizer in FUSED_OPTIMIZER_PASSES:
+        pattern = replace(pattern, passes=FUSED_OPTIMIZER_PASSES[optimizer])
     fused_bytes_each = [_passes(trace, pattern, c, gated) * (_gated_bytes(c) if gated else c.end_bytes) for c in group]
     fused_times = [max(b / bandwidth, _FUSED_FLOOR_US) for b in fused_bytes_each]
+    unsized = kind == "optimizer" and not any(c.bytes for c in group)
+    if unsized:  # no shapes inside the tensor lists: the fused step at the foreach kernels' own pace, by passes
+        fused_times = [c.time * min(1.0, pattern.passes / max(_list_passes(trace, c), 1)) for c in group]
     fused_time = sum(fused_times)
     moved = sum(c.bytes for c in group)
     fused_bytes = sum(fused_bytes_each)
@@ -670,13 +681,20 @@ def _finding(trace, kind, cls, group, bandwidth) -> Finding:
         counted = " and ".join(([f"{len(forward)} forward"] if forward else [])
                                + ([f"{backward} backward"] if backward else [])) \
             + (" chains" if len(group) > 1 else " chain")
-    detail = (f"{counted}{where} ({n_kernels} kernels, e.g. {ops}) took {per_step_note(trace, time)} moving "
-              f"{per_step(trace, moved) / 1e6:.1f} MB per step; fused, each reads its input once and writes its "
-              f"output once: {per_step(trace, fused_bytes) / 1e6:.1f} MB, {fmt_us(per_step(trace, fused_time))} at "
-              f"{trace.device.memory_bandwidth_gbps:.0f} GB/s.{cost_note}")
+    if unsized:
+        passes = sum(_list_passes(trace, c) for c in group) / len(group)
+        detail = (f"{counted}{where} ({n_kernels} kernels, e.g. {ops}) took {per_step_note(trace, time)}. The trace "
+                  f"records no shapes inside tensor lists, so the bytes are not known: the foreach kernels make "
+                  f"{passes:.0f} passes over the parameters a step, a fused {optimizer or 'optimizer'} step "
+                  f"{pattern.passes}; at the same pace, {fmt_us(per_step(trace, fused_time))}.{cost_note}")
+    else:
+        detail = (f"{counted}{where} ({n_kernels} kernels, e.g. {ops}) took {per_step_note(trace, time)} moving "
+                  f"{per_step(trace, moved) / 1e6:.1f} MB per step; fused, each reads its input once and writes its "
+                  f"output once: {per_step(trace, fused_bytes) / 1e6:.1f} MB, {fmt_us(per_step(trace, fused_time))} "
+                  f"at {trace.device.memory_bandwidth_gbps:.0f} GB/s.{cost_note}")
+    snippet = None
     if kind == "optimizer":
-        summary = ("Use the fused optimizer implementation (one kernel per parameter group reads params, grads and "
-                   "states once).")
+        summary, snippet, fix = _optimizer_fix(optimizer)
     elif swap:
         summary = (f"Swap in the bundled fused `{swap}` kernel"
                    + (f" for {len(fits)} module instance{'s' if len(fits) != 1 else ''}" if fits
@@ -701,13 +719,43 @@ def _finding(trace, kind, cls, group, bandwidth) -> Finding:
                   "directions": _directions(group, fused_bytes_each),
                   **({"modules": instances[:32], "module_class": cls} if instances else {}),
                   **({"swap_applies_to": len(fits), "swap_does_not_apply_to": misfits[:32]} if misfits is not None else {})},
-        recommendation=Recommendation(summary, swap, pattern.snippet if swap or not pattern.swap
+        recommendation=Recommendation(summary, swap, snippet if kind == "optimizer"
+                                      else pattern.snippet if swap or not pattern.swap
                                       else CODE_FIXES[kind][1] if small is None and _code_fix_fits(kind, cls)
                                       else PATTERNS["generic"].snippet,
-                                      "fused_optimizer" if kind == "optimizer" else None),
+                                      fix if kind == "optimizer" else None),
         change=change,
         key=f"unfused_chain:{kind}:{cls or ''}",
     )
+
+
+def _optimizer_name(trace: Trace) -> Optional[str]:
+    """The torch.optim class whose step the trace ran (its `Optimizer.step#AdamW.step` range), if it names one."""
+    cpu = trace.cpu
+    for name in cpu.loc[name_mask(cpu, lambda n: n.startswith("Optimizer.step#")), "name"].drop_duplicates():
+        found = _OPTIMIZER_STEP.fullmatch(name)
+        if found:
+            return found.group(1)
+    return None
+
+
+def _optimizer_fix(name: Optional[str]) -> tuple:
+    """(summary, snippet, A/B fix) for a foreach optimizer step of torch.optim class NAME."""
+    if name is None or name in FUSED_OPTIMIZER_PASSES:
+        cls = name or "AdamW"
+        return ("Use the fused optimizer implementation (one kernel per parameter group reads params, grads and "
+                "states once).",
+                f"opt = torch.optim.{cls}(model.parameters(), lr=lr, fused=True)"
+                + ("  # your optimizer, with fused=True (Adam, AdamW, SGD, Adagrad)" if name is None
+                   else "  # its other arguments as before"), "fused_optimizer")
+    return (f"{name} has no fused implementation in torch.optim: compile its step, which fuses the foreach "
+            "kernels.", "opt.step = torch.compile(opt.step)", None)
+
+
+def _list_passes(trace: Trace, chain: Chain) -> int:
+    """Passes over the parameters the chain's foreach ops make: each reads its tensor lists and writes the first
+    (an op over many tensors launches several kernels, a chunk of the lists each)."""
+    return sum(trace.op_inputs(op).dtypes.count("TensorList") + 1 for op in set(chain.column("op")) if op is not None)
 
 
 def _code_fix_fits(kind: str, cls: Optional[str]) -> bool:

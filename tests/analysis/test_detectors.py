@@ -285,6 +285,22 @@ def test_autocast_cast_storm(name, direction):
     assert f.evidence["casts_per_step"] >= 50 and "aten::linear" in f.evidence["parent_ops"]
 
 
+def test_a_foreach_sgd_step_without_list_shapes_is_priced_by_its_passes():
+    """ResNet-18 trained with foreach SGD and momentum, its tensor lists recorded without shapes: the fix names SGD
+    (not AdamW), and the fused step is priced from the passes over the parameters (8 foreach, 5 fused) at the
+    foreach kernels' pace, not as a 2 µs kernel moving nothing."""
+    name = "resnet18_bf16_channels_last_train"
+    opt = one(name, "unfused_chain:optimizer")
+    assert "torch.optim.SGD(" in opt.recommendation.snippet and "AdamW" not in opt.recommendation.snippet
+    assert opt.recommendation.fix == "fused_optimizer"
+    per_step = opt.evidence["time_us_per_step"]
+    foreach = raw_kernel_time(name, lambda n: "multi_tensor_apply" in n) / report(name).steps["count"]
+    assert per_step == pytest.approx(foreach, rel=0.01)
+    assert opt.evidence["fused_us_per_step"] == pytest.approx(per_step * 5 / 8, rel=1e-3)
+    assert opt.gpu_time_saved_us_per_step == pytest.approx(per_step * 3 / 8, rel=0.05)
+    assert "8 passes over the parameters a step, a fused SGD step 5" in opt.detail
+
+
 def test_inference_cast_storm_gives_no_optimizer_advice():
     f = one("whisper_autocast_fp16_infer", "cast_storm")
     assert "optimizer" not in f.recommendation.summary + f.recommendation.snippet
