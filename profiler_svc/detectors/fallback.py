@@ -218,6 +218,16 @@ def _low_alignment_gemms(trace, kernels):
 _FUSED_SDPA_OPS = ("flash", "efficient", "cudnn", "fused", "_flash_attention", "_efficient_attention")
 
 
+def _math_call_fused(trace, rows, fused_us: float) -> Change:
+    """One SDPA call's math-path kernels become one fused kernel, and the host work of the ops that launched them
+    goes, but for the first's: a fused backend's call launches one kernel (the SDPA op itself stays)."""
+    change = fused(trace, [r.Index for r in rows], fused_us, host=False)
+    ts, end = trace.column("cpu", "ts"), trace.column("cpu", "end")
+    ops = sorted({int(r.op) for r in rows if r.op >= 0}, key=lambda op: ts[op])
+    change.host_removed = [(float(ts[op]), float(end[op])) for op in ops[1:]]
+    return change
+
+
 def _sdpa_math(trace, kernels):
     under_sdpa = kernels[kernels["top_op_name"] == "aten::scaled_dot_product_attention"]
     if not len(under_sdpa):
@@ -246,9 +256,7 @@ def _sdpa_math(trace, kernels):
             s_k = tensors[1][0][2] if len(tensors) > 1 and len(tensors[1][0]) == 4 else s
             expected = 4.0 * b * h * s * s_k * d / (peak_tflops(trace, q[1]) * TENSOR_CORE_EFFICIENCY * 1e6) * len(calls)
         modules = sorted({r.module for _, rows, _ in calls for r in rows if isinstance(r.module, str)})
-        # each call's kernels become one fused kernel
-        change = Change.union(fused(trace, [r.Index for r in rows], expected / len(calls), host=False)
-                              for _, rows, _ in calls)
+        change = Change.union(_math_call_fused(trace, rows, expected / len(calls)) for _, rows, _ in calls)
         findings.append(Finding(
             category="fallback_kernel",
             title=f"scaled_dot_product_attention on the math path {shapes}",

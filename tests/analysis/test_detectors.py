@@ -52,6 +52,31 @@ def raw_kernel_time(name, predicate):
     return sum(e["dur"] for e in events if e.get("ph") == "X" and e.get("cat") == "kernel" and predicate(e["name"]))
 
 
+def sdpa_math_host_removed(name) -> float:
+    """From the raw JSON: the host time of the ops that launched each profiled SDPA call's kernels (the innermost
+    op around each launch), but the first op of each call."""
+    with gzip.open(fixture_path(name)) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    steps = [e for e in events if e["name"].startswith("ProfilerStep#")]
+    cpu = [e for e in events if e.get("cat") == "cpu_op"]
+    launches = [e for e in events if e.get("cat") == "cuda_runtime" and "Launch" in e["name"]]
+    removed = 0.0
+    for call in cpu:
+        if call["name"] != "aten::scaled_dot_product_attention" or \
+                not any(s["ts"] <= call["ts"] <= s["ts"] + s["dur"] for s in steps):
+            continue
+        inside = [e for e in cpu if e is not call and e["tid"] == call["tid"] and call["ts"] <= e["ts"]
+                  and e["ts"] + e["dur"] <= call["ts"] + call["dur"]]
+        launching = {}
+        for launch in launches:
+            holders = [e for e in inside if launch["tid"] == e["tid"] and e["ts"] <= launch["ts"] <= e["ts"] + e["dur"]]
+            if holders:
+                op = min(holders, key=lambda e: e["dur"])
+                launching[id(op)] = op
+        removed += sum(op["dur"] for op in sorted(launching.values(), key=lambda e: e["ts"])[1:])
+    return removed
+
+
 def swap_host_costs():
     """The swaps' measured host cost per call, as the package ships it (kernels/host_costs.json)."""
     return json.loads((Path(kernels.__file__).parent / "host_costs.json").read_text())["swaps"]
@@ -192,6 +217,11 @@ def test_mistral_sdpa_math_path():
     calls = f.evidence["calls"]
     flash_us = calls * 4 * 2 * 16 * 1024 * 1024 * 64 / (989e6 / 2)
     assert f.gpu_time_saved_us_per_step == pytest.approx((f.evidence["time_us"] - flash_us) / 2, rel=0.02)
+    # the step is launch-bound: what a fused backend saves is mostly the host work of the math path's ops, all
+    # but one launching op a call (it was priced at 0, the GPU time alone)
+    host = sdpa_math_host_removed("mistral_bf16_sdpa_math_infer") / report("mistral_bf16_sdpa_math_infer").steps["count"]
+    assert report("mistral_bf16_sdpa_math_infer").steps["bottleneck"]["kind"] == "launch overhead"
+    assert 0.5 * host <= f.saving_us_per_step <= host + f.gpu_time_saved_us_per_step
     assert findings("mistral_bf16_sdpa_math_infer", "unfused_chain", key="rms_norm")
     # the math path's own elementwise kernels are not double-counted as a chain
     assert not findings("mistral_bf16_sdpa_math_infer", "unfused_chain", key="scaled_dot_product")
