@@ -50,7 +50,8 @@ def main(argv=None) -> int:
     try:
         return int(args.func(args) or 0)
     except UserError as exc:  # one line, whatever a path or name in it holds
-        print(f"profiler_svc: error: {clean(exc)}".replace("\n", " "), file=sys.stderr)
+        message = str(exc).replace("\n", " ")
+        print(f"profiler_svc: error: {clean(message)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("profiler_svc: interrupted", file=sys.stderr)

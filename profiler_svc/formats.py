@@ -50,9 +50,15 @@ def plain_json(value):
     return str(value)
 
 
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f\x9b]")
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f\x9b]")
 
 
 def clean(text) -> str:
-    """Drop terminal control characters (a hostile kernel name or path must not drive the terminal)."""
+    """One line without terminal control characters: a hostile kernel name or path must not drive the terminal,
+    nor start a line of its own (a forged finding, a broken table row)."""
     return _CONTROL.sub("?", str(text))
+
+
+def clean_lines(text) -> str:
+    """clean() line by line: text whose line breaks are ours (a fix's code)."""
+    return "\n".join(clean(line) for line in str(text).splitlines())

@@ -6,7 +6,7 @@ from typing import Optional
 
 from ..detectors import CATEGORIES, Finding, module_times, top_kernels, top_ops
 from ..detectors.common import recommended
-from ..formats import clean, fmt_us, plain_json
+from ..formats import clean, clean_lines, fmt_us, plain_json
 from ..trace import Trace, load_traces
 from ..trace.replay import Change
 
@@ -282,7 +282,7 @@ def render_text(report: Report, top: int = 10) -> str:
         lines.append(f"{'share':>6}  {'total':>9}  {'calls':>6}  op")
         for o in report.top_ops[:top]:
             lines.append(f"{o['share_pct']:5.1f}%  {fmt_us(o['total_us']):>9}  {o['count']:>6}  {clean(o['name'])}")
-    return "\n".join(lines) + "\n"
+    return "\n".join(clean(line) for line in lines) + "\n"  # the headline's figures name ops too
 
 
 def _rate(k: dict) -> str:
@@ -340,7 +340,7 @@ def render_markdown(report: Report, top: int = 10) -> str:
                     f"{fmt_us(f.gpu_time_saved_us_per_step)} of GPU time per step.", "",
                     f"**Fix:** {_md(f.recommendation.summary)}", ""]
             if f.recommendation.snippet:
-                out += [fence + "python", clean(f.recommendation.snippet).replace(fence, "'''"), fence, ""]
+                out += [fence + "python", clean_lines(f.recommendation.snippet).replace(fence, "'''"), fence, ""]
             out += ["</details>", ""]
     else:
         out += ["No findings.", ""]

@@ -197,6 +197,23 @@ def test_a_negative_worker_count_is_a_usage_error(capsys):
     assert exc.value.code == 2 and "must be 0 or more" in capsys.readouterr().err
 
 
+def test_a_name_with_line_breaks_cannot_forge_a_line(tmp_path, capsys):
+    """A kernel name holding a line break stays on its line: in text, a forged finding row; in markdown, a table
+    row cut in two."""
+    forged = "FORGED 99 high saves 99.00 ms"
+    events = [{"ph": "X", "cat": "cpu_op", "name": "aten::mul", "pid": 1, "tid": 1, "ts": 0, "dur": 50,
+               "args": {"External id": 1}}]
+    events += [{"ph": "X", "cat": "kernel", "name": f"vectorized_kernel\n{forged}\r\n| x |", "pid": 0, "tid": 7,
+                "ts": 10 + i * 10, "dur": 5, "args": {"External id": 1, "stream": 7, "correlation": 100 + i}}
+               for i in range(3)]
+    path = tmp_path / "lines.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    for fmt in ("text", "markdown"):
+        _, out, _ = run(capsys, "recommend", str(path), "--format", fmt)
+        assert forged in out
+        assert not [line for line in out.splitlines() if line.lstrip("| ").startswith(("FORGED", "x |"))], out
+
+
 def test_hostile_names_are_inert(tmp_path, capsys):
     name = "<img src=x onerror=alert`1`>\x1b[2J|evil"
     events = [{"ph": "X", "cat": "cpu_op", "name": "aten::mul", "pid": 1, "tid": 1, "ts": 0, "dur": 50,
