@@ -61,28 +61,31 @@ class Analysis:
         after = timeline.replay(change, host=host).loop_step_us
         return {"step_us": round(before, 2), "step_us_after": round(after, 2),
                 "saving_us_per_step": round(before - after, 2),
-                **pace_range(_replayed_saving(timeline, change, host), before - after, before, change.empty),
+                **pace_range(_replayed_steps(timeline, change, host), before - after, before, change.empty),
                 "findings": [f.key for f in findings]}
 
 
-def _replayed_saving(timeline: Timeline, change: Change, host: HostCost):
-    """pace -> what CHANGE saves per step with the host's work taking PACE times its calibrated time."""
-    return lambda pace: (timeline.replay(host=host.paced(pace)).loop_step_us
-                         - timeline.replay(change, host=host.paced(pace)).loop_step_us)
+def _replayed_steps(timeline: Timeline, change: Change, host: HostCost):
+    """pace -> the step before and after CHANGE with the host's work taking PACE times its calibrated time."""
+    return lambda pace: (timeline.replay(host=host.paced(pace)).loop_step_us,
+                         timeline.replay(change, host=host.paced(pace)).loop_step_us)
 
 
-def pace_range(saving_at, saving_us: float, step_us: float, empty: bool = False) -> dict:
+def pace_range(steps_at, saving_us: float, step_us: float, empty: bool = False) -> dict:
     """{"saving_range_us": [low, high]}: the lowest and highest of a change's savings per step at the calibrated
-    host pace (SAVING_US) and at each end of HOST_PACE_RANGE (SAVING_AT(pace); three replayed paces: a saving need
-    not move one way between them); with a "pace_note" where they are far apart. EMPTY: no change, no range."""
-    savings = [saving_us] + [saving_at(pace) for pace in (() if empty else HOST_PACE_RANGE)]
-    low, high = min(savings), max(savings)
-    out: dict = {"saving_range_us": [round(low, 2), round(high, 2)]}
-    if high - low > max(PACE_NOTE_SHARE * abs(saving_us), PACE_NOTE_STEP * step_us):
+    host pace (SAVING_US of STEP_US) and at each end of HOST_PACE_RANGE (STEPS_AT(pace): the step before and after
+    it; three replayed paces: a saving need not move one way between them); with a "pace_note" where they are far
+    apart, which names the step each is of (a slower host's step is longer, and so is its saving)."""
+    paced = [(step_us, step_us - saving_us)] + [steps_at(pace) for pace in (() if empty else HOST_PACE_RANGE)]
+    savings = [before - after for before, after in paced]
+    low, high = int(np.argmin(savings)), int(np.argmax(savings))
+    out: dict = {"saving_range_us": [round(savings[low], 2), round(savings[high], 2)]}
+    if savings[high] - savings[low] > max(PACE_NOTE_SHARE * abs(saving_us), PACE_NOTE_STEP * step_us):
         faster, slower = 1 - HOST_PACE_RANGE[0], HOST_PACE_RANGE[1] - 1
-        out["pace_note"] = (f"{fmt_us(low)} to {fmt_us(high)} saved per step, replayed with the host's work taking "
-                            f"{faster:.0%} less, as much and {slower:.0%} more time than at capture (the span of most "
-                            f"captures' pace against their A/B's)")
+        out["pace_note"] = (f"{fmt_us(savings[low])} saved of a {fmt_us(paced[low][0])} step to "
+                            f"{fmt_us(savings[high])} of {fmt_us(paced[high][0])}, replayed with the host's work "
+                            f"taking {faster:.0%} less, as much and {slower:.0%} more time than at capture (the span "
+                            "of most captures' pace against their A/B's)")
     return out
 
 
@@ -136,7 +139,7 @@ def analyse(trace: Trace) -> Analysis:
         "step_us_after": round(step, 2),
         "saving_us_per_step": round(step_us - step, 2),
         "saving_pct": round(100 * (1 - step / step_us), 2) if step_us else 0.0,
-        **pace_range(_replayed_saving(timeline, combined, host), step_us - step, step_us, combined.empty),
+        **pace_range(_replayed_steps(timeline, combined, host), step_us - step, step_us, combined.empty),
         "findings": [w["finding"] for w in waterfall],
         "waterfall": waterfall,
         "not_combined": not_combined,

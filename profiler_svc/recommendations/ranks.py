@@ -102,7 +102,7 @@ def _job_step_us(analyses: list[Analysis], job: Job, findings: list[Finding], pa
 
 
 def _job_pace_range(analyses: list[Analysis], job: Job, findings: list[Finding], saving_us: float) -> dict:
-    return pace_range(lambda pace: _job_step_us(analyses, job, [], pace) - _job_step_us(analyses, job, findings, pace),
+    return pace_range(lambda pace: (_job_step_us(analyses, job, [], pace), _job_step_us(analyses, job, findings, pace)),
                       saving_us, job.step_us, empty=not findings)
 
 

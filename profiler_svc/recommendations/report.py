@@ -206,7 +206,7 @@ def _headline(report: Report) -> list[str]:
     if prediction:
         error = prediction["replay_error_pct"] if "replay_error_pct" in prediction else steps.get("replay_error_pct", 0)
         lines.append(f"all recommended fixes together: {fmt_us(prediction['step_us'])} -> {fmt_us(prediction['step_us_after'])} "
-                     f"per step ({prediction['saving_pct']:.1f}% faster, one replay"
+                     f"per step ({prediction['saving_pct']:.1f}% shorter, one replay"
                      + (f"; replay error {error:+.1f}%)" if error is not None else ")"))
         if prediction.get("pace_note"):
             lines.append(prediction["pace_note"])

@@ -409,6 +409,7 @@ def test_the_prediction_gives_its_range_over_the_hosts_pace():
     the range is narrow and no note is given."""
     from profiler_svc.recommendations import recommend
     from profiler_svc.recommendations.analysis import HOST_PACE_RANGE
+    from profiler_svc.formats import fmt_us
     from profiler_svc.recommendations.report import render_text
     from tests.plugins.traces import fixture_path
 
@@ -422,6 +423,12 @@ def test_the_prediction_gives_its_range_over_the_hosts_pace():
     assert high - low > 0.5 * p["saving_us_per_step"]  # a slower host leaves more of its time to the fixes
     assert "15% less, as much and 45% more time than at capture" in p["pace_note"]
     assert p["pace_note"] in render_text(report)
+    # each end names the step it is of: a slower host's longer step, not the step the headline shows
+    steps = [p["step_us"]] + [e["step_us"] for e in at_ends]
+    of_low, of_high = steps[savings.index(min(savings))], steps[savings.index(max(savings))]
+    assert p["pace_note"].startswith(f"{fmt_us(low)} saved of a {fmt_us(of_low)} step to {fmt_us(high)} of "
+                                     f"{fmt_us(of_high)}")
+    assert low < of_low and high < of_high
     assert analysis.predict(combined)["saving_range_us"] == p["saving_range_us"]  # Report.predict's, for A/B
 
     gpu_bound = recommend(str(fixture_path("llama8_bf16_4x2048_train_h200_clocks"))).prediction

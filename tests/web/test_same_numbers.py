@@ -45,7 +45,7 @@ def test_cli_json_markdown_and_dashboard_agree(capsys, engine, blobs, trace):
     for shown in (text, markdown, run_page):
         missing = [x for x in figures if x not in shown]
         assert not missing, missing
-    assert f"{prediction['saving_pct']:.1f}% faster" in text and f"{prediction['saving_pct']:.1f} % faster" in run_page
+    assert f"{prediction['saving_pct']:.1f}% shorter" in text and f"{prediction['saving_pct']:.1f} % shorter" in run_page
 
     # the JSON mirror of the page carries the report's own numbers
     assert api["analysis"]["steps"]["step_us"] == steps["step_us"]
