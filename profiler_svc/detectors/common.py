@@ -281,16 +281,19 @@ def module_class(module: Optional[str]) -> Optional[str]:
     return module[module.rfind("(") + 1:-1]
 
 
-def size_root_cause(sizes) -> tuple:
-    """The root cause of shape findings: sizes (value, padded) that are not multiples of what they need."""
+def size_root_cause(sizes, roots=()) -> tuple:
+    """The root cause of shape findings, (key, label, sizes): sizes (value, padded) that are not multiples of what
+    they need. A multiple of a smaller size, its own or one of ROOTS (other findings' sizes), that padding the smaller
+    one aligns is a symptom of it (3060 = 3 x 1020, and 3 x 1024 is aligned: hidden 1020 behind the QKV width 3060;
+    1020 = 12 x 85, and 12 x 88 is aligned: head_dim 85 behind hidden 1020)."""
     sizes = sorted(set(sizes))
-    # a multiple of another size that padding the smaller one aligns (3060 = 3 x 1020; 3 x 1024 is aligned)
-    # is a symptom of it: hidden 1020 behind the QKV width 3060
-    sizes = [(v, p) for v, p in sizes if not any(
-        b < v and v % b == 0 and (v // b * pb) % (p & -p) == 0 for b, pb in sizes)]
+    pool = sorted(set(sizes) | set(roots))
+    # aligned: to what padding V gives, up to 16 elements (a GEMM operand's 16 or 32 bytes)
+    sizes = sorted({next(((b, pb) for b, pb in pool if b < v and v % b == 0 and (v // b * pb) % min(p & -p, 16) == 0),
+                         (v, p)) for v, p in sizes})
     label = ", ".join(f"{v} → {p}" for v, p in sizes)
     return (f"size:{','.join(str(v) for v, _ in sizes)}",
-            f"misaligned size{'s' if len(sizes) > 1 else ''}: pad {label}")
+            f"misaligned size{'s' if len(sizes) > 1 else ''}: pad {label}", tuple(sizes))
 
 
 def plural(n: int, noun: str, nouns: Optional[str] = None) -> str:

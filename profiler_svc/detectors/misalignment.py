@@ -3,7 +3,7 @@ vocabularies not a multiple of 64, attention head_dim that flash kernels refuse,
 that block tensor cores. Each finding gives the exact padded size."""
 import math
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 from ..trace.model import Trace
 from ..trace.replay import Change
@@ -123,16 +123,20 @@ def _head_dim(trace, kernels):
     cpu = trace.cpu
     found = defaultdict(list)
     sdpa = cpu[name_mask(cpu, lambda n: n == "aten::scaled_dot_product_attention")]
+    heads: dict = defaultdict(Counter)  # per head_dim: the query's head counts ([B, H, S, D])
     for row in sdpa.index:
         t = trace.op_inputs(row).tensors()
         if t and len(t[0][0]) == 4:
             found[(t[0][0][-1], t[0][1])].append(row)
+            heads[t[0][0][-1]][t[0][0][1]] += 1
     for row in cpu[name_mask(cpu, lambda n: n in ("aten::matmul", "aten::bmm")) & (cpu["top"] == cpu.index)].index:
         t = trace.op_inputs(row).tensors()
         if len(t) >= 2 and len(t[0][0]) >= 3 and len(t[1][0]) == len(t[0][0]):
             a, b = t[0][0], t[1][0]
             if a[-1] == b[-2] and a[-2] == b[-1] and a[-2] >= 16 and 16 <= a[-1] <= 512 and a[-1] < a[-2]:
                 found[(a[-1], t[0][1])].append(row)
+                if len(a) == 4:
+                    heads[a[-1]][a[1]] += 1
     kernel_time = kernels.groupby("top_op")["dur"].sum()
     findings = []
     for (d, dtype), rows in found.items():
@@ -146,18 +150,24 @@ def _head_dim(trace, kernels):
         padded = round_up(d, 8) if d <= 256 else 256
         modules = sorted({m for m in cpu["module"].iloc[rows] if isinstance(m, str)})
         why = (f"head_dim {d} is not a multiple of 8" if d % 8 else f"head_dim {d} is above 256")
+        h = heads[d].most_common(1)[0][0] if heads[d] else None
+        # the hidden size is heads x head_dim: padded alone to a multiple of 8 it would not split into the heads
+        hidden = (f": hidden_size {h} x {padded} = {h * padded} with {h} heads (hidden {h * d} padded alone to "
+                  f"{round_up(h * d, 8)} would not split into them)" if h and d % 8 and round_up(h * d, 8) % h
+                  else f": hidden_size {h} x {padded} = {h * padded} with {h} heads" if h else "")
         findings.append(Finding(
             category="misalignment",
             title=f"attention head_dim {d}: flash attention refuses it",
             detail=(f"{why}: flash and memory-efficient SDPA kernels need head_dim a multiple of 8 and at most 256, "
                     f"so {len(rows)} attention calls ({per_step_note(trace, time)}) fall back to padded or "
                     f"unfused paths.{pad_note} Choose hidden_size / num_heads = {padded} (or pad q/k/v to {padded})."),
-            evidence={"head_dim": d, "padded": padded, "dtypes": [dtype], "calls": len(rows), "time_us": round(time, 2),
+            evidence={"head_dim": d, "padded": padded, **({"heads": h} if h else {}), "dtypes": [dtype],
+                      "calls": len(rows), "time_us": round(time, 2),
                       **({"padding_kernels": len(padding), "padding_time_us": round(pad_time, 2)} if padding else {}),
                       "ops": sorted(set(cpu["name"].iloc[rows])), **({"modules": modules[:10]} if modules else {})},
             # the fallback detector prices the unfused attention itself; this one says how to fix the shape
             recommendation=Recommendation(
-                f"Make head_dim {padded}: change num_attention_heads or hidden_size, or pad q/k/v and slice the output.",
+                f"Make head_dim {padded}{hidden}; or change num_attention_heads, or pad q/k/v and slice the output.",
                 None, f"q, k, v = (F.pad(t, (0, {padded - d})) for t in (q, k, v))  # then out[..., :{d}]"
                 if padded > d else None),
             key=f"misalignment:head_dim:{d}",

@@ -12,7 +12,8 @@ from typing import Optional
 import numpy as np
 
 from ..detectors import Finding, run_detectors
-from ..detectors.common import Recommendation, fmt_us, is_communication, is_compute_bound_kernel, name_mask
+from ..detectors.common import (VOCAB_MIN, Recommendation, fmt_us, is_communication, is_compute_bound_kernel,
+                                name_mask, size_root_cause)
 from ..detectors.launch_gaps import idle_breakdown
 from ..detectors.unfused import PATTERNS
 from ..trace.model import Trace
@@ -153,6 +154,12 @@ def analyse(trace: Trace) -> Analysis:
 def _merge_root_causes(findings: list) -> list:
     """Findings that share a root cause (one misaligned size behind low-alignment GEMMs, a misaligned head
     and GEMMs on normal kernels) become one: its fix is all of theirs."""
+    # a size behind another finding's (hidden 1020 = 12 heads x head_dim 85) is that finding's root cause too
+    roots = {size for f in findings if len(f.root_cause) > 2 for size in f.root_cause[2]}
+    own = {id(f): f.root_cause[:1] for f in findings}
+    for f in findings:
+        if len(f.root_cause) > 2:
+            f.root_cause = size_root_cause(f.root_cause[2], roots)
     groups: dict = {}
     for f in findings:
         if f.root_cause:
@@ -162,15 +169,24 @@ def _merge_root_causes(findings: list) -> list:
         if len(parts) == 1:
             continue
         base = max(parts, key=lambda f: f.evidence.get("time_us") or 0.0)
+        # the advice is the cause's own where one part is it (pad head_dim, not the hidden size it multiplies)
+        causes = [p for p in parts if own[id(p)] == (key,)]
+        cause = next((p for p in causes if p.key.startswith("misalignment:head_dim:")), causes[0] if causes else base)
         change = Change()
         for part in parts:
             change = change.merged(part.change)
+        recommendation = cause.recommendation
+        vocab = sorted({(m["size"], m["padded"]) for p in parts if isinstance(p.evidence.get("misaligned"), dict)
+                        for m in p.evidence["misaligned"].values() if m["size"] >= VOCAB_MIN})
+        if vocab and cause is not base:  # a symptom's vocabulary is a cause of its own, which the cause's advice omits
+            recommendation = replace(recommendation, summary=recommendation.summary + " Also pad the vocabulary "
+                                     + ", ".join(f"{v} → {p}" for v, p in vocab) + " (resize the embedding and head).")
         out.append(Finding(
             category="misalignment", title=f"{parts[0].root_cause[1]} ({len(parts)} symptoms)",
             detail=" ".join(f"({i}) {p.title}: {p.detail}" for i, p in enumerate(parts, 1)),
             evidence={**base.evidence, "symptoms": [{"title": p.title, "key": p.key, "evidence": p.evidence}
                                                     for p in parts]},
-            recommendation=base.recommendation, change=change, key=f"misalignment:{key}",
+            recommendation=recommendation, change=change, key=f"misalignment:{key}",
             root_cause=base.root_cause))
     return out
 
