@@ -137,6 +137,11 @@ def gemm_shape(op_name: str, inputs: OpInputs) -> Optional[GemmShape]:
     return None
 
 
+def is_conv_op(op_name) -> bool:
+    """A convolution op whose FLOPs conv_flops counts."""
+    return op_name in _CONV_ARGS or op_name == _CONV_BACKWARD[0]
+
+
 def conv_shape(inputs: OpInputs):
     """(input shape, weight shape, dtype) of a convolution op, if recorded."""
     t = inputs.tensors()
@@ -153,17 +158,35 @@ _CONV_ARGS = {
 }
 
 
+# aten::convolution_backward(grad_output, input, weight, bias_sizes, stride, padding, dilation, transposed,
+# output_padding, groups, output_mask): where it records its stride, padding, dilation, transposed and mask
+_CONV_BACKWARD = ("aten::convolution_backward", (4, 5, 6), 7, 10)
+
+
 def conv_flops(op_name: str, inputs: OpInputs) -> float:
     """FLOPs of a convolution from its recorded shapes, stride, padding, dilation and groups:
-    2 * N * C_out * (C_in / groups) * prod(kernel) * prod(output spatial)."""
+    2 * N * C_out * (C_in / groups) * prod(kernel) * prod(output spatial). Its backward: the input's and the
+    weight's gradients (those its output mask asks for) each take as many."""
+    if op_name == _CONV_BACKWARD[0]:
+        t = inputs.tensors()
+        name, where, transposed, mask = _CONV_BACKWARD
+        if len(t) < 3 or len(t[1][0]) < 3 or len(t[2][0]) != len(t[1][0]) or \
+                str(inputs.concrete[transposed] if transposed < len(inputs.concrete) else "") == "True":
+            return 0.0
+        asked = [v.strip() == "True" for v in str(inputs.concrete[mask] if mask < len(inputs.concrete) else "")
+                 .strip("[]").split(",")]
+        grads = sum(asked[:2]) if len(asked) == 3 else 2  # the input's and the weight's (not the bias's)
+        return grads * _conv_forward_flops(t[1][0], t[2][0], inputs, where)
     c = conv_shape(inputs)
     if not c:
         return 0.0
-    x, w, _ = c
+    return _conv_forward_flops(c[0], c[1], inputs, _CONV_ARGS.get(op_name))
+
+
+def _conv_forward_flops(x: list, w: list, inputs: OpInputs, where) -> float:
     n, spatial = x[0], x[2:]
     c_out, c_in_per_group, kernel = w[0], w[1], w[2:]
     stride, padding, dilation = ([1] * len(spatial) for _ in range(3))
-    where = _CONV_ARGS.get(op_name)
     if where:
         stride, padding, dilation = (_int_list(inputs, i, len(spatial), d)
                                      for i, d in zip(where[:3], (stride, padding, dilation)))

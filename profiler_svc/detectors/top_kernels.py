@@ -7,8 +7,8 @@ import pandas as pd
 
 from ..trace.labels import MODULE_PREFIX
 from ..trace.model import Trace
-from .common import (gemm_shape, is_compute_bound_kernel, name_mask, op_bytes, op_record_codes, per_step,
-                     short_kernel_name)
+from .common import (conv_flops, conv_shape, gemm_shape, is_compute_bound_kernel, is_conv_op, name_mask, op_bytes, op_record_codes,
+                     per_step, short_kernel_name)
 
 
 def top_kernels(trace: Trace, n: int = 20) -> list[dict]:
@@ -42,7 +42,8 @@ def top_kernels(trace: Trace, n: int = 20) -> list[dict]:
         flops, moved, timed = _work(trace, rows, cache, credited.loc[rows.index].to_numpy(),
                                     op_time.loc[rows.index].to_numpy())
         shape = gemm_shape(op, inputs) if op else None
-        dtype = shape.dtype if shape else None
+        conv = conv_shape(inputs) if op and not shape and is_conv_op(op) else None
+        dtype = shape.dtype if shape else conv[2] if conv else None
         if moved and timed:
             gbps = moved / timed / 1e3
             item["achieved_gbps"] = round(gbps, 1)
@@ -93,7 +94,8 @@ def _work(trace: Trace, rows: pd.DataFrame, cache: dict, credited: np.ndarray,
         if op_row not in cache:
             inp = trace.op_inputs(op_row)
             g = gemm_shape(names[f], inp)
-            cache[op_row] = (g.flops if g else 0.0, g.bytes if g else op_bytes(inp, names[f]))
+            cache[op_row] = (g.flops if g else conv_flops(names[f], inp) if is_conv_op(names[f]) else 0.0,
+                             g.bytes if g else op_bytes(inp, names[f]))
         op_flops, op_moved = cache[op_row]
         flops += op_flops * count
         moved += op_moved * count

@@ -86,3 +86,32 @@ def test_a_rate_above_the_copy_bandwidth_says_where_the_bytes_came_from():
     assert any((k["bandwidth_pct"] or 0) > 100 for k in report.top_kernels[:10])
     assert "came from L2" in render_text(report)
     assert "came from L2" not in render_text(recommend(fixture_path("gpt2_fp16_decode_b1")))
+
+
+def conv_flops_by_hand(op):
+    """2 N C_out C_in k_h k_w H_out W_out of an aten::cudnn_convolution event (input, weight, padding, stride,
+    dilation in its recorded arguments)."""
+    (n, _, h, w), (c_out, c_in, kh, kw) = op["args"]["Input Dims"][:2]
+    pad, stride, dil = (json.loads(op["args"]["Concrete Inputs"][i]) for i in (2, 3, 4))
+    out = [(size + 2 * p - d * (k - 1) - 1) // s + 1 for size, k, p, s, d in zip((h, w), (kh, kw), pad, stride, dil)]
+    return 2 * n * c_out * c_in * kh * kw * math.prod(out)
+
+
+def test_a_convolution_is_rated_by_its_flops():
+    """ResNet-18, bf16, channels_last: cuDNN's implicit-GEMM convolutions are compute-bound; rated by bandwidth they
+    read 2-15% where they run at half the tensor-core peak. FLOPs by hand from each call's recorded shapes, stride and
+    padding; time from the raw kernels (each convolution launches this one kernel)."""
+    name = "resnet18_bf16_channels_last_train"
+    report = recommend(fixture_path(name)).to_dict()
+    shown = top_kernel(report, "sm90_xmma_fprop_implicit_gemm")
+    events = raw_events(name)
+    launches = {e["args"]["correlation"]: e for e in events if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    convs = ops_named(events, "aten::cudnn_convolution")
+    flops = time = 0.0
+    for k in kernels_named(events, shown["name"]):
+        launch = launches[k["args"]["correlation"]]
+        [op] = [o for o in convs if o["tid"] == launch["tid"] and o["ts"] <= launch["ts"] <= o["ts"] + o["dur"]]
+        flops, time = flops + conv_flops_by_hand(op), time + k["dur"]
+    assert len(kernels_named(events, shown["name"])) == shown["count"]
+    assert abs(shown["achieved_tflops"] - flops / time / 1e6) <= 0.01 * flops / time / 1e6
+    assert shown["peak_pct"] > 40 and shown["bound"] == "compute"
