@@ -3,9 +3,10 @@ ab_test(fixes=[fix]), one case per fix, on Hugging Face models built from config
 
 Cases (issue 19's measurements): each fix on a model where it should help, and where it should not: TF32 on
 an fp32 Llama training step, and on a host-bound one (1x64 tokens); the GPT-2 vocabulary 50257 padded to a
-multiple of 64, and an already aligned 50304; eager attention -> SDPA (bf16 Llama); a foreach AdamW -> fused
-on a wide fp32 Llama at 1x256 (the optimizer a large share of the step) and on the 4x1024 bf16 one (a small
-share); bf16 autocast on the fp32 Llama; channels-last and cudnn.benchmark on torchvision ResNet-50 (bf16 and
+multiple of 64, and an already aligned 50304; eager attention -> SDPA (bf16 Llama); SDPA's fused backends,
+turned off by the user's code, allowed again (bf16 Llama, 2x1024); a foreach AdamW -> fused on a wide fp32 Llama
+at 1x256 (the optimizer a large share of the step) and on the 4x1024 bf16 one (a small share), and a foreach SGD
+with momentum -> fused on ResNet-18 (bf16, 64 images); bf16 autocast on the fp32 Llama; channels-last and cudnn.benchmark on torchvision ResNet-50 (bf16 and
 fp32), MobileNetV3 and EfficientNet-B0; CUDA graphs (torch.compile backend="cudagraphs") on a host-bound bf16
 Llama step, and on a GEMM-bound one (2 layers 4096 wide, 4x2048 tokens); use_cache on a bf16 Llama trained with
 use_cache=False (transformers' packed-sequence check syncs the host each forward), at 4x1024 and 1x256 tokens,
@@ -44,6 +45,10 @@ CASES = {
     "use_cache": ("use_cache", "llama_nocache", torch.bfloat16, (4, 1024), "sdpa", True),
     "use_cache_hostbound": ("use_cache", "llama_nocache", torch.bfloat16, (1, 256), "sdpa", True),
     "use_cache_bar": ("use_cache", "llama8_nocache", torch.bfloat16, (4, 2048), "sdpa", True),
+    # SDPA's fused backends turned off in the user's code (as the Mistral sample's capture did): the math path
+    "sdpa_backends": ("sdpa_backends", "llama_math_sdpa", torch.bfloat16, (2, 1024), "sdpa", False),
+    # a foreach SGD with momentum on a convnet (torch records no shapes inside its tensor lists)
+    "fused_optimizer_sgd": ("fused_optimizer", "resnet18", torch.bfloat16, (64,), None, True),
     # where the fix should buy little or nothing
     "fused_optimizer_small_share": ("fused_optimizer", "llama", torch.bfloat16, (4, 1024), "sdpa", True),
     "bf16_autocast_hostbound": ("bf16_autocast", "llama", torch.float32, (1, 64), "sdpa", False),
@@ -52,9 +57,9 @@ CASES = {
     "cudnn_benchmark_b1": ("cudnn_benchmark", "resnet50", torch.bfloat16, (1,), None, False),
     "cuda_graphs_gpubound": ("cuda_graphs", "llama_wide", torch.bfloat16, (4, 2048), "sdpa", False),
 }
-HELPS = ("tf32", "pad_vocab", "sdpa", "fused_optimizer", "bf16_autocast", "channels_last", "cudnn_benchmark",
-         "cuda_graphs", "use_cache")
-TORCHVISION = ("resnet50", "mobilenet_v3_large", "efficientnet_b0")
+HELPS = ("tf32", "pad_vocab", "sdpa", "sdpa_backends", "fused_optimizer", "fused_optimizer_sgd", "bf16_autocast",
+         "channels_last", "cudnn_benchmark", "cuda_graphs", "use_cache")
+TORCHVISION = ("resnet18", "resnet50", "mobilenet_v3_large", "efficientnet_b0")
 CONFIGS = {
     "llama": ("LlamaForCausalLM", "LlamaConfig",
               dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
@@ -78,7 +83,8 @@ SMOKE = {"llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=
          "gpt2_aligned": dict(n_embd=64, n_layer=1, n_head=4, vocab_size=256)}
 # use_cache=False, as training scripts set it: transformers checks the position ids on the host each forward
 CONFIGS["llama_nocache"] = (*CONFIGS["llama"][:2], {**CONFIGS["llama"][2], "use_cache": False})
-SMOKE["llama_nocache"] = SMOKE["llama8_nocache"] = SMOKE["llama"]
+CONFIGS["llama_math_sdpa"] = CONFIGS["llama"]  # build() turns SDPA's fused backends off for it
+SMOKE["llama_nocache"] = SMOKE["llama8_nocache"] = SMOKE["llama_math_sdpa"] = SMOKE["llama"]
 
 
 def build(name, smoke):
@@ -87,6 +93,9 @@ def build(name, smoke):
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.benchmark = False
     _, family, dtype, shape, attention, with_optimizer = CASES[name]
+    for enable in (torch.backends.cuda.enable_flash_sdp, torch.backends.cuda.enable_mem_efficient_sdp,
+                   torch.backends.cuda.enable_cudnn_sdp):
+        enable(family != "llama_math_sdpa")
     device = "cpu" if smoke else "cuda"
     dtype = torch.float32 if smoke else dtype
     torch.manual_seed(0)
@@ -98,7 +107,9 @@ def build(name, smoke):
         images = torch.randn(batch, 3, side, side, device=device, dtype=dtype)
         labels = torch.randint(0, 1000, (batch,), device=device)
         model.train()
-        return model, (images,), lambda out: torch.nn.functional.cross_entropy(out.float(), labels), None, \
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, foreach=True) if with_optimizer \
+            else None
+        return model, (images,), lambda out: torch.nn.functional.cross_entropy(out.float(), labels), optimizer, \
             f"{batch}x3x{side}x{side}"
     import transformers
     model_class, config_class, config = CONFIGS[family]

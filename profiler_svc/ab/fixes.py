@@ -259,6 +259,36 @@ def _cuda_graphs(model, optimizer):
     return _CudaGraphs(model)
 
 
+class _FusedSdpaBackends(Change):
+    """The forward under sdpa_kernel with every backend allowed: the flags the user's code turned off (
+    torch.backends.cuda.enable_flash_sdp(False), ...) are back on inside it; the backward runs what it chose."""
+
+    def __init__(self, off: list):
+        self.note = f"scaled_dot_product_attention with its fused backends allowed (were off: {', '.join(off)})"
+
+    def wrap(self, call):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+                    SDPBackend.MATH]
+
+        def call_with_fused_sdpa(model):
+            with sdpa_kernel(backends):
+                return call(model)
+        return call_with_fused_sdpa
+
+
+def _sdpa_backends(model, optimizer):
+    if _device(model).type != "cuda":
+        raise NotApplicable("the fused SDPA backends are CUDA's: the model is not on a CUDA device")
+    cuda = torch.backends.cuda
+    off = [name for name, on in (("flash", cuda.flash_sdp_enabled), ("memory-efficient", cuda.mem_efficient_sdp_enabled),
+                                 ("cuDNN", cuda.cudnn_sdp_enabled)) if not on()]
+    if not off:
+        raise NotApplicable("the fused SDPA backends are on already: the math path comes from the inputs "
+                            "(dtype, head_dim, mask), which the finding names")
+    return _FusedSdpaBackends(off)
+
+
 # ---- the model ------------------------------------------------------------------------------------
 
 
@@ -489,6 +519,8 @@ _REGISTRY = (
     FixEntry("bf16_autocast", "the forward under torch.autocast(dtype=torch.bfloat16)", _bf16_autocast,
              changes_precision=True),
     FixEntry("sdpa", "Hugging Face attention through F.scaled_dot_product_attention (attn_implementation)", _sdpa),
+    FixEntry("sdpa_backends", "scaled_dot_product_attention's fused backends allowed (flash, memory-efficient, "
+                              "cuDNN)", _sdpa_backends),
     FixEntry("fused_optimizer", "the optimizer's fused implementation (fused=True)", _fused_optimizer),
     FixEntry("pad_vocab", f"vocabulary (embedding and LM head) padded to a multiple of {PAD_MULTIPLE}, "
                           "logits sliced back", _pad_vocab),

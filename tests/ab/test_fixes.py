@@ -191,6 +191,7 @@ def test_pad_vocab_keeps_outputs_loss_and_gradients(factory):
     ("cuda_graphs", llama, "need the model on a CUDA device"),
     ("channels_last", llama, "no 4-d weights"),
     ("cudnn_benchmark", llama, "no convolution"),
+    ("sdpa_backends", llama, "not on a CUDA device"),
     ("use_cache", lambda: (transformers.LlamaForCausalLM(transformers.LlamaConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, vocab_size=64)), None),
      "already on"),
@@ -203,6 +204,24 @@ def test_not_applicable_says_why(name, factory, reason):
     plan = plan_fixes(model, [name])
     assert plan.applied == [] and plan.skipped[0][0] == name and reason in plan.skipped[0][1]
     _assert_same(model, None, before)
+
+
+def test_sdpa_backends_allows_the_fused_backends_inside_the_forward_only():
+    """The user's code turned flash and memory-efficient SDPA off: the fix's forward runs with them allowed, and
+    the flags are the user's again after it."""
+    from profiler_svc.ab.fixes import _FusedSdpaBackends
+    cuda = torch.backends.cuda
+    seen = []
+    cuda.enable_flash_sdp(False)
+    cuda.enable_mem_efficient_sdp(False)
+    try:
+        _FusedSdpaBackends(["flash", "memory-efficient"]).wrap(
+            lambda model: seen.append((cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled())))(None)
+        assert seen == [(True, True)]
+        assert (cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled()) == (False, False)
+    finally:
+        cuda.enable_flash_sdp(True)
+        cuda.enable_mem_efficient_sdp(True)
 
 
 def test_flags_already_on_are_not_applicable():
