@@ -11,12 +11,13 @@ import math
 from collections import defaultdict
 
 import numpy as np
+import pandas as pd
 
 
 from ..trace.model import Trace
 from ..trace.replay import Change
 from .common import (TENSOR_CORE_EFFICIENCY, VOCAB_MIN, Finding, GemmReference, Recommendation, conv_flops,
-                     fmt_shape, fused, gemm_shape, is_attention, is_conv, is_dense, is_gemm, is_low_alignment,
+                     fmt_shape, fused, fused_chains, gemm_shape, is_attention, is_conv, is_dense, is_gemm, is_low_alignment,
                      is_old_arch, is_simt_matmul, module_class, name_mask, op_bytes, op_interval, op_record_codes,
                      peak_tflops, per_step_note, scaled, short_kernel_name, size_root_cause)
 
@@ -26,9 +27,11 @@ def detect(trace: Trace) -> list[Finding]:
         return []
     kernels = trace.window_kernels
     findings = []
+    # first: a fused SDPA backend replaces every kernel of the math path, its fp32 or misaligned GEMMs included,
+    # which the findings after it would fix one by one (each kernel is claimed by the first finding that has it)
+    findings += _sdpa_math(trace, kernels)
     findings += _simt_matmuls(trace, kernels)
     findings += _low_alignment_gemms(trace, kernels)
-    findings += _sdpa_math(trace, kernels)
     findings += _eager_attention(trace, kernels)
     findings += _unvectorized_elementwise(trace, kernels)
     findings += _cast_storm(trace, kernels)
@@ -218,14 +221,39 @@ def _low_alignment_gemms(trace, kernels):
 _FUSED_SDPA_OPS = ("flash", "efficient", "cudnn", "fused", "_flash_attention", "_efficient_attention")
 
 
-def _math_call_fused(trace, rows, fused_us: float) -> Change:
-    """One SDPA call's math-path kernels become one fused kernel, and the host work of the ops that launched them
-    goes, but for the first's: a fused backend's call launches one kernel (the SDPA op itself stays)."""
+# flash attention's backward does about 2.5 times its forward's FLOPs (dQ, dK, dV and the recomputed scores)
+_FLASH_BACKWARD_FLOPS = 2.5
+
+
+def _math_call_fused(trace, rows, fused_us: float, top: int) -> Change:
+    """One SDPA call's math-path forward: its kernels (ROWS) become one fused kernel of FUSED_US, and the host work
+    inside the SDPA op (TOP) goes, but for its first launching op's: a fused backend's call launches one kernel.
+    (fused() would keep the SDPA op whole: it removes the host work of the ops after a chain's first.)"""
     change = fused(trace, [r.Index for r in rows], fused_us, host=False)
     ts, end = trace.column("cpu", "ts"), trace.column("cpu", "end")
-    ops = sorted({int(r.op) for r in rows if r.op >= 0}, key=lambda op: ts[op])
-    change.host_removed = [(float(ts[op]), float(end[op])) for op in ops[1:]]
+    launching = [int(r.op) for r in rows if r.op >= 0]
+    first = min(launching, key=lambda op: ts[op]) if launching else top
+    spans = ((float(ts[top]), float(ts[first])), (float(end[first]), float(end[top])))
+    change.host_removed = [(a, b) for a, b in spans if b > a]
     return change
+
+
+def _math_backward(trace, kernels, tops) -> dict:
+    """Per math-path SDPA call (its outermost CPU row, of TOPS): the kernels its autograd nodes ran in the backward.
+    The math path is composite: each op inside the call makes its own node, matched to it by sequence number."""
+    cpu = trace.cpu
+    inner = cpu[cpu["top"].isin(tops).to_numpy() & (cpu["seq"].to_numpy() >= 0)]
+    nodes = cpu[name_mask(cpu, lambda n: n.startswith("autograd::engine::evaluate_function"))
+                & (cpu["seq"].to_numpy() >= 0)]
+    node_of_seq = pd.Series(nodes.index.to_numpy(), index=nodes["seq"].to_numpy())
+    node_of_seq = node_of_seq[~node_of_seq.index.duplicated()]
+    node = node_of_seq.reindex(inner["seq"].to_numpy())
+    found = node.notna().to_numpy()
+    call_of_node = dict(zip(node.to_numpy()[found].astype(np.int64).tolist(), inner["top"].to_numpy()[found].tolist()))
+    out = defaultdict(list)
+    for row in kernels[kernels["top_op"].isin(list(call_of_node))].itertuples():
+        out[call_of_node[row.top_op]].append(row)
+    return out
 
 
 def _sdpa_math(trace, kernels):
@@ -240,6 +268,7 @@ def _sdpa_math(trace, kernels):
                   if not any(is_attention(r.name) or any(s in (r.op_name or "") for s in _FUSED_SDPA_OPS) for r in rows)}
     if not math_calls:
         return []
+    backward = _math_backward(trace, kernels, list(math_calls))
     groups = defaultdict(list)
     for top_row, rows in math_calls.items():
         inp = trace.op_inputs(top_row)
@@ -248,24 +277,34 @@ def _sdpa_math(trace, kernels):
         inp = calls[0][2]
         tensors = inp.tensors()
         time = sum(r.dur for _, rows, _ in calls for r in rows)
+        backward_time = sum(r.dur for top, _, _ in calls for r in backward.get(top, []))
         q = tensors[0] if tensors else None
-        reasons = _sdpa_reasons(trace, inp)
-        expected = 0.0
+        reasons, eligible = _sdpa_reasons(trace, inp)
+        per_call = 0.0
         if q and len(q[0]) == 4:
             b, h, s, d = q[0]
             s_k = tensors[1][0][2] if len(tensors) > 1 and len(tensors[1][0]) == 4 else s
-            expected = 4.0 * b * h * s * s_k * d / (peak_tflops(trace, q[1]) * TENSOR_CORE_EFFICIENCY * 1e6) * len(calls)
+            per_call = 4.0 * b * h * s * s_k * d / (peak_tflops(trace, q[1]) * TENSOR_CORE_EFFICIENCY * 1e6)
+        trained = [top for top, _, _ in calls if backward.get(top)]
+        expected = per_call * (len(calls) + _FLASH_BACKWARD_FLOPS * len(trained))
         modules = sorted({r.module for _, rows, _ in calls for r in rows if isinstance(r.module, str)})
-        change = Change.union(_math_call_fused(trace, rows, expected / len(calls)) for _, rows, _ in calls)
+        # the backward's autograd nodes are outermost ops: fused() removes all but the first, and the engine's
+        # work between them
+        change = Change.union([_math_call_fused(trace, rows, per_call, top) for top, rows, _ in calls]
+                              + fused_chains(trace, [[r.Index for r in backward[top]] for top in trained],
+                                             [_FLASH_BACKWARD_FLOPS * per_call] * len(trained)))
+        backward_note = (f" In the backward, their autograd nodes ran {per_step_note(trace, backward_time)} of "
+                         "kernels more, which a fused backend's one backward kernel replaces." if trained else "")
         findings.append(Finding(
             category="fallback_kernel",
             title=f"scaled_dot_product_attention on the math path {shapes}",
             detail=(f"{len(calls)} SDPA calls ran as separate bmm/softmax/mask kernels (the math backend), "
-                    f"{per_step_note(trace, time)}; a fused flash/memory-efficient kernel would need about "
-                    f"{per_step_note(trace, expected)} and never materializes the attention matrix. "
+                    f"{per_step_note(trace, time)}.{backward_note} A fused flash/memory-efficient kernel would need "
+                    f"about {per_step_note(trace, expected)} and never materializes the attention matrix. "
                     f"Why: {'; '.join(reasons)}."),
             evidence={"op": "aten::scaled_dot_product_attention", "input_shapes": [t[0] for t in tensors],
                       "dtypes": [t[1] for t in tensors], "calls": len(calls), "time_us": round(time, 2),
+                      "backward_time_us": round(backward_time, 2),
                       "kernels": sorted({short_kernel_name(r.name) for _, rows, _ in calls for r in rows})[:6],
                       "reason": reasons, **({"modules": modules[:10]} if modules else {})},
             change=change,
@@ -274,13 +313,16 @@ def _sdpa_math(trace, kernels):
                 "prefer is_causal=True over an explicit mask, and leave the flash/memory-efficient backends enabled.",
                 None,
                 "torch.backends.cuda.enable_flash_sdp(True)\ntorch.backends.cuda.enable_mem_efficient_sdp(True)\n"
-                "out = F.scaled_dot_product_attention(q, k, v, is_causal=True)"),
+                "out = F.scaled_dot_product_attention(q, k, v, is_causal=True)",
+                # eligible inputs: the backends were off, which the A/B fix allows again
+                "sdpa_backends" if eligible else None),
             key=f"fallback_kernel:sdpa_math:{shapes}",
         ))
     return findings
 
 
-def _sdpa_reasons(trace, inp):
+def _sdpa_reasons(trace, inp) -> tuple[list, bool]:
+    """(why SDPA took its math path, whether the inputs would take a fused one: then the backends were off)."""
     tensors = inp.tensors()
     reasons = []
     if tensors:
@@ -293,9 +335,12 @@ def _sdpa_reasons(trace, inp):
             reasons.append(f"head_dim {q_shape[-1]} not a multiple of 8")
         if len(tensors) > 3:
             reasons.append(f"an explicit attn_mask {fmt_shape(tensors[3][0])} (flash accepts only is_causal)")
-        if len(tensors) > 1 and len(q_shape) == 4 and len(tensors[1][0]) == 4 and q_shape[1] != tensors[1][0][1]:
+        # grouped-query attention keeps only flash among the fused backends: a cause beside what rules flash out
+        if reasons and len(tensors) > 1 and len(q_shape) == 4 and len(tensors[1][0]) == 4 and \
+                q_shape[1] != tensors[1][0][1]:
             reasons.append(f"grouped-query attention ({q_shape[1]} query heads, {tensors[1][0][1]} key/value heads): "
                            "enable_gqa runs only on the flash and math backends")
+    eligible = not reasons
     backends = trace.numerics.get("sdpa_backends")
     if isinstance(backends, dict):
         off = [k for k, v in backends.items() if v is False and k != "math"]
@@ -304,7 +349,7 @@ def _sdpa_reasons(trace, inp):
     if not reasons:
         reasons.append("the fused backends were disabled or refused these inputs (shapes and dtypes look eligible: "
                        "check torch.backends.cuda.enable_flash_sdp / enable_mem_efficient_sdp / sdpa_kernel contexts)")
-    return reasons
+    return reasons, eligible
 
 
 def _by_cpu_row(per_op, rows: int) -> np.ndarray:
