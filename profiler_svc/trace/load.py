@@ -53,6 +53,10 @@ _MAX_DEPTH = 64             # Kineto nests 7 deep; msgspec would raise Recursion
 MAX_GZIP_RATIO = 100
 GZIP_RATIO_AFTER = 16 << 20
 _MAX_DURATION_US = 86400e6  # a day: no profiled event lasts longer, and no trace spans more
+# A kernel may run on after the host's last event (the profiler stopped with work queued), not by more than this
+# and this many times the host side's span
+_KERNEL_AFTER_HOST_US = 10e6
+_KERNEL_AFTER_HOST_SPANS = 10
 _LINK_ROUNDS = 64
 _JSON_SPACE = b" \t\r\n"
 _BOM = b"\xef\xbb\xbf"
@@ -610,7 +614,7 @@ class TableBuilder:
         self.thread_names: dict[ThreadKey, str] = {}
         self.event_count = 0
         self.open_slices: dict[ThreadKey, list[TraceEvent]] = {}  # stack of "B" events waiting for their "E"
-        self.ignored = {"ids": 0, "bytes": 0, "inputs": 0, "unopened": 0}
+        self.ignored = {"ids": 0, "bytes": 0, "inputs": 0, "unopened": 0, "no_duration": 0}
 
     def add(self, events) -> None:
         self.event_count += len(events)
@@ -770,6 +774,21 @@ class TableBuilder:
             if dropped:
                 self.ignored["inputs"] += sum(1 for r in records if r in dropped)
 
+    def _check_gpu_within_host(self, kernels, cpu, runtime) -> None:
+        """A kernel that ends long after the host's last event (an hour in a trace whose host side spans 20 ms) has
+        a corrupt duration: every figure of the step would be its. Kernels without one read as 0 µs: say so."""
+        host = [t for t in (cpu, runtime) if len(t)]
+        if len(kernels) and host:
+            start = min(float(t["ts"].min()) for t in host)
+            end = max(float(t["end"].max()) for t in host)
+            late = kernels["end"].to_numpy() > end + max(_KERNEL_AFTER_HOST_US, _KERNEL_AFTER_HOST_SPANS * (end - start))
+            if late.any():
+                worst = kernels.iloc[int(np.argmax(kernels["end"].to_numpy()))]
+                raise TraceError(f"{self.path}: kernel {str(worst['name'])[:80]!r} ends "
+                                 f"{(float(worst['end']) - end) / 1e6:.3g} s after the host's last event, in a trace "
+                                 f"whose host side spans {(end - start) / 1e3:.3g} ms: a corrupt duration")
+        self.ignored["no_duration"] += int((kernels["dur"].to_numpy() == 0).sum()) if len(kernels) else 0
+
     def warnings(self) -> list[str]:
         unclosed = sum(len(stack) for stack in self.open_slices.values())
         found = {
@@ -777,6 +796,7 @@ class TableBuilder:
             "bytes": "memcpy/memset byte counts out of range ignored",
             "inputs": "ops' recorded shapes or strides with numbers no tensor has ignored",
             "unopened": "'E' events without a 'B' on their thread ignored",
+            "no_duration": "kernels without a duration (or of 0 µs) count as taking no time",
         }
         out = [f"{count} {found[key]}" for key, count in self.ignored.items() if count]
         if unclosed:
@@ -800,6 +820,7 @@ class TableBuilder:
         if span > _MAX_DURATION_US:
             raise TraceError(f"{self.path}: its events span {span / 86400e6:.3g} days, which no profile does: "
                              "a corrupt timestamp")
+        self._check_gpu_within_host(kernels, cpu, runtime)
         # The capture agent writes its module labels as cheap cpu_op ranges; they are annotations.
         if len(cpu):
             is_label = name_mask(cpu, lambda n: n.startswith(labels.MODULE_PREFIX))

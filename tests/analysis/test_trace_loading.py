@@ -195,6 +195,16 @@ def test_begin_end_pairs_become_complete_events(tmp_path):
                                       "1 'E' events without a 'B' on their thread ignored"]
 
 
+def test_kernels_without_a_duration_are_named_in_a_warning(tmp_path):
+    """A complete event without `dur` reads as 0 µs: the report says how many kernels did."""
+    path = tmp_path / "no_dur.json"
+    kernels = [_kernel(ts=10 * i, correlation=i) for i in range(3)]
+    del kernels[1]["dur"]
+    path.write_bytes(_doc({"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 1, "ts": 0, "dur": 50},
+                          *kernels))
+    assert load_trace(path).warnings == ["1 kernels without a duration (or of 0 µs) count as taking no time"]
+
+
 def test_bom_is_accepted(tmp_path):
     data = gzip.decompress(fixture_path("unseen/opt_fp16_infer").read_bytes())
     plain, packed = tmp_path / "bom.json", tmp_path / "bom.json.gz"
@@ -265,6 +275,9 @@ HOSTILE = {
                                     "invalid UTF-8"),
     "a duration of 2**63": (_doc(_kernel(dur=2**63)), "over a day"),
     "a duration beyond floats": (_doc(_kernel(dur=10**400)), "not a finite number"),
+    "a kernel an hour long in a 50 µs step": (
+        _doc({"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 1, "ts": 0, "dur": 50},
+             _kernel(dur=3.6e9)), "ends 3.6e+03 s after the host's last event"),
     "a negative duration": (_doc(_kernel(dur=-1)), "negative"),
     "a timestamp decades off": (_doc(_kernel(), _kernel(ts=4e15)), "span"),
     "data after the document": (GOOD + b"{}", "data after the end of the JSON document"),
