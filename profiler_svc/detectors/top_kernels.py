@@ -31,6 +31,7 @@ def top_kernels(trace: Trace, n: int = 20) -> list[dict]:
         tensors = inputs.tensors()
         item = {
             "name": name, "short_name": short_kernel_name(name), "count": int(stats["count"]),
+            "calls_per_step": round(per_step(trace, float(stats["count"])), 2),
             "total_us": round(float(stats["sum"]), 3), "mean_us": round(float(stats["mean"]), 3),
             "us_per_step": round(per_step(trace, float(stats["sum"])), 3),
             "share_pct": round(100.0 * float(stats["sum"]) / total, 2),

@@ -271,9 +271,9 @@ def render_text(report: Report, top: int = 10) -> str:
         lines.append("")
     if report.top_kernels:
         lines.append("Top kernels")
-        lines.append(f"{'share':>6}  {'per step':>9}  {'calls':>6}  {'rate':>22}  kernel  (op · module)")
+        lines.append(f"{'share':>6}  {'per step':>9}  {'calls/step':>10}  {'rate':>22}  kernel  (op · module)")
         for k in report.top_kernels[:top]:
-            lines.append(f"{k['share_pct']:5.1f}%  {fmt_us(k['us_per_step']):>9}  {k['count']:>6}  {_rate(k):>22}  "
+            lines.append(f"{k['share_pct']:5.1f}%  {fmt_us(k['us_per_step']):>9}  {k['calls_per_step']:>10g}  {_rate(k):>22}  "
                          f"{_truncate(clean(k['short_name']), 70)}  ({_where(k)})")
         if note := above_dram_note(report.top_kernels[:top], report.trace):
             lines.append(note)
@@ -345,10 +345,10 @@ def render_markdown(report: Report, top: int = 10) -> str:
     else:
         out += ["No findings.", ""]
     if report.top_kernels:
-        out += ["### Top kernels", "", "| share | per step | calls | rate | kernel | op | module |",
+        out += ["### Top kernels", "", "| share | per step | calls per step | rate | kernel | op | module |",
                 "|---|---|---|---|---|---|---|"]
         for k in report.top_kernels[:top]:
-            out.append(f"| {k['share_pct']:.1f}% | {fmt_us(k['us_per_step'])} | {k['count']} | {_rate(k)} | "
+            out.append(f"| {k['share_pct']:.1f}% | {fmt_us(k['us_per_step'])} | {k['calls_per_step']:g} | {_rate(k)} | "
                        f"{_code(k['short_name'])} | {_md(k['top_op'] or k['op'] or '')} | {_md(k['module'] or '')} |")
         if note := above_dram_note(report.top_kernels[:top], report.trace):
             out += ["", _md(note)]

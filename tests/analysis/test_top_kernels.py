@@ -4,6 +4,7 @@ several kernels. Fixtures: tests/data/README.md."""
 import gzip
 import json
 import math
+import re
 
 from profiler_svc.recommendations import recommend
 from profiler_svc.recommendations.report import render_text
@@ -113,5 +114,9 @@ def test_a_convolution_is_rated_by_its_flops():
         [op] = [o for o in convs if o["tid"] == launch["tid"] and o["ts"] <= launch["ts"] <= o["ts"] + o["dur"]]
         flops, time = flops + conv_flops_by_hand(op), time + k["dur"]
     assert len(kernels_named(events, shown["name"])) == shown["count"]
+    # the time is per step, and so are the calls beside it
+    assert shown["calls_per_step"] == shown["count"] / report["steps"]["count"]
+    text = render_text(recommend(fixture_path(name)))
+    assert re.search(rf" {shown['calls_per_step']:g} +{shown['achieved_tflops']:.0f} TFLOP/s", text) and "calls/step" in text
     assert abs(shown["achieved_tflops"] - flops / time / 1e6) <= 0.01 * flops / time / 1e6
     assert shown["peak_pct"] > 40 and shown["bound"] == "compute"
