@@ -376,7 +376,7 @@ def fused_chains(trace: Trace, chains: list, fused_us: list, host: bool = True) 
         if not rows:
             out.append(Change())
             continue
-        intervals = _host_intervals(trace, whole) if host else []
+        intervals = host_intervals(trace, whole) if host else []
         out.append(Change(durations={rows[0]: float(us)}, removed=set(rows[1:]), host_removed=intervals[1:],
                           copies_removed=copies))
     return out
@@ -409,7 +409,7 @@ def _whole_ops_and_copies(trace: Trace, chains: list) -> tuple[list, list]:
     return wholes, copies
 
 
-def _host_intervals(trace: Trace, whole: np.ndarray) -> list:
+def host_intervals(trace: Trace, whole: np.ndarray) -> list:
     """Host intervals of the outermost ops WHOLE, in time order, then the Python between consecutive ones on
     the same thread."""
     if not len(whole):

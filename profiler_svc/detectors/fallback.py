@@ -17,7 +17,7 @@ import pandas as pd
 from ..trace.model import Trace
 from ..trace.replay import Change
 from .common import (TENSOR_CORE_EFFICIENCY, VOCAB_MIN, Finding, GemmReference, Recommendation, conv_flops,
-                     fmt_shape, fused, fused_chains, gemm_shape, is_attention, is_conv, is_dense, is_gemm, is_low_alignment,
+                     fmt_shape, fused, gemm_shape, host_intervals, is_attention, is_conv, is_dense, is_gemm, is_low_alignment,
                      is_old_arch, is_simt_matmul, module_class, name_mask, op_bytes, op_interval, op_record_codes,
                      peak_tflops, per_step_note, scaled, short_kernel_name, size_root_cause)
 
@@ -238,9 +238,18 @@ def _math_call_fused(trace, rows, fused_us: float, top: int) -> Change:
     return change
 
 
-def _math_backward(trace, kernels, tops) -> dict:
-    """Per math-path SDPA call (its outermost CPU row, of TOPS): the kernels its autograd nodes ran in the backward.
-    The math path is composite: each op inside the call makes its own node, matched to it by sequence number."""
+def _math_backward_fused(trace, rows, fused_us: float, nodes: list) -> Change:
+    """One SDPA call's math-path backward: its kernels (ROWS) become one fused kernel of FUSED_US, and its autograd
+    NODES (outermost ops) go but the first, with the engine's work between them."""
+    change = fused(trace, [r.Index for r in rows], fused_us, host=False)
+    change.host_removed = host_intervals(trace, np.array(sorted(nodes), dtype=np.int64))[1:]
+    return change
+
+
+def _math_backward(trace, kernels, tops) -> tuple[dict, dict]:
+    """Per math-path SDPA call (its outermost CPU row, of TOPS): the kernels its autograd nodes ran in the backward,
+    and those nodes (the views' among them, which launch none). The math path is composite: each op inside the call
+    makes its own node, matched to it by sequence number."""
     cpu = trace.cpu
     inner = cpu[cpu["top"].isin(tops).to_numpy() & (cpu["seq"].to_numpy() >= 0)]
     nodes = cpu[name_mask(cpu, lambda n: n.startswith("autograd::engine::evaluate_function"))
@@ -250,10 +259,12 @@ def _math_backward(trace, kernels, tops) -> dict:
     node = node_of_seq.reindex(inner["seq"].to_numpy())
     found = node.notna().to_numpy()
     call_of_node = dict(zip(node.to_numpy()[found].astype(np.int64).tolist(), inner["top"].to_numpy()[found].tolist()))
-    out = defaultdict(list)
+    rows, nodes = defaultdict(list), defaultdict(list)
+    for node, call in call_of_node.items():
+        nodes[call].append(node)
     for row in kernels[kernels["top_op"].isin(list(call_of_node))].itertuples():
-        out[call_of_node[row.top_op]].append(row)
-    return out
+        rows[call_of_node[row.top_op]].append(row)
+    return rows, nodes
 
 
 def _sdpa_math(trace, kernels):
@@ -268,7 +279,7 @@ def _sdpa_math(trace, kernels):
                   if not any(is_attention(r.name) or any(s in (r.op_name or "") for s in _FUSED_SDPA_OPS) for r in rows)}
     if not math_calls:
         return []
-    backward = _math_backward(trace, kernels, list(math_calls))
+    backward, nodes = _math_backward(trace, kernels, list(math_calls))
     groups = defaultdict(list)
     for top_row, rows in math_calls.items():
         inp = trace.op_inputs(top_row)
@@ -288,11 +299,9 @@ def _sdpa_math(trace, kernels):
         trained = [top for top, _, _ in calls if backward.get(top)]
         expected = per_call * (len(calls) + _FLASH_BACKWARD_FLOPS * len(trained))
         modules = sorted({r.module for _, rows, _ in calls for r in rows if isinstance(r.module, str)})
-        # the backward's autograd nodes are outermost ops: fused() removes all but the first, and the engine's
-        # work between them
         change = Change.union([_math_call_fused(trace, rows, per_call, top) for top, rows, _ in calls]
-                              + fused_chains(trace, [[r.Index for r in backward[top]] for top in trained],
-                                             [_FLASH_BACKWARD_FLOPS * per_call] * len(trained)))
+                              + [_math_backward_fused(trace, backward[top], _FLASH_BACKWARD_FLOPS * per_call,
+                                                      nodes[top]) for top in trained])
         backward_note = (f" In the backward, their autograd nodes ran {per_step_note(trace, backward_time)} of "
                          "kernels more, which a fused backend's one backward kernel replaces." if trained else "")
         findings.append(Finding(
