@@ -1195,7 +1195,7 @@ def test_fused_chains_at_once_equal_each_chain_by_the_definition():
     kernels of every length from 0 to 40, so they cut ops in every place; with their ops' host work."""
     import numpy as np
 
-    from profiler_svc.detectors.common import _host_intervals, fused_chains
+    from profiler_svc.detectors.common import fused_chains, host_intervals
 
     trace = load_trace(str(MIXTRAL_SWAPPED / "swiglu_A.json.gz"))
     k, mem = trace.kernels, trace.memory
@@ -1210,7 +1210,7 @@ def test_fused_chains_at_once_equal_each_chain_by_the_definition():
         whole = {op for op in k.loc[rows, "top_op"] if op >= 0 and op not in host_copy
                  and set(kernels_of[op]) <= set(rows)}
         assert change.copies_removed == set(mem.index[mem["top_op"].isin(whole)]), rows
-        assert change.host_removed == _host_intervals(trace, np.array(sorted(whole), dtype=np.int64))[1:], rows
+        assert change.host_removed == host_intervals(trace, np.array(sorted(whole), dtype=np.int64))[1:], rows
         first = min(rows, key=lambda r: k.at[r, "ts"]) if rows else None
         assert change.durations == ({first: 1.0} if rows else {}) and change.removed == set(rows) - {first}
 
