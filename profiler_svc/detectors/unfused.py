@@ -117,7 +117,8 @@ def op_kind(name: str) -> str:
     m = _BACKWARD.match(name or "")
     if not m:
         return name or ""
-    base = re.sub(r"(?<!^)(?=[A-Z])", "_", m.group(1)).lower()
+    # autograd's class names spell the ops' "2d" as "2D" (MaxPool2DWithIndices: aten::max_pool2d_with_indices)
+    base = re.sub(r"(?<!^)(?=[A-Z])", "_", re.sub(r"(\d)D(?=[A-Z]|$)", r"\1d", m.group(1))).lower()
     return "aten::" + {"to_copy": "to", "nll_loss": "nll_loss", "log_softmax": "log_softmax"}.get(base, base)
 
 

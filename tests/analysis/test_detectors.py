@@ -357,6 +357,16 @@ def test_a_static_cache_is_asked_for_only_where_a_kv_cache_grows(name, growing):
         assert gaps.recommendation.fix == "cuda_graphs"
 
 
+@pytest.mark.parametrize("node, op", [("MaxPool2DWithIndicesBackward0", "aten::max_pool2d_with_indices"),
+                                      ("UpsampleNearest2DBackward1", "aten::upsample_nearest2d"),
+                                      ("NativeBatchNormBackward0", "aten::native_batch_norm"),
+                                      ("ToCopyBackward0", "aten::to"), ("LogSoftmaxBackward0", "aten::log_softmax")])
+def test_a_backward_node_is_named_as_its_forward_op(node, op):
+    """Backward chains classify, and are named, like their forward ops: autograd's class names spell "2d" as "2D"."""
+    from profiler_svc.detectors.unfused import op_kind
+    assert op_kind(f"autograd::engine::evaluate_function: {node}") == op
+
+
 @pytest.mark.parametrize("name, direction", [("whisper_autocast_fp16_infer", "fp32->fp16"),
                                              ("vit_autocast_bf16_train", "fp32->bf16")])
 def test_autocast_cast_storm(name, direction):
