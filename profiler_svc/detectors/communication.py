@@ -43,8 +43,9 @@ def detect(trace: Trace) -> list[Finding]:
                if cuda_on_gloo else
                "Overlap communication with compute: DDP's bucketing (bucket_cap_mb), FSDP's prefetching "
                "(forward_prefetch / backward_prefetch), fewer or larger collectives; check for a straggler rank.")
-    snippet = ('dist.init_process_group("nccl")  # CUDA tensors\nmodel = DDP(model, bucket_cap_mb=25, '
-               'gradient_as_bucket_view=True)')
+    # bucket_cap_mb's default (25) is named, not set: what overlaps best depends on the model's gradients
+    snippet = ('dist.init_process_group("nccl")  # CUDA tensors\n'
+               'model = DDP(model, gradient_as_bucket_view=True)  # bucket_cap_mb: 25 by default')
     return [Finding(
         category="communication",
         title=f"waiting on {backend} collectives: {share:.0f}% of the step",
