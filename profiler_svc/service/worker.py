@@ -1,9 +1,9 @@
 """`profiler_svc worker`: claim queued jobs, run each in a child process under limits, store the results.
 
 Two kinds of job, one queue discipline (`storage.jobs`): analysis, of an uploaded trace (CPU and memory
-limits per upload: a bomb fails its own job, nothing else) and of a run's ranks together once its uploads are in;
-and A/B tests on this host's GPU (or CPU). A workload is imported only if the operator allowed it (`workload_spec`), and only in the
-child: a workload that exits, crashes or hangs fails its job with the reason.
+limits per upload: a bomb fails its own job, nothing else) and of a run's ranks together once its uploads
+are in; and A/B tests on this host's GPU (or CPU). A workload is imported only if the operator allowed it
+(`workload_spec`), and only in the child: a workload that exits, crashes or hangs fails its job with the reason.
 """
 import logging
 import os
