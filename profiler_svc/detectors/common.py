@@ -53,7 +53,7 @@ class Finding:
     change_by_rank: dict = field(default_factory=dict, repr=False)
     # identifies "the same problem" across ranks and runs (e.g. "unfused_chain:rms_norm:LlamaRMSNorm")
     key: str = ""
-    # (key, title) of the root cause when several findings can share one (a misaligned size): the report
+    # (key, title, sizes) of the root cause when several findings can share one (a misaligned size): the report
     # makes them one finding
     root_cause: tuple = ()
     severity: str = "info"

@@ -18,6 +18,9 @@ from .common import (GEMM_OPS, GRANULE, VOCAB_MIN, Finding, GemmReference, Recom
 _RIDGE_MARGIN = 8
 
 
+HEAD_DIM_KEY = "misalignment:head_dim:"  # an attention head_dim's finding: the root of the sizes it multiplies
+
+
 def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
@@ -170,7 +173,7 @@ def _head_dim(trace, kernels):
                 f"Make head_dim {padded}{hidden}; or change num_attention_heads, or pad q/k/v and slice the output.",
                 None, f"q, k, v = (F.pad(t, (0, {padded - d})) for t in (q, k, v))  # then out[..., :{d}]"
                 if padded > d else None),
-            key=f"misalignment:head_dim:{d}",
+            key=f"{HEAD_DIM_KEY}{d}",
             root_cause=size_root_cause([(d, padded)]),
             change=Change(removed=set(padding), host_removed=[op_interval(trace, op) for op in
                                                               sorted(set(kernels.loc[padding, "op"]))]),

@@ -15,6 +15,7 @@ from ..detectors import Finding, run_detectors
 from ..detectors.common import (VOCAB_MIN, Recommendation, fmt_us, is_communication, is_compute_bound_kernel,
                                 name_mask, size_root_cause)
 from ..detectors.launch_gaps import idle_breakdown
+from ..detectors.misalignment import HEAD_DIM_KEY
 from ..detectors.unfused import PATTERNS
 from ..trace.model import Trace
 from ..trace.replay import GPU_BOUND_SLACK, Change, HostCost, Timeline, calibrate, sensitivity, time_covered_by
@@ -154,8 +155,10 @@ def analyse(trace: Trace) -> Analysis:
 def _merge_root_causes(findings: list) -> list:
     """Findings that share a root cause (one misaligned size behind low-alignment GEMMs, a misaligned head
     and GEMMs on normal kernels) become one: its fix is all of theirs."""
-    # a size behind another finding's (hidden 1020 = 12 heads x head_dim 85) is that finding's root cause too
-    roots = {size for f in findings if len(f.root_cause) > 2 for size in f.root_cause[2]}
+    # a size behind an attention head_dim (hidden 1020 = 12 heads x head_dim 85) is that head_dim's symptom; other
+    # findings' sizes are no root of another's (a 3-class head's N = 3 divides half the sizes there are)
+    roots = {size for f in findings if len(f.root_cause) > 2 and f.key.startswith(HEAD_DIM_KEY)
+             for size in f.root_cause[2]}
     own = {id(f): f.root_cause[:1] for f in findings}
     for f in findings:
         if len(f.root_cause) > 2:
@@ -171,7 +174,7 @@ def _merge_root_causes(findings: list) -> list:
         base = max(parts, key=lambda f: f.evidence.get("time_us") or 0.0)
         # the advice is the cause's own where one part is it (pad head_dim, not the hidden size it multiplies)
         causes = [p for p in parts if own[id(p)] == (key,)]
-        cause = next((p for p in causes if p.key.startswith("misalignment:head_dim:")), causes[0] if causes else base)
+        cause = next((p for p in causes if p.key.startswith(HEAD_DIM_KEY)), causes[0] if causes else base)
         change = Change()
         for part in parts:
             change = change.merged(part.change)

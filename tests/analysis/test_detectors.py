@@ -293,6 +293,21 @@ def test_bert_odd_hidden_size_is_one_root_cause():
     assert attention.evidence["score_shape"] == [16, 12, 128, 128]
 
 
+def test_only_a_head_dim_is_the_root_of_another_findings_size():
+    """A 3-class head's N = 3 divides 1020 (and padding it to 8 would align 340 x 8): no root of the hidden size. An
+    attention head_dim of 85 is (1020 = 12 x 85)."""
+    from profiler_svc.detectors.common import Finding, Recommendation, size_root_cause
+    from profiler_svc.recommendations.analysis import _merge_root_causes
+
+    def finding(key, sizes):
+        return Finding("misalignment", key, "", {}, Recommendation(key, None), key=key, root_cause=size_root_cause(sizes))
+    hidden, classes = finding("fallback_kernel:align:hidden", [(1020, 1024)]), finding("fallback_kernel:align:classes", [(3, 8)])
+    assert sorted(f.key for f in _merge_root_causes([hidden, classes])) == sorted([hidden.key, classes.key])
+    head = finding("misalignment:head_dim:85", [(85, 88)])
+    [merged] = _merge_root_causes([finding("fallback_kernel:align:hidden", [(1020, 1024)]), head])
+    assert merged.key == "misalignment:size:85" and merged.recommendation.summary == "misalignment:head_dim:85"
+
+
 def sdpa_padding_time(name):
     """Fill/copy kernels launched inside SDPA, from the raw JSON: kernels whose correlated runtime call lies
     within an aten::scaled_dot_product_attention op on the same thread, other than the flash kernel."""
