@@ -34,6 +34,9 @@ _FUSED_FLOOR_US = 2.0
 # momentum (a foreach chain of it has some) and Adagrad read three and write two.
 FUSED_OPTIMIZER_PASSES = {"Adam": 7, "AdamW": 7, "SGD": 5, "Adagrad": 5}
 _OPTIMIZER_STEP = re.compile(r"Optimizer\.step#(\w+)\.step")
+# the foreach op each parameter group's step runs once: Adam(W)'s and Adagrad's update, SGD's momentum decay
+_ONCE_PER_GROUP = {"Adam": "aten::_foreach_addcdiv_", "AdamW": "aten::_foreach_addcdiv_",
+                   "Adagrad": "aten::_foreach_addcdiv_", "SGD": "aten::_foreach_mul_"}
 
 
 @dataclass
@@ -634,7 +637,7 @@ def _finding(trace, kind, cls, group, bandwidth) -> Finding:
     fused_times = [max(b / bandwidth, _FUSED_FLOOR_US) for b in fused_bytes_each]
     unsized = kind == "optimizer" and not any(c.bytes for c in group)
     if unsized:  # no shapes inside the tensor lists: the fused step at the foreach kernels' own pace, by passes
-        fused_times = [c.time * min(1.0, pattern.passes / max(_list_passes(trace, c), 1)) for c in group]
+        fused_times = [c.time * min(1.0, pattern.passes / max(_list_passes(trace, c, optimizer), 1)) for c in group]
     fused_time = sum(fused_times)
     moved = sum(c.bytes for c in group)
     fused_bytes = sum(fused_bytes_each)
@@ -683,7 +686,7 @@ def _finding(trace, kind, cls, group, bandwidth) -> Finding:
                                + ([f"{backward} backward"] if backward else [])) \
             + (" chains" if len(group) > 1 else " chain")
     if unsized:
-        passes = sum(_list_passes(trace, c) for c in group) / len(group)
+        passes = sum(_list_passes(trace, c, optimizer) for c in group) / len(group)
         detail = (f"{counted}{where} ({n_kernels} kernels, e.g. {ops}) took {per_step_note(trace, time)}. The trace "
                   f"records no shapes inside tensor lists, so the bytes are not known: the foreach kernels make "
                   f"{passes:.0f} passes over the parameters a step, a fused {optimizer or 'optimizer'} step "
@@ -753,10 +756,14 @@ def _optimizer_fix(name: Optional[str]) -> tuple:
             "kernels.", "opt.step = torch.compile(opt.step)", None)
 
 
-def _list_passes(trace: Trace, chain: Chain) -> int:
+def _list_passes(trace: Trace, chain: Chain, optimizer: Optional[str]) -> float:
     """Passes over the parameters the chain's foreach ops make: each reads its tensor lists and writes the first
-    (an op over many tensors launches several kernels, a chunk of the lists each)."""
-    return sum(trace.op_inputs(op).dtypes.count("TensorList") + 1 for op in set(chain.column("op")) if op is not None)
+    (an op over many tensors launches several kernels, a chunk of the lists each). Per parameter group: each group
+    runs the optimizer's ops over its own lists, as many passes over fewer parameters."""
+    ops = {int(op) for op in chain.column("op") if op is not None and op >= 0}
+    names = trace.column("cpu", "name")
+    groups = sum(names[op] == _ONCE_PER_GROUP.get(optimizer) for op in ops) or 1
+    return sum(trace.op_inputs(op).dtypes.count("TensorList") + 1 for op in ops) / groups
 
 
 def _code_fix_fits(kind: str, cls: Optional[str]) -> bool:

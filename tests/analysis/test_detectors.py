@@ -405,6 +405,21 @@ def test_a_foreach_sgd_step_without_list_shapes_is_priced_by_its_passes():
     assert "8 passes over the parameters a step, a fused SGD step 5" in opt.detail
 
 
+def test_foreach_passes_are_counted_per_parameter_group():
+    """Each parameter group runs the optimizer's foreach ops over its own lists: two groups are the same passes over
+    fewer parameters each, not twice the passes (which priced the fused step at half its time). The ResNet-18
+    fixture's two SGD steps, read as one step of two groups (each runs its _foreach_mul_ once)."""
+    from profiler_svc.detectors.unfused import _list_passes
+    trace = load_trace(str(fixture_path("resnet18_bf16_channels_last_train")))
+    k = trace.window_kernels
+    ops = k.loc[k["op_name"].fillna("").str.startswith("aten::_foreach_"), "op"].tolist()
+
+    class TwoGroups:
+        def column(self, name):
+            return ops
+    assert len(set(ops)) == 6 and _list_passes(trace, TwoGroups(), "SGD") == 8
+
+
 def test_inference_cast_storm_gives_no_optimizer_advice():
     f = one("whisper_autocast_fp16_infer", "cast_storm")
     assert "optimizer" not in f.recommendation.summary + f.recommendation.snippet
