@@ -292,10 +292,10 @@ def _sdpa_math(trace, kernels):
         q = tensors[0] if tensors else None
         reasons, eligible = _sdpa_reasons(trace, inp)
         per_call = 0.0
-        if q and len(q[0]) == 4:
-            b, h, s, d = q[0]
-            s_k = tensors[1][0][2] if len(tensors) > 1 and len(tensors[1][0]) == 4 else s
-            per_call = 4.0 * b * h * s * s_k * d / (peak_tflops(trace, q[1]) * TENSOR_CORE_EFFICIENCY * 1e6)
+        if q and len(q[0]) >= 3:  # [..., L, E]: the leading dimensions are batch and heads, folded
+            *batch, s, d = q[0]
+            s_k = tensors[1][0][-2] if len(tensors) > 1 and len(tensors[1][0]) >= 3 else s
+            per_call = 4.0 * math.prod(batch) * s * s_k * d / (peak_tflops(trace, q[1]) * TENSOR_CORE_EFFICIENCY * 1e6)
         trained = [top for top, _, _ in calls if backward.get(top)]
         expected = per_call * (len(calls) + _FLASH_BACKWARD_FLOPS * len(trained))
         modules = sorted({r.module for _, rows, _ in calls for r in rows if isinstance(r.module, str)})
@@ -336,6 +336,8 @@ def _sdpa_reasons(trace, inp) -> tuple[list, bool]:
     reasons = []
     if tensors:
         q_shape, q_dtype, _ = tensors[0]
+        if len(q_shape) != 4:
+            reasons.append(f"{len(q_shape)}-d q/k/v (the fused backends take [batch, heads, L, E])")
         if q_dtype == "fp32":
             reasons.append("fp32 q/k/v (flash attention needs fp16/bf16)")
         if q_shape and q_shape[-1] > 256:

@@ -249,6 +249,28 @@ def math_sdpa_backward_time(name) -> float:
     return total
 
 
+def test_a_3d_sdpa_call_is_priced_as_its_batch_and_named_ineligible(tmp_path):
+    """SDPA over [N, L, E] tensors always takes the math path (the fused backends take [batch, heads, L, E]). Its
+    fused price folds the leading dimensions (it was 0 µs: every kernel's time counted as saved), and no A/B fix of
+    the backends is named: reshaping to 4-d is the fix."""
+    from profiler_svc.recommendations import recommend
+    from tests.analysis.synthetic import TraceWriter
+    w = TraceWriter()
+    w.step(1, 0, 1000)
+    shape = [16, 128, 64]
+    w.op("aten::scaled_dot_product_attention", 100, 300, dims=[shape, shape, shape])
+    for i, (op, kernel) in enumerate([("aten::bmm", "ampere_bf16_s16816gemm_bf16_128x64_ldg8_nn"),
+                                      ("aten::_softmax", "softmax_warp_forward"),
+                                      ("aten::bmm", "ampere_bf16_s16816gemm_bf16_64x64_ldg8_nn")]):
+        ext = w.op(op, 110 + 60 * i, 40)
+        w.kernel(kernel, 500 + 100 * i, 80, ext, launch_ts=120 + 60 * i)
+    report = recommend(str(w.write(tmp_path / "sdpa3d.json")))
+    [f] = [f for f in report.findings if "sdpa_math" in f.key]
+    fused = 4 * 16 * 128 * 128 * 64 / (989e6 / 2)
+    assert f.gpu_time_saved_us_per_step == pytest.approx(240 - fused, rel=1e-3)
+    assert f.evidence["reason"][0].startswith("3-d q/k/v") and f.recommendation.fix is None
+
+
 def test_sdpa_math_path_in_training_prices_its_backward():
     """A bf16 Llama trained with SDPA's fused backends turned off (H200): the math path's backward, a dozen autograd
     nodes a call, was left out of the finding (0.79 ms predicted, 3.70 ms measured by `fixes_ab.py`'s A/B). Now its
