@@ -77,9 +77,11 @@ def test_the_migrations_build_the_schema_the_models_declare(engine):
         assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
 
 
-def test_0005_lists_the_stragglers_stored_before_and_queues_their_runs(engine, blobs):
+@pytest.mark.parametrize("covered", [False, True])
+def test_0005_lists_the_stragglers_stored_before_and_queues_their_runs(engine, blobs, covered):
     """A folder ingested before 0004 kept its straggler as a row its run's analysis did not list, so a later joint
-    analysis added a second: 0005 lists it, and queues the run, whose analysis covers none of its traces, for one."""
+    analysis added a second: 0005 lists it and queues the run for a joint analysis, which replaces it; whether the
+    run's analysis covers its traces (a later one did, beside the old row) or not."""
     from profiler_svc.service.worker import run_worker
     from profiler_svc.storage.models import RunAnalysisJob
     folder = fixture_dir("gpt2_ddp_straggler")
@@ -88,11 +90,13 @@ def test_0005_lists_the_stragglers_stored_before_and_queues_their_runs(engine, b
     straggler = FindingRecord.title.like("rank % straggles: %")
     with storage_db.session_scope(engine) as s:
         [row] = s.scalars(select(FindingRecord.id).where(straggler)).all()
-        s.get(Run, run_id).analysis = {}  # as a folder ingest stored it before 0004
+        run = s.get(Run, run_id)
+        # as a folder ingest stored it before 0004; or a later joint analysis's, which listed only its own row
+        run.analysis = {"trace_ids": run.analysis["trace_ids"]} if covered else {}
     downgrade(engine, "0004")
     storage_db.upgrade(engine)
     with storage_db.session_scope(engine) as s:
-        assert s.get(Run, run_id).analysis == {"cross_finding_ids": [row]}
+        assert s.get(Run, run_id).analysis.get("cross_finding_ids") == [row]
         assert s.scalars(select(RunAnalysisJob.status).where(RunAnalysisJob.run_id == run_id)).all() == ["queued"]
     run_worker(engine, once=True, kinds=("analysis",), blobs=blobs, worker="w", run_analyser=ingest.analyse_run_folder)
     with storage_db.session_scope(engine) as s:
