@@ -30,7 +30,7 @@ from . import jobs
 from .blobs import BlobStore
 from .db import home, session_scope
 from .models import AnalysisJob, FindingRecord, KernelSummary, Run, RunAnalysisJob, TraceRecord, utcnow
-from .queries import trace_ids
+from .queries import analysis_covers, trace_ids
 
 log = logging.getLogger(__name__)
 
@@ -256,14 +256,26 @@ def ingest_path(engine: Engine, path, *, name: str | None = None, group_key: str
             _store_run_analysis(engine, new[0].run_id, run_analysis(analyse(path)), [r.trace_id for r in results])
     except BaseException:
         # A folder is one job: all of its ranks or none of them.
-        _remove(engine, blobs, [r for r in results if not r.duplicate])
+        stored = [r for r in results if not r.duplicate]
+        _remove(engine, blobs, stored)
+        for run_id in {r.run_id for r in stored}:  # a run it joined lost its joint analysis to it
+            _queue_if_uncovered(engine, run_id)
         raise
     if new and not whole_run:  # joined a run holding other traces: its ranks analysed together from the store
         try:
             refresh_run_analysis(engine, blobs, new[0].run_id)
-        except UserError as exc:  # the traces stay stored, with each rank's own figures
+        except UserError as exc:  # the traces stay stored, with each rank's own figures, until a worker tries
             log.warning("run %s: %s", new[0].run_id, exc)
+            _queue_if_uncovered(engine, new[0].run_id)
     return results
+
+
+def _queue_if_uncovered(engine, run_id: int) -> None:
+    """Queue the run's ranks for a worker to analyse together, where its joint analysis does not cover them."""
+    with session_scope(engine) as session:
+        run = session.get(Run, run_id)
+        if run is not None and not analysis_covers(session, run):
+            _queue_run_analysis(session, run, len(trace_ids(session, run_id)))
 
 
 def _holds_exactly(engine, run_id: int, results: list) -> bool:
@@ -434,7 +446,7 @@ def _store(engine, blobs, upload: Upload, analysed: dict, *, move_blob=None, job
                                  meta=analysed["run_meta"])
         if workload and run.workload != workload:
             note = f"run {run.id} keeps its workload {run.workload!r}; workload {workload!r} was not applied"
-        rank = _rank_in(session, run, rank, upload.filename)
+        rank = _rank_in(session, run, rank, upload.filename, queue_joint=job is not None)
         trace = TraceRecord(
             run_id=run.id, rank=rank, filename=upload.filename,
             content_sha256=upload.sha256, size_bytes=upload.size_bytes,
@@ -478,7 +490,7 @@ def _store(engine, blobs, upload: Upload, analysed: dict, *, move_blob=None, job
 RANK_NAMED = "rank_named"
 
 
-def _rank_in(session, run: Run, rank: int | None, filename: str) -> int:
+def _rank_in(session, run: Run, rank: int | None, filename: str, queue_joint: bool = True) -> int:
     """The trace's rank in RUN: the one it names, unless a trace that named it is there already (a job's ranks go
     in once each, or a rank's figures could not be told apart). The traces that name none (this one among them)
     take the ranks no trace names, in the order they came: as `profiler_svc recommend` numbers a folder's files,
@@ -506,7 +518,8 @@ def _rank_in(session, run: Run, rank: int | None, filename: str) -> int:
                 session.execute(update(FindingRecord).where(FindingRecord.trace_id == trace.id).values(rank=moved))
                 trace.rank = moved
     session.flush()
-    _queue_run_analysis(session, run, len(traces) + 1)
+    if queue_joint:  # a worker's upload; the command line analyses a run's ranks together itself (ingest_path)
+        _queue_run_analysis(session, run, len(traces) + 1)
     return rank if rank is not None else next(free)
 
 

@@ -1,6 +1,8 @@
 """Where the real traces the tests use live (tests/data/README.md says how each was captured).
 
 Traces the demo also ships are kept once, in profiler_svc/samples; the rest in tests/data."""
+import gzip
+import json
 from pathlib import Path
 
 import pytest
@@ -42,3 +44,13 @@ def gpu_fixtures() -> list[Path]:
 @pytest.fixture(scope="session")
 def data_dir() -> Path:
     return DATA
+
+
+def gloo_rank_file(folder: Path, source: Path, rank: int, tag: str) -> Path:
+    """SOURCE as rank RANK of a gloo job, named as a plain torch.profiler capture names it (no world size), with
+    content of its own (TAG)."""
+    data = json.loads(gzip.decompress(source.read_bytes()))
+    data["distributedInfo"], data["trace_id"] = {"backend": "gloo", "rank": rank}, f"{tag}-{rank}"
+    path = folder / f"{tag}_rank{rank}.json.gz"
+    path.write_bytes(gzip.compress(json.dumps(data).encode(), mtime=0))
+    return path

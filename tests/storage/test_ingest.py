@@ -7,7 +7,7 @@ import pytest
 from sqlalchemy import func, inspect, select, text
 
 from tests.plugins.database import stored_files, trace_variant
-from tests.plugins.traces import SMALL_TRACE, DDP, fixture_dir, fixture_path
+from tests.plugins.traces import SMALL_TRACE, DDP, fixture_dir, fixture_path, gloo_rank_file
 from profiler_svc.errors import UserError
 from profiler_svc.storage import db as storage_db
 from profiler_svc.storage import ingest
@@ -156,6 +156,46 @@ def test_a_folder_of_ranks_is_one_run(engine, blobs):
         run = s.get(Run, results[0].run_id)
         assert [t.rank for t in run.traces] == [0, 1]
         assert run.name == DDP.name
+
+
+def test_a_folder_on_the_command_line_leaves_no_partial_joint_analysis_to_a_worker(engine, blobs, tmp_path,
+                                                                                     monkeypatch):
+    """The command line analyses a folder's ranks together itself, once they are all stored: a worker running
+    meanwhile finds nothing of the run's to analyse (it would have analysed the first ranks alone, a joint analysis
+    for each rank that landed)."""
+    from profiler_svc.service.worker import run_worker
+
+    folder = tmp_path / "three"
+    folder.mkdir()
+    sources = sorted(DDP.glob("*.json.gz"))
+    for rank in range(3):
+        gloo_rank_file(folder, sources[min(rank, 1)], rank, "cli")
+    joint = []
+    analyse_file = ingest.analyse_file
+
+    def analyse_while_a_worker_runs(path, filename):
+        run_worker(engine, once=True, kinds=("analysis",), blobs=blobs, worker="w",
+                   run_analyser=lambda folder: joint.append(folder) or ingest.analyse_run_folder(folder))
+        return analyse_file(path, filename)
+    monkeypatch.setattr(ingest, "analyse_file", analyse_while_a_worker_runs)
+    results = ingest.ingest_path(engine, folder, blobs=blobs)
+    assert len({r.run_id for r in results}) == 1 and joint == []
+    with storage_db.session_scope(engine) as s:
+        assert sorted(s.get(Run, results[0].run_id).analysis["trace_ids"]) == sorted(r.trace_id for r in results)
+
+
+def test_a_rank_the_command_line_cannot_analyse_with_its_run_is_left_to_a_worker(engine, blobs, tmp_path,
+                                                                                  monkeypatch):
+    from profiler_svc.errors import TraceError
+    from profiler_svc.storage.models import RunAnalysisJob
+
+    def fails(folder):
+        raise TraceError("analysing the run's ranks together failed: over its memory limit")
+    ingest.ingest_path(engine, trace_variant(tmp_path, "a"), blobs=blobs, group_key="job-9")
+    monkeypatch.setattr(ingest, "analyse_run_folder", fails)
+    [b] = ingest.ingest_path(engine, trace_variant(tmp_path, "b"), blobs=blobs, group_key="job-9")
+    with storage_db.session_scope(engine) as s:
+        assert s.scalars(select(RunAnalysisJob.status).where(RunAnalysisJob.run_id == b.run_id)).all() == ["queued"]
 
 
 def test_uploads_sharing_a_group_key_join_one_run(engine, blobs, tmp_path):

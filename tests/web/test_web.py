@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from tests.plugins.database import stored_files, trace_variant
-from tests.plugins.traces import SMALL_TRACE, DDP, fixture_dir, fixture_path
+from tests.plugins.traces import SMALL_TRACE, DDP, fixture_dir, fixture_path, gloo_rank_file
 from tests.web.uploads import analyse_queued, post_trace, sign_in, stored as _stored
 from profiler_svc.errors import UserError
 from profiler_svc.web import create_app
@@ -231,18 +231,6 @@ def test_an_upload_its_workers_keep_dying_on_fails_in_a_worker(client, tmp_path)
         assert failed.error == f"dying_rank2.json.gz: {jobs.LEASE_EXPIRED}"
     assert len(stored_files(blobs)) == before - 1
     assert joint_analysis_covers(engine, "dying")
-
-
-def gloo_rank_file(folder: Path, source: Path, rank: int, tag: str) -> Path:
-    """SOURCE as rank RANK of a gloo job, named as a plain torch.profiler capture names it (no world size), with
-    content of its own (TAG)."""
-    import gzip
-    import json
-    data = json.loads(gzip.decompress(source.read_bytes()))
-    data["distributedInfo"], data["trace_id"] = {"backend": "gloo", "rank": rank}, f"{tag}-{rank}"
-    path = folder / f"{tag}_rank{rank}.json.gz"
-    path.write_bytes(gzip.compress(json.dumps(data).encode(), mtime=0))
-    return path
 
 
 def test_a_worker_that_dies_analysing_the_ranks_together_leaves_it_to_the_next(client, tmp_path):
