@@ -327,7 +327,10 @@ def refresh_run_analysis(engine: Engine, blobs: BlobStore, run_id: int, analyser
     with tempfile.TemporaryDirectory(prefix="profiler_svc_run_") as folder:
         for _, rank, blob_path in traces:
             os.symlink(blobs.path(blob_path), Path(folder) / f"rank{rank:07d}.json.gz")
-        analysis = (analyser or analyse_run_folder)(folder)
+        try:
+            analysis = (analyser or analyse_run_folder)(folder)
+        except UserError as exc:  # shown on the run page: the rank's file by its name, not the server's folder
+            raise UserError(str(exc).replace(str(Path(folder)) + os.sep, "")) from None
     _store_run_analysis(engine, run_id, analysis, [t[0] for t in traces], worker=worker)
 
 

@@ -198,6 +198,19 @@ def test_a_rank_the_command_line_cannot_analyse_with_its_run_is_left_to_a_worker
         assert s.scalars(select(RunAnalysisJob.status).where(RunAnalysisJob.run_id == b.run_id)).all() == ["queued"]
 
 
+def test_a_joint_analysis_error_names_the_rank_not_the_servers_folder(engine, blobs, tmp_path):
+    """Shown on the run page: the rank's file, not the temporary folder the server analysed the ranks in."""
+    from profiler_svc.errors import TraceError
+    for tag in ("a", "b"):
+        [stored] = ingest.ingest_path(engine, trace_variant(tmp_path, tag), blobs=blobs, group_key="job-11")
+
+    def truncated(folder):
+        raise TraceError(f"{folder}/rank0000001.json.gz: truncated inside traceEvents")
+    with pytest.raises(UserError) as caught:
+        ingest.refresh_run_analysis(engine, blobs, stored.run_id, analyser=truncated)
+    assert str(caught.value) == "rank0000001.json.gz: truncated inside traceEvents"
+
+
 def test_uploads_sharing_a_group_key_join_one_run(engine, blobs, tmp_path):
     a = ingest.ingest_path(engine, trace_variant(tmp_path, "a"), blobs=blobs, group_key="job-7")[0]
     b = ingest.ingest_path(engine, trace_variant(tmp_path, "b"), blobs=blobs, group_key="job-7")[0]
