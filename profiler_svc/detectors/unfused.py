@@ -762,7 +762,8 @@ def _list_passes(trace: Trace, chain: Chain, optimizer: Optional[str]) -> float:
     runs the optimizer's ops over its own lists, as many passes over fewer parameters."""
     ops = {int(op) for op in chain.column("op") if op is not None and op >= 0}
     names = trace.column("cpu", "name")
-    groups = sum(names[op] == _ONCE_PER_GROUP.get(optimizer) for op in ops) or 1
+    once = _ONCE_PER_GROUP.get(optimizer or "")
+    groups = (sum(names[op] == once for op in ops) if once else 0) or 1
     return sum(trace.op_inputs(op).dtypes.count("TensorList") + 1 for op in ops) / groups
 
 
