@@ -166,9 +166,7 @@ def submit_upload(engine: Engine, stream, *, filename: str, blobs: BlobStore, na
                                           **asked)
                         session.add(job)
                     else:  # the same content failed before: try again (its blob was removed then)
-                        for key, value in dict(asked, status="queued", attempts=0, error=None, worker=None,
-                                               started_at=None, finished_at=None, created_at=utcnow()).items():
-                            setattr(job, key, value)
+                        jobs.queue_again(job, **asked)
                     session.flush()  # the unique content hash is checked here, before the blob moves
                     try:
                         blobs.commit(received)
@@ -383,9 +381,7 @@ def _queue_run_analysis(session, run: Run, traces: int) -> None:
         session.add(RunAnalysisJob(run_id=run.id, status="queued", attempts=0))
         return
     # a worker analysing the ranks without this one finds its analysis stale, and its job no longer its own
-    for key, value in dict(status="queued", attempts=0, error=None, worker=None, lease_expires_at=None,
-                           started_at=None, finished_at=None, created_at=utcnow()).items():
-        setattr(job, key, value)
+    jobs.queue_again(job)
 
 
 def _remove(engine, blobs, results) -> None:

@@ -56,6 +56,14 @@ def enqueue(session, run, *, swap: str | None = None, finding_id: int | None = N
     return job
 
 
+def queue_again(job, **values) -> None:
+    """JOB back in its queue as if new (it failed, finished, or runs under a worker whose work went stale); VALUES:
+    more of its columns to set."""
+    for key, value in dict(values, status="queued", attempts=0, error=None, worker=None, lease_expires_at=None,
+                           started_at=None, finished_at=None, created_at=utcnow()).items():
+        setattr(job, key, value)
+
+
 def requeue_expired(session, model=ABJob, fail_exhausted: bool = True) -> int:
     """Jobs whose worker stopped heartbeating: back to the queue, or failed after MAX_ATTEMPTS (with
     `fail_exhausted`; else back to the queue too, for the next claimer to fail: it finds attempts > MAX_ATTEMPTS)."""
