@@ -637,7 +637,8 @@ def _finding(trace, kind, cls, group, bandwidth) -> Finding:
     fused_times = [max(b / bandwidth, _FUSED_FLOOR_US) for b in fused_bytes_each]
     unsized = kind == "optimizer" and not any(c.bytes for c in group)
     if unsized:  # no shapes inside the tensor lists: the fused step at the foreach kernels' own pace, by passes
-        fused_times = [c.time * min(1.0, pattern.passes / max(_list_passes(trace, c, optimizer), 1)) for c in group]
+        list_passes = [_list_passes(trace, c, optimizer) for c in group]
+        fused_times = [c.time * min(1.0, pattern.passes / max(p, 1)) for c, p in zip(group, list_passes)]
     fused_time = sum(fused_times)
     moved = sum(c.bytes for c in group)
     fused_bytes = sum(fused_bytes_each)
@@ -686,17 +687,16 @@ def _finding(trace, kind, cls, group, bandwidth) -> Finding:
                                + ([f"{backward} backward"] if backward else [])) \
             + (" chains" if len(group) > 1 else " chain")
     if unsized:
-        passes = sum(_list_passes(trace, c, optimizer) for c in group) / len(group)
         detail = (f"{counted}{where} ({n_kernels} kernels, e.g. {ops}) took {per_step_note(trace, time)}. The trace "
                   f"records no shapes inside tensor lists, so the bytes are not known: the foreach kernels make "
-                  f"{passes:.0f} passes over the parameters a step, a fused {optimizer or 'optimizer'} step "
+                  f"{sum(list_passes) / len(group):.0f} passes over the parameters a step, a fused {optimizer or 'optimizer'} step "
                   f"{pattern.passes}; at the same pace, {fmt_us(per_step(trace, fused_time))}.{cost_note}")
     else:
         detail = (f"{counted}{where} ({n_kernels} kernels, e.g. {ops}) took {per_step_note(trace, time)} moving "
                   f"{per_step(trace, moved) / 1e6:.1f} MB per step; fused, each reads its input once and writes its "
                   f"output once: {per_step(trace, fused_bytes) / 1e6:.1f} MB, {fmt_us(per_step(trace, fused_time))} "
                   f"at {trace.device.memory_bandwidth_gbps:.0f} GB/s.{cost_note}")
-    snippet = None
+    snippet, fix = None, None
     if kind == "optimizer":
         summary, snippet, fix = _optimizer_fix(optimizer)
     elif swap:
@@ -723,11 +723,10 @@ def _finding(trace, kind, cls, group, bandwidth) -> Finding:
                   "directions": _directions(group, fused_bytes_each),
                   **({"modules": instances[:32], "module_class": cls} if instances else {}),
                   **({"swap_applies_to": len(fits), "swap_does_not_apply_to": misfits[:32]} if misfits is not None else {})},
-        recommendation=Recommendation(summary, swap, snippet if kind == "optimizer"
-                                      else pattern.snippet if swap or not pattern.swap
-                                      else CODE_FIXES[kind][1] if small is None and _code_fix_fits(kind, cls)
-                                      else PATTERNS["generic"].snippet,
-                                      fix if kind == "optimizer" else None),
+        recommendation=Recommendation(summary, swap, snippet or (pattern.snippet if swap or not pattern.swap
+                                                                 else CODE_FIXES[kind][1]
+                                                                 if small is None and _code_fix_fits(kind, cls)
+                                                                 else PATTERNS["generic"].snippet), fix),
         change=change,
         key=f"unfused_chain:{kind}:{cls or ''}",
     )
