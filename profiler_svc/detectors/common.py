@@ -169,7 +169,7 @@ def conv_flops(op_name: str, inputs: OpInputs) -> float:
     weight's gradients (those its output mask asks for) each take as many."""
     if op_name == _CONV_BACKWARD[0]:
         t = inputs.tensors()
-        name, where, transposed, mask = _CONV_BACKWARD
+        _, where, transposed, mask = _CONV_BACKWARD
         if len(t) < 3 or len(t[1][0]) < 3 or len(t[2][0]) != len(t[1][0]) or \
                 str(inputs.concrete[transposed] if transposed < len(inputs.concrete) else "") == "True":
             return 0.0

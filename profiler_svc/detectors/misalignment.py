@@ -154,10 +154,9 @@ def _head_dim(trace, kernels):
         modules = sorted({m for m in cpu["module"].iloc[rows] if isinstance(m, str)})
         why = (f"head_dim {d} is not a multiple of 8" if d % 8 else f"head_dim {d} is above 256")
         h = heads[d].most_common(1)[0][0] if heads[d] else None
-        # the hidden size is heads x head_dim: padded alone to a multiple of 8 it would not split into the heads
-        hidden = (f": hidden_size {h} x {padded} = {h * padded} with {h} heads (hidden {h * d} padded alone to "
-                  f"{round_up(h * d, 8)} would not split into them)" if h and d % 8 and round_up(h * d, 8) % h
-                  else f": hidden_size {h} x {padded} = {h * padded} with {h} heads" if h else "")
+        hidden = f": hidden_size {h} x {padded} = {h * padded} with {h} heads" if h else ""
+        if h and d % 8 and round_up(h * d, 8) % h:  # the hidden size padded alone would not split into the heads
+            hidden += f" (hidden {h * d} padded alone to {round_up(h * d, 8)} would not split into them)"
         findings.append(Finding(
             category="misalignment",
             title=f"attention head_dim {d}: flash attention refuses it",

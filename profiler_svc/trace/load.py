@@ -776,7 +776,7 @@ class TableBuilder:
 
     def _check_gpu_within_host(self, kernels, cpu, runtime) -> None:
         """A kernel that ends long after the host's last event (an hour in a trace whose host side spans 20 ms) has
-        a corrupt duration: every figure of the step would be its. Kernels without one read as 0 µs: say so."""
+        a corrupt duration: every figure of the step would be its."""
         host = [t for t in (cpu, runtime) if len(t)]
         if len(kernels) and host:
             start = min(float(t["ts"].min()) for t in host)
@@ -787,7 +787,6 @@ class TableBuilder:
                 raise TraceError(f"{self.path}: kernel {str(worst['name'])[:80]!r} ends "
                                  f"{(float(worst['end']) - end) / 1e6:.3g} s after the host's last event, in a trace "
                                  f"whose host side spans {(end - start) / 1e3:.3g} ms: a corrupt duration")
-        self.ignored["no_duration"] += int((kernels["dur"].to_numpy() == 0).sum()) if len(kernels) else 0
 
     def warnings(self) -> list[str]:
         unclosed = sum(len(stack) for stack in self.open_slices.values())
@@ -821,6 +820,7 @@ class TableBuilder:
             raise TraceError(f"{self.path}: its events span {span / 86400e6:.3g} days, which no profile does: "
                              "a corrupt timestamp")
         self._check_gpu_within_host(kernels, cpu, runtime)
+        self.ignored["no_duration"] += int((kernels["dur"].to_numpy() == 0).sum())  # read as 0 µs: a warning says so
         # The capture agent writes its module labels as cheap cpu_op ranges; they are annotations.
         if len(cpu):
             is_label = name_mask(cpu, lambda n: n.startswith(labels.MODULE_PREFIX))
