@@ -51,6 +51,10 @@ class Finding:
     change: Change = field(default_factory=Change, repr=False)
     # a finding for several ranks of one job: each rank's own change (the report replays them together)
     change_by_rank: dict = field(default_factory=dict, repr=False)
+    # the fix's whole change where another finding claimed some of its kernels (`change` then leaves them out):
+    # applied alone, the fix still changes those kernels (TF32 speeds the math path's bmm kernels)
+    whole_change: Optional[Change] = field(default=None, repr=False)
+    whole_change_by_rank: dict = field(default_factory=dict, repr=False)  # the same, per rank (change_by_rank's)
     # identifies "the same problem" across ranks and runs (e.g. "unfused_chain:rms_norm:LlamaRMSNorm")
     key: str = ""
     # (key, title, sizes) of the root cause when several findings can share one (a misaligned size): the report

@@ -39,6 +39,15 @@ def detect(trace: Trace) -> list[Finding]:
     return findings
 
 
+def _fp32_call(trace, ops) -> np.ndarray:
+    """Per op index in OPS: is its first input tensor fp32 (looked up once per op)?"""
+    first: dict = {}
+    for op in set(ops.tolist()):
+        tensors = trace.op_inputs(op).tensors() if op >= 0 else []
+        first[op] = bool(tensors) and tensors[0][1] == "fp32"
+    return np.fromiter((first[op] for op in ops.tolist()), bool, len(ops))
+
+
 def _group_by_op(trace, kernels):
     """{(launching op name, top op name, input shapes, dtypes): [kernel rows]}, inputs decoded once per op."""
     groups = defaultdict(list)
@@ -74,8 +83,10 @@ def _evidence(rows, trace, extra=None):
 
 def _simt_matmuls(trace, kernels):
     candidates = kernels[name_mask(kernels, is_simt_matmul)]
-    # SDPA's math path runs its bmm in fp32 inside the op: the SDPA finding covers it
-    candidates = candidates[candidates["top_op_name"] != "aten::scaled_dot_product_attention"]
+    # SDPA's math path upcasts half-precision q/k/v to run its bmm in fp32: the SDPA finding's alone. With fp32
+    # q/k/v TF32 speeds those bmm kernels too (the SDPA finding claims them for the report; Analysis.predict)
+    candidates = candidates[(candidates["top_op_name"] != "aten::scaled_dot_product_attention").to_numpy()
+                            | _fp32_call(trace, candidates["top_op"].to_numpy())]
     tf32_off = trace.numerics.get("allow_tf32_matmul") is False
     precision = trace.numerics.get("float32_matmul_precision")
     by_kind = defaultdict(list)

@@ -52,12 +52,13 @@ class Analysis:
     host: HostCost = HostCost()
 
     def predict(self, findings: list, host: Optional[HostCost] = None) -> dict:
-        """The replayed step with these findings' fixes applied together (one replay, never a sum); HOST: another
-        host than the calibrated one (a diagnostic's)."""
+        """The replayed step with these findings' fixes applied together (one replay, never a sum), each with its
+        whole change: a kernel another finding claimed for the report still changes when only this fix is applied.
+        HOST: another host than the calibrated one (a diagnostic's)."""
         if not self.trace.has_gpu:
             return {}
         host = host or self.host
-        change = Change.union([f.change for f in findings])
+        change = Change.union([f.whole_change or f.change for f in findings])
         timeline = self.trace.timeline
         before = timeline.replay(host=host).loop_step_us
         after = timeline.replay(change, host=host).loop_step_us
@@ -217,6 +218,7 @@ def _resolve_claims(findings: list) -> list:
                 claimant.evidence.setdefault("related", []).append(f.title)
                 claimant.detail += f" Related: {f.title}."
                 continue
+            f.whole_change = f.change
             f.change = f.change.without_kernels(overlap)
             f.evidence["kernels_claimed_elsewhere"] = len(overlap)
         if f.change.copies_removed & copies:

@@ -75,6 +75,7 @@ def merge_ranks(analyses: list[Analysis], job: Optional[Job] = None) -> list[Fin
             worst.evidence["spread_us_per_step"] = round(max(values) - min(values), 2)
         if job is not None:
             worst.change_by_rank = {f.rank: f.change for f in group}
+            worst.whole_change_by_rank = {f.rank: f.whole_change for f in group if f.whole_change is not None}
             if any(f.saving_us_per_step > 0 for f in group):  # one that shortens no rank's step is not replayed
                 worst.saving_us_per_step = round(job.step_us - _job_step_us(analyses, job, [worst]), 2)
                 if worst.recommendation.swap and worst.saving_us_per_step < 0:
@@ -85,35 +86,41 @@ def merge_ranks(analyses: list[Analysis], job: Optional[Job] = None) -> list[Fin
     return out
 
 
-def _rank_changes(analyses: list[Analysis], findings: list[Finding]) -> list[Change]:
-    """Per rank (in ANALYSES' order), the union of FINDINGS' changes on that rank (merge_ranks' change_by_rank)."""
+def _rank_changes(analyses: list[Analysis], findings: list[Finding], whole: bool = False) -> list[Change]:
+    """Per rank (in ANALYSES' order), the union of FINDINGS' changes on that rank (merge_ranks' change_by_rank);
+    WHOLE: each with the kernels other findings claimed (Analysis.predict's)."""
     changes: dict = {a.trace.rank: [] for a in analyses}
     for f in findings:
         for rank, change in f.change_by_rank.items():
-            changes[rank].append(change)
+            changes[rank].append(f.whole_change_by_rank.get(rank, change) if whole else change)
     return [Change.union(changes[a.trace.rank]) if changes[a.trace.rank] else Change() for a in analyses]
 
 
-def _job_step_us(analyses: list[Analysis], job: Job, findings: list[Finding], pace: float = 1.0) -> float:
-    """The job's step with FINDINGS' changes on every rank that has them, its hosts at PACE times their time."""
+def _job_step_us(analyses: list[Analysis], job: Job, findings: list[Finding], pace: float = 1.0,
+                 whole: bool = False) -> float:
+    """The job's step with FINDINGS' changes on every rank that has them, its hosts at PACE times their time
+    (WHOLE: _rank_changes')."""
     hosts = job.hosts if pace == 1.0 else [h.paced(pace) for h in job.hosts]
-    changes = _rank_changes(analyses, findings) if findings else None
+    changes = _rank_changes(analyses, findings, whole) if findings else None
     return job.replay.step_us(job.replay.replay(hosts, changes))
 
 
-def _job_pace_range(analyses: list[Analysis], job: Job, findings: list[Finding], saving_us: float) -> dict:
-    return pace_range(lambda pace: (_job_step_us(analyses, job, [], pace), _job_step_us(analyses, job, findings, pace)),
+def _job_pace_range(analyses: list[Analysis], job: Job, findings: list[Finding], saving_us: float,
+                    whole: bool = False) -> dict:
+    return pace_range(lambda pace: (_job_step_us(analyses, job, [], pace),
+                                    _job_step_us(analyses, job, findings, pace, whole)),
                       saving_us, job.step_us, empty=not findings)
 
 
 def job_predict(analyses: list[Analysis], job: Job, findings: list[Finding]) -> dict:
     """The job's step replayed with these (merged) findings' fixes on every rank that has them, applied together
-    in one replay: what an A/B of exactly those fixes on the job should measure (Report.predict)."""
+    in one replay, each with its whole change (Analysis.predict's): what an A/B of exactly those fixes on the job
+    should measure (Report.predict)."""
     findings = [f for f in findings if f.change_by_rank]
-    after = _job_step_us(analyses, job, findings)
+    after = _job_step_us(analyses, job, findings, whole=True)
     saving = job.step_us - after
     return {"scope": "job", "step_us": round(job.step_us, 2), "step_us_after": round(after, 2),
-            "saving_us_per_step": round(saving, 2), **_job_pace_range(analyses, job, findings, saving),
+            "saving_us_per_step": round(saving, 2), **_job_pace_range(analyses, job, findings, saving, whole=True),
             "findings": [f.key for f in findings]}
 
 

@@ -84,8 +84,8 @@ class Report:
 
 def _finding_dict(f: Finding) -> dict:
     # without the replay's Change first: asdict would deep-copy its thousands of kernel rows only to drop them
-    d = asdict(replace(f, change=Change(), change_by_rank={}))
-    for private in ("key", "change", "change_by_rank"):
+    d = asdict(replace(f, change=Change(), change_by_rank={}, whole_change=None, whole_change_by_rank={}))
+    for private in ("key", "change", "change_by_rank", "whole_change", "whole_change_by_rank"):
         d.pop(private)
     d["saving_us_per_step"] = round(f.saving_us_per_step, 2)
     d["gpu_time_saved_us_per_step"] = round(f.gpu_time_saved_us_per_step, 2)

@@ -113,11 +113,14 @@ class Change:
 
     @staticmethod
     def union(changes) -> "Change":
-        """All of CHANGES at once (a later one's duration for a kernel wins), in one pass: merging them one
-        by one would copy the growing whole each time."""
+        """All of CHANGES at once (a kernel two of them shorten takes the shorter duration), in one pass: merging
+        them one by one would copy the growing whole each time."""
         out = Change()
         for c in changes:
+            both = out.durations.keys() & c.durations.keys()
+            shorter = {k: min(out.durations[k], c.durations[k]) for k in both}
             out.durations.update(c.durations)
+            out.durations.update(shorter)
             out.removed |= c.removed
             out.copies_removed |= c.copies_removed
             out.host_removed += c.host_removed

@@ -289,6 +289,26 @@ def test_sdpa_math_path_in_training_prices_its_backward():
     assert f.saving_us_per_step > 2000  # launch-bound: mostly the host work of both directions
 
 
+def test_tf32_alone_also_speeds_the_math_path_kernels_the_sdpa_finding_claims():
+    """An fp32 Llama trained with TF32 off (H200): SDPA, fp32 and grouped-query, runs its math path on FFMA bmm kernels.
+    The SDPA finding claims them for the report, but TF32 applied alone speeds them too. The TF32 fix alone was
+    predicted without them, and without the forward's: 31.38 ms, where `fixes_ab.py`'s A/B measured 36.08
+    (55.49 -> 19.39 ms a step). The step is GPU-bound: TF32 saves every FFMA kernel's time (from the raw JSON) but the
+    same FLOPs at half the TF32 peak (from the model's config)."""
+    name = "llama_fp32_sdpa_math_train_h200"
+    steps = report(name).steps["count"]
+    ffma_us = raw_kernel_time(name, lambda n: "ffma" in n.lower() or "simt" in n.lower()) / steps
+    tokens, hidden, heads, head_dim, seq, layers = 4096, 1024, 16, 64, 1024, 4
+    linear_params = layers * hidden * (hidden + 2 * 512 + hidden + 3 * 2816) + hidden * 32000
+    attention = layers * 3 * 2 * (2 * tokens // seq * heads * seq * seq * head_dim)  # QK^T and PV, forward + backward
+    flops = 6 * tokens * linear_params + attention
+    tf32 = one(name, "simt:matmul:fp32")
+    assert tf32.evidence["time_us"] / steps == pytest.approx(ffma_us, rel=1e-3)  # the forward's bmm kernels too
+    assert report(name).predict(fixes=["tf32"])["saving_us_per_step"] == pytest.approx(
+        ffma_us - flops / (494e6 / 2), rel=0.02)
+    assert tf32.saving_us_per_step < 0.9 * (ffma_us - flops / (494e6 / 2))  # the report's own: less what SDPA's claims
+
+
 # -- shapes: one finding per root cause -------------------------------------------------------------
 
 def test_gpt2_vocab_padding_is_exact():

@@ -54,6 +54,17 @@ def test_gpu_bound_step_shortens_with_its_kernels(tmp_path):
     assert s["gpu"] > 0.9 and s["host"] < 0.1
 
 
+def test_two_fixes_that_shorten_one_kernel_leave_it_at_the_shorter(tmp_path):
+    """TF32 and an aligned size both price one GEMM: applied together it takes the shorter of the two, whichever
+    fix comes first (a later one's duration used to win, so the union's order decided the step)."""
+    trace = gpu_bound(tmp_path)
+    k = kernels_of(trace)
+    short, long = Change(durations={k[0]: 10.0}), Change(durations={k[0]: 60.0})
+    for changes in ([short, long], [long, short]):
+        assert Change.union(changes).durations == {k[0]: 10.0}
+        assert trace.timeline.replay(Change.union(changes)).total_us == pytest.approx(1010 - 90, abs=1e-6)
+
+
 def test_host_bound_step_ignores_faster_kernels(tmp_path):
     trace = host_bound(tmp_path)
     timeline = trace.timeline
