@@ -13,7 +13,7 @@ from ..formats import fmt_us
 from ..trace.job_replay import JobReplay, keyed_by_name_and_order
 from ..trace.replay import Change, HostCost
 
-from .analysis import Analysis, pace_range, slows_step, unprofiled_step_us
+from .analysis import Analysis, on_top, pace_range, slows_step, unprofiled_step_us
 from .severity import severity_for
 
 # A rank is a straggler when what its peers lose waiting for it is at least this share of the step.
@@ -144,6 +144,10 @@ def job_prediction(analyses: list[Analysis], job: Job, findings: list[Finding]) 
         waterfall.append({"finding": f.key, "title": f.title, "saving_us_per_step": round(step - after_us, 2),
                           "step_us_after": round(after_us, 2)})
         step = after_us
+    added, entries, step = on_top([f for f in findings if f.change_by_rank], step,
+                                  lambda more: _job_step_us(analyses, job, kept + more))
+    kept += added
+    waterfall += entries
     unprofiled = [u for u in (unprofiled_step_us(a.trace) for a in analyses) if u]
     measured = float(np.median(unprofiled)) if len(unprofiled) == len(analyses) else None
     return {"scope": "job", "step_us": round(step_us, 2), "step_us_after": round(step, 2),

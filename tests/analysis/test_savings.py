@@ -10,7 +10,7 @@ import pytest
 
 from profiler_svc.recommendations import recommend
 from profiler_svc.recommendations.analysis import HOST_PACE_RANGE
-from tests.plugins.traces import gpu_fixtures
+from tests.plugins.traces import fixture_path, gpu_fixtures
 
 GPU_FIXTURES = gpu_fixtures()
 _reports = {}
@@ -73,7 +73,10 @@ def test_savings_are_bounded_and_claims_disjoint(path):
     assert all(n["saving_us_per_step"] < 0 for n in p["not_combined"]) and not left_out & set(p["findings"])
     combined = set(p["findings"]) | left_out  # every helpful finding (savings are rounded to 0.01 µs in r)
     assert {f.key for f in r.findings if f.saving_us_per_step > 0} <= combined
-    assert combined <= {f.key for f in r.findings if f.saving_us_per_step >= 0}
+    # one that alone leaves the step as it is joins only where it shortens the step on top of the others
+    on_top = {w["finding"] for w in p["waterfall"] if w.get("on_top")}
+    assert all(w["saving_us_per_step"] > 0 for w in p["waterfall"] if w.get("on_top"))
+    assert combined - on_top <= {f.key for f in r.findings if f.saving_us_per_step >= 0}
     claimed, copies = set(), set()
     trace = r.analyses[0].trace if len(r.analyses) == 1 else None
     for f in r.findings:
@@ -85,6 +88,18 @@ def test_savings_are_bounded_and_claims_disjoint(path):
             ops = np.unique(trace.memory["top_op"].to_numpy()[sorted(f.change.copies_removed)])
             assert np.isin(np.flatnonzero(np.isin(trace.column("kernels", "top_op"), ops)), list(kernels)).all(), f.title
     assert "total_estimated_savings_us" not in r.to_dict()["summary"]
+
+
+def test_a_fix_that_pays_only_on_top_of_the_others_joins_the_combined_prediction():
+    """GPT-2 fp16 training waits on its host: padding the vocabulary frees GPU time that alone does not shorten the
+    step, and the combined prediction left it out. With the host-side fixes in, the step waits on the GPU and the
+    padding saves about the GPU time it frees."""
+    r = report(fixture_path("gpt2_fp16_train"))
+    [pad] = [f for f in r.findings if f.key == "misalignment:gemm:fp16:((50257, 50304),)"]
+    assert pad.saving_us_per_step <= 0 < pad.gpu_time_saved_us_per_step
+    [entry] = [w for w in r.prediction["waterfall"] if w["finding"] == pad.key]
+    assert entry["on_top"] and entry["saving_us_per_step"] == pytest.approx(pad.gpu_time_saved_us_per_step, rel=0.1)
+    assert "on top of the other recommended fixes" in pad.detail
 
 
 RANK_FOLDERS = sorted({p.parent for p in GPU_FIXTURES if "_rank" in p.name})
