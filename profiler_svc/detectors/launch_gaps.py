@@ -161,7 +161,8 @@ def _dynamic_shape_ops(trace: Trace) -> list:
     out = []
     for name in names:
         rows = cpu.index[name_mask(cpu, lambda n: n == name)][:2000]
-        shapes = {tuple(tuple(d) if isinstance(d, list) else () for d in trace.op_inputs(r).dims) for r in rows}
+        shapes = {tuple(tuple(d) if isinstance(d, list) and all(type(x) is int for x in d) else ()
+                        for d in trace.op_inputs(r).dims) for r in rows}  # a nested list is no tensor's shape
         if _most_sizes_of_one_dimension(shapes) >= _DYNAMIC_SHAPES:
             out.append(name.removeprefix("aten::"))
     return out

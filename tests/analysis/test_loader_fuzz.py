@@ -288,3 +288,19 @@ def test_damaged_traces_analyse_or_fail_in_one_line(name, tmp_path, capsys):
                     assert report["findings"] == expected["findings"], recipe
                     assert report["top_kernels"] == expected["top_kernels"], recipe
         path.unlink()
+
+
+def test_a_tensor_list_where_a_shape_belongs_is_no_shape(tmp_path, capsys):
+    """A matmul, bmm or SDPA whose recorded input is a list of shapes (a tensor list's layout) is analysed as one
+    without a shape; the dynamic-shape check took it for a shape and raised TypeError."""
+    doc = _source("llama_bf16_train")
+    changed = 0
+    for event in doc.events:
+        if event.get("name") in ("aten::matmul", "aten::bmm", "aten::scaled_dot_product_attention"):
+            event.setdefault("args", {})["Input Dims"] = [[[2, 3]], [3, 4]]
+            changed += 1
+    assert changed
+    path = tmp_path / "nested_dims.json"
+    path.write_bytes(doc.text())
+    assert _recommend(path, "text", "nested Input Dims") == 0
+    assert capsys.readouterr().err == ""
