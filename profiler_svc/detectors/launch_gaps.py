@@ -104,8 +104,8 @@ def detect(trace: Trace) -> list[Finding]:
             detail = (f"{int(mask.sum())} gaps, {per_step_note(trace, idle)} ({share:.1f}% of the window), ended "
                       f"with a kernel the CPU launched only after the GPU had gone idle. {len(short)} of "
                       f"{len(in_window)} kernels run under 10 µs"
-                      + (f" while a launch call takes {median_launch:.1f} µs (median)" if median_launch else "")
-                      + ": the step is launch-bound.")
+                      + (f" while a launch call takes {median_launch:.1f} µs (median): kernels that short end before "
+                         "the next is launched" if median_launch else "") + ".")
             timeline = trace.timeline  # the replayed steps: a long trace's middle ones
             own_code = float(timeline.gap_idle.sum()) / max(len(timeline.steps), 1)
             if own_code > 0:

@@ -172,6 +172,15 @@ def test_llama_profiled_step_is_launch_bound_and_says_why():
     assert top.evidence["idle_breakdown"]["host_wait"]["gaps"] == top.evidence["gaps"]
 
 
+def test_the_launch_gap_finding_leaves_the_steps_bound_to_the_replay():
+    """The launch-gap finding called every step launch-bound, also where the replay found compute bounds it (the
+    bf16 Llama's 4x2048 inference, GPU busy 88%, the finding's own saving negative); the header names the bound."""
+    r = report("llama8_bf16_4x2048_infer_h200_clocks")
+    assert r.steps["bottleneck"]["kind"] == "compute"
+    gaps = one("llama8_bf16_4x2048_infer_h200_clocks", "launch_gaps:host_wait")
+    assert "launch-bound" not in gaps.detail and "kernels that short end before the next is launched" in gaps.detail
+
+
 # -- fallbacks, priced from FLOPs ----------------------------------------------------------------
 
 def test_gpt2_fp32_without_tf32_falls_back_to_ffma():
