@@ -11,6 +11,8 @@ from .common import Finding, Recommendation, fmt_us, name_mask, per_step
 
 # Report the wait when it is at least this share of the window.
 _MIN_SHARE = 0.03
+# FSDP2 (fully_shard) records its collectives' host work under these op names
+_FSDP2_OPS = ("FSDP::", "fsdp::")
 
 
 def detect(trace: Trace) -> list[Finding]:
@@ -38,14 +40,23 @@ def detect(trace: Trace) -> list[Finding]:
         detail += " The collectives run on gloo, which copies CUDA tensors to the host and back."
     if overlap is not None:
         detail += f" {100 * overlap:.0f}% of the collective kernels' time overlaps compute."
-    summary = ("Use the NCCL backend for CUDA tensors (gloo goes through the host), and overlap communication "
-               "with the backward pass (DDP buckets: bucket_cap_mb, gradient_as_bucket_view=True)."
-               if cuda_on_gloo else
-               "Overlap communication with compute: DDP's bucketing (bucket_cap_mb), FSDP's prefetching "
-               "(forward_prefetch / backward_prefetch), fewer or larger collectives; check for a straggler rank.")
-    # bucket_cap_mb's default (25) is named, not set: what overlaps best depends on the model's gradients
-    snippet = ('dist.init_process_group("nccl")  # CUDA tensors\n'
-               'model = DDP(model, gradient_as_bucket_view=True)  # bucket_cap_mb: 25 by default')
+    fsdp2 = bool(name_mask(cpu, lambda n: n.startswith(_FSDP2_OPS)).any())
+    if cuda_on_gloo:
+        summary = ("Use the NCCL backend for CUDA tensors (gloo goes through the host), and overlap communication "
+                   "with the backward pass (DDP buckets: bucket_cap_mb, gradient_as_bucket_view=True).")
+        # bucket_cap_mb's default (25) is named, not set: what overlaps best depends on the model's gradients
+        snippet = ('dist.init_process_group("nccl")  # CUDA tensors\n'
+                   'model = DDP(model, gradient_as_bucket_view=True)  # bucket_cap_mb: 25 by default')
+    elif fsdp2:
+        summary = ("Overlap FSDP2's all-gathers with compute: prefetch the next layers' parameters "
+                   "(set_modules_to_forward_prefetch / set_modules_to_backward_prefetch); reshard_after_forward=False "
+                   "on the last layers saves their backward all-gather where memory allows; check for a straggler rank.")
+        snippet = ("for i, layer in enumerate(layers[:-1]):  # fully_shard'ed decoder layers\n"
+                   "    layer.set_modules_to_forward_prefetch([layers[i + 1]])")
+    else:
+        summary = ("Overlap communication with compute: DDP's bucketing (bucket_cap_mb, gradient_as_bucket_view), "
+                   "FSDP's prefetching, fewer or larger collectives; check for a straggler rank.")
+        snippet = 'model = DDP(model, gradient_as_bucket_view=True)  # bucket_cap_mb: 25 by default'
     return [Finding(
         category="communication",
         title=f"waiting on {backend} collectives: {share:.0f}% of the step",

@@ -1182,6 +1182,14 @@ def test_nccl_fsdp2_planted_straggler_costs_what_balancing_saved():
                 if f.key == "communication:straggler"]
 
 
+def test_fsdp2_waiting_on_collectives_gets_fsdp2s_advice_not_ddps():
+    """An FSDP2 job over NCCL was told to initialise NCCL and wrap the model in DDP (and FSDP1's prefetch flags)."""
+    [wait] = [f for f in folder_report("llama_nccl_fsdp2_4step").findings if f.key.startswith("communication:wait")]
+    rec = wait.recommendation
+    assert "set_modules_to_forward_prefetch" in rec.summary and "set_modules_to_forward_prefetch" in rec.snippet
+    assert "DDP(" not in rec.snippet and "init_process_group" not in rec.snippet
+
+
 def test_fsdp2_copies_into_its_collectives_buffers_are_no_optimizer_step():
     """FSDP2 copies each layer's shards into its all-gather buffer with one multi-tensor kernel
     (fsdp::all_gather_copy_in, a _foreach_copy_ inside): already one kernel a call, and no optimizer. They had
