@@ -22,6 +22,8 @@ _MIN_SHARE = 0.03
 # An op one of whose dimensions takes this many sizes in the window, the others held, runs with dynamic shapes (a
 # growing KV cache): CUDA graphs replay fixed shapes only.
 _DYNAMIC_SHAPES = 8
+# torch.compile's ops in a trace: a Dynamo region, an Inductor graph
+_COMPILED_OPS = ("Torch-Compiled Region", "CompiledFxGraph")
 CAUSES = ("host_wait", "own_code", "sync", "collective", "kernel_to_kernel")
 
 
@@ -121,6 +123,13 @@ def detect(trace: Trace) -> list[Finding]:
                     "until then, fuse small ops or give each launch more work (larger batch).", None,
                     'model.generation_config.cache_implementation = "static"\n'
                     'model.forward = torch.compile(model.forward, mode="reduce-overhead")  # CUDA graphs')
+            elif _compiled(trace):
+                # backend="cudagraphs" would drop the Inductor kernels this model already runs
+                rec = Recommendation(
+                    "Remove per-kernel launch cost: the model already runs under torch.compile; compile it with "
+                    "mode=\"reduce-overhead\", which replays its Inductor kernels as CUDA graphs, or give each launch "
+                    "more work (larger batch).",
+                    None, 'model = torch.compile(model, mode="reduce-overhead")  # in place of the current compile call')
             else:
                 rec = Recommendation(
                     "Remove per-kernel launch cost: capture the step in a CUDA graph (torch.compile "
@@ -151,6 +160,11 @@ def detect(trace: Trace) -> list[Finding]:
             recommendation=rec, change=change, key=f"launch_gaps:{cause}",
         ))
     return findings
+
+
+def _compiled(trace: Trace) -> bool:
+    """Does the step run under torch.compile (Dynamo's compiled regions, Inductor's graphs in the trace)?"""
+    return bool(name_mask(trace.cpu, lambda n: n.startswith(_COMPILED_OPS)).any())
 
 
 def _dynamic_shape_ops(trace: Trace) -> list:

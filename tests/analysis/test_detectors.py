@@ -181,6 +181,15 @@ def test_the_launch_gap_finding_leaves_the_steps_bound_to_the_replay():
     assert "launch-bound" not in gaps.detail and "kernels that short end before the next is launched" in gaps.detail
 
 
+def test_a_compiled_model_is_not_told_to_compile_with_the_cudagraphs_backend():
+    """The Inductor-compiled Llama was told `torch.compile(model, backend="cudagraphs")`, which would drop the Inductor
+    kernels it runs; mode="reduce-overhead" keeps them and adds the graphs."""
+    gaps = one("llama_bf16_compiled_infer", "launch_gaps:host_wait")
+    assert 'mode="reduce-overhead"' in gaps.recommendation.snippet and "cudagraphs" not in gaps.recommendation.snippet
+    assert gaps.recommendation.fix is None  # the A/B's cuda_graphs fix is the cudagraphs backend
+    assert 'backend="cudagraphs"' in one("llama_bf16_train", "launch_gaps:host_wait").recommendation.snippet
+
+
 # -- fallbacks, priced from FLOPs ----------------------------------------------------------------
 
 def test_gpt2_fp32_without_tf32_falls_back_to_ffma():
