@@ -177,10 +177,18 @@ def module_tree(modules: list[dict]) -> list[dict]:
     return sorted(roots, key=lambda c: -(c["forward_us_per_step"] + c["backward_us_per_step"]))
 
 
+# A module this many names deep hangs under its ancestor at this depth (a label of hundreds of dots is a damaged or
+# hostile trace: the tree, and the page's recursive macro, stay shallow)
+MAX_MODULE_DEPTH = 24
+
+
 def _parent(name: str) -> str | None:
     if name == "<root>":
         return None
-    return name.rsplit(".", 1)[0] if "." in name else "<root>"
+    if "." not in name:
+        return "<root>"
+    parts = name.split(".", MAX_MODULE_DEPTH)
+    return ".".join(parts[:MAX_MODULE_DEPTH - 1]) if len(parts) > MAX_MODULE_DEPTH else name.rsplit(".", 1)[0]
 
 
 # -- evidence as tables --------------------------------------------------------------------------------

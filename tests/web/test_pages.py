@@ -241,6 +241,24 @@ def test_module_view_is_a_tree_of_the_reports_module_times(engine, blobs, client
     assert 'id="no-modules"' in client.get(f"/runs/{plain}/modules").get_data(as_text=True)
 
 
+def test_a_module_label_hundreds_of_names_deep_renders_under_a_shallow_tree(engine, blobs, client, tmp_path):
+    """A label of 300 dotted names (600 characters, a damaged or hostile trace) overflowed the page's recursive macro:
+    HTTP 500. Below 24 levels it hangs under its ancestor there, named in full."""
+    import gzip
+    doc = json.loads(gzip.decompress(LABELLED.read_bytes()))
+    deep = ".".join(["m"] * 300)
+    for event in doc["traceEvents"]:
+        if event.get("name", "").startswith("module::model.layers.0.mlp.down_proj"):
+            event["name"] = f"module::{deep} (Linear)"
+    path = tmp_path / "deep_module.json"
+    path.write_text(json.dumps(doc))
+    run_id = ingest(engine, blobs, path)
+    response = client.get(f"/runs/{run_id}/modules")
+    assert response.status_code == 200
+    page = response.get_data(as_text=True)
+    assert f'<span class="mod-name">{deep}</span>' in page and page.count('<details class="module"') < 400
+
+
 def test_top_kernels_show_the_reports_short_names_ops_and_rates(engine, blobs, client):
     run_id = ingest(engine, blobs, LABELLED)
     kernels = recommend(str(LABELLED)).to_dict()["top_kernels"]
