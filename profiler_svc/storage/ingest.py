@@ -385,20 +385,35 @@ def _queue_run_analysis(session, run: Run, traces: int) -> None:
 
 
 def _remove(engine, blobs, results) -> None:
-    """Delete traces stored by this call (and runs left empty), then their blobs."""
+    """Delete traces stored by this call (and runs left empty), then their blobs where nothing else holds them: the
+    store is content-addressed, and an upload of the same content may be queued for a worker."""
     if not results:
         return
     with session_scope(engine) as session:
         traces = session.scalars(select(TraceRecord).where(TraceRecord.id.in_([r.trace_id for r in results]))).all()
-        paths = [t.blob_path for t in traces]
+        contents = [(t.blob_path, t.content_sha256) for t in traces]
         for trace in traces:
             session.delete(trace)
         session.flush()
         for run_id in {r.run_id for r in results}:
-            if session.scalar(select(TraceRecord.id).where(TraceRecord.run_id == run_id).limit(1)) is None:
-                session.delete(session.get(Run, run_id))
-    for path in paths:
+            run = session.get(Run, run_id)
+            left = list(session.scalars(select(TraceRecord).where(TraceRecord.run_id == run_id).order_by(TraceRecord.id)))
+            if not left:
+                session.delete(run)
+                continue
+            _number_unnamed(session, left, _named_ranks(left))  # the ranks the removed traces moved go back
+        unused = [path for path, sha256 in contents if _blob_unused(session, sha256)]
+    for path in unused:
         blobs.delete(path)
+
+
+def _blob_unused(session, sha256: str) -> bool:
+    """No stored trace and no upload waiting for or in analysis holds this content (under its lock)."""
+    _lock_content(session, sha256)
+    stored = session.scalar(select(TraceRecord.id).where(TraceRecord.content_sha256 == sha256).limit(1))
+    waiting = session.scalar(select(AnalysisJob.id).where(AnalysisJob.content_sha256 == sha256,
+                                                         AnalysisJob.status.in_(("queued", "running"))).limit(1))
+    return stored is None and waiting is None
 
 
 def _find_trace(engine, sha256, workload=None) -> IngestResult | None:
@@ -505,21 +520,32 @@ def _rank_in(session, run: Run, rank: int | None, filename: str, queue_joint: bo
     if analysis:
         run.analysis = {}
     traces = list(session.scalars(select(TraceRecord).where(TraceRecord.run_id == run.id).order_by(TraceRecord.id)))
-    named = {t.rank for t in traces if (t.summary or {}).get(RANK_NAMED, True)}
+    named = _named_ranks(traces)
     if rank is not None and rank in named:
         raise UserError(f"{_text(filename, 255)}: run {run.id} already holds a trace of rank {rank}; "
                         "a run is one job, each rank once")
-    free = (r for r in itertools.count() if r not in named and r != rank)
-    for trace in traces:
-        if not (trace.summary or {}).get(RANK_NAMED, True):
-            moved = next(free)
-            if trace.rank != moved:  # its findings move with it
-                session.execute(update(FindingRecord).where(FindingRecord.trace_id == trace.id).values(rank=moved))
-                trace.rank = moved
-    session.flush()
+    free = _number_unnamed(session, traces, named | ({rank} if rank is not None else set()))
     if queue_joint:  # a worker's upload; the command line analyses a run's ranks together itself (ingest_path)
         _queue_run_analysis(session, run, len(traces) + 1)
     return rank if rank is not None else next(free)
+
+
+def _named_ranks(traces) -> set:
+    return {t.rank for t in traces if (t.summary or {}).get(RANK_NAMED, True)}
+
+
+def _number_unnamed(session, traces, taken: set):
+    """The traces that name no rank take the ranks not TAKEN, in the order they came (their findings move with
+    them); the ranks left, in order."""
+    free = (r for r in itertools.count() if r not in taken)
+    for trace in traces:
+        if not (trace.summary or {}).get(RANK_NAMED, True):
+            moved = next(free)
+            if trace.rank != moved:
+                session.execute(update(FindingRecord).where(FindingRecord.trace_id == trace.id).values(rank=moved))
+                trace.rank = moved
+    session.flush()
+    return free
 
 
 def _get_or_create_run(session, *, group_key, name, host, workload, meta) -> Run:

@@ -395,6 +395,51 @@ def test_a_folder_is_all_or_nothing(engine, blobs, tmp_path):
     assert count(engine, TraceRecord) == 1 and len(stored_files(blobs)) == 1
 
 
+def test_a_failed_folder_keeps_the_file_of_an_upload_queued_with_the_same_content(engine, blobs, tmp_path):
+    """The store is content-addressed: a folder whose first file is a copy of an upload waiting for a worker, and
+    whose second is damaged, removed that upload's file with its own, and the worker then failed the upload."""
+    import shutil
+    from profiler_svc.storage.models import AnalysisJob
+    with open(SMALL_TRACE, "rb") as f:
+        job = ingest.submit_upload(engine, f, filename="upload.json.gz", blobs=blobs)
+    folder = tmp_path / "job"
+    folder.mkdir()
+    shutil.copy(SMALL_TRACE, folder / "a.json.gz")
+    (folder / "b.json.gz").write_bytes(gzip.compress(b'{"traceEvents": [ {"ph": "X"'))
+    with pytest.raises(UserError):
+        ingest.ingest_path(engine, folder, blobs=blobs)
+    assert count(engine, TraceRecord) == 0
+    with storage_db.session_scope(engine) as s:
+        queued = s.get(AnalysisJob, job.id)
+        assert queued.status == "queued" and blobs.path(queued.blob_path).is_file()
+
+
+def test_a_failed_folder_gives_the_runs_traces_back_their_ranks(engine, blobs, tmp_path):
+    """Two traces naming no rank, in one run as ranks 0 and 1; a folder into the same run whose file names rank 0
+    moves them to 1 and 2, and its damaged second file fails it. They stayed at 1 and 2 (no rank 0 in the run, and
+    the next joint analysis stored rank 1's straggler on the trace of rank 0)."""
+    def unnamed(name, rank):
+        data = json.loads(gzip.decompress((DDP / f"gpt2_ddp_rank{rank}.json.gz").read_bytes()))
+        data.pop("distributedInfo", None)
+        path = tmp_path / f"{name}.json.gz"
+        path.write_bytes(gzip.compress(json.dumps(data).encode()))
+        return path
+    x0, x1 = ingest.ingest_path(engine, unnamed("x0", 0), group_key="K", blobs=blobs)[0], \
+        ingest.ingest_path(engine, unnamed("x1", 1), group_key="K", blobs=blobs)[0]
+    folder = tmp_path / "job"
+    folder.mkdir()
+    data = json.loads(gzip.decompress(trace_variant(tmp_path, "named").read_bytes()))
+    data["distributedInfo"] = {"rank": 0, "world_size": 3}
+    (folder / "a.json.gz").write_bytes(gzip.compress(json.dumps(data).encode()))
+    (folder / "b.json.gz").write_bytes(gzip.compress(b'{"traceEvents": [ {"ph": "X"'))
+    with pytest.raises(UserError):
+        ingest.ingest_path(engine, folder, group_key="K", blobs=blobs)
+    with storage_db.session_scope(engine) as s:
+        assert [s.get(TraceRecord, r.trace_id).rank for r in (x0, x1)] == [0, 1]
+        for r, rank in ((x0, 0), (x1, 1)):
+            assert {f.rank for f in s.scalars(select(FindingRecord).where(FindingRecord.trace_id == r.trace_id))} <= {rank}
+
+
 def test_two_uploads_of_one_rank_at_once_cannot_both_land(engine, blobs, tmp_path, monkeypatch):
     """Two files naming rank 0 of a run that exists already, uploaded at the same moment: the first holds the run
     until it commits, so the second sees its rank and is refused. PostgreSQL only: SQLite lets one writer in at a
