@@ -591,6 +591,15 @@ def _cast_storm(trace, kernels):
     )]
 
 
+def _conv1d(trace, ops) -> np.ndarray:
+    """Per op index in OPS: is its first input tensor 3-d ([N, C, L]: a 1-d convolution)?"""
+    first: dict = {}
+    for op in set(ops.tolist()):
+        tensors = trace.op_inputs(op).tensors() if op >= 0 else []
+        first[op] = bool(tensors) and len(tensors[0][0]) == 3
+    return np.fromiter((first[op] for op in ops.tolist()), bool, len(ops))
+
+
 def _is_layout_conversion(name: str) -> bool:
     return "nchwToNhwcKernel" in name or "nhwcToNchwKernel" in name
 
@@ -599,6 +608,7 @@ def _layout_conversions(trace, kernels):
     """cuDNN's tensor-core convolutions work in NHWC: given NCHW tensors, it transposes inputs, weights and
     gradients to NHWC and the results back, a kernel each way per call. In channels-last they go."""
     rows = kernels[name_mask(kernels, _is_layout_conversion)]
+    rows = rows[~_conv1d(trace, rows["top_op"].to_numpy())]  # channels-last needs 4-d tensors: no fix for a Conv1d
     conv_ops = kernels.loc[name_mask(kernels, is_conv), "op"].nunique()
     # A channels-last model keeps a conversion or two (its 3-channel stem): only most convolutions converting
     # says the layout is NCHW.

@@ -909,6 +909,9 @@ def test_nchw_resnet50_layout_conversions_recommend_channels_last():
         f.saving_us_per_step, rel=0.05)
     # already channels-last: cuDNN converts nothing
     assert not findings("resnet18_bf16_channels_last_train", key="layout")
+    # Whisper's 1-d convolutions convert too, but channels-last needs 4-d tensors: nothing to advise
+    assert raw_kernel_time("whisper_autocast_fp16_infer", lambda n: "nchwToNhwcKernel" in n) > 0
+    assert not findings("whisper_autocast_fp16_infer", key="layout")
 
 
 def test_unseen_distilbert_ffma_and_eager_attention():
