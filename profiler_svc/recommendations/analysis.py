@@ -5,7 +5,6 @@ replayed steps without it. Fixes are priced one at a time for each finding, and 
 report's one combined prediction. A kernel's time belongs to at most one finding: where two findings'
 fixes touch the same kernels, the more specific root cause keeps them.
 """
-import math
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -34,6 +33,11 @@ UNSTEADY_SPREAD = 0.2
 # (at 1972 of 1980 MHz NVML may still name the cap)
 POWER_CAPPED_CLOCK = 0.98
 _GPU_FIGURE_MAX = 1e5  # MHz, W or readings above this are not a GPU's: junk in the metadata
+_METADATA_MAX = 86400e6  # capture's figures: µs of a day at most (the loader's longest event), MHz and W far less
+# capture's unprofiled step against the trace's profiled one: the profiler slows a step, by up to several times where
+# the host bounds it, and never makes it this much faster; outside these, the figure is not this trace's step
+UNPROFILED_RATIO_MAX = 50.0
+UNPROFILED_SLOWER_MAX = 2.0
 # Host time multipliers the prediction is also replayed at: how far from capture's calibration the host's pace was
 # when the A/B ran, 10th to 90th percentile over the committed runs, rounded (benchmarks/results/host_pace_drift_*.json)
 HOST_PACE_RANGE = (0.85, 1.45)
@@ -281,6 +285,11 @@ def _calibration(trace: Trace, timeline: Timeline) -> tuple[HostCost, dict]:
                      "note": "no unprofiled step time in the trace (capture with profiler_svc.capture and a "
                              "schedule to get one): host-side figures are upper bounds, inflated by the profiler"}
     replayed = timeline.baseline  # shared with calibrate: one replay of the trace as profiled
+    if not replayed.loop_step_us / UNPROFILED_RATIO_MAX <= unprofiled <= replayed.loop_step_us * UNPROFILED_SLOWER_MAX:
+        return HostCost(), {"measured": False, **power, "note": (
+            f"the unprofiled step in the trace's metadata ({fmt_us(unprofiled)}) cannot be this trace's step "
+            f"(profiled: {fmt_us(replayed.loop_step_us)}), so it is not used: host-side figures are upper bounds, "
+            "inflated by the profiler")}
     host_step = _metadata_us(trace, "host_step_us")
     calibration = calibrate(timeline, unprofiled, host_step * replayed.steps if host_step else None)
     profiled = replayed.loop_step_us
@@ -363,15 +372,15 @@ def _metadata_us(trace: Trace, key: str) -> Optional[float]:
 
 
 def _positive(value) -> Optional[float]:
-    """VALUE (µs, MHz, W) as a float where the metadata holds a positive, finite number there, else None (an
-    integer of hundreds of digits, valid JSON, has no float)."""
+    """VALUE (µs, MHz, W) as a float where the metadata holds a number there from 1 to a day's µs, else None (an
+    integer of hundreds of digits, valid JSON, has no float; no step, clock or power limit is below 1)."""
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         return None
     try:
         number = float(value)
     except OverflowError:
         return None
-    return number if 0 < number < math.inf else None
+    return number if 1.0 <= number <= _METADATA_MAX else None
 
 
 # -- steps ---------------------------------------------------------------------------------------------

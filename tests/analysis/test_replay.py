@@ -374,11 +374,33 @@ def test_the_report_says_when_the_power_cap_held_the_clock_down():
     for junk in ("x", [1], {**capped, "samples": True}, {**capped, "power_capped": 5}, {**capped, "samples": 0},
                  {**capped, "power_capped": 1}, {**capped, "sm_mhz": float("nan")}, {**capped, "max_sm_mhz": -1},
                  {**capped, "power_limit_w": "700"}, {**capped, "max_sm_mhz": 10 ** 400},
-                 {**capped, "samples": 10 ** 400, "power_capped": 10 ** 400}, {**capped, "power_limit_w": 1e300}):
+                 {**capped, "samples": 10 ** 400, "power_capped": 10 ** 400}, {**capped, "power_limit_w": 1e300},
+                 {**capped, "power_limit_w": 1e-300}):
         trace = load_trace(path)
         trace.capture_metadata["unprofiled"]["gpu_clocks"] = junk
         calibration = analyse(trace).steps["calibration"]
         assert "power_note" not in calibration and "gpu_clocks" not in calibration
+
+
+def test_an_unprofiled_step_that_cannot_be_the_traces_is_not_calibrated_to():
+    """Metadata naming an unprofiled step of 1e-300 µs gave "the profiler inflated it by 4137...%" (300 digits), one of
+    1e300 µs a step of 10^294 s. Neither is this trace's step: the report says so and keeps the profiled host."""
+    from profiler_svc.recommendations.analysis import analyse
+    from profiler_svc.recommendations.report import render_text
+    from profiler_svc.recommendations import recommend
+    from tests.plugins.traces import fixture_path
+
+    path = fixture_path("llama8_bf16_4x2048_train_h200_clocks")
+    assert analyse(load_trace(path)).steps["calibration"]["measured"]
+    for junk in (1e-300, 1e300, 0.5, 1e9):
+        trace = load_trace(path)
+        trace.capture_metadata["unprofiled"]["step_us"] = junk
+        calibration = analyse(trace).steps["calibration"]
+        assert not calibration["measured"] and "profiler_inflation_pct" not in calibration
+        if junk == 1e9:  # a plausible number, 1000 s, but not this trace's step
+            assert "cannot be this trace's step" in calibration["note"]
+    text = render_text(recommend(str(path)))
+    assert "cannot be this trace's step" not in text
 
 
 def test_the_calibration_says_how_far_apart_captures_timed_steps_were():
