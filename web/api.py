@@ -71,7 +71,8 @@ def upload_trace():
     submitted = ingest.submit_upload(
         current_app.extensions["profiler_svc.engine"], stream, filename=filename,
         blobs=current_app.extensions["profiler_svc.blobs"], name=_text(form, "name"),
-        group_key=_text(form, "run"), host=_text(form, "host") or request.remote_addr,
+        group_key=_text(form, "run", limit=4096),  # the store keeps a longer key's hash, not its cut
+        host=_text(form, "host") or request.remote_addr,
         workload=_text(form, "workload", limit=None),
         max_bytes=current_app.config.get("MAX_TRACE_BYTES"))
     if isinstance(submitted, ingest.IngestResult):  # this content is stored already

@@ -4,6 +4,7 @@ Idempotent: a trace whose uncompressed content was stored before is not stored a
 answer says ``duplicate``). Transactional: the rows are written in one transaction and the blob
 is moved into place inside it, so a failure at any step leaves no rows and no file.
 """
+import hashlib
 import itertools
 import logging
 import os
@@ -151,7 +152,7 @@ def submit_upload(engine: Engine, stream, *, filename: str, blobs: BlobStore, na
     with _receiving(engine, blobs, stream, workload, max_bytes) as (received, existing):
         if existing:
             return existing
-        asked = dict(filename=filename, name=_text(name, 255), group_key=_text(group_key, 255),
+        asked = dict(filename=filename, name=_text(name, 255), group_key=_run_key(group_key),
                      host=_text(host, 255), workload=workload)
         for _ in range(2):  # a second round when a concurrent upload of the same content won the insert
             try:
@@ -450,7 +451,7 @@ def _store(engine, blobs, upload: Upload, analysed: dict, *, move_blob=None, job
     group_key = upload.group_key
     # The ranks of one captured job share the capture's run id: group them without being told.
     if group_key is None and ours.get("run"):
-        group_key = f"capture:{_text(ours['run'], 200)}"
+        group_key = _run_key(f"capture:{_text(ours['run'])}")
     summary = data.get("trace", {})
     device = summary.get("device") or {}
 
@@ -549,7 +550,7 @@ def _number_unnamed(session, traces, taken: set):
 
 
 def _get_or_create_run(session, *, group_key, name, host, workload, meta) -> Run:
-    name, host, group_key = _text(name, 255) or "trace", _text(host, 255), _text(group_key, 255)
+    name, host, group_key = _text(name, 255) or "trace", _text(host, 255), _run_key(group_key)
     if group_key is None:
         run = Run(name=name[:255], host=host, workload=workload, meta=meta)
         session.add(run)
@@ -572,6 +573,15 @@ def _text(value, limit: int | None = None) -> str | None:
         return None
     text = str(value).replace("\x00", "")
     return text[:limit] if limit else text
+
+
+def _run_key(value) -> str | None:
+    """A run's key as stored (255 characters at most): a longer one keeps its start and a hash of the whole, so
+    two keys that differ only past the cut stay two runs."""
+    text = _text(value)
+    if text is None or len(text) <= 255:
+        return text
+    return f"{text[:180]}:sha256:{hashlib.sha256(text.encode('utf-8', 'surrogatepass')).hexdigest()}"
 
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")

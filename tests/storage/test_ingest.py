@@ -440,6 +440,25 @@ def test_a_failed_folder_gives_the_runs_traces_back_their_ranks(engine, blobs, t
             assert {f.rank for f in s.scalars(select(FindingRecord).where(FindingRecord.trace_id == r.trace_id))} <= {rank}
 
 
+def test_run_keys_that_differ_past_255_characters_are_two_runs(engine, blobs, tmp_path):
+    """Keys were cut to 255 characters, so two jobs whose keys differ only after that became one run of two ranks:
+    given as the upload's key, and as a capture's run name."""
+    a, b = trace_variant(tmp_path, "a"), trace_variant(tmp_path, "b")
+    [ra] = ingest.ingest_path(engine, a, group_key="x" * 255 + "-job-A", blobs=blobs)
+    [rb] = ingest.ingest_path(engine, b, group_key="x" * 255 + "-job-B", blobs=blobs)
+    assert ra.run_id != rb.run_id
+    [rc] = ingest.ingest_path(engine, trace_variant(tmp_path, "c"), group_key="x" * 255 + "-job-A", blobs=blobs)
+    assert rc.run_id == ra.run_id  # the same long key is the same run
+    runs = []
+    for tag in ("A", "B"):
+        data = json.loads(gzip.decompress(trace_variant(tmp_path, f"capture-{tag}").read_bytes()))
+        data["profiler_svc"] = {**data.get("profiler_svc", {}), "run": "r" * 300 + tag}
+        path = tmp_path / f"capture_{tag}.json.gz"
+        path.write_bytes(gzip.compress(json.dumps(data).encode()))
+        runs.append(ingest.ingest_path(engine, path, blobs=blobs)[0].run_id)
+    assert runs[0] != runs[1]
+
+
 def test_two_uploads_of_one_rank_at_once_cannot_both_land(engine, blobs, tmp_path, monkeypatch):
     """Two files naming rank 0 of a run that exists already, uploaded at the same moment: the first holds the run
     until it commits, so the second sees its rank and is refused. PostgreSQL only: SQLite lets one writer in at a

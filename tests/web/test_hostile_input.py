@@ -171,3 +171,10 @@ def test_errors_name_no_server_path(client, blobs, tmp_path):
     error = client.get(answer.get_json()["status_url"], headers=AUTH).get_json()["error"]
     assert error.startswith("broken.json") and str(blobs.root) not in error and str(tmp_path) not in error
     assert "/tmp" not in error and ".json.gz" not in error
+
+
+def test_run_keys_that_differ_past_255_characters_upload_into_two_runs(client, tmp_path):
+    """The API cut an upload's run key to 255 characters: two jobs whose keys differ after that became one run."""
+    a = stored(client, trace_variant(tmp_path, "long-a"), AUTH, run="x" * 255 + "-job-A")
+    b = stored(client, trace_variant(tmp_path, "long-b"), AUTH, run="x" * 255 + "-job-B")
+    assert a["run_id"] != b["run_id"]
