@@ -303,25 +303,29 @@ def _sdpa_math(trace, kernels):
         q = tensors[0] if tensors else None
         reasons, eligible = _sdpa_reasons(trace, inp)
         per_call = 0.0
-        if q and len(q[0]) >= 3:  # [..., L, E]: the leading dimensions are batch and heads, folded
+        priced = bool(q and len(q[0]) >= 2)
+        if priced:  # [..., L, E]: the leading dimensions (batch and heads, or none) are folded
             *batch, s, d = q[0]
-            s_k = tensors[1][0][-2] if len(tensors) > 1 and len(tensors[1][0]) >= 3 else s
+            s_k = tensors[1][0][-2] if len(tensors) > 1 and len(tensors[1][0]) >= 2 else s
             per_call = 4.0 * math.prod(batch) * s * s_k * d / (peak_tflops(trace, q[1]) * TENSOR_CORE_EFFICIENCY * 1e6)
         trained = [top for top, _, _ in calls if backward.get(top)]
         expected = per_call * (len(calls) + _FLASH_BACKWARD_FLOPS * len(trained))
         modules = sorted({r.module for _, rows, _ in calls for r in rows if isinstance(r.module, str)})
+        # without q's shape the fused kernel's FLOPs are unknown: no price, rather than a free kernel
         change = Change.union([_math_call_fused(trace, rows, per_call, top) for top, rows, _ in calls]
                               + [_math_backward_fused(trace, backward[top], _FLASH_BACKWARD_FLOPS * per_call,
-                                                      nodes[top]) for top in trained])
+                                                      nodes[top]) for top in trained]) if priced else Change()
         backward_note = (f" In the backward, their autograd nodes ran {per_step_note(trace, backward_time)} of "
                          "kernels more, which a fused backend's one backward kernel replaces." if trained else "")
         findings.append(Finding(
             category="fallback_kernel",
             title=f"scaled_dot_product_attention on the math path {shapes}",
             detail=(f"{len(calls)} SDPA calls ran as separate bmm/softmax/mask kernels (the math backend), "
-                    f"{per_step_note(trace, time)}.{backward_note} A fused flash/memory-efficient kernel would need "
-                    f"about {per_step_note(trace, expected)} and never materializes the attention matrix. "
-                    f"Why: {'; '.join(reasons)}."),
+                    f"{per_step_note(trace, time)}.{backward_note} "
+                    + (f"A fused flash/memory-efficient kernel would need about {per_step_note(trace, expected)} and "
+                       "never materializes the attention matrix. " if priced else
+                       "No shapes were recorded, so the fused kernel is not priced (record_shapes=True prices it). ")
+                    + f"Why: {'; '.join(reasons)}."),
             evidence={"op": "aten::scaled_dot_product_attention", "input_shapes": [t[0] for t in tensors],
                       "dtypes": [t[1] for t in tensors], "calls": len(calls), "time_us": round(time, 2),
                       "backward_time_us": round(backward_time, 2),

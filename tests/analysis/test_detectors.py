@@ -267,26 +267,29 @@ def math_sdpa_backward_time(name) -> float:
     return total
 
 
-def test_a_3d_sdpa_call_is_priced_as_its_batch_and_named_ineligible(tmp_path):
-    """SDPA over [N, L, E] tensors always takes the math path (the fused backends take [batch, heads, L, E]). Its
-    fused price folds the leading dimensions (it was 0 µs: every kernel's time counted as saved), and no A/B fix of
-    the backends is named: reshaping to 4-d is the fix."""
+@pytest.mark.parametrize("shape", [[16, 128, 64], [128, 64], None], ids=["3d", "2d", "no shapes"])
+def test_an_sdpa_call_not_4d_is_priced_as_its_batch_and_named_ineligible(tmp_path, shape):
+    """SDPA over [N, L, E] or [L, E] tensors always takes the math path (the fused backends take [batch, heads, L,
+    E]). Its fused price folds the leading dimensions, none for 2-d (both were 0 µs: every kernel's time counted as
+    saved), and no A/B fix of the backends is named: reshaping to 4-d is the fix. Without shapes it is not priced."""
     from profiler_svc.recommendations import recommend
     from tests.analysis.synthetic import TraceWriter
     w = TraceWriter()
     w.step(1, 0, 1000)
-    shape = [16, 128, 64]
-    w.op("aten::scaled_dot_product_attention", 100, 300, dims=[shape, shape, shape])
+    w.op("aten::scaled_dot_product_attention", 100, 300, dims=[shape, shape, shape] if shape else None)
     for i, (op, kernel) in enumerate([("aten::bmm", "ampere_bf16_s16816gemm_bf16_128x64_ldg8_nn"),
                                       ("aten::_softmax", "softmax_warp_forward"),
                                       ("aten::bmm", "ampere_bf16_s16816gemm_bf16_64x64_ldg8_nn")]):
         ext = w.op(op, 110 + 60 * i, 40)
         w.kernel(kernel, 500 + 100 * i, 80, ext, launch_ts=120 + 60 * i)
-    report = recommend(str(w.write(tmp_path / "sdpa3d.json")))
+    report = recommend(str(w.write(tmp_path / "sdpa.json")))
     [f] = [f for f in report.findings if "sdpa_math" in f.key]
-    fused = 4 * 16 * 128 * 128 * 64 / (989e6 / 2)
+    if shape is None:
+        assert f.gpu_time_saved_us_per_step == 0 and "not priced" in f.detail
+        return
+    fused = 4 * math.prod(shape[:-2]) * 128 * 128 * 64 / (989e6 / 2)
     assert f.gpu_time_saved_us_per_step == pytest.approx(240 - fused, rel=1e-3)
-    assert f.evidence["reason"][0].startswith("3-d q/k/v") and f.recommendation.fix is None
+    assert f.evidence["reason"][0].startswith(f"{len(shape)}-d q/k/v") and f.recommendation.fix is None
 
 
 def test_sdpa_math_path_in_training_prices_its_backward():
