@@ -267,7 +267,7 @@ def math_sdpa_backward_time(name) -> float:
     return total
 
 
-@pytest.mark.parametrize("shape", [[16, 128, 64], [128, 64], None], ids=["3d", "2d", "no shapes"])
+@pytest.mark.parametrize("shape", [[16, 128, 64], [4096, 128], None], ids=["3d", "2d", "no shapes"])
 def test_an_sdpa_call_not_4d_is_priced_as_its_batch_and_named_ineligible(tmp_path, shape):
     """SDPA over [N, L, E] or [L, E] tensors always takes the math path (the fused backends take [batch, heads, L,
     E]). Its fused price folds the leading dimensions, none for 2-d (both were 0 µs: every kernel's time counted as
@@ -287,7 +287,8 @@ def test_an_sdpa_call_not_4d_is_priced_as_its_batch_and_named_ineligible(tmp_pat
     if shape is None:
         assert f.gpu_time_saved_us_per_step == 0 and "not priced" in f.detail
         return
-    fused = 4 * math.prod(shape[:-2]) * 128 * 128 * 64 / (989e6 / 2)
+    *batch, length, width = shape
+    fused = 4 * math.prod(batch) * length * length * width / (989e6 / 2)
     assert f.gpu_time_saved_us_per_step == pytest.approx(240 - fused, rel=1e-3)
     assert f.evidence["reason"][0].startswith(f"{len(shape)}-d q/k/v") and f.recommendation.fix is None
 
