@@ -20,6 +20,11 @@ _FIXES = {
     "aten::nonzero": ("nonzero/masked_select need the result size on the host: use fixed-size masks "
                       "(torch.where, masked_fill) or nonzero_static.", "idx = torch.nonzero_static(mask, size=max_n)"),
 }
+# .item() in a step without a backward (a decode loop's stop test, a metric): no loss to accumulate
+_ITEM_WITHOUT_BACKWARD = (
+    "Keep the value on the GPU and read it less often: test a stop condition (a decode loop's end-of-sequence) "
+    "every N tokens, or accumulate a metric as a tensor and read it once.",
+    "done |= (next_token == eos_id)   # a GPU tensor\nif step % 16 == 0 and done.all().item(): break")
 # What a blocking copy's direction calls for (the memcpy's name says it: "Memcpy DtoH (Device -> Pageable)").
 _COPY_FIXES = {
     "DtoH": ("A device-to-host copy blocks until the GPU is done: copy asynchronously into pinned memory, or keep "
@@ -77,12 +82,15 @@ def detect(trace: Trace) -> list[Finding]:
         direction = directions.get(call.correlation) or (directions.get(("op", call.op)) if call.op >= 0 else None)
         groups[(cause, inner, direction)].append((call, idle, module))
     findings = []
+    training = bool(trace.cpu["backward"].any())
     for (cause, inner, direction), calls in groups.items():
         idle = sum(i for _, i, _ in calls)
         blocked = sum(c.dur for c, _, _ in calls)
         per_step = len(calls) / trace.step_count
         fix, snippet = _FIXES.get(cause) or _COPY_FIXES.get(direction or "") or _FIXES.get(inner) or (
             "Move the synchronization out of the step, or make the dependent host work asynchronous.", None)
+        if (fix, snippet) == _FIXES["aten::item"] and not training:  # no loss to read: a value the loop tests
+            fix, snippet = _ITEM_WITHOUT_BACKWARD
         config_fix = "use_cache" if cause == _PACKED_CHECK else None  # A/B-testable: profiler_svc ab --fix use_cache
         modules = sorted({m for _, _, m in calls if isinstance(m, str)})
         copy = direction if cause not in _FIXES else None  # .item() and the like: the op is the point

@@ -416,6 +416,8 @@ def test_decode_loop_host_syncs_graphs_and_phases():
     r = report("qwen2_bf16_decode")
     sync = one("qwen2_bf16_decode", "host_sync:aten::item")
     assert sync.evidence["calls"] == 48 and sync.evidence["per_step"] == 24
+    # no backward, no loss: the .item() is the loop's stop test, not a loss read each step
+    assert "loss" not in sync.recommendation.snippet and "eos" in sync.recommendation.snippet
     gaps = one("qwen2_bf16_decode", "launch_gaps:host_wait")
     assert gaps.severity == "high" and gaps.evidence["idle_pct"] > 50
     # the KV cache grows every token: graphs need a static cache first, and the report says so
