@@ -435,6 +435,10 @@ GRANULE = {"fp16": 8, "bf16": 8, "fp8": 16, "fp32": 4}  # elements: 16-byte oper
 TENSOR_CORE_EFFICIENCY = 0.5  # share of dense peak that real tensor-core kernels reach, if the trace shows none
 
 
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
 def peak_tflops(trace: Trace, dtype: str) -> float:
     peaks = trace.device.peak_tflops
     return peaks.get("tf32" if dtype == "fp32" else dtype) or peaks.get("bf16") or 300.0

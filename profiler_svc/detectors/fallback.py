@@ -19,7 +19,12 @@ from ..trace.replay import Change
 from .common import (TENSOR_CORE_EFFICIENCY, VOCAB_MIN, Finding, GemmReference, Recommendation, conv_flops,
                      fmt_shape, fused, gemm_shape, host_intervals, is_attention, is_conv, is_dense, is_gemm, is_low_alignment,
                      is_old_arch, is_simt_matmul, module_class, name_mask, op_bytes, op_interval, op_record_codes,
-                     peak_tflops, per_step_note, scaled, short_kernel_name, size_root_cause)
+                     peak_tflops, per_step_note, round_up, scaled, short_kernel_name, size_root_cause)
+
+# TF32 wants each GEMM dimension a multiple of 4 (16 bytes); off it, cuBLAS takes low-alignment kernels, measured
+# 2.6x slower than padded on an H200 (2048 x 50257 x 768 and 2048 x 768 x 50257: gemm_efficiency_h200_2026-11-29.json)
+_TF32_GRANULE = 4
+TF32_LOW_ALIGNMENT_SLOWDOWN = 2.6
 
 
 def detect(trace: Trace) -> list[Finding]:
@@ -99,9 +104,14 @@ def _simt_matmuls(trace, kernels):
         time = sum(r.dur for r, _ in rows)
         flops = _flops(op, rows[0][1])
         rate = peak_tflops(trace, dtype) * TENSOR_CORE_EFFICIENCY
+        # on TF32 a dimension off 16 bytes takes cuBLAS's low-alignment kernels
+        unaligned = [(d, v) for d, v in (("M", g.m), ("N", g.n), ("K", g.k)) if v % _TF32_GRANULE] \
+            if g and dtype == "fp32" else []
+        if unaligned:
+            rate /= TF32_LOW_ALIGNMENT_SLOWDOWN
         expected = flops / (rate * 1e6) * len(rows) if flops else 0.5 * time
         by_kind[(label, dtype)].append({"op": top_op or op, "shapes": [t[0] for t in rows[0][1].tensors()],
-                                        "rows": rows, "time": time, "flops": flops * len(rows),
+                                        "rows": rows, "time": time, "flops": flops * len(rows), "unaligned": unaligned,
                                         "expected": min(max(expected, 0.1 * time), time)})
     findings = []
     for (label, dtype), groups in by_kind.items():
@@ -118,6 +128,13 @@ def _simt_matmuls(trace, kernels):
             snippet = ('torch.backends.cuda.matmul.allow_tf32 = True   # or torch.set_float32_matmul_precision("high")\n'
                        "torch.backends.cudnn.allow_tf32 = True")
             fix_name = "tf32"
+            pads = sorted({(v, round_up(v, 64 if v >= VOCAB_MIN else _TF32_GRANULE))
+                           for g in groups for _, v in g["unaligned"]})
+            if pads:  # TF32's low-alignment kernels: measured 2.6x slower than padded
+                why += (f"; on TF32, {sum(len(g['rows']) for g in groups if g['unaligned'])} calls with a size not a "
+                        f"multiple of {_TF32_GRANULE} ({', '.join(str(v) for v, _ in pads)}) would take low-alignment "
+                        f"kernels, priced {TF32_LOW_ALIGNMENT_SLOWDOWN}x slower than aligned ones")
+                fix += " Pad " + ", ".join(f"{v} → {p}" for v, p in pads) + " as well (a vocabulary: resize the embedding and head)."
         else:
             worst_shapes = groups[0]["shapes"]
             channels = _channels(worst_shapes)

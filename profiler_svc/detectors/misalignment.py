@@ -9,7 +9,7 @@ from ..trace.model import Trace
 from ..trace.replay import Change
 from .common import (GEMM_OPS, GRANULE, VOCAB_MIN, Finding, GemmReference, Recommendation, conv_shape,
                      gemm_shape, is_gemm, is_low_alignment, is_old_arch, is_simt_matmul, name_mask, new_durations,
-                     op_interval, op_record_codes, per_step_note, plural, scaled, size_root_cause)
+                     op_interval, op_record_codes, per_step_note, plural, round_up, scaled, size_root_cause)
 
 
 
@@ -19,10 +19,6 @@ _RIDGE_MARGIN = 8
 
 
 HEAD_DIM_KEY = "misalignment:head_dim:"  # an attention head_dim's finding: the root of the sizes it multiplies
-
-
-def round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
 
 
 def detect(trace: Trace) -> list[Finding]:

@@ -200,8 +200,11 @@ def test_gpt2_fp32_without_tf32_falls_back_to_ffma():
     assert f.evidence["flops"] == 2 * gpt2_flops()  # two steps
     ffma = raw_kernel_time("gpt2_fp32_notf32_infer", lambda n: "ffma" in n.lower() or "sgemm" in n.lower())
     assert f.evidence["time_us"] == pytest.approx(ffma, rel=0.01)
-    # on TF32 tensor cores at half the H200's dense peak (494 TFLOP/s): FLOPs / 247 TFLOP/s
-    assert f.evidence["expected_us"] == pytest.approx(f.evidence["flops"] / 247e6, rel=0.01)
+    # on TF32 tensor cores at half the H200's dense peak (494 TFLOP/s): FLOPs / 247 TFLOP/s; the LM head's N = 50257
+    # takes TF32's low-alignment kernels, measured 2.6x slower than aligned (results/gemm_efficiency_h200_2026-11-29)
+    head = 2 * 2048 * 768 * 50257 * 2  # two steps
+    assert f.evidence["expected_us"] == pytest.approx((f.evidence["flops"] - head + 2.6 * head) / 247e6, rel=0.01)
+    assert "Pad 50257 → 50304" in f.recommendation.summary
     assert f.gpu_time_saved_us_per_step == pytest.approx((f.evidence["time_us"] - f.evidence["expected_us"]) / 2,
                                                          rel=0.01)
     assert one("gpt2_fp32_notf32_infer", "eager_attention").evidence["score_shape"] == [8, 12, 256, 256]
