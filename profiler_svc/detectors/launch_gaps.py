@@ -121,7 +121,8 @@ def detect(trace: Trace) -> list[Finding]:
                 rec = Recommendation(
                     "Make the shapes static (a pre-allocated KV cache), then capture the decode step in a CUDA graph; "
                     "until then, fuse small ops or give each launch more work (larger batch).", None,
-                    'model.generation_config.cache_implementation = "static"\n'
+                    'model.generation_config.cache_implementation = "static"  # generate()\n'
+                    "# a loop of model(...) calls: past_key_values=StaticCache(config=model.config, max_cache_len=N)\n"
                     'model.forward = torch.compile(model.forward, mode="reduce-overhead")  # CUDA graphs')
             elif _compiled(trace):
                 # backend="cudagraphs" would drop the Inductor kernels this model already runs

@@ -425,6 +425,7 @@ def test_decode_loop_host_syncs_graphs_and_phases():
     assert gaps.severity == "high" and gaps.evidence["idle_pct"] > 50
     # the KV cache grows every token: graphs need a static cache first, and the report says so
     assert "static" in gaps.detail and "cache_implementation" in gaps.recommendation.snippet
+    assert "StaticCache(" in gaps.recommendation.snippet  # its loop calls the model, not generate()
     assert r.steps["phases"]["decode_tokens"] == 24 and r.steps["phases"]["prefill_us"] > 0
     assert r.steps["bottleneck"]["kind"] == "launch overhead"
 
