@@ -66,15 +66,18 @@ def top_kernels(trace: Trace, n: int = 20) -> list[dict]:
 
 def _credited_kernels(kernels: pd.DataFrame) -> tuple[pd.Series, pd.Series]:
     """(is this the kernel its op's work is credited to, that op's kernels' total µs), by kernel row. An op that
-    launches several kernels (a GEMM and its split-K reduction, a convolution and its padding) did its work
-    over all of them: the longest gets the op's FLOPs and bytes over their total time, the others none."""
+    launches several kernels (a GEMM and its split-K reduction, a convolution and its padding or NCHW transposes)
+    did its work over all of them: the longest compute kernel (else the longest) gets the op's FLOPs and bytes over
+    their total time, the others none. A transpose longer than the GEMM it feeds is not the GEMM."""
     ops, durs = kernels["op"].to_numpy(), kernels["dur"].to_numpy()
     launched = np.flatnonzero(ops >= 0)
     credited, total = np.zeros(len(ops), dtype=bool), durs.astype(float)
     if len(launched):
-        per_op = pd.Series(durs[launched]).groupby(ops[launched])
-        credited[launched[per_op.idxmax().to_numpy()]] = True
-        total[launched] = per_op.transform("sum").to_numpy()
+        compute = name_mask(kernels, is_compute_bound_kernel)[launched]
+        order = np.lexsort((durs[launched], compute, ops[launched]))  # by op, compute kernels and then the longest last
+        last = np.r_[ops[launched][order][1:] != ops[launched][order][:-1], True]
+        credited[launched[order[last]]] = True
+        total[launched] = pd.Series(durs[launched]).groupby(ops[launched]).transform("sum").to_numpy()
     return pd.Series(credited, index=kernels.index), pd.Series(total, index=kernels.index)
 
 

@@ -81,6 +81,16 @@ def test_an_ops_work_goes_to_its_longest_kernel_over_all_its_kernels_time():
     assert all((k["bandwidth_pct"] or 0) < 100 for k in report["top_kernels"])
 
 
+def test_a_convolutions_flops_go_to_its_gemm_not_to_a_longer_layout_transpose():
+    """ResNet-50 in NCHW: cuDNN transposes a 1x1 convolution's operands to NHWC, and the transpose can outlast the
+    GEMM (86.7 µs against 33.4). The op's FLOPs went to its longest kernel: the transposes were rated at 98-122
+    TFLOP/s and the GEMM at none. Now the compute kernel gets them; a transpose gets no FLOP rate."""
+    report = recommend(fixture_path("resnet50_bf16_nchw_train_agent")).to_dict()
+    layout = [k for k in report["top_kernels"] if "nchwToNhwc" in k["name"] or "nhwcToNchw" in k["name"]]
+    assert layout and all(k["achieved_tflops"] is None for k in layout)
+    assert any(k["achieved_tflops"] for k in report["top_kernels"] if "tensorop" in k["name"] or "gemm" in k["name"])
+
+
 def test_a_rate_above_the_copy_bandwidth_says_where_the_bytes_came_from():
     """gpt2_hidden1020's elementwise kernels over 16.7 MB tensors (L2-sized) ran above the H100's copy bandwidth."""
     report = recommend(fixture_path("gpt2_hidden1020_fp16_infer"))
