@@ -18,7 +18,7 @@ from ..trace.model import Trace
 from ..trace.replay import Change
 from .common import (TENSOR_CORE_EFFICIENCY, VOCAB_MIN, Finding, GemmReference, Recommendation, conv_flops,
                      fmt_shape, fused, gemm_shape, host_intervals, is_attention, is_conv, is_dense, is_gemm, is_low_alignment,
-                     is_old_arch, is_simt_matmul, module_class, name_mask, op_bytes, op_interval, op_record_codes,
+                     is_conv_op, is_old_arch, is_simt_matmul, module_class, name_mask, op_bytes, op_interval, op_record_codes,
                      peak_tflops, per_step_note, round_up, scaled, short_kernel_name, size_root_cause)
 
 # TF32 wants each GEMM dimension a multiple of 4 (16 bytes); off it, cuBLAS takes low-alignment kernels, measured
@@ -36,11 +36,13 @@ def detect(trace: Trace) -> list[Finding]:
     # which the findings after it would fix one by one (each kernel is claimed by the first finding that has it)
     findings += _sdpa_math(trace, kernels)
     findings += _simt_matmuls(trace, kernels)
-    findings += _low_alignment_gemms(trace, kernels)
+    # an NCHW convolution's GEMM reads rows of H x W elements: a low-alignment kernel there is the layout's doing
+    nchw_gemms = _nchw_low_alignment(trace, kernels) if _converts_layout(trace, kernels) else kernels.iloc[:0]
+    findings += _low_alignment_gemms(trace, kernels.drop(nchw_gemms.index))
     findings += _eager_attention(trace, kernels)
     findings += _unvectorized_elementwise(trace, kernels)
     findings += _cast_storm(trace, kernels)
-    findings += _layout_conversions(trace, kernels)
+    findings += _layout_conversions(trace, kernels, nchw_gemms)
     return findings
 
 
@@ -625,17 +627,41 @@ def _is_layout_conversion(name: str) -> bool:
     return "nchwToNhwcKernel" in name or "nhwcToNchwKernel" in name
 
 
-def _layout_conversions(trace, kernels):
-    """cuDNN's tensor-core convolutions work in NHWC: given NCHW tensors, it transposes inputs, weights and
-    gradients to NHWC and the results back, a kernel each way per call. In channels-last they go."""
+def _layout_rows(trace, kernels):
+    """The layout kernels a channels-last model would not run (1-d convolutions have no channels-last format)."""
     rows = kernels[name_mask(kernels, _is_layout_conversion)]
-    rows = rows[~_conv1d(trace, rows["top_op"].to_numpy())]  # channels-last needs 4-d tensors: no fix for a Conv1d
-    conv_ops = kernels.loc[name_mask(kernels, is_conv), "op"].nunique()
-    # A channels-last model keeps a conversion or two (its 3-channel stem): only most convolutions converting
-    # says the layout is NCHW.
-    if not len(rows) or rows["op"].nunique() < conv_ops / 2:
+    return rows[~_conv1d(trace, rows["top_op"].to_numpy())]
+
+
+def _converts_layout(trace, kernels) -> bool:
+    """Do most convolutions convert their operands (a channels-last model keeps a conversion or two: its 3-channel
+    stem)? Then the model's layout is NCHW."""
+    rows = _layout_rows(trace, kernels)
+    return bool(len(rows)) and rows["op"].nunique() >= kernels.loc[name_mask(kernels, is_conv), "op"].nunique() / 2
+
+
+def _nchw_low_alignment(trace, kernels):
+    """Low-alignment GEMM kernels of convolutions whose channels are multiples of 8 but whose rows, H x W elements in
+    NCHW, are not (a 1x1 convolution over 14 x 14: 392-byte rows): channels-last reads them aligned."""
+    rows = kernels[name_mask(kernels, lambda n: is_low_alignment(n) and not is_simt_matmul(n))]
+    keep = {}
+    for op in set(rows["op"].tolist()):  # the launching op: a convolution's, or its backward's (grad, input, weight)
+        tensors = trace.op_inputs(op).tensors() if op >= 0 and is_conv_op(trace.cpu["name"].iat[op]) else []
+        x = tensors[0][0] if tensors else []
+        keep[op] = len(x) == 4 and x[1] % 8 == 0 and (x[2] * x[3]) % 8 != 0
+    return rows[np.fromiter((keep[op] for op in rows["op"].tolist()), bool, len(rows))]
+
+
+def _layout_conversions(trace, kernels, nchw_gemms):
+    """cuDNN's tensor-core convolutions work in NHWC: given NCHW tensors, it transposes inputs, weights and
+    gradients to NHWC and the results back, a kernel each way per call. In channels-last they go, and so do the
+    low-alignment kernels NCHW rows force on some convolutions' GEMMs (NCHW_GEMMS: priced at half their time)."""
+    if not _converts_layout(trace, kernels):
         return []
+    rows = _layout_rows(trace, kernels)
     time = float(rows["dur"].sum())
+    gemm_time = float(nchw_gemms["dur"].sum())
+    gemm_rows = {f"{x[2]} x {x[3]}" for x in (trace.op_inputs(op).tensors()[0][0] for op in set(nchw_gemms["op"].tolist()))}
     ops = rows.groupby("top_op_name", dropna=False)["dur"].agg(["count", "sum"]).sort_values("sum", ascending=False)
     first = next(rows.itertuples())
     modules = sorted({m for m in rows["module"] if isinstance(m, str)})
@@ -644,9 +670,14 @@ def _layout_conversions(trace, kernels):
         title=f"NCHW convolutions: cuDNN transposes to NHWC and back, {len(rows)} layout kernels",
         detail=(f"{len(rows)} nchwToNhwc / nhwcToNchw kernels took {per_step_note(trace, time)}: cuDNN's tensor-core "
                 f"convolutions run in NHWC, so each call on NCHW (contiguous) tensors converts its operands and "
-                f"result. In channels-last memory format the model's activations and weights are already NHWC."),
+                f"result. In channels-last memory format the model's activations and weights are already NHWC."
+                + (f" {len(nchw_gemms)} convolution GEMM kernels also ran on low-alignment kernels "
+                   f"({per_step_note(trace, gemm_time)}): their channels are multiples of 8, but NCHW rows are H x W "
+                   f"elements ({', '.join(sorted(gemm_rows))}), not a multiple of 8; in channels-last the channels "
+                   f"are the rows (priced at half their time)." if len(nchw_gemms) else "")),
         evidence={"kernels": sorted(set(rows["name"].map(lambda n: short_kernel_name(n, 80))))[:5],
                   "op": first.op_name, "top_op": first.top_op_name, "calls": len(rows), "time_us": round(time, 2),
+                  "low_alignment_gemm_kernels": len(nchw_gemms), "low_alignment_gemm_time_us": round(gemm_time, 2),
                   "by_op": [{"op": op if isinstance(op, str) else None, "kernels": int(r["count"]),
                              "time_us": round(float(r["sum"]), 2)} for op, r in ops.head(8).iterrows()],
                   **({"modules": modules[:10]} if modules else {})},
@@ -654,6 +685,7 @@ def _layout_conversions(trace, kernels):
             "Convert the model and its inputs to channels-last memory format.", None,
             "model = model.to(memory_format=torch.channels_last)\n"
             "images = images.to(memory_format=torch.channels_last)", "channels_last"),
-        change=scaled(rows.index.tolist(), rows["dur"].tolist(), 0.0),
+        change=Change.union([scaled(rows.index.tolist(), rows["dur"].tolist(), 0.0),
+                             scaled(nchw_gemms.index.tolist(), nchw_gemms["dur"].tolist(), 0.5)]),
         key="fallback_kernel:layout:nchw",
     )]
