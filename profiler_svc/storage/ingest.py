@@ -461,6 +461,7 @@ def _store(engine, blobs, upload: Upload, analysed: dict, *, move_blob=None, job
                                  meta=analysed["run_meta"])
         if workload and run.workload != workload:
             note = f"run {run.id} keeps its workload {run.workload!r}; workload {workload!r} was not applied"
+        _check_world(run, named_world_size(analysed["run_meta"]), rank, upload.filename)
         rank = _rank_in(session, run, rank, upload.filename, queue_joint=job is not None)
         trace = TraceRecord(
             run_id=run.id, rank=rank, filename=upload.filename,
@@ -529,6 +530,18 @@ def _rank_in(session, run: Run, rank: int | None, filename: str, queue_joint: bo
     if queue_joint:  # a worker's upload; the command line analyses a run's ranks together itself (ingest_path)
         _queue_run_analysis(session, run, len(traces) + 1)
     return rank if rank is not None else next(free)
+
+
+def _check_world(run: Run, world_size: int | None, rank: int | None, filename: str) -> None:
+    """A trace joins a run only as a rank of the same job: the world size it names (if any) is the run's (the
+    first trace's), and the rank it names lies inside it."""
+    world = named_world_size(run.meta or {})
+    if world is not None and world_size is not None and world_size != world:
+        raise UserError(f"{_text(filename, 255)}: it names a world of {world_size} ranks, run {run.id}'s ranks a "
+                        f"world of {world}: a run is one job")
+    size = world or world_size
+    if rank is not None and size is not None and rank >= size:
+        raise UserError(f"{_text(filename, 255)}: rank {rank} lies outside run {run.id}'s world of {size} ranks")
 
 
 def _named_ranks(traces) -> set:

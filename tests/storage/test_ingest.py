@@ -459,6 +459,28 @@ def test_run_keys_that_differ_past_255_characters_are_two_runs(engine, blobs, tm
     assert runs[0] != runs[1]
 
 
+def test_a_rank_of_another_world_does_not_join_the_run(engine, blobs, tmp_path):
+    """Rank 0 naming a world of 3 and rank 1 of a world of 2 went into one run: a worker then never analysed them
+    together (it waited for a third rank), the command line did. And a rank 2 joined a world of 2. Each is refused
+    with one line, the run as it was."""
+    def rank_file(rank, world, tag):
+        data = json.loads(gzip.decompress((fixture_dir("llama_nccl_ddp") / f"llama_nccl_ddp_rank{min(rank, 1)}.json.gz")
+                                          .read_bytes()))
+        for key in ("profiler_svc", "distributedInfo"):
+            if isinstance(data.get(key), dict):
+                data[key].update(rank=rank, world_size=world)
+        data["trace_id"] = tag
+        path = tmp_path / f"{tag}.json.gz"
+        path.write_bytes(gzip.compress(json.dumps(data).encode()))
+        return path
+    [first] = ingest.ingest_path(engine, rank_file(0, 3, "w3r0"), group_key="job", blobs=blobs)
+    with pytest.raises(UserError, match="names a world of 2 ranks, run .* a world of 3"):
+        ingest.ingest_path(engine, rank_file(1, 2, "w2r1"), group_key="job", blobs=blobs)
+    with pytest.raises(UserError, match="rank 3 lies outside run .* world of 3 ranks"):
+        ingest.ingest_path(engine, rank_file(3, 3, "w3r3"), group_key="job", blobs=blobs)
+    assert count(engine, TraceRecord) == 1 and len(stored_files(blobs)) == 1
+
+
 def test_two_uploads_of_one_rank_at_once_cannot_both_land(engine, blobs, tmp_path, monkeypatch):
     """Two files naming rank 0 of a run that exists already, uploaded at the same moment: the first holds the run
     until it commits, so the second sees its rank and is refused. PostgreSQL only: SQLite lets one writer in at a
