@@ -497,6 +497,8 @@ def _findings(trace, chains):
         if chain.backward:
             chains[i] = chain = _without_input_gradient_sum(chain)
         chain.kind = chain.kind or classify(chain.ops)
+        if chain.kind == "rms_norm" and not chain.backward:
+            chains[i] = chain = _norm_only(chain)
         if chain.kind == "rope" and not chain.backward:
             chains[i] = chain = _rotation_only(trace, chain)
             if chain.shape:
@@ -533,6 +535,19 @@ def _without_input_gradient_sum(chain: Chain) -> Chain:
     while end and ops[rows[end - 1]] in ("aten::add", "aten::add_") and _CAST_BACKWARD.match(tops[rows[end - 1]] or ""):
         end -= 1
     return _without(chain, list(range(end, len(rows)))) if end < len(rows) else chain
+
+
+def _norm_only(chain: Chain) -> Chain:
+    """A forward RMSNorm chain from its upcast on: without labels a chain also takes the memory-bound ops that ran
+    just before the norm (the rotary embedding's cos/sin and their casts before a decoder's first norm, T5's
+    dropout), which the rms_norm swap does not replace (Qwen2 decode: 7 kernels a forward)."""
+    kinds = [op_kind(name) for name in chain.column("top_op_name")]
+    if "aten::pow" not in kinds:
+        return chain
+    start = kinds.index("aten::pow")
+    if start and kinds[start - 1] in ("aten::to", "aten::_to_copy"):
+        start -= 1  # the norm's own upcast
+    return _without(chain, list(range(start))) if start else chain
 
 
 def _rotation_only(trace, chain: Chain) -> Chain:

@@ -415,6 +415,19 @@ def test_hidden_1020_is_head_dim_85_and_prices_sdpa_padding():
 
 # -- the host side ------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("name", ["qwen2_bf16_decode", "t5_bf16_train"])
+def test_an_unlabelled_rms_norm_chain_starts_at_the_norms_upcast(name):
+    """Without module labels the first norm of a forward took the memory-bound ops that ran before it (Qwen2's rotary
+    cos/sin and their casts, 7 kernels a forward; T5's dropout) into its chain, which the rms_norm swap does not
+    replace. A chain now starts at the norm's upcast; HF's RMSNorm forward is 8 kernels (upcast, pow, mean, add,
+    rsqrt, mul, downcast, weight mul), and Qwen2's decode runs nothing else memory-bound around its norms."""
+    [norm] = findings(name, key="unfused_chain:rms_norm")
+    assert norm.evidence["ops"][:2] == ["aten::to", "aten::pow"]
+    if name == "qwen2_bf16_decode":
+        forward = norm.evidence["directions"]["forward"]
+        assert forward["kernels"] == 8 * forward["chains"]
+
+
 def test_decode_loop_host_syncs_graphs_and_phases():
     r = report("qwen2_bf16_decode")
     sync = one("qwen2_bf16_decode", "host_sync:aten::item")
