@@ -251,6 +251,8 @@ def render_text(report: Report, top: int = 10) -> str:
         lines.append(f"{'#':>2}  {'severity':8}  {'category':15}  {'saves/step':>11}  finding")
         for i, f in enumerate(findings, 1):
             lines.append(f"{i:>2}  {f.severity:8}  {f.category:15}  {fmt_us(f.saving_us_per_step):>11}  {clean(f.title)}")
+        if len(report.findings) > top:  # the combined prediction counts them too
+            lines.append(f"    and {len(report.findings) - top} more (--top {len(report.findings)} shows every one)")
         lines.append("")
         for i, f in enumerate(findings, 1):
             lines.append(f"[{i}] {f.id}: {clean(f.title)}")
@@ -333,6 +335,8 @@ def render_markdown(report: Report, top: int = 10) -> str:
         for i, f in enumerate(report.findings[:top], 1):
             out.append(f"| {i} | {f.severity} | {f.category} | {fmt_us(f.saving_us_per_step)} | {_md(f.title)} | "
                        f"{_code(f.recommendation.swap) if f.recommendation.swap else ''} |")
+        if len(report.findings) > top:
+            out.append(f"\nAnd {len(report.findings) - top} more (`--top {len(report.findings)}` shows every one).")
         out.append("")
         for i, f in enumerate(report.findings[:top], 1):
             out += [f"<details><summary>{i}. {_md(f.title)}</summary>", "", _md(f.detail), "",

@@ -294,3 +294,18 @@ def test_python_api():
     report = profiler_svc.recommend(fixture_path("qwen2_bf16_decode"))
     assert isinstance(report, profiler_svc.Report) and report.findings[0].category == "launch_gaps"
     assert "rms_norm" in report.swaps()
+
+
+def test_the_text_says_how_many_findings_the_table_left_out(capsys):
+    """T5 training has 17 findings; the table shows 10 and the combined prediction counts every one: the text said
+    nothing of the other 7."""
+    path = str(fixture_path("t5_bf16_train"))
+    code, out, _ = run(capsys, "recommend", path, "--format", "json", "--top", "100")
+    total = len(json.loads(out)["findings"])
+    assert total > 10
+    code, out, _ = run(capsys, "recommend", path)
+    assert code == 0 and f"and {total - 10} more (--top {total} shows every one)" in out
+    code, out, _ = run(capsys, "recommend", path, "--top", str(total))
+    assert "more (--top" not in out
+    code, out, _ = run(capsys, "recommend", path, "--format", "markdown")
+    assert f"And {total - 10} more" in out
