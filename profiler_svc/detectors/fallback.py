@@ -46,12 +46,12 @@ def detect(trace: Trace) -> list[Finding]:
     return findings
 
 
-def _fp32_call(trace, ops) -> np.ndarray:
-    """Per op index in OPS: is its first input tensor fp32 (looked up once per op)?"""
+def _first_input_is(trace, ops, test) -> np.ndarray:
+    """Per op index in OPS: does its first input tensor's (shape, dtype) pass TEST (looked up once per op)?"""
     first: dict = {}
     for op in set(ops.tolist()):
         tensors = trace.op_inputs(op).tensors() if op >= 0 else []
-        first[op] = bool(tensors) and tensors[0][1] == "fp32"
+        first[op] = bool(tensors) and bool(test(tensors[0][0], tensors[0][1]))
     return np.fromiter((first[op] for op in ops.tolist()), bool, len(ops))
 
 
@@ -93,7 +93,7 @@ def _simt_matmuls(trace, kernels):
     # SDPA's math path upcasts half-precision q/k/v to run its bmm in fp32: the SDPA finding's alone. With fp32
     # q/k/v TF32 speeds those bmm kernels too (the SDPA finding claims them for the report; Analysis.predict)
     candidates = candidates[(candidates["top_op_name"] != "aten::scaled_dot_product_attention").to_numpy()
-                            | _fp32_call(trace, candidates["top_op"].to_numpy())]
+                            | _first_input_is(trace, candidates["top_op"].to_numpy(), lambda _, dtype: dtype == "fp32")]
     tf32_off = trace.numerics.get("allow_tf32_matmul") is False
     precision = trace.numerics.get("float32_matmul_precision")
     by_kind = defaultdict(list)
@@ -614,15 +614,6 @@ def _cast_storm(trace, kernels):
     )]
 
 
-def _conv1d(trace, ops) -> np.ndarray:
-    """Per op index in OPS: is its first input tensor 3-d ([N, C, L]: a 1-d convolution)?"""
-    first: dict = {}
-    for op in set(ops.tolist()):
-        tensors = trace.op_inputs(op).tensors() if op >= 0 else []
-        first[op] = bool(tensors) and len(tensors[0][0]) == 3
-    return np.fromiter((first[op] for op in ops.tolist()), bool, len(ops))
-
-
 def _is_layout_conversion(name: str) -> bool:
     return "nchwToNhwcKernel" in name or "nhwcToNchwKernel" in name
 
@@ -630,7 +621,7 @@ def _is_layout_conversion(name: str) -> bool:
 def _layout_rows(trace, kernels):
     """The layout kernels a channels-last model would not run (1-d convolutions have no channels-last format)."""
     rows = kernels[name_mask(kernels, _is_layout_conversion)]
-    return rows[~_conv1d(trace, rows["top_op"].to_numpy())]
+    return rows[~_first_input_is(trace, rows["top_op"].to_numpy(), lambda shape, _: len(shape) == 3)]  # [N, C, L]
 
 
 def _converts_layout(trace, kernels) -> bool:
