@@ -19,7 +19,7 @@ from ..trace.replay import Change
 from .common import (TENSOR_CORE_EFFICIENCY, VOCAB_MIN, Finding, GemmReference, Recommendation, conv_flops,
                      fmt_shape, fused, gemm_shape, host_intervals, is_attention, is_conv, is_dense, is_gemm, is_low_alignment,
                      is_conv_op, is_old_arch, is_simt_matmul, module_class, name_mask, op_bytes, op_interval, op_record_codes,
-                     peak_tflops, per_step_note, round_up, scaled, short_kernel_name, size_root_cause)
+                     peak_tflops, per_step_note, round_up, scaled, short_kernel_name, size_root_cause, tensor_bytes)
 
 # TF32 wants each GEMM dimension a multiple of 4 (16 bytes); off it, cuBLAS takes low-alignment kernels, measured
 # 2.6x slower than padded on an H200 (2048 x 50257 x 768 and 2048 x 768 x 50257: gemm_efficiency_h200_2026-11-29.json)
@@ -643,6 +643,28 @@ def _nchw_low_alignment(trace, kernels):
     return rows[np.fromiter((keep[op] for op in rows["op"].tolist()), bool, len(rows))]
 
 
+# PyTorch's NCHW batch-norm kernels, and the tensor passes their channels-last kernels make instead (statistics: read
+# x; transform: read x, write y; backward: a reduce reading x and dy, then reading x and dy and writing dx)
+_NCHW_BATCH_NORM = {"batch_norm_collect_statistics_kernel": 1, "batch_norm_transform_input_kernel": 2,
+                    "batch_norm_backward_kernel": 5}
+
+
+def _nchw_batch_norms(trace, kernels):
+    """(kernel rows, their durations in channels-last) of the NCHW batch-norm kernels: each at its passes over the
+    op's activation at copy bandwidth, where that is shorter."""
+    passes = kernels["name"].map(lambda n: next((p for key, p in _NCHW_BATCH_NORM.items()
+                                                  if key in n and "channels_last" not in n), 0)).to_numpy()
+    rows = kernels[passes > 0]
+    size: dict = {}
+    for op in set(rows["op"].tolist()):
+        tensors = trace.op_inputs(op).tensors() if op >= 0 else []
+        size[op] = tensor_bytes(tensors[0][0], tensors[0][1]) if tensors and len(tensors[0][0]) == 4 else 0
+    bandwidth = trace.device.memory_bandwidth_gbps * 1e3  # bytes per µs
+    durations = [min(dur, p * size[op] / bandwidth) if size[op] else dur
+                 for dur, p, op in zip(rows["dur"].tolist(), passes[passes > 0].tolist(), rows["op"].tolist())]
+    return rows, durations
+
+
 def _layout_conversions(trace, kernels, nchw_gemms):
     """cuDNN's tensor-core convolutions work in NHWC: given NCHW tensors, it transposes inputs, weights and
     gradients to NHWC and the results back, a kernel each way per call. In channels-last they go, and so do the
@@ -652,6 +674,8 @@ def _layout_conversions(trace, kernels, nchw_gemms):
     rows = _layout_rows(trace, kernels)
     time = float(rows["dur"].sum())
     gemm_time = float(nchw_gemms["dur"].sum())
+    norms, norm_durations = _nchw_batch_norms(trace, kernels)
+    norm_time = float(norms["dur"].sum())
     gemm_rows = {f"{x[2]} x {x[3]}" for x in (trace.op_inputs(op).tensors()[0][0] for op in set(nchw_gemms["op"].tolist()))}
     ops = rows.groupby("top_op_name", dropna=False)["dur"].agg(["count", "sum"]).sort_values("sum", ascending=False)
     first = next(rows.itertuples())
@@ -665,10 +689,15 @@ def _layout_conversions(trace, kernels, nchw_gemms):
                 + (f" {len(nchw_gemms)} convolution GEMM kernels also ran on low-alignment kernels "
                    f"({per_step_note(trace, gemm_time)}): their channels are multiples of 8, but NCHW rows are H x W "
                    f"elements ({', '.join(sorted(gemm_rows))}), not a multiple of 8; in channels-last the channels "
-                   f"are the rows (priced at half their time)." if len(nchw_gemms) else "")),
+                   f"are the rows (priced at half their time)." if len(nchw_gemms) else "")
+                + (f" Its batch norms run PyTorch's NCHW kernels, {len(norms)} taking {per_step_note(trace, norm_time)}; "
+                   f"in channels-last their kernels make the same passes over the activations at about "
+                   f"{per_step_note(trace, sum(norm_durations))} (at copy bandwidth)." if len(norms) else "")),
         evidence={"kernels": sorted(set(rows["name"].map(lambda n: short_kernel_name(n, 80))))[:5],
                   "op": first.op_name, "top_op": first.top_op_name, "calls": len(rows), "time_us": round(time, 2),
                   "low_alignment_gemm_kernels": len(nchw_gemms), "low_alignment_gemm_time_us": round(gemm_time, 2),
+                  "batch_norm_kernels": len(norms), "batch_norm_time_us": round(norm_time, 2),
+                  "batch_norm_expected_us": round(sum(norm_durations), 2),
                   "by_op": [{"op": op if isinstance(op, str) else None, "kernels": int(r["count"]),
                              "time_us": round(float(r["sum"]), 2)} for op, r in ops.head(8).iterrows()],
                   **({"modules": modules[:10]} if modules else {})},
@@ -677,6 +706,7 @@ def _layout_conversions(trace, kernels, nchw_gemms):
             "model = model.to(memory_format=torch.channels_last)\n"
             "images = images.to(memory_format=torch.channels_last)", "channels_last"),
         change=Change.union([scaled(rows.index.tolist(), rows["dur"].tolist(), 0.0),
-                             scaled(nchw_gemms.index.tolist(), nchw_gemms["dur"].tolist(), 0.5)]),
+                             scaled(nchw_gemms.index.tolist(), nchw_gemms["dur"].tolist(), 0.5),
+                             Change(durations=dict(zip(norms.index.tolist(), norm_durations)))]),
         key="fallback_kernel:layout:nchw",
     )]
