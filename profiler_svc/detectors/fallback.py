@@ -36,13 +36,15 @@ def detect(trace: Trace) -> list[Finding]:
     # which the findings after it would fix one by one (each kernel is claimed by the first finding that has it)
     findings += _sdpa_math(trace, kernels)
     findings += _simt_matmuls(trace, kernels)
+    layout = _layout_rows(trace, kernels)
+    nchw = _converts_layout(kernels, layout)
     # an NCHW convolution's GEMM reads rows of H x W elements: a low-alignment kernel there is the layout's doing
-    nchw_gemms = _nchw_low_alignment(trace, kernels) if _converts_layout(trace, kernels) else kernels.iloc[:0]
+    nchw_gemms = _nchw_low_alignment(trace, kernels) if nchw else kernels.iloc[:0]
     findings += _low_alignment_gemms(trace, kernels.drop(nchw_gemms.index))
     findings += _eager_attention(trace, kernels)
     findings += _unvectorized_elementwise(trace, kernels)
     findings += _cast_storm(trace, kernels)
-    findings += _layout_conversions(trace, kernels, nchw_gemms)
+    findings += _layout_conversions(trace, kernels, layout, nchw_gemms) if nchw else []
     return findings
 
 
@@ -215,7 +217,7 @@ def _low_alignment_gemms(trace, kernels):
             for dim, value in (("M", g.m), ("N", g.n), ("K", g.k)):
                 pad_to = 64 if value >= VOCAB_MIN else multiple  # vocabularies: whole 64-wide tiles
                 if value % pad_to:
-                    misaligned[dim] = (value, -(-value // pad_to) * pad_to)
+                    misaligned[dim] = (value, round_up(value, pad_to))
         if g:
             per_call, basis = reference.expected_us(g)
             expected = per_call * len(rows)
@@ -624,23 +626,20 @@ def _layout_rows(trace, kernels):
     return rows[~_first_input_is(trace, rows["top_op"].to_numpy(), lambda shape, _: len(shape) == 3)]  # [N, C, L]
 
 
-def _converts_layout(trace, kernels) -> bool:
-    """Do most convolutions convert their operands (a channels-last model keeps a conversion or two: its 3-channel
-    stem)? Then the model's layout is NCHW."""
-    rows = _layout_rows(trace, kernels)
-    return bool(len(rows)) and rows["op"].nunique() >= kernels.loc[name_mask(kernels, is_conv), "op"].nunique() / 2
+def _converts_layout(kernels, layout) -> bool:
+    """Do most convolutions convert their operands (LAYOUT: _layout_rows'; a channels-last model keeps a conversion
+    or two: its 3-channel stem)? Then the model's layout is NCHW."""
+    return bool(len(layout)) and layout["op"].nunique() >= kernels.loc[name_mask(kernels, is_conv), "op"].nunique() / 2
 
 
 def _nchw_low_alignment(trace, kernels):
     """Low-alignment GEMM kernels of convolutions whose channels are multiples of 8 but whose rows, H x W elements in
     NCHW, are not (a 1x1 convolution over 14 x 14: 392-byte rows): channels-last reads them aligned."""
     rows = kernels[name_mask(kernels, lambda n: is_low_alignment(n) and not is_simt_matmul(n))]
-    keep = {}
-    for op in set(rows["op"].tolist()):  # the launching op: a convolution's, or its backward's (grad, input, weight)
-        tensors = trace.op_inputs(op).tensors() if op >= 0 and is_conv_op(trace.cpu["name"].iat[op]) else []
-        x = tensors[0][0] if tensors else []
-        keep[op] = len(x) == 4 and x[1] % 8 == 0 and (x[2] * x[3]) % 8 != 0
-    return rows[np.fromiter((keep[op] for op in rows["op"].tolist()), bool, len(rows))]
+    # the launching op: a convolution's, or its backward's (grad, input, weight)
+    rows = rows[rows["op_name"].map(is_conv_op).to_numpy(dtype=bool)]
+    return rows[_first_input_is(trace, rows["op"].to_numpy(),
+                                lambda x, _: len(x) == 4 and x[1] % 8 == 0 and (x[2] * x[3]) % 8 != 0)]
 
 
 # PyTorch's NCHW batch-norm kernels, and the tensor passes their channels-last kernels make instead (statistics: read
@@ -665,13 +664,11 @@ def _nchw_batch_norms(trace, kernels):
     return rows, durations
 
 
-def _layout_conversions(trace, kernels, nchw_gemms):
-    """cuDNN's tensor-core convolutions work in NHWC: given NCHW tensors, it transposes inputs, weights and
-    gradients to NHWC and the results back, a kernel each way per call. In channels-last they go, and so do the
-    low-alignment kernels NCHW rows force on some convolutions' GEMMs (NCHW_GEMMS: priced at half their time)."""
-    if not _converts_layout(trace, kernels):
-        return []
-    rows = _layout_rows(trace, kernels)
+def _layout_conversions(trace, kernels, rows, nchw_gemms):
+    """cuDNN's tensor-core convolutions work in NHWC: given NCHW tensors (ROWS: their layout kernels), it transposes
+    inputs, weights and gradients to NHWC and the results back, a kernel each way per call. In channels-last they go,
+    and so do the low-alignment kernels NCHW rows force on some convolutions' GEMMs (NCHW_GEMMS: priced at half their
+    time) and PyTorch's NCHW batch-norm kernels."""
     time = float(rows["dur"].sum())
     gemm_time = float(nchw_gemms["dur"].sum())
     norms, norm_durations = _nchw_batch_norms(trace, kernels)
