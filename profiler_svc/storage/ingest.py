@@ -451,7 +451,7 @@ def _store(engine, blobs, upload: Upload, analysed: dict, *, move_blob=None, job
     group_key = upload.group_key
     # The ranks of one captured job share the capture's run id: group them without being told.
     if group_key is None and ours.get("run"):
-        group_key = _run_key(f"capture:{_text(ours['run'])}")
+        group_key = f"capture:{_text(ours['run'])}"  # _get_or_create_run keeps a long one's hash
     summary = data.get("trace", {})
     device = summary.get("device") or {}
 
@@ -544,8 +544,12 @@ def _check_world(run: Run, world_size: int | None, rank: int | None, filename: s
         raise UserError(f"{_text(filename, 255)}: rank {rank} lies outside run {run.id}'s world of {size} ranks")
 
 
+def _names_rank(trace: TraceRecord) -> bool:
+    return (trace.summary or {}).get(RANK_NAMED, True)
+
+
 def _named_ranks(traces) -> set:
-    return {t.rank for t in traces if (t.summary or {}).get(RANK_NAMED, True)}
+    return {t.rank for t in traces if _names_rank(t)}
 
 
 def _number_unnamed(session, traces, taken: set):
@@ -553,7 +557,7 @@ def _number_unnamed(session, traces, taken: set):
     them); the ranks left, in order."""
     free = (r for r in itertools.count() if r not in taken)
     for trace in traces:
-        if not (trace.summary or {}).get(RANK_NAMED, True):
+        if not _names_rank(trace):
             moved = next(free)
             if trace.rank != moved:
                 session.execute(update(FindingRecord).where(FindingRecord.trace_id == trace.id).values(rank=moved))
@@ -572,9 +576,9 @@ def _get_or_create_run(session, *, group_key, name, host, workload, meta) -> Run
     # INSERT .. ON CONFLICT DO NOTHING: concurrent uploads of one job's ranks race for the run row.
     dialect = postgresql if session.bind.dialect.name == "postgresql" else sqlite
     session.execute(dialect.insert(Run).values(
-        name=name[:255], group_key=group_key[:255], host=host, workload=workload, meta=meta,
+        name=name[:255], group_key=group_key, host=host, workload=workload, meta=meta,
         created_at=utcnow()).on_conflict_do_nothing(index_elements=["group_key"]))
-    run = session.scalars(select(Run).where(Run.group_key == group_key[:255])).one()
+    run = session.scalars(select(Run).where(Run.group_key == group_key)).one()
     if workload and not run.workload:
         run.workload = workload
     return run
