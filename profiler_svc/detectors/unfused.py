@@ -513,12 +513,24 @@ def _findings(trace, chains):
             chain = _on_shapes(chain, rotated[cls])
             if chain is None:
                 continue
+        if chain.kind == "generic" and _one_op_call(chain):
+            continue
         groups[(chain.kind, cls if chain.kind != "generic" or cls else _signature(chain))].append(chain)
 
     findings = []
     for (kind, cls), group in groups.items():
         findings.append(_finding(trace, kind, cls, group, bandwidth))
     return findings
+
+
+def _one_op_call(chain: Chain) -> bool:
+    """Are the chain's kernels one top-level op's, at least two of them launched by one call inside it? That op
+    is one implementation (embedding's sort-based backward, a batch norm's statistics and transform, a
+    convolution's layout transposes), not calls a fusion joins. A composite op (a loss spelled as aten ops,
+    each launching its own kernel) stays a chain."""
+    top, op = np.asarray(chain.column("top_op")), np.asarray(chain.column("op"))
+    calls = np.where(top >= 0, top, op)
+    return bool((calls == calls[0]).all()) and len(np.unique(op)) < len(op)
 
 
 _CAST_BACKWARD = re.compile(r"^autograd::engine::evaluate_function: ToCopyBackward\d*$")

@@ -413,6 +413,24 @@ def test_hidden_1020_is_head_dim_85_and_prices_sdpa_padding():
     assert 0 < merged.saving_us_per_step < report(name).steps["step_us"]["median"]
 
 
+@pytest.mark.parametrize("name, op", [("t5_bf16_train", "autograd::engine::evaluate_function: EmbeddingBackward0"),
+                                      ("llama8_bf16_4x2048_train_h200_clocks",
+                                       "autograd::engine::evaluate_function: EmbeddingBackward0"),
+                                      ("resnet50_bf16_nchw_train_agent", "aten::batch_norm")])
+def test_one_op_calls_own_kernels_are_no_unfused_chain(name, op):
+    """Embedding's sort-based backward (9-10 kernels a call: radix sort, scan, copies) and a batch norm's statistics
+    and transform are one op's implementation: no fusion of calls shortens them. They were chains to torch.compile
+    (Llama 4x2048: 277 us a step; T5: 8 chains, 72 kernels)."""
+    trace = load_trace(fixture_path(name))
+    kernels = trace.window_kernels
+    own = set(kernels.index[kernels["top_op_name"] == op].tolist())
+    assert len(own) >= 3 * trace.step_count
+    chained = set()
+    for f in findings(name, "unfused_chain"):
+        chained |= set(f.change.durations) | set(f.change.removed)
+    assert chained and not own & chained
+
+
 # -- the host side ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["qwen2_bf16_decode", "t5_bf16_train"])
