@@ -4,10 +4,12 @@ Bandwidths are what a large device-to-device copy achieves (bytes read + written
 this project's lent GPUs where we have them (H100 80GB HBM3: ~3.0 TB/s, H200: ~4.3 TB/s), else
 0.9 x the datasheet figure. Peak rates are dense datasheet figures (no sparsity).
 """
+import re
 from dataclasses import dataclass, field, asdict
 from typing import Optional
 
-# name fragment -> (copy bandwidth GB/s, measured?, {dtype: dense peak TFLOP/s})
+# name fragment (whole words of the device name: "L4" is not the L40) -> (copy bandwidth GB/s, measured?,
+# {dtype: dense peak TFLOP/s}); a longer fragment before the one it contains
 _KNOWN: list[tuple[str, float, bool, dict[str, float]]] = [
     ("H200", 4300, True, {"bf16": 989, "fp16": 989, "tf32": 494, "fp32": 67, "fp8": 1979}),
     ("H100 PCIe", 0.9 * 2000, False, {"bf16": 756, "fp16": 756, "tf32": 378, "fp32": 51, "fp8": 1513}),
@@ -16,6 +18,7 @@ _KNOWN: list[tuple[str, float, bool, dict[str, float]]] = [
     ("A100-SXM4-80GB", 0.9 * 2039, False, {"bf16": 312, "fp16": 312, "tf32": 156, "fp32": 19.5}),
     ("A100", 0.9 * 1555, False, {"bf16": 312, "fp16": 312, "tf32": 156, "fp32": 19.5}),
     ("L40S", 0.9 * 864, False, {"bf16": 362, "fp16": 362, "tf32": 183, "fp32": 91.6, "fp8": 733}),
+    ("L40", 0.9 * 864, False, {"bf16": 181, "fp16": 181, "tf32": 90.5, "fp32": 90.5, "fp8": 362}),
     ("L4", 0.9 * 300, False, {"bf16": 121, "fp16": 121, "tf32": 60, "fp32": 30, "fp8": 242}),
     ("A10", 0.9 * 600, False, {"bf16": 125, "fp16": 125, "tf32": 62.5, "fp32": 31.2}),
     ("V100", 0.9 * 900, False, {"fp16": 125, "fp32": 15.7}),
@@ -58,7 +61,7 @@ def device_from_properties(props: Optional[list]) -> DeviceInfo:
         memory_bytes=_whole(p.get("totalGlobalMem"), 1, 1 << 60),
     )
     for fragment, bandwidth, measured, peaks in _KNOWN:
-        if name and fragment in name:
+        if name and re.search(rf"(?<![A-Za-z0-9]){re.escape(fragment)}(?![A-Za-z0-9])", name):
             info.memory_bandwidth_gbps, info.bandwidth_measured, info.peak_tflops = float(bandwidth), measured, dict(peaks)
             break
     return info

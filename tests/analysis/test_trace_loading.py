@@ -34,6 +34,17 @@ def test_llama_trace_tables_and_links():
     assert 0 < trace.gpu_busy_pct < 100
 
 
+@pytest.mark.parametrize("name, bandwidth, bf16", [
+    ("NVIDIA L40", 0.9 * 864, 181), ("NVIDIA L4", 0.9 * 300, 121), ("NVIDIA L40S", 0.9 * 864, 362),
+    ("NVIDIA GH200 480GB", 0.9 * 4000, 989), ("NVIDIA H200", 4300, 989), ("NVIDIA A10", 0.9 * 600, 125),
+    ("NVIDIA A100-SXM4-40GB", 0.9 * 1555, 312), ("NVIDIA H100 PCIe", 0.9 * 2000, 756)])
+def test_a_device_is_known_by_whole_words_of_its_name(name, bandwidth, bf16):
+    """A fragment matched anywhere in the name read the L40 as an L4 (270 GB/s, a third of its bandwidth) and the
+    GH200 as an H200."""
+    info = load.device_from_properties([{"name": name}])
+    assert info.memory_bandwidth_gbps == pytest.approx(bandwidth) and info.peak_tflops["bf16"] == bf16
+
+
 def test_op_inputs_decode_shapes_and_dtypes():
     trace = load_trace(fixture_path("gpt2_fp16_train"))
     cpu = trace.cpu
