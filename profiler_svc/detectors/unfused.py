@@ -187,7 +187,7 @@ class _Kernels:
     included, are in no chain: the fallback detector prices that path whole), with what the chains need of
     each row's launching op. That is worked out once per distinct op name and recorded inputs, not per row:
     a trace repeats a few hundred of them a million times."""
-    COLUMNS = ("name", "ts", "dur", "stream", "kind", "op", "op_name", "top_op", "top_op_name", "module",
+    COLUMNS = ("name", "ts", "dur", "device_stream", "kind", "op", "op_name", "top_op", "top_op_name", "module",
                "backward")
 
     def __init__(self, trace: Trace, kernels: pd.DataFrame, list_dtype: str):
@@ -328,7 +328,7 @@ def _stream_chains(k: _Kernels, wildcard: bool) -> list[Chain]:
     stream's first kernel, each stream's in time order."""
     # the candidates stream by stream (a stable sort keeps time order within each); `at`: their places in
     # that order, so that two candidates are neighbours on their stream where their places are
-    streams = pd.factorize(k.columns["stream"])[0]
+    streams = pd.factorize(k.columns["device_stream"])[0]
     order = np.argsort(streams, kind="stable")
     at = np.flatnonzero(k.candidate[order])
     rows = order[at]
@@ -471,7 +471,7 @@ def _gated_pairs(k: _Kernels) -> list[Chain]:
     ahead = acts[:, None] + np.arange(1, _GATED_WINDOW)
     inside = ahead < n
     ahead = np.minimum(ahead, n - 1)
-    stream = k.columns["stream"]
+    stream = k.columns["device_stream"]
     hit = inside & (stream[ahead] == stream[acts][:, None]) & ~k.act[ahead] & k.product[ahead]
     found = hit.any(axis=1)
     products = ahead[found, hit[found].argmax(axis=1)]

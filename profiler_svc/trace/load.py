@@ -811,6 +811,7 @@ class TableBuilder:
             raise TraceError(f"{self.path}: none of its {self.event_count} events is a torch.profiler event "
                              "(complete or B/E events of category kernel, cpu_op, cuda_runtime, ...)")
         kernels["kind"] = pd.Series(kernel_kinds(kernels["name"].to_numpy()), dtype=object)
+        _number_device_streams(kernels, memory)
         origin = _origin(kernels, memory, cpu, runtime)
         for table in (kernels, memory, cpu, runtime):
             table["ts"] -= origin
@@ -882,6 +883,16 @@ def _float(value) -> float:
         return float(value)
     except OverflowError:  # an integer beyond float range: infinity, which the range checks refuse
         return math.inf if value > 0 else -math.inf
+
+
+def _number_device_streams(kernels: pd.DataFrame, memory: pd.DataFrame) -> None:
+    """Each row's "device_stream": a code for its (device, stream), in their order. A stream belongs to its device,
+    and one process driving two GPUs runs a stream 7 on each."""
+    pairs = np.concatenate([np.column_stack([t["device"].to_numpy(np.int64), t["stream"].to_numpy(np.int64)])
+                            for t in (kernels, memory)]).reshape(-1, 2)
+    codes = np.unique(pairs, axis=0, return_inverse=True)[1].reshape(-1) if len(pairs) else np.zeros(0, np.int64)
+    kernels["device_stream"] = codes[:len(kernels)].astype(np.int64)
+    memory["device_stream"] = codes[len(kernels):].astype(np.int64)
 
 
 def _frame(parts: list) -> pd.DataFrame:

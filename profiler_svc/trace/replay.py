@@ -292,7 +292,7 @@ class Timeline:
 
     # -- the GPU side --------------------------------------------------------------------------------
     def _build_gpu(self, trace: "Trace", chain: pd.DataFrame) -> None:
-        cols = ["ts", "dur", "end", "stream", "correlation"]
+        cols = ["ts", "dur", "end", "device_stream", "correlation"]
         kernels = trace.kernels[cols].assign(source=0, row=trace.kernels.index.to_numpy())
         memory = trace.memory[cols].assign(source=1, row=trace.memory.index.to_numpy())
         gpu = pd.concat([kernels, memory], ignore_index=True)
@@ -305,17 +305,17 @@ class Timeline:
         keep = launched_here | unlinked
         gpu = gpu[keep].copy()
         gpu["launch"] = np.where(np.isnan(launch[keep]), -1, launch[keep]).astype(np.int64)
-        gpu = gpu.sort_values(["stream", "ts"], kind="stable").reset_index(drop=True)
+        gpu = gpu.sort_values(["device_stream", "ts"], kind="stable").reset_index(drop=True)
         self.gpu = gpu
         self.gpu_start = gpu["ts"].to_numpy(float)
         self.gpu_dur = gpu["dur"].to_numpy(float)
         self.gpu_launch = gpu["launch"].to_numpy()
-        streams = self.gpu_stream = gpu["stream"].to_numpy()
+        streams = self.gpu_stream = gpu["device_stream"].to_numpy()
         self.stream_bounds = np.flatnonzero(np.r_[True, streams[1:] != streams[:-1], True]) if len(gpu) else np.array([0])
         # Measured busy-until of each stream before the chosen steps: work already queued (one pass over the
         # kernels, not one per stream: a trace may hold thousands of streams).
         earlier = trace.kernels[(trace.kernels["ts"] < self.start).to_numpy()]
-        free = earlier.groupby("stream")["end"].max().reindex(np.unique(streams)).fillna(-np.inf)
+        free = earlier.groupby("device_stream")["end"].max().reindex(np.unique(streams)).fillna(-np.inf)
         self.stream_free = {s: float(v) for s, v in free.items()}
         # An activity launched while its stream was still busy queued behind its predecessor: it starts the
         # GPU's switch gap after that one ends. One launched onto an idle stream waited for its launch: it

@@ -19,15 +19,15 @@ class TraceWriter:
                             "args": args})
         return ext
 
-    def kernel(self, name, ts, dur, ext, stream=7, launch_ts=None):
+    def kernel(self, name, ts, dur, ext, stream=7, launch_ts=None, device=0):
         corr = self.next_id
         self.next_id += 1
         launch = ts - 5 if launch_ts is None else launch_ts
         self.events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 1,
                             "ts": launch, "dur": 3, "args": {"External id": ext, "correlation": corr}})
-        self.events.append({"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": stream, "ts": ts,
+        self.events.append({"ph": "X", "cat": "kernel", "name": name, "pid": device, "tid": stream, "ts": ts,
                             "dur": dur, "args": {"External id": ext, "correlation": corr, "stream": stream,
-                                                 "device": 0}})
+                                                 "device": device}})
 
     def step(self, number, ts, dur, tid=1):
         """A ProfilerStep#N range, as torch.profiler's schedule writes it."""

@@ -41,6 +41,20 @@ def test_replay_reproduces_the_measured_steps(tmp_path):
         assert timeline.error_pct == pytest.approx(0.0, abs=1e-9)
 
 
+def test_one_process_driving_two_gpus_runs_their_streams_apart(tmp_path):
+    """Each GPU has its own stream 7: 10 kernels of 100 us launched in the first 50 us, alternating between two
+    GPUs, run 5 on each side by side. Keyed by stream number alone they queued on one: a step of 1 ms."""
+    w = TraceWriter()
+    w.step(1, 0, 520)
+    for i in range(10):
+        ext = w.op("aten::mul", i * 5, 4)
+        w.kernel(f"k{i}", 10 + (i // 2) * 100, 100, ext, launch_ts=i * 5 + 1, device=i % 2)
+    timeline = load_trace(w.write(tmp_path / "two.json")).timeline
+    assert timeline.measured.total_us == pytest.approx(520)
+    assert timeline.baseline.total_us == pytest.approx(520, abs=1e-6)
+    assert timeline.replay(Change(durations={0: 50.0, 2: 50.0})).total_us == pytest.approx(520, abs=1e-6)
+
+
 def test_gpu_bound_step_shortens_with_its_kernels(tmp_path):
     trace = gpu_bound(tmp_path)
     timeline = trace.timeline
