@@ -197,13 +197,17 @@ class Result:
 
 
 def chain_threads(trace: "Trace", calls: pd.DataFrame) -> set:
-    """Threads whose runtime calls form one sequence: the thread that runs the profiled steps and the
-    autograd engine's threads it waits on; every thread that launches work when the trace has no steps."""
+    """Threads whose runtime calls form one sequence: the thread that runs the profiled steps (or, where it calls
+    no runtime, the one that calls it most: a model run on a worker thread) and the autograd engine's threads it
+    waits on; every thread that launches work when the trace has no steps."""
     steps = trace.steps
     cpu = trace.cpu
     if not len(steps):
         return set(calls["thread"].unique().tolist())
-    threads = {int(steps["thread"].iloc[0])}
+    main = int(steps["thread"].iloc[0])
+    if len(calls) and not (calls["thread"].to_numpy() == main).any():
+        main = int(calls["thread"].value_counts().index[0])
+    threads = {main}
     backward = cpu["backward"].to_numpy() if "backward" in cpu else np.zeros(len(cpu), dtype=bool)
     threads |= set(cpu.loc[backward, "thread"].unique().tolist())
     return threads

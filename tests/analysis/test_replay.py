@@ -6,8 +6,10 @@ import numpy as np
 import pytest
 
 from profiler_svc import load_trace
+from profiler_svc.recommendations import recommend
 from profiler_svc.trace.replay import Change, HostCost, calibrate, sensitivity
 from tests.analysis.synthetic import TraceWriter
+from tests.plugins.traces import fixture_path
 
 
 def gpu_bound(tmp_path):
@@ -53,6 +55,23 @@ def test_one_process_driving_two_gpus_runs_their_streams_apart(tmp_path):
     assert timeline.measured.total_us == pytest.approx(520)
     assert timeline.baseline.total_us == pytest.approx(520, abs=1e-6)
     assert timeline.replay(Change(durations={0: 50.0, 2: 50.0})).total_us == pytest.approx(520, abs=1e-6)
+
+
+def test_a_model_run_on_a_worker_thread_replays_as_on_the_steps_thread(tmp_path):
+    """GPT-2 fp32 inference with its ops and launches moved to another thread than the one calling prof.step():
+    the host chain held the steps' thread only, so it was empty and every fix saved 0 us."""
+    source = fixture_path("gpt2_fp32_notf32_infer")
+    with gzip.open(source) as f:
+        data = json.load(f)
+    for e in data["traceEvents"]:
+        if e.get("cat") in ("cpu_op", "cuda_runtime", "cuda_driver") or (
+                e.get("cat") == "user_annotation" and not e["name"].startswith("ProfilerStep")):
+            e["tid"] = 99999
+    moved = tmp_path / "worker.json"
+    moved.write_text(json.dumps(data))
+    expected, got = recommend(source).prediction, recommend(moved).prediction
+    assert got["saving_us_per_step"] == pytest.approx(expected["saving_us_per_step"], rel=1e-6)
+    assert got["saving_us_per_step"] > 0.5 * got["step_us"]
 
 
 def test_gpu_bound_step_shortens_with_its_kernels(tmp_path):
