@@ -98,6 +98,13 @@ def load_traces(path, progress=None) -> list[Trace]:
         if trace.rank is not None and named.setdefault(trace.rank, trace) is not trace:
             raise TraceError(f"{path}: {Path(named[trace.rank].path).name} and {Path(trace.path).name} are both "
                              f"rank {trace.rank}: a folder holds one job's traces, one file a rank")
+    unnamed: dict = {}
+    for trace in traces:
+        for pid in {pid for pid, _ in trace.threads.values()} if trace.rank is None and len(traces) > 1 else ():
+            if unnamed.setdefault(pid, trace) is not trace:
+                raise TraceError(f"{path}: {Path(unnamed[pid].path).name} and {Path(trace.path).name} name no rank and "
+                                 f"come from one process (pid {pid}): windows of one run (a TensorBoard log folder "
+                                 "holds a file a window), not a job's ranks; analyse each file alone")
     free = (r for r in range(len(traces) + len(named)) if r not in named)
     for trace in traces:
         if trace.rank is None:

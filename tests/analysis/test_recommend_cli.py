@@ -279,6 +279,16 @@ def test_a_folder_naming_one_rank_twice_is_refused(tmp_path, capsys):
     assert code == 2 and out == "" and err.count("\n") == 1 and "a.json and b.json are both rank 0" in err
 
 
+def test_a_folder_of_one_process_windows_is_no_job(tmp_path, capsys):
+    """tensorboard_trace_handler writes a file a profiling window: two windows of a single-GPU run were read as
+    ranks 0 and 1, and the report named a straggler ("rank 1 straggles", high) with advice to balance the ranks."""
+    for window in ("host_1.100.pt.trace.json.gz", "host_1.200.pt.trace.json.gz"):
+        shutil.copy(fixture_path("gpt2_fp32_notf32_infer"), tmp_path / window)
+    code, out, err = run(capsys, "recommend", str(tmp_path))
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert "host_1.100.pt.trace.json.gz and host_1.200.pt.trace.json.gz name no rank and come from one process" in err
+
+
 @pytest.mark.parametrize("bad", [2 ** 63, -5, True, "1", 1.5, None])
 def test_a_rank_that_cannot_be_one_takes_a_free_rank(tmp_path, capsys, bad):
     """A peer host without CUDA runtime calls (host pace 0) beside it, as a hand-made pair had: no division by 0."""
