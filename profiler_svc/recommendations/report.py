@@ -161,6 +161,9 @@ def trace_warnings(trace: Trace, in_window: int) -> list:
     """What the loader ignored, and GPU work the analysis cannot place: kernels outside the steps it analyses
     (a GPU clock offset from the host's, or work after the last step)."""
     out = list(trace.warnings)
+    if trace.steps_without_gpu_work:
+        out.append(f"{trace.steps_without_gpu_work} profiled steps hold no GPU work where the others do (their GPU "
+                   "events lost?) and are left out")
     outside = len(trace.kernels) - in_window
     if outside and outside >= 0.5 * len(trace.kernels):
         out.append(f"{outside} of {len(trace.kernels)} GPU kernels lie outside the analysed steps and are left out "

@@ -622,6 +622,7 @@ class TableBuilder:
         self.event_count = 0
         self.open_slices: dict[ThreadKey, list[TraceEvent]] = {}  # stack of "B" events waiting for their "E"
         self.ignored = {"ids": 0, "bytes": 0, "inputs": 0, "unopened": 0, "no_duration": 0}
+        self.early = (0, 0.0)  # kernels that start before their launch, and by how much (µs)
 
     def add(self, events) -> None:
         self.event_count += len(events)
@@ -807,6 +808,11 @@ class TableBuilder:
         out = [f"{count} {found[key]}" for key, count in self.ignored.items() if count]
         if unclosed:
             out.append(f"{unclosed} 'B' events without an 'E' on their thread ignored")
+        count, most = self.early
+        if count:
+            out.append(f"{count} kernels start before the host call that launched them (by up to {most / 1e3:.3g} ms): "
+                       "the GPU's clock is behind the host's in this trace, and what places kernels against host "
+                       "time (steps, idle gaps, the replay) is off by as much")
         return out
 
     def finish(self, metadata: dict) -> Trace:
@@ -828,6 +834,7 @@ class TableBuilder:
             raise TraceError(f"{self.path}: its events span {span / 86400e6:.3g} days, which no profile does: "
                              "a corrupt timestamp")
         self._check_gpu_within_host(kernels, cpu, runtime)
+        self.early = _launched_later(kernels, runtime)
         self.ignored["no_duration"] += int((kernels["dur"].to_numpy() == 0).sum())  # read as 0 µs: a warning says so
         # The capture agent writes its module labels as cheap cpu_op ranges; they are annotations.
         if len(cpu):
@@ -890,6 +897,18 @@ def _float(value) -> float:
         return float(value)
     except OverflowError:  # an integer beyond float range: infinity, which the range checks refuse
         return math.inf if value > 0 else -math.inf
+
+
+def _launched_later(kernels: pd.DataFrame, runtime: pd.DataFrame) -> tuple[int, float]:
+    """(kernels that start before their launch call, the most by which one does, µs). A launch takes 5 µs or more
+    to reach the GPU on every bundled trace; a kernel ahead of its launch is on a clock offset from the host's."""
+    if not len(kernels) or not len(runtime):
+        return 0, 0.0
+    launched = pd.Series(runtime["ts"].to_numpy(), index=runtime["correlation"].to_numpy())
+    launched = launched[~launched.index.duplicated()].reindex(kernels["correlation"].to_numpy()).to_numpy()
+    ahead = launched - kernels["ts"].to_numpy()
+    ahead = ahead[ahead > 0]
+    return int(len(ahead)), float(ahead.max()) if len(ahead) else 0.0
 
 
 def _number_device_streams(kernels: pd.DataFrame, memory: pd.DataFrame) -> None:

@@ -141,8 +141,23 @@ class Trace:
 
     # -- windows ---------------------------------------------------------------------------
     @cached_property
-    def _steps_found(self) -> tuple[pd.DataFrame, str]:
-        return find_steps(self.cpu)
+    def _steps_found(self) -> tuple[pd.DataFrame, str, int]:
+        """(steps, how found, how many steps were left out for holding no GPU work where the others hold some:
+        their GPU events were lost, and as steps they would time the loop at their host time alone)."""
+        steps, source = find_steps(self.cpu)
+        if len(steps) < 2 or not len(self.kernels):
+            return steps, source, 0
+        starts = np.sort(np.r_[self.kernels["ts"].to_numpy(float), self.runtime["ts"].to_numpy(float)])
+        held = (np.searchsorted(starts, steps["end"].to_numpy(float), side="right")
+                - np.searchsorted(starts, steps["ts"].to_numpy(float), side="left")) > 0
+        if held.all() or not held.any():
+            return steps, source, 0
+        return steps[held].reset_index(drop=True), source, int((~held).sum())
+
+    @property
+    def steps_without_gpu_work(self) -> int:
+        """Steps left out of `steps`: they hold no GPU work where the trace's other steps do."""
+        return self._steps_found[2]
 
     @property
     def steps(self) -> pd.DataFrame:

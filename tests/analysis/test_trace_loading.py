@@ -12,6 +12,7 @@ import pytest
 
 from profiler_svc.cli import main
 from profiler_svc.errors import TraceError
+from profiler_svc.recommendations import recommend
 from profiler_svc.trace import kernel_names, load, load_trace, load_traces
 from benchmarks.tile_trace import write_kineto_layout
 from tests.plugins.traces import DATA, DDP, fixture_path
@@ -43,6 +44,43 @@ def test_a_device_is_known_by_whole_words_of_its_name(name, bandwidth, bf16):
     GH200 as an H200."""
     info = load.device_from_properties([{"name": name}])
     assert info.memory_bandwidth_gbps == pytest.approx(bandwidth) and info.peak_tflops["bf16"] == bf16
+
+
+def _gpt2_sample_edited(tmp_path, edit):
+    with gzip.open(fixture_path("gpt2_fp32_notf32_infer")) as f:
+        data = json.load(f)
+    data["traceEvents"] = edit(data["traceEvents"])
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(data))
+    return recommend(path)
+
+
+def test_a_step_whose_gpu_events_were_lost_is_left_out(tmp_path):
+    """GPT-2's second step without its kernels and launches (a CUPTI buffer lost them): timed as a loop step at
+    its host time alone, "all recommended fixes together" read 6.65 ms -> 6.9 us."""
+    gpu = {"kernel", "gpu_memcpy", "gpu_memset", "cuda_runtime", "cuda_driver", "gpu_user_annotation", "ac2g"}
+
+    def drop_last_steps_gpu(events):
+        last = max(e["ts"] for e in events if e.get("cat") == "user_annotation" and e["name"].startswith("ProfilerStep#"))
+        return [e for e in events if not (e.get("cat") in gpu and e.get("ts", 0) >= last)]
+    report = _gpt2_sample_edited(tmp_path, drop_last_steps_gpu)
+    whole = recommend(fixture_path("gpt2_fp32_notf32_infer"))
+    assert report.steps["count"] == 1 and any("1 profiled steps hold no GPU work" in w for w in report.trace["warnings"])
+    # the first step alone: its own figures, within a few percent of the two steps' median
+    assert report.prediction["step_us"] == pytest.approx(whole.prediction["step_us"], rel=0.05)
+    assert report.prediction["saving_us_per_step"] == pytest.approx(whole.prediction["saving_us_per_step"], rel=0.1)
+
+
+def test_kernels_that_start_before_their_launch_are_warned_of(tmp_path):
+    """The GPU's clock 3 ms behind the host's: 51 of 132 kernels fell out of the steps, with no word of it."""
+    def gpu_behind(events):
+        for e in events:
+            if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation"):
+                e["ts"] -= 3000
+        return events
+    report = _gpt2_sample_edited(tmp_path, gpu_behind)
+    [warning] = [w for w in report.trace["warnings"] if "before the host call that launched them" in w]
+    assert warning.startswith("132 kernels") and "by up to 2.99 ms" in warning
 
 
 def test_op_inputs_decode_shapes_and_dtypes():
