@@ -118,8 +118,7 @@ def top_ops(trace: Trace, n: int = 20) -> list[dict]:
     if not len(cpu):
         return []
     start, end = trace.window
-    ops = cpu[name_mask(cpu, lambda c: c == "cpu_op", "cat") & (cpu["top"] == cpu.index) & (cpu["ts"] >= start)
-              & (cpu["ts"] <= end)]
+    ops = cpu[cpu["outermost"].to_numpy() & (cpu["ts"] >= start).to_numpy() & (cpu["ts"] <= end).to_numpy()]
     if not len(ops):
         return []
     total = float(ops["dur"].sum()) or 1.0

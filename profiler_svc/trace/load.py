@@ -1004,6 +1004,10 @@ def _link_cpu_tree(cpu: pd.DataFrame) -> None:
     cpu["parent"] = parent
     cpu["module"] = _objects(_inherit(own, parent))
     cpu["top"] = _nearest(parent, top_seed)
+    # an op no op encloses, through annotations too (a compiled region's kernels' ops sit under its "## Call
+    # CompiledFxGraph" range): the host time outermost ops sum is the host's, counted once
+    nearest_op = _nearest(parent, is_op)
+    cpu["outermost"] = is_op & ((parent < 0) | (nearest_op[np.maximum(parent, 0)] < 0))
     cpu["backward"] = False
 
 

@@ -130,3 +130,18 @@ def test_a_convolution_is_rated_by_its_flops():
     assert re.search(rf" {shown['calls_per_step']:g} +{shown['achieved_tflops']:.0f} TFLOP/s", text) and "calls/step" in text
     assert abs(shown["achieved_tflops"] - flops / time / 1e6) <= 0.01 * flops / time / 1e6
     assert shown["peak_pct"] > 40 and shown["bound"] == "compute"
+
+
+def test_top_cpu_ops_count_a_compiled_regions_ops_once():
+    """A compiled region's ops sit under its '## Call CompiledFxGraph' range: they were outermost too, and
+    aten::addmm took 21% beside the region that holds it (shares summing to the host time twice)."""
+    events = [e for e in raw_events("cpu_compiled_mlp_infer") if e.get("ph") == "X"]
+    steps = [e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith("ProfilerStep#")]
+    start, end = min(s["ts"] for s in steps), max(s["ts"] + s["dur"] for s in steps)
+    in_steps = [e for e in events if e.get("cat") == "cpu_op" and start <= e["ts"] <= end]
+    regions = [e for e in in_steps if e["name"].startswith("Torch-Compiled Region")]
+    lookups = [e for e in in_steps if e["name"] == "TorchDynamo Cache Lookup"]
+    ops = {op["name"]: op for op in recommend(fixture_path("cpu_compiled_mlp_infer")).top_ops}
+    assert set(ops) == {regions[0]["name"], "TorchDynamo Cache Lookup"}
+    whole = sum(e["dur"] for e in regions + lookups)
+    assert ops[regions[0]["name"]]["share_pct"] == round(100 * sum(e["dur"] for e in regions) / whole, 2)

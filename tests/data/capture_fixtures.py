@@ -239,6 +239,15 @@ def cpu_transformer_encoder_infer():
     return torch.no_grad()(lambda: model(x))
 
 
+@fixture("cpu_compiled_mlp_infer", model="torch.compile(nn.Sequential(Linear 64->128, GELU, Linear 128->64))",
+         dtype="fp32", mode="inference on the CPU (no CUDA activity)", batch="8x64", attn="-",
+         plants="a compiled region: its ops sit under the region's '## Call CompiledFxGraph' range", cpu=True)
+def cpu_compiled_mlp_infer():
+    model = torch.compile(torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64)))
+    x = torch.randn(8, 64)
+    return torch.no_grad()(lambda: model(x))
+
+
 # ---- second set: captured after the detectors were written, to check them on unseen models ----
 
 @fixture("gemma_bf16_train", model="GemmaForCausalLM", dtype="bf16", mode="train (fwd+bwd+AdamW)", batch="4x512",
