@@ -156,12 +156,15 @@ def _simt_matmuls(trace, kernels):
                 snippet = "torch.backends.cudnn.benchmark = True  # input shapes must be static"
                 fix_name = "cudnn_benchmark"
         worst = groups[0]
+        # a trace without CPU ops (activities=[CUDA]) names no op and no shape: its kernels are one group
+        shapes = (f"{len(groups)} shape{'s' if len(groups) > 1 else ''}" if any(g["op"] for g in groups)
+                  else "shapes not recorded")
+        largest = f"largest: {worst['op']} {worst['shapes']}" if worst["op"] else "no op recorded"
         findings.append(Finding(
             category="fallback_kernel",
-            title=f"{dtype} {label}s on the CUDA-core (FFMA) path: {len(groups)} shape{'s' if len(groups) > 1 else ''}, "
-                  f"{len(rows)} calls",
+            title=f"{dtype} {label}s on the CUDA-core (FFMA) path: {shapes}, {len(rows)} calls",
             detail=(f"{len(rows)} {label} calls took {per_step_note(trace, time)} on non-tensor-core kernels "
-                    f"(e.g. {short_kernel_name(worst['rows'][0][0].name, 60)}; largest: {worst['op']} {worst['shapes']}, "
+                    f"(e.g. {short_kernel_name(worst['rows'][0][0].name, 60)}; {largest}, "
                     f"{per_step_note(trace, worst['time'])}). Why: {why}. On tensor cores the same work needs about "
                     f"{per_step_note(trace, expected)}."),
             evidence=_evidence(worst["rows"], trace, {

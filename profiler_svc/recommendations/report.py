@@ -279,7 +279,7 @@ def render_text(report: Report, top: int = 10) -> str:
         lines.append(f"{'share':>6}  {'per step':>9}  {'calls/step':>10}  {'rate':>22}  kernel  (op · module)")
         for k in report.top_kernels[:top]:
             lines.append(f"{k['share_pct']:5.1f}%  {fmt_us(k['us_per_step']):>9}  {k['calls_per_step']:>10g}  {_rate(k):>22}  "
-                         f"{_truncate(clean(k['short_name']), 70)}  ({_where(k)})")
+                         f"{_truncate(clean(k['short_name']), 70)}" + (f"  ({where})" if (where := _where(k)) else ""))
         if note := above_dram_note(report.top_kernels[:top], report.trace):
             lines.append(note)
     elif report.top_ops:

@@ -13,6 +13,7 @@ import pytest
 from profiler_svc.cli import main
 from profiler_svc.errors import TraceError
 from profiler_svc.recommendations import recommend
+from profiler_svc.recommendations.report import render_text
 from profiler_svc.trace import kernel_names, load, load_trace, load_traces
 from benchmarks.tile_trace import write_kineto_layout
 from tests.plugins.traces import DATA, DDP, fixture_path
@@ -445,3 +446,14 @@ def test_parents_of_a_nest_deeper_than_the_linking_rounds(tmp_path):
     assert cpu["parent"].tolist() == expected
     deepest = cpu.index[cpu["name"] == "nest299"][0]
     assert (cpu["parent"] == deepest).sum() == 40  # the leaves sit in the deepest level
+
+
+def test_a_cuda_only_trace_names_no_op_it_has_not(tmp_path):
+    """activities=[CUDA] records kernels and launches but no op: the FFMA finding read "1 shape" and "largest: None []"
+    over five GEMM kernels, and each top kernel ended in "()"."""
+    keep = {"kernel", "cuda_runtime", "cuda_driver", "gpu_memcpy", "gpu_memset"}
+    report = _gpt2_sample_edited(tmp_path, lambda events: [e for e in events if e.get("cat") in keep or e.get("ph") == "M"])
+    [ffma] = [f for f in report.findings if f.key.startswith("fallback_kernel:simt")]
+    assert ffma.title.endswith("shapes not recorded, 26 calls") and "no op recorded" in ffma.detail
+    text = render_text(report)
+    assert "None" not in text and "()" not in text
