@@ -54,7 +54,8 @@ def run_ab(args) -> int:
     if unknown:
         raise UserError(f"unknown fix {', '.join(map(repr, unknown))}; available: {', '.join(FIX_NAMES)}")
     workload = load_workload(args.workload)
-    prediction = predicted_change(args.from_report, swaps, fixes) if args.from_report else None
+    # predicted for what ran: a swap that matched no module and a fix that did not apply are left out
+    prediction = (lambda ran, applied: predicted_change(args.from_report, ran, applied)) if args.from_report else None
     started_at = datetime.now(timezone.utc)
     try:
         result = ab_test(workload.model, workload.inputs, swaps, fixes=fixes, train=args.train,
@@ -102,6 +103,8 @@ def predicted_change(path: Path, swaps: list[str], fixes: list[str]) -> dict | N
     from ..recommendations import recommend
 
     trace = (_read_report(path).get("source") or {}).get("path")
+    if isinstance(trace, str) and not Path(trace).exists() and (Path(path).parent / trace).exists():
+        trace = str(Path(path).parent / trace)  # a relative path, from where the report was written
     if not isinstance(trace, str) or not Path(trace).exists():
         print(f"no prediction: the report's trace {trace!r} is not here to replay", file=sys.stderr)
         return None

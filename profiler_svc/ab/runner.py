@@ -42,7 +42,7 @@ NUDGE_MAX = 2.0 ** -4
 
 def ab_test(model: nn.Module, inputs, swaps=(), *, fixes=(), train: bool = False, loss_fn=None, optimizer=None,
             rounds: int = 30, warmup: int = 5, seed: int = 0, parity_factor: float = parity.MODEL_FACTOR,
-            max_rel_error: float | None = None, prediction: dict | None = None) -> ABResult:
+            max_rel_error: float | None = None, prediction=None) -> ABResult:
     """A/B-test `swaps` and `fixes` on `model`: parity against fp64 first, then interleaved timed rounds.
 
     inputs: an args tuple, a kwargs dict, a single tensor, or a callable `step(model)` that runs
@@ -53,8 +53,9 @@ def ab_test(model: nn.Module, inputs, swaps=(), *, fixes=(), train: bool = False
     fixes: names from the fix registry (profiler_svc.ab.fixes). Those that change precision (tf32,
     bf16_autocast) are judged by their numeric cost against fp64, within `max_rel_error` (normwise,
     per tensor) when given; swaps and exact fixes by the strict gate against eager's own error.
-    prediction: the analyser's predicted step change for these swaps and fixes
-    (`Report.predict(swaps, fixes)`), kept in the result beside the measured one.
+    prediction: the analyser's predicted step change (`Report.predict(swaps, fixes)`), kept in the result beside
+    the measured one: a dict, or `predict(swaps, fixes) -> dict | None`, called with the swaps that replaced a
+    module and the fixes that applied, so that it predicts what ran.
     """
     if rounds < 2 or warmup < 0:
         raise UserError(f"need rounds >= 2 and warmup >= 0, got rounds={rounds}, warmup={warmup}")
@@ -89,6 +90,11 @@ def ab_test(model: nn.Module, inputs, swaps=(), *, fixes=(), train: bool = False
 
     b = variants["B"]
     assert b.fix_plan is not None  # _variants gives B every fix asked for, perhaps none
+    if callable(prediction):
+        swapped = {swap for _, _, swap, *_ in b.swap_plan.report.swapped} if b.swap_plan else set()
+        ran = [swap for swap in b.swap_plan.swaps if swap in swapped] if b.swap_plan else []
+        applied = [name for name, _ in b.fix_plan.changes]
+        prediction = prediction(ran, applied) if ran or applied else None
     return ABResult(
         swaps=b.swap_plan.swaps if b.swap_plan else [], train=train, device=_describe(device),
         verdict=stats.verdict(passed, timing.ci_low if timing else None, timing.ci_high if timing else None),

@@ -191,3 +191,27 @@ def test_a_queued_job_carries_fixes_and_the_worker_applies_them(engine, blobs):
     assert result["train"] is True  # the workload brings an optimizer: its step is a training step
     assert [row["fix"] for row in result["fixes_applied"]] == ["sdpa", "fused_optimizer"]
     assert result["parity_passed"] and any(row["name"].startswith("param.") for row in result["parity"])
+
+
+@needs_kernels
+def test_from_report_predicts_what_ran(tmp_path, capsys):
+    """The Llama sample's report names rms_norm, rope, cuda_graphs and fused_optimizer; on this CPU workload
+    cuda_graphs does not apply. The prediction was made for all four before the test, so it counted a fix that
+    never ran."""
+    from profiler_svc.recommendations import recommend
+
+    trace = str(fixture_path("llama_bf16_train"))
+    assert main(["recommend", trace, "--format", "json"]) == 0
+    report = tmp_path / "report.json"
+    report.write_text(capsys.readouterr()[0])
+    code, out, err = _ab(capsys, "--workload", "ab_workloads:llama_train_adamw", "--from-report", str(report),
+                         "--train", "--json", *QUICK)
+    assert code == 0, err
+    result = json.loads(out)
+    ran = list(dict.fromkeys(row["swap"] for row in result["swapped"]))
+    applied = [row["fix"] for row in result["fixes_applied"]]
+    assert "cuda_graphs" in result["fixes"] and "cuda_graphs" not in applied and ran
+    expected = recommend(trace).predict(swaps=ran, fixes=applied)
+    assert result["prediction"]["findings"] == expected["findings"]
+    assert result["prediction"]["saving_us_per_step"] == expected["saving_us_per_step"]
+    assert not any(key.startswith("launch_gaps") for key in result["prediction"]["findings"])
