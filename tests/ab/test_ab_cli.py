@@ -1,5 +1,6 @@
 """`profiler_svc ab`: a tiny workload with a real bundled swap, swaps from a real report, bad input."""
 import json
+import shutil
 
 import pytest
 
@@ -215,3 +216,16 @@ def test_from_report_predicts_what_ran(tmp_path, capsys):
     assert result["prediction"]["findings"] == expected["findings"]
     assert result["prediction"]["saving_us_per_step"] == expected["saving_us_per_step"]
     assert not any(key.startswith("launch_gaps") for key in result["prediction"]["findings"])
+
+
+def test_a_reports_relative_trace_path_is_found_beside_the_report(tmp_path, capsys):
+    """`recommend trace.json.gz > report.json` in one folder, `ab --from-report DIR/report.json` from another: the
+    report's relative path named no file, and the A/B ran without a prediction."""
+    from profiler_svc.ab.commands import predicted_change
+
+    shutil.copy(fixture_path("gpt2_fp32_notf32_infer"), tmp_path / "gpt2.json.gz")
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"schema": "profiler_svc.report/1", "source": {"path": "gpt2.json.gz"},
+                                  "findings": []}))
+    prediction = predicted_change(report, [], ["tf32"])
+    assert capsys.readouterr()[1] == "" and prediction["saving_us_per_step"] > 0
