@@ -373,7 +373,7 @@ def fused(trace: Trace, kernel_rows, fused_us: float, host: bool = True) -> Chan
 def fused_chains(trace: Trace, chains: list, fused_us: list, host: bool = True) -> list:
     """fused() of each chain of CHAINS (kernel rows) with its FUSED_US, in one pass over all of them: a trace holds
     thousands of chains, and numpy's per-call cost would dominate one at a time."""
-    ts = trace.column("kernels", "ts")
+    ts, dur = trace.column("kernels", "ts"), trace.column("kernels", "dur")
     chains = [sorted(rows, key=ts.__getitem__) for rows in chains]
     out = []
     for rows, us, whole, copies in zip(chains, fused_us, *_whole_ops_and_copies(trace, chains), strict=True):
@@ -381,8 +381,10 @@ def fused_chains(trace: Trace, chains: list, fused_us: list, host: bool = True) 
             out.append(Change())
             continue
         intervals = host_intervals(trace, whole) if host else []
-        out.append(Change(durations={rows[0]: float(us)}, removed=set(rows[1:]), host_removed=intervals[1:],
-                          copies_removed=copies))
+        # a floor above what the chain took (its data in L2, or kernels without durations) frees no GPU time
+        measured = float(sum(dur[r] for r in rows))
+        out.append(Change(durations={rows[0]: min(float(us), measured)}, removed=set(rows[1:]),
+                          host_removed=intervals[1:], copies_removed=copies))
     return out
 
 

@@ -457,3 +457,17 @@ def test_a_cuda_only_trace_names_no_op_it_has_not(tmp_path):
     assert ffma.title.endswith("shapes not recorded, 26 calls") and "no op recorded" in ffma.detail
     text = render_text(report)
     assert "None" not in text and "()" not in text
+
+
+def test_kernels_without_durations_free_no_negative_gpu_time(tmp_path):
+    """Elementwise kernels recorded without a duration: a fused chain's floor was then above the chain's measured
+    time, and its finding read "frees -0.2 us of GPU time per step"."""
+    def no_durations(events):
+        for e in events:
+            if e.get("cat") == "kernel" and "elementwise" in e["name"]:
+                del e["dur"]
+        return events
+    report = _gpt2_sample_edited(tmp_path, no_durations)
+    chains = [f for f in report.findings if f.category == "unfused_chain"]
+    assert chains and all(f.gpu_time_saved_us_per_step >= 0 for f in chains)
+    assert any("without a duration" in w for w in report.trace["warnings"])
