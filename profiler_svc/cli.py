@@ -19,8 +19,15 @@ COMMAND_MODULES = (
 )
 
 
+class _Parser(argparse.ArgumentParser):
+    """Argument errors in one line, as every other error (its subcommands' parsers are of this class too)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {clean(message)} (see {self.prog} -h)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="profiler_svc",
         description="Find why a PyTorch workload is slow, recommend fused kernels, A/B-test the swap.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")

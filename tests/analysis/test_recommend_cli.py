@@ -157,10 +157,17 @@ def test_no_traceback_from_the_real_command(tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1
 
 
-def test_usage_errors_exit_2(capsys):
+@pytest.mark.parametrize("args, message", [
+    (["recommend", "t.json", "--top", "zero"], "argument --top: not a whole number: 'zero'"),
+    (["recommend", "t.json", "--top", "0"], "argument --top: must be at least 1"),
+    (["recommend"], "the following arguments are required: TRACE"),
+    (["bogus"], "invalid choice: 'bogus'")])
+def test_usage_errors_are_one_line_and_exit_2(capsys, args, message):
+    """argparse printed its usage block above the error: four lines, where every other error is one."""
     with pytest.raises(SystemExit) as exc:
-        main(["recommend", str(fixture_path("gpt2_fp16_train")), "--top", "zero"])
-    assert exc.value.code == 2
+        main(args)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and message in err and err.rstrip().endswith("-h)")
 
 
 @pytest.mark.parametrize("setting, message", [
