@@ -71,6 +71,40 @@ def llama_bf16_nocache_train_calibrated():
     return model, {"input_ids": ids, "labels": ids}, lambda out: out.loss
 
 
+def _to_module_device(module, args, kwargs):
+    """A forward pre-hook: the call's tensors (and tuples of them) moved to the module's GPU, as accelerate's
+    device_map hooks do (accelerate need not be installed)."""
+    device = next(module.parameters()).device
+
+    def moved(x):
+        if torch.is_tensor(x):
+            return x.to(device, non_blocking=True)
+        return tuple(moved(y) for y in x) if isinstance(x, tuple) else x
+    return tuple(moved(a) for a in args), {k: moved(v) for k, v in kwargs.items()}
+
+
+def llama8_bf16_two_gpu_pipeline_train():
+    """One process, two GPUs: Llama 8 x 2048 with layers 0-3 (and the embedding) on cuda:0, layers 4-7, the final
+    norm and the head on cuda:1, as device_map="auto" splits a model; each GPU runs its own stream 7."""
+    model = _build("LlamaForCausalLM", "LlamaConfig", LLAMA8, "sdpa", torch.bfloat16)
+    second = torch.device("cuda", 1)
+    for layer in model.model.layers[LLAMA8["num_hidden_layers"] // 2:]:
+        layer.to(second).register_forward_pre_hook(_to_module_device, with_kwargs=True)
+    for module in (model.model.norm, model.lm_head):
+        module.to(second).register_forward_pre_hook(_to_module_device, with_kwargs=True)
+    ids = torch.randint(0, LLAMA8["vocab_size"], (2, 1024), device=DEVICE)
+    return model, {"input_ids": ids, "labels": ids}, lambda out: out.loss
+
+
+def llama_bf16_data_parallel_train():
+    """One process, two GPUs, torch.nn.DataParallel: each replica's forward launched from a thread of its own, its
+    backward from autograd's thread for that GPU."""
+    model = torch.nn.DataParallel(_build("LlamaForCausalLM", "LlamaConfig", LLAMA, "sdpa", torch.bfloat16),
+                                  device_ids=[0, 1])
+    ids = torch.randint(0, LLAMA["vocab_size"], (8, 512), device=DEVICE)
+    return model, {"input_ids": ids, "labels": ids}, lambda out: out.loss.mean()
+
+
 FIXTURES = {
     "llama_bf16_train_agent": dict(
         factory=llama_bf16_train_agent, model="LlamaForCausalLM", config=LLAMA, dtype="bf16", attn="sdpa",
@@ -90,6 +124,14 @@ FIXTURES = {
         factory=llama_bf16_nocache_train_calibrated, model="LlamaForCausalLM", config=LLAMA, dtype="bf16", attn="sdpa",
         batch="x".join(map(str, LLAMA_BATCH)), mode="train (fwd+bwd+AdamW foreach), use_cache=False",
         numerics="defaults", calibrated=True),
+    "llama8_bf16_two_gpu_pipeline_train": dict(
+        factory=llama8_bf16_two_gpu_pipeline_train, model="LlamaForCausalLM, layers 0-3 on cuda:0, 4-7 and the head on cuda:1",
+        config=LLAMA8, dtype="bf16", attn="sdpa", batch="2x1024", mode="train (fwd+bwd+AdamW foreach)",
+        numerics="defaults", calibrated=True, gpus=2),
+    "llama_bf16_data_parallel_train": dict(
+        factory=llama_bf16_data_parallel_train, model="torch.nn.DataParallel(LlamaForCausalLM), 2 GPUs", config=LLAMA,
+        dtype="bf16", attn="sdpa", batch="8x512 (4x512 a GPU)", mode="train (fwd+bwd+AdamW foreach)",
+        numerics="defaults", calibrated=True, gpus=2),
 }
 
 
