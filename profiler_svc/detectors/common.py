@@ -384,7 +384,8 @@ def fused_chains(trace: Trace, chains: list, fused_us: list, host: bool = True) 
         # a floor above what the chain took (its data in L2, or kernels without durations) frees no GPU time
         measured = float(sum(dur[r] for r in rows))
         out.append(Change(durations={rows[0]: min(float(us), measured)}, removed=set(rows[1:]),
-                          host_removed=intervals[1:], copies_removed=copies))
+                          host_removed=intervals[1:], copies_removed=copies,
+                          fused_into=dict.fromkeys(rows[1:], rows[0])))
     return out
 
 

@@ -136,7 +136,7 @@ def analyse(trace: Trace) -> Analysis:
     findings = run_detectors(trace)
     if not trace.has_gpu:
         return Analysis(trace, findings, _steps_without_gpu(trace), {})
-    findings = _resolve_claims(_merge_root_causes(findings))
+    findings = _resolve_claims(_merge_root_causes(findings), trace.column("kernels", "dur"))
     timeline = trace.timeline
     host, calibration = _calibration(trace, timeline)
     base = timeline.replay(host=host)
@@ -225,7 +225,7 @@ def _merge_root_causes(findings: list) -> list:
 
 # -- claims --------------------------------------------------------------------------------------------
 
-def _resolve_claims(findings: list) -> list:
+def _resolve_claims(findings: list, kernel_dur: np.ndarray) -> list:
     """Each kernel to one finding: the earlier in _CLAIM_ORDER keeps it. A finding whose every kernel is
     already claimed goes, and the finding that claimed them names it as related (its advice stays in view)."""
     order = {c: i for i, c in enumerate(_CLAIM_ORDER)}
@@ -247,7 +247,7 @@ def _resolve_claims(findings: list) -> list:
                 claimant.detail += f" Related: {f.title}."
                 continue
             f.whole_change = f.change
-            f.change = f.change.without_kernels(overlap)
+            f.change = f.change.without_kernels(overlap, kernel_dur)
             f.evidence["kernels_claimed_elsewhere"] = len(overlap)
         if f.change.copies_removed & copies:
             f.change = replace(f.change, copies_removed=f.change.copies_removed - copies)

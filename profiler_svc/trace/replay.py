@@ -96,6 +96,7 @@ class Change:
     no_collective_wait: the host no longer waits for collectives (communication fully overlapped).
     not_before: trace.kernels index -> the earliest the kernel can start (µs, the trace's clock): a collective
         starts no earlier than its last peer on the other ranks (job_replay).
+    fused_into: trace.kernels index of a removed kernel -> the kernel whose new duration does its work (a fusion).
     """
     durations: dict = field(default_factory=dict)
     removed: set = field(default_factory=set)
@@ -107,6 +108,7 @@ class Change:
     graphs: bool = False
     no_collective_wait: bool = False
     not_before: dict = field(default_factory=dict)
+    fused_into: dict = field(default_factory=dict)
 
     def merged(self, other: "Change") -> "Change":
         return Change.union([self, other])
@@ -130,6 +132,7 @@ class Change:
             out.graphs = out.graphs or c.graphs
             out.no_collective_wait = out.no_collective_wait or c.no_collective_wait
             out.not_before.update(c.not_before)
+            out.fused_into.update(c.fused_into)
         return out
 
     @property
@@ -137,13 +140,23 @@ class Change:
         """The kernels this change claims."""
         return set(self.durations) | self.removed
 
-    def without_kernels(self, kernels: set) -> "Change":
-        """The same change, leaving these kernels (claimed by another fix) as they are."""
-        return Change(durations={k: v for k, v in self.durations.items() if k not in kernels},
+    def without_kernels(self, kernels: set, kernel_dur: Optional[np.ndarray] = None) -> "Change":
+        """The same change, leaving these kernels (claimed by another fix) as they are. With KERNEL_DUR (trace.kernels'
+        durations), a fused kernel no longer does the work of the claimed ones fused into it: it takes their
+        measured time off its own (eager attention's SDPA kernel, priced at its GEMMs' time, where TF32 claims
+        the GEMMs)."""
+        durations = {k: v for k, v in self.durations.items() if k not in kernels}
+        if kernel_dur is not None:
+            for k in kernels & self.fused_into.keys():
+                into = self.fused_into[k]
+                if into in durations:
+                    durations[into] = max(0.0, durations[into] - float(kernel_dur[k]))
+        return Change(durations=durations,
                       removed=self.removed - kernels, copies_removed=self.copies_removed,
                       host_removed=self.host_removed, host_added=self.host_added,
                       unblocked=self.unblocked, tightened=self.tightened, graphs=self.graphs,
-                      no_collective_wait=self.no_collective_wait, not_before=self.not_before)
+                      no_collective_wait=self.no_collective_wait, not_before=self.not_before,
+                      fused_into={k: v for k, v in self.fused_into.items() if k not in kernels})
 
     @property
     def empty(self) -> bool:
