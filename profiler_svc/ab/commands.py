@@ -54,8 +54,10 @@ def run_ab(args) -> int:
     if unknown:
         raise UserError(f"unknown fix {', '.join(map(repr, unknown))}; available: {', '.join(FIX_NAMES)}")
     workload = load_workload(args.workload)
-    # predicted for what ran: a swap that matched no module and a fix that did not apply are left out
-    prediction = (lambda ran, applied: predicted_change(args.from_report, ran, applied)) if args.from_report else None
+    # predicted for what ran (a swap that matched no module and a fix that did not apply are left out), from the
+    # trace the report names now: the report may move while the A/B runs
+    trace = report_trace(args.from_report) if args.from_report else None
+    prediction = (lambda ran, applied: predicted_change(trace, ran, applied)) if trace else None
     started_at = datetime.now(timezone.utc)
     try:
         result = ab_test(workload.model, workload.inputs, swaps, fixes=fixes, train=args.train,
@@ -97,17 +99,23 @@ def swaps_from_report(path: Path) -> list[str]:
     return recommended_in_report(path)["swaps"]
 
 
-def predicted_change(path: Path, swaps: list[str], fixes: list[str]) -> dict | None:
-    """The analyser's predicted step change for exactly these swaps and fixes: the report's trace replayed
-    again (Report.predict); None, with a line on stderr, when that trace is not at the report's path."""
-    from ..recommendations import recommend
-
+def report_trace(path: Path) -> str | None:
+    """The trace a report was made from, where it is now (a relative path: from the report's folder too); None,
+    with a line on stderr, when it is not here."""
     trace = (_read_report(path).get("source") or {}).get("path")
     if isinstance(trace, str) and not Path(trace).exists() and (Path(path).parent / trace).exists():
         trace = str(Path(path).parent / trace)  # a relative path, from where the report was written
     if not isinstance(trace, str) or not Path(trace).exists():
         print(f"no prediction: the report's trace {trace!r} is not here to replay", file=sys.stderr)
         return None
+    return trace
+
+
+def predicted_change(trace: str, swaps: list[str], fixes: list[str]) -> dict | None:
+    """The analyser's predicted step change for exactly these swaps and fixes: the trace replayed again
+    (Report.predict); None, with a line on stderr, when that fails."""
+    from ..recommendations import recommend
+
     try:
         return recommend(trace).predict(swaps=swaps, fixes=fixes) or None
     except Exception as err:  # the A/B test still stands without a prediction

@@ -94,7 +94,7 @@ def ab_test(model: nn.Module, inputs, swaps=(), *, fixes=(), train: bool = False
         swapped = {swap for _, _, swap, *_ in b.swap_plan.report.swapped} if b.swap_plan else set()
         ran = [swap for swap in b.swap_plan.swaps if swap in swapped] if b.swap_plan else []
         applied = [name for name, _ in b.fix_plan.changes]
-        prediction = prediction(ran, applied) if ran or applied else None
+        prediction = prediction(ran, applied) if passed and (ran or applied) else None
     return ABResult(
         swaps=b.swap_plan.swaps if b.swap_plan else [], train=train, device=_describe(device),
         verdict=stats.verdict(passed, timing.ci_low if timing else None, timing.ci_high if timing else None),

@@ -497,8 +497,8 @@ def _findings(trace, chains):
         if chain.backward:
             chains[i] = chain = _without_input_gradient_sum(chain)
         chain.kind = chain.kind or classify(chain.ops)
-        if chain.kind == "rms_norm" and not chain.backward:
-            chains[i] = chain = _norm_only(chain)
+        if chain.kind == "rms_norm":
+            chains[i] = chain = _norm_backward_only(chain) if chain.backward else _norm_only(chain)
         if chain.kind == "rope" and not chain.backward:
             chains[i] = chain = _rotation_only(trace, chain)
             if chain.shape:
@@ -524,13 +524,13 @@ def _findings(trace, chains):
 
 
 def _one_op_call(chain: Chain) -> bool:
-    """Are the chain's kernels one top-level op's, at least two of them launched by one call inside it? That op
+    """Are the chain's kernels one top-level op's, half of them or more launched by one call inside it? That op
     is one implementation (embedding's sort-based backward, a batch norm's statistics and transform, a
     convolution's layout transposes), not calls a fusion joins. A composite op (a loss spelled as aten ops,
-    each launching its own kernel) stays a chain."""
+    each launching its own kernel) stays a chain, as does a checkpointed layer's backward under one op."""
     top, op = np.asarray(chain.column("top_op")), np.asarray(chain.column("op"))
     calls = np.where(top >= 0, top, op)
-    return bool((calls == calls[0]).all()) and len(np.unique(op)) < len(op)
+    return bool((calls == calls[0]).all()) and 2 * int(np.unique(op, return_counts=True)[1].max()) >= len(op)
 
 
 _CAST_BACKWARD = re.compile(r"^autograd::engine::evaluate_function: ToCopyBackward\d*$")
@@ -550,16 +550,38 @@ def _without_input_gradient_sum(chain: Chain) -> Chain:
 
 
 def _norm_only(chain: Chain) -> Chain:
-    """A forward RMSNorm chain from its upcast on: without labels a chain also takes the memory-bound ops that ran
-    just before the norm (the rotary embedding's cos/sin and their casts before a decoder's first norm, T5's
-    dropout), which the rms_norm swap does not replace (Qwen2 decode: 7 kernels a forward)."""
+    """A forward RMSNorm chain from its upcast to its last norm op: without labels a chain also takes the
+    memory-bound ops that ran just before the norm (the rotary embedding's cos/sin and their casts before a
+    decoder's first norm, T5's dropout; Qwen2 decode: 7 kernels a forward) and after it (T5's dropout and its
+    scale), which the rms_norm swap does not replace."""
     kinds = [op_kind(name) for name in chain.column("top_op_name")]
     if "aten::pow" not in kinds:
         return chain
     start = kinds.index("aten::pow")
+    end = next((i for i in range(start, len(kinds)) if kinds[i] not in _NORM_OPS), len(kinds))
     if start and kinds[start - 1] in ("aten::to", "aten::_to_copy"):
         start -= 1  # the norm's own upcast
-    return _without(chain, list(range(start))) if start else chain
+    cut = list(range(start)) + list(range(end, len(kinds)))
+    return _without(chain, cut) if cut else chain
+
+
+# the ops of an RMSNorm's forward and of their gradients (PowBackward is a pow and a mul, MeanBackward a div...)
+_NORM_OPS = frozenset(f"aten::{op}" for op in ("to", "_to_copy", "type_as", "pow", "mean", "add", "rsqrt", "mul",
+                                                 "sum", "div", "sqrt", "expand"))
+
+
+def _norm_backward_only(chain: Chain) -> Chain:
+    """A backward RMSNorm chain without the other ops' gradients at its ends: without labels it also takes the
+    dropout's backward that follows the norm input's upcast (T5: 19 kernels a chain where the norm's are 17),
+    which the rms_norm swap leaves to autograd."""
+    kinds = [op_kind(name) for name in chain.column("top_op_name")]
+    if "aten::rsqrt" not in kinds:
+        return chain
+    core = kinds.index("aten::rsqrt")  # the norm's own gradients lie around rsqrt's, up to another op's
+    start = next((i + 1 for i in range(core - 1, -1, -1) if kinds[i] not in _NORM_OPS), 0)
+    end = next((i for i in range(core, len(kinds)) if kinds[i] not in _NORM_OPS), len(kinds))
+    cut = list(range(start)) + list(range(end, len(kinds)))
+    return _without(chain, cut) if cut else chain
 
 
 def _rotation_only(trace, chain: Chain) -> Chain:

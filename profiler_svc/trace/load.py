@@ -98,18 +98,26 @@ def load_traces(path, progress=None) -> list[Trace]:
         if trace.rank is not None and named.setdefault(trace.rank, trace) is not trace:
             raise TraceError(f"{path}: {Path(named[trace.rank].path).name} and {Path(trace.path).name} are both "
                              f"rank {trace.rank}: a folder holds one job's traces, one file a rank")
-    unnamed: dict = {}
-    for trace in traces:
-        for pid in {pid for pid, _ in trace.threads.values()} if trace.rank is None and len(traces) > 1 else ():
-            if unnamed.setdefault(pid, trace) is not trace:
-                raise TraceError(f"{path}: {Path(unnamed[pid].path).name} and {Path(trace.path).name} name no rank and "
-                                 f"come from one process (pid {pid}): windows of one run (a TensorBoard log folder "
-                                 "holds a file a window), not a job's ranks; analyse each file alone")
+    _refuse_windows_of_one_process(path, [t for t in traces if t.rank is None])
     free = (r for r in range(len(traces) + len(named)) if r not in named)
     for trace in traces:
         if trace.rank is None:
             trace.rank = next(free)
     return sorted(traces, key=lambda t: cast(int, t.rank))  # every rank set just above
+
+
+def _refuse_windows_of_one_process(path, unnamed: list) -> None:
+    """Traces naming no rank from one process (its pid) at different times: windows of one run (a TensorBoard log
+    folder holds a file a window), not a job's ranks, which run at once (ranks in containers may share a pid)."""
+    seen: dict = {}
+    for trace in unnamed:
+        for pid in {pid for pid, _ in trace.threads.values() if isinstance(pid, int) and pid > 0}:
+            other = seen.setdefault(pid, trace)
+            if other is not trace and (trace.clock_span[0] >= other.clock_span[1]
+                                       or other.clock_span[0] >= trace.clock_span[1]):
+                raise TraceError(f"{path}: {Path(other.path).name} and {Path(trace.path).name} name no rank and come "
+                                 f"from one process (pid {pid}) at different times: windows of one run (a TensorBoard "
+                                 "log folder holds a file a window), not a job's ranks; analyse each file alone")
 
 
 def load_trace(path, progress=None) -> Trace:
@@ -855,11 +863,13 @@ class TableBuilder:
         _add_op_context(kernels, cpu)
         _add_op_context(memory, cpu)
         names = {self.thread_index[key]: name for key, name in self.thread_names.items() if key in self.thread_index}
+        base = metadata.get("baseTimeNanoseconds")
+        start = origin + (base / 1e3 if type(base) is int and 0 <= base < 1 << 62 else 0.0)
         return Trace(path=self.path, rank=named_rank(metadata), metadata=metadata,
                      device=device_from_properties(metadata.get("deviceProperties")),
                      kernels=kernels, memory=memory, cpu=cpu, runtime=runtime, raw_inputs=self.raw,
                      event_count=self.event_count, threads=self.threads, thread_names=names,
-                     warnings=self.warnings())
+                     warnings=self.warnings(), clock_span=(start, start + span))
 
 
 _MAX_ELEMENTS = 1 << 62
@@ -904,7 +914,8 @@ def _launched_later(kernels: pd.DataFrame, runtime: pd.DataFrame) -> tuple[int, 
     to reach the GPU on every bundled trace; a kernel ahead of its launch is on a clock offset from the host's."""
     if not len(kernels) or not len(runtime):
         return 0, 0.0
-    launched = pd.Series(runtime["ts"].to_numpy(), index=runtime["correlation"].to_numpy())
+    linked = runtime["correlation"].to_numpy() >= 0  # -1: no id, which links nothing
+    launched = pd.Series(runtime["ts"].to_numpy()[linked], index=runtime["correlation"].to_numpy()[linked])
     launched = launched[~launched.index.duplicated()].reindex(kernels["correlation"].to_numpy()).to_numpy()
     ahead = launched - kernels["ts"].to_numpy()
     ahead = ahead[ahead > 0]
@@ -968,6 +979,7 @@ def _link_cpu_tree(cpu: pd.DataFrame) -> None:
     if not n:
         for column in ("order", "parent", "module", "top"):
             cpu[column] = _objects([]) if column == "module" else np.zeros(0, dtype=np.int64)
+        cpu["outermost"] = np.zeros(0, dtype=bool)
         cpu["backward"] = False
         return
     thread, ts = cpu["thread"].to_numpy(), cpu["ts"].to_numpy()

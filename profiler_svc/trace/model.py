@@ -99,6 +99,7 @@ class Trace:
     threads: dict = field(default_factory=dict)        # thread code -> (pid, tid)
     thread_names: dict = field(default_factory=dict)   # thread code -> name
     warnings: list = field(default_factory=list)       # what the loader ignored in a damaged trace, one line each
+    clock_span: tuple = (0.0, 0.0)  # first and last event, µs on the trace's clock (baseTimeNanoseconds + ts)
     _inputs_cache: dict = field(default_factory=dict, repr=False)
     _columns: dict = field(default_factory=dict, repr=False)
 
@@ -142,8 +143,9 @@ class Trace:
     # -- windows ---------------------------------------------------------------------------
     @cached_property
     def _steps_found(self) -> tuple[pd.DataFrame, str, int]:
-        """(steps, how found, how many steps were left out for holding no GPU work where the others hold some:
-        their GPU events were lost, and as steps they would time the loop at their host time alone)."""
+        """(steps, how found, how many steps at the start or end were left out for holding no GPU work where the
+        others hold some: their GPU events were lost, and as steps they would time the loop at their host time
+        alone)."""
         steps, source = find_steps(self.cpu)
         if len(steps) < 2 or not len(self.kernels):
             return steps, source, 0
@@ -152,7 +154,10 @@ class Trace:
                 - np.searchsorted(starts, steps["ts"].to_numpy(float), side="left")) > 0
         if held.all() or not held.any():
             return steps, source, 0
-        return steps[held].reset_index(drop=True), source, int((~held).sum())
+        # only at the ends: a step is timed to the next one's start, so one left out between two would fold into
+        # the step before it
+        first, last = int(np.argmax(held)), len(held) - int(np.argmax(held[::-1]))
+        return steps.iloc[first:last].reset_index(drop=True), source, len(held) - (last - first)
 
     @property
     def steps_without_gpu_work(self) -> int:

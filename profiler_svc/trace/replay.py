@@ -146,17 +146,35 @@ class Change:
         measured time off its own (eager attention's SDPA kernel, priced at its GEMMs' time, where TF32 claims
         the GEMMs)."""
         durations = {k: v for k, v in self.durations.items() if k not in kernels}
-        if kernel_dur is not None:
-            for k in kernels & self.fused_into.keys():
-                into = self.fused_into[k]
-                if into in durations:
-                    durations[into] = max(0.0, durations[into] - float(kernel_dur[k]))
+        removed = self.removed - kernels
+        if kernel_dur is not None and kernels & (self.fused_into.keys() | set(self.fused_into.values())):
+            self._shed_claimed(kernels, kernel_dur, durations, removed)
         return Change(durations=durations,
-                      removed=self.removed - kernels, copies_removed=self.copies_removed,
+                      removed=removed, copies_removed=self.copies_removed,
                       host_removed=self.host_removed, host_added=self.host_added,
                       unblocked=self.unblocked, tightened=self.tightened, graphs=self.graphs,
                       no_collective_wait=self.no_collective_wait, not_before=self.not_before,
                       fused_into={k: v for k, v in self.fused_into.items() if k not in kernels})
+
+    def _shed_claimed(self, kernels: set, kernel_dur: np.ndarray, durations: dict, removed: set) -> None:
+        """Each fusion that lost kernels to KERNELS keeps the share of its fused time that its unclaimed kernels
+        took of the chain's measured time, on its head kernel, or on its first unclaimed one where the head is
+        claimed (the rest stay removed: their work is in it)."""
+        members: dict = {}
+        for k, head in self.fused_into.items():
+            members.setdefault(head, [head]).append(k)
+        for head, rows in members.items():
+            lost = [k for k in rows if k in kernels]
+            if not lost or head not in self.durations:
+                continue
+            left = sorted(k for k in rows if k not in kernels)
+            total = float(kernel_dur[rows].sum())
+            share = float(kernel_dur[left].sum()) / total if total > 0 else len(left) / len(rows)
+            if not left:
+                continue
+            carrier = head if head in durations else left[0]
+            durations[carrier] = self.durations[head] * share
+            removed.discard(carrier)
 
     @property
     def empty(self) -> bool:
@@ -210,19 +228,18 @@ class Result:
 
 
 def chain_threads(trace: "Trace", calls: pd.DataFrame) -> set:
-    """Threads whose runtime calls form one sequence: the thread that runs the profiled steps (or, where it calls
-    no runtime, the one that calls it most: a model run on a worker thread) and the autograd engine's threads it
-    waits on; every thread that launches work when the trace has no steps."""
+    """Threads whose runtime calls form one sequence: the thread that runs the model's forward (of those that
+    run no backward, the one that makes the most runtime calls: the steps' thread, or a worker thread the model
+    runs on) and the autograd engine's threads it waits on; every thread that launches work when the trace has
+    no steps."""
     steps = trace.steps
     cpu = trace.cpu
     if not len(steps):
         return set(calls["thread"].unique().tolist())
-    main = int(steps["thread"].iloc[0])
-    if len(calls) and not (calls["thread"].to_numpy() == main).any():
-        main = int(calls["thread"].value_counts().index[0])
-    threads = {main}
     backward = cpu["backward"].to_numpy() if "backward" in cpu else np.zeros(len(cpu), dtype=bool)
-    threads |= set(cpu.loc[backward, "thread"].unique().tolist())
+    threads = set(cpu.loc[backward, "thread"].unique().tolist())
+    forward = calls["thread"][~calls["thread"].isin(threads).to_numpy()]
+    threads.add(int(forward.value_counts().index[0]) if len(forward) else int(steps["thread"].iloc[0]))
     return threads
 
 

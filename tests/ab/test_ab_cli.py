@@ -221,11 +221,11 @@ def test_from_report_predicts_what_ran(tmp_path, capsys):
 def test_a_reports_relative_trace_path_is_found_beside_the_report(tmp_path, capsys):
     """`recommend trace.json.gz > report.json` in one folder, `ab --from-report DIR/report.json` from another: the
     report's relative path named no file, and the A/B ran without a prediction."""
-    from profiler_svc.ab.commands import predicted_change
+    from profiler_svc.ab.commands import predicted_change, report_trace
 
     shutil.copy(fixture_path("gpt2_fp32_notf32_infer"), tmp_path / "gpt2.json.gz")
     report = tmp_path / "report.json"
     report.write_text(json.dumps({"schema": "profiler_svc.report/1", "source": {"path": "gpt2.json.gz"},
                                   "findings": []}))
-    prediction = predicted_change(report, [], ["tf32"])
+    prediction = predicted_change(report_trace(report), [], ["tf32"])
     assert capsys.readouterr()[1] == "" and prediction["saving_us_per_step"] > 0

@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from profiler_svc.cli import main
-from tests.plugins.traces import fixture_dir, fixture_path
+from tests.plugins.traces import DATA, fixture_dir, fixture_path
 
 
 def run(capsys, *argv):
@@ -289,11 +289,33 @@ def test_a_folder_naming_one_rank_twice_is_refused(tmp_path, capsys):
 def test_a_folder_of_one_process_windows_is_no_job(tmp_path, capsys):
     """tensorboard_trace_handler writes a file a profiling window: two windows of a single-GPU run were read as
     ranks 0 and 1, and the report named a straggler ("rank 1 straggles", high) with advice to balance the ranks."""
-    for window in ("host_1.100.pt.trace.json.gz", "host_1.200.pt.trace.json.gz"):
-        shutil.copy(fixture_path("gpt2_fp32_notf32_infer"), tmp_path / window)
+    with gzip.open(fixture_path("gpt2_fp32_notf32_infer")) as f:
+        data = json.load(f)
+    for window, later_us in (("host_1.100.pt.trace.json.gz", 0), ("host_1.200.pt.trace.json.gz", 100_000)):
+        for e in data["traceEvents"]:
+            if "ts" in e:
+                e["ts"] += later_us  # the second window, 100 ms after the first began (it lasts 13 ms)
+        (tmp_path / window).write_bytes(gzip.compress(json.dumps(data).encode()))
     code, out, err = run(capsys, "recommend", str(tmp_path))
     assert code == 2 and out == "" and err.count("\n") == 1
-    assert "host_1.100.pt.trace.json.gz and host_1.200.pt.trace.json.gz name no rank and come from one process" in err
+    assert ("host_1.100.pt.trace.json.gz and host_1.200.pt.trace.json.gz name no rank and come from one process "
+            "(pid 420) at different times") in err
+
+
+def test_unnamed_ranks_that_share_a_pid_but_run_at_once_are_a_job(tmp_path, capsys):
+    """Ranks in containers each run as pid 1: traces that name no rank, one pid, the same time are ranks."""
+    for rank in (0, 1):
+        with gzip.open(DATA / "llama_nccl_ddp" / f"llama_nccl_ddp_rank{rank}.json.gz") as f:
+            data = json.load(f)
+        data.pop("distributedInfo")
+        data.pop("profiler_svc")  # capture's metadata names the rank too
+        for e in data["traceEvents"]:
+            if isinstance(e.get("pid"), int) and e["pid"] > 64:  # the host's pid (the GPU side's are devices)
+                e["pid"] = 1
+        (tmp_path / f"r{rank}.json.gz").write_bytes(gzip.compress(json.dumps(data).encode()))
+    code, out, err = run(capsys, "recommend", str(tmp_path), "--format", "json")
+    assert code == 0, err
+    assert [r["rank"] for r in json.loads(out)["ranks"]] == [0, 1]
 
 
 @pytest.mark.parametrize("bad", [2 ** 63, -5, True, "1", 1.5, None])

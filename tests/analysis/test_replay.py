@@ -74,6 +74,26 @@ def test_a_model_run_on_a_worker_thread_replays_as_on_the_steps_thread(tmp_path)
     assert got["saving_us_per_step"] > 0.5 * got["step_us"]
 
 
+def test_a_training_forward_on_a_worker_thread_replays_as_on_the_steps_thread(tmp_path):
+    """GPT-2 fp16 training with the forward (ops and launches) on a worker thread and a call left on the steps'
+    thread: the thread with most calls is autograd's backward one, and taking the steps' thread alone replayed
+    every fix to 0 us."""
+    source = fixture_path("gpt2_fp16_train")
+    with gzip.open(source) as f:
+        data = json.load(f)
+    events = data["traceEvents"]
+    main = next(e["tid"] for e in events if e.get("cat") == "user_annotation" and e["name"].startswith("ProfilerStep"))
+    moved = [e for e in events if e.get("tid") == main and (
+        e.get("cat") in ("cpu_op", "cuda_runtime", "cuda_driver", "python_function")
+        or (e.get("cat") == "user_annotation" and not e["name"].startswith("ProfilerStep")))]
+    for e in moved[1:]:  # one runtime call or op stays on the steps' thread
+        e["tid"] = 99999
+    path = tmp_path / "worker.json"
+    path.write_text(json.dumps(data))
+    expected, got = recommend(source).prediction, recommend(path).prediction
+    assert got["saving_us_per_step"] == pytest.approx(expected["saving_us_per_step"], rel=0.02)
+
+
 def test_gpu_bound_step_shortens_with_its_kernels(tmp_path):
     trace = gpu_bound(tmp_path)
     timeline = trace.timeline
