@@ -49,7 +49,9 @@ def download_trace(trace_id):
         abort(404, f"the file of trace {trace_id} is missing from the blob store")
     # cleaned again: a name stored before uploads were cleaned may hold CR, LF or NUL
     name = ingest.clean_filename(trace.filename).removesuffix(".gz").removesuffix(".json") or f"trace-{trace_id}"
-    return send_file(path, mimetype="application/gzip", as_attachment=True, download_name=f"{name}.json.gz")
+    response = send_file(path, mimetype="application/gzip", as_attachment=True, download_name=f"{name}.json.gz")
+    response.headers["Access-Control-Allow-Origin"] = "https://ui.perfetto.dev"  # its "Perfetto" link fetches this
+    return response
 
 
 @bp.get("/compare")

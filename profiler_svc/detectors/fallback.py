@@ -170,7 +170,8 @@ def _simt_matmuls(trace, kernels):
             evidence=_evidence(worst["rows"], trace, {
                 "reason": why, "calls": len(rows), "time_us": round(time, 2), "numerics": trace.numerics or None,
                 "modules": sorted({r.module for r, _ in rows if isinstance(r.module, str)})[:32],
-                "flops": sum(g["flops"] for g in groups), "expected_us": round(expected, 2),
+                "flops": sum(g["flops"] for g in groups) if any(g["op"] for g in groups) else None,
+                "expected_us": round(expected, 2),
                 "shapes": [{"op": g["op"], "input_shapes": g["shapes"], "calls": len(g["rows"]),
                             "time_us": round(g["time"], 2), "flops": g["flops"]} for g in groups[:12]]}),
             recommendation=Recommendation(fix, None, snippet, fix_name),

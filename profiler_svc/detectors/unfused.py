@@ -767,9 +767,10 @@ def _finding(trace, kind, cls, group, bandwidth) -> Finding:
                   "input_shapes": [first.shape] if first.shape else [], "dtypes": [first.dtype] if first.dtype else [],
                   "chains": len(group), "kernel_count": n_kernels, "time_us": round(time, 2),
                   "time_us_per_step": round(per_step(trace, time), 2),
-                  "bytes_moved": int(moved), "fused_min_bytes": int(fused_bytes),
+                  # None where the trace records no shapes inside tensor lists: unknown, not 0 bytes
+                  "bytes_moved": None if unsized else int(moved), "fused_min_bytes": None if unsized else int(fused_bytes),
                   "fused_us_per_step": round(per_step(trace, fused_time), 2),
-                  "directions": _directions(group, fused_bytes_each),
+                  "directions": _directions(group, fused_bytes_each, bytes_known=not unsized),
                   **({"modules": instances[:32], "module_class": cls} if instances else {}),
                   **({"swap_applies_to": len(fits), "swap_does_not_apply_to": misfits[:32]} if misfits is not None else {})},
         recommendation=Recommendation(summary, swap, snippet or (pattern.snippet if swap or not pattern.swap
@@ -821,8 +822,8 @@ def _code_fix_fits(kind: str, cls: Optional[str]) -> bool:
     return kind != "softmax" or not cls or "attention" in cls.lower() or "attn" in cls.lower()
 
 
-def _directions(group, fused_bytes_each) -> dict:
-    """Chains, kernels, time and fused minimum bytes, forward and backward apart."""
+def _directions(group, fused_bytes_each, bytes_known: bool = True) -> dict:
+    """Chains, kernels, time and fused minimum bytes (None where not known), forward and backward apart."""
     out: dict = {}
     for chain, fused_bytes in zip(group, fused_bytes_each):
         d = out.setdefault("backward" if chain.backward else "forward",
@@ -832,6 +833,9 @@ def _directions(group, fused_bytes_each) -> dict:
         d["time_us"] = round(d["time_us"] + chain.time, 2)
         d["bytes_moved"] += int(chain.bytes)
         d["fused_min_bytes"] += int(fused_bytes)
+    if not bytes_known:
+        for d in out.values():
+            d["bytes_moved"] = d["fused_min_bytes"] = None
     return out
 
 

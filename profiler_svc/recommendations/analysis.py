@@ -5,6 +5,7 @@ replayed steps without it. Fixes are priced one at a time for each finding, and 
 report's one combined prediction. A kernel's time belongs to at most one finding: where two findings'
 fixes touch the same kernels, the more specific root cause keeps them.
 """
+import re
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -72,6 +73,10 @@ class Analysis:
                 "findings": [f.key for f in findings]}
 
 
+_ON_TOP_NOTE = re.compile(r" Alone it leaves the step as it is; on top of the other recommended fixes it saves "
+                          r"[^,]* per step, which the combined prediction counts\.")
+
+
 def on_top(findings: list, step_us: float, step_with) -> tuple[list, list, float]:
     """The findings that alone leave the step as it is but shorten it once the combined fixes are in (GPU time freed
     in a step the host bounds counts when the other fixes take the host's work off: a padded vocabulary, then
@@ -86,8 +91,10 @@ def on_top(findings: list, step_us: float, step_with) -> tuple[list, list, float
             added.append(f)
             entries.append({"finding": f.key, "title": f.title, "saving_us_per_step": round(step_us - after_us, 2),
                             "step_us_after": round(after_us, 2), "on_top": True})
-            f.detail += (f" Alone it leaves the step as it is; on top of the other recommended fixes it saves "
-                         f"{fmt_us(step_us - after_us)} per step, which the combined prediction counts.")
+            # once: a job's combined prediction comes after its ranks' own, and its figure is the one that stands
+            f.detail = _ON_TOP_NOTE.sub("", f.detail) + (
+                f" Alone it leaves the step as it is; on top of the other recommended fixes it saves "
+                f"{fmt_us(step_us - after_us)} per step, which the combined prediction counts.")
             step_us = after_us
     return added, entries, step_us
 
@@ -106,7 +113,8 @@ def pace_range(steps_at, saving_us: float, step_us: float, empty: bool = False) 
     paced = [(step_us, step_us - saving_us)] + [steps_at(pace) for pace in (() if empty else HOST_PACE_RANGE)]
     savings = [before - after for before, after in paced]
     low, high = int(np.argmin(savings)), int(np.argmax(savings))
-    out: dict = {"saving_range_us": [round(savings[low], 2), round(savings[high], 2)]}
+    out: dict = {"saving_range_us": [round(savings[low], 2), round(savings[high], 2)],
+                 "step_range_us": [round(paced[low][0], 2), round(paced[high][0], 2)]}  # the steps they are of
     if savings[high] - savings[low] > max(PACE_NOTE_SHARE * abs(saving_us), PACE_NOTE_STEP * step_us):
         faster, slower = 1 - HOST_PACE_RANGE[0], HOST_PACE_RANGE[1] - 1
         out["pace_note"] = (f"{fmt_us(savings[low])} saved of a {fmt_us(paced[low][0])} step to "

@@ -100,11 +100,11 @@ def build_report(traces: list[Trace], path: str, top: int = 20) -> Report:
         step = a.prediction.get("step_us") or a.steps["step_us"]["median"]
         for f in a.findings:
             f.rank = a.trace.rank
-            f.share_of_step_pct = round(100 * f.saving_us_per_step / step, 2) if step else 0.0
+            f.share_of_step_pct = round(100 * f.saving_us_per_step / step, 2) + 0.0 if step else 0.0  # no -0.0
             f.severity = severity_for(f.saving_us_per_step, step)
             # to the hundredth once, here: the text, JSON, markdown and the dashboard format this one value
-            f.saving_us_per_step = round(f.saving_us_per_step, 2)
-            f.gpu_time_saved_us_per_step = round(f.gpu_time_saved_us_per_step, 2)
+            f.saving_us_per_step = round(f.saving_us_per_step, 2) + 0.0
+            f.gpu_time_saved_us_per_step = round(f.gpu_time_saved_us_per_step, 2) + 0.0
     main = analyses[0]
     findings, prediction, job = main.findings, main.prediction, None
     if len(analyses) > 1:
@@ -113,7 +113,11 @@ def build_report(traces: list[Trace], path: str, top: int = 20) -> Report:
         findings = merge_ranks(analyses, job)
         if job is not None:
             prediction = job_prediction(analyses, job, findings)
-        findings += straggler(analyses, job)
+        stragglers = straggler(analyses, job)
+        findings += stragglers
+        if job is not None and stragglers:
+            prediction["left_out"] = [{"title": f.title, "why": "the replay cannot balance the ranks' work"}
+                                      for f in stragglers]
     findings.sort(key=lambda f: (-f.saving_us_per_step, f.category, f.title))
     counters: dict[str, int] = {}
     for f in findings:
@@ -215,9 +219,7 @@ def _headline(report: Report) -> list[str]:
             lines.append(prediction["pace_note"])
         for left in prediction.get("not_combined", []):
             lines.append(f"left out of that: {left['title']}, {fmt_us(-left['saving_us_per_step'])} slower on top of the rest")
-        if prediction.get("scope") == "job":
-            lines += [f"not in that: {f.title} (the replay cannot balance the ranks' work)"
-                      for f in report.findings if f.key == "communication:straggler"]
+        lines += [f"not in that: {left['title']} ({left['why']})" for left in prediction.get("left_out", [])]
     phases = steps.get("phases")
     if phases:
         lines.append(f"generation: {phases['note']}")
@@ -260,8 +262,7 @@ def render_text(report: Report, top: int = 10) -> str:
         for i, f in enumerate(findings, 1):
             lines.append(f"[{i}] {f.id}: {clean(f.title)}")
             lines.append(f"    {clean(f.detail)}")
-            lines.append(f"    saves {fmt_us(f.saving_us_per_step)} per step ({f.share_of_step_pct:.1f}% of the step), "
-                         f"frees {fmt_us(f.gpu_time_saved_us_per_step)} of GPU time per step"
+            lines.append(f"    {_what_it_does(f)}, frees {fmt_us(f.gpu_time_saved_us_per_step)} of GPU time per step"
                          + (f"; rank {f.rank}" if len(report.source["ranks"]) > 1 and f.rank is not None else ""))
             modules = f.evidence.get("modules")
             if modules:
@@ -288,6 +289,13 @@ def render_text(report: Report, top: int = 10) -> str:
         for o in report.top_ops[:top]:
             lines.append(f"{o['share_pct']:5.1f}%  {fmt_us(o['total_us']):>9}  {o['count']:>6}  {clean(o['name'])}")
     return "\n".join(clean(line) for line in lines) + "\n"  # the headline's figures name ops too
+
+
+def _what_it_does(f) -> str:
+    """'saves X per step (Y% of the step)', or for a fix the replay says lengthens the step, 'slows the step by X'."""
+    if f.saving_us_per_step < 0:
+        return f"slows the step by {fmt_us(-f.saving_us_per_step)} per step ({-f.share_of_step_pct:.1f}% of it)"
+    return f"saves {fmt_us(f.saving_us_per_step)} per step ({f.share_of_step_pct:.1f}% of the step)"
 
 
 def _rate(k: dict) -> str:
@@ -343,8 +351,8 @@ def render_markdown(report: Report, top: int = 10) -> str:
         out.append("")
         for i, f in enumerate(report.findings[:top], 1):
             out += [f"<details><summary>{i}. {_md(f.title)}</summary>", "", _md(f.detail), "",
-                    f"Saves {fmt_us(f.saving_us_per_step)} per step ({f.share_of_step_pct:.1f}% of the step); frees "
-                    f"{fmt_us(f.gpu_time_saved_us_per_step)} of GPU time per step.", "",
+                    f"{_what_it_does(f).capitalize()}; frees {fmt_us(f.gpu_time_saved_us_per_step)} of GPU time per "
+                    "step.", "",
                     f"**Fix:** {_md(f.recommendation.summary)}", ""]
             if f.recommendation.snippet:
                 out += [fence + "python", clean_lines(f.recommendation.snippet).replace(fence, "'''"), fence, ""]

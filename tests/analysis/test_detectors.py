@@ -478,6 +478,20 @@ def test_a_checkpointed_backward_under_one_op_keeps_its_chains():
     assert wrappers and checkpointed <= plain and len(checkpointed) >= 0.95 * len(plain)
 
 
+def test_a_fix_that_pays_on_top_says_so_once_with_the_jobs_figure():
+    """A job's combined prediction follows its ranks' own: the sentence was added twice, 181.6 us and 1.42 ms."""
+    found = [f for f in folder_report("llama_nccl_ddp_4step").findings if "on top of the other" in f.detail]
+    assert found and all(f.detail.count("Alone it leaves the step as it is") == 1 for f in found)
+
+
+def test_bytes_a_trace_does_not_record_are_unknown_not_zero():
+    """Foreach optimizer kernels without shapes in their tensor lists: the evidence said 0 B moved."""
+    [optimizer] = findings("llama8_bf16_1x512_train_calibrated", key="unfused_chain:optimizer")
+    assert "bytes are not known" in optimizer.detail
+    assert optimizer.evidence["bytes_moved"] is None and optimizer.evidence["fused_min_bytes"] is None
+    assert all(d["bytes_moved"] is None for d in optimizer.evidence["directions"].values())
+
+
 # -- the host side ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["qwen2_bf16_decode", "t5_bf16_train"])

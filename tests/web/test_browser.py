@@ -135,6 +135,12 @@ def assert_waterfall(page):
         [f["saving_us_per_step"] for f in fixes], abs=1.5 / px_per_us)
     labels = page.evaluate("[...document.querySelectorAll('#waterfall-chart .bars .point text')].map(t => t.textContent)")
     assert len(labels) == len(bars) and all(t.startswith("−") for t in labels[1:-1])  # what each fix saves
+    # each bar is numbered as its finding in the list below (the replay's order was numbered 1..n on its own)
+    ticks = page.evaluate("[...document.querySelectorAll('#waterfall-chart .ytick text')].map(t => t.textContent)")
+    titles = page.evaluate("[...document.querySelectorAll('#findings details.finding .title')].map(t => t.textContent)")
+    for fix, tick in zip(fixes, ticks[1:-1]):
+        number = int(tick.split(".", 1)[0])
+        assert titles[number - 1].startswith(tick.split(". ", 1)[1].rstrip("…"))
 
 
 def test_module_view_tree_opens_and_closes(server, page):

@@ -72,7 +72,10 @@ function drawWaterfall() {
   const element = document.getElementById("waterfall-chart");
   if (!prediction || !element || typeof Plotly === "undefined") return;
   const steps = prediction.waterfall;
-  const labels = ["step now"].concat(steps.map((s, i) => `${i + 1}. ${escapeText(shorten(s.title, 60))}`), ["after all fixes"]);
+  // each bar numbered as its finding is in the list below (the replay's order is not the list's)
+  const causes = pageData("finding-causes") || [];
+  const number = s => (causes.indexOf(s.finding) + 1) || "·";
+  const labels = ["step now"].concat(steps.map(s => `${number(s)}. ${escapeText(shorten(s.title, 60))}`), ["after all fixes"]);
   const y = labels.map((l, i) => i);
   // the step time (µs) before each bar and after it: a fix's bar spans the two, the first and last start at 0
   const before = [0, prediction.step_us].concat(steps.map(s => s.step_us_after));
@@ -86,7 +89,7 @@ function drawWaterfall() {
   // a line from each bar's end to the next bar
   const connectors = after.slice(0, -1).map((x, i) => ({type: "line", xref: "x", yref: "y", x0: x / 1000, x1: x / 1000,
     y0: i + half, y1: i + 1 - half, line: {color: "#bbb", width: 2}, layer: "below"}));
-  const margin = labelMargin(["step now", "after all fixes"].concat(steps.map((s, i) => `${i + 1}. ${shorten(s.title, 60)}`)), 380);
+  const margin = labelMargin(["step now", "after all fixes"].concat(steps.map(s => `${number(s)}. ${shorten(s.title, 60)}`)), 380);
   plot(element, [{
     type: "bar", orientation: "h", y,
     base: before.map(b => b / 1000), x: after.map((a, i) => (a - before[i]) / 1000), marker: {color: colors, line: {color: colors, width: 2}},
