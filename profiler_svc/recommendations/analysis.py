@@ -39,6 +39,9 @@ _METADATA_MAX = 86400e6  # capture's figures: µs of a day at most (the loader's
 # the host bounds it, and never makes it this much faster; outside these, the figure is not this trace's step
 UNPROFILED_RATIO_MAX = 50.0
 UNPROFILED_SLOWER_MAX = 2.0
+# The most profiler cost per recorded event a calibration may take off: 0-20 µs in every captured trace (H100, H200;
+# record_shapes and labels), so beyond this the profiled step's extra time is not the profiler's.
+PROFILER_US_PER_EVENT_MAX = 100.0
 # Host time multipliers the prediction is also replayed at: how far from capture's calibration the host's pace was
 # when the A/B ran, 10th to 90th percentile over the committed runs, rounded (benchmarks/results/host_pace_drift_*.json)
 HOST_PACE_RANGE = (0.85, 1.45)
@@ -300,6 +303,12 @@ def _calibration(trace: Trace, timeline: Timeline) -> tuple[HostCost, dict]:
             "inflated by the profiler")}
     host_step = _metadata_us(trace, "host_step_us")
     calibration = calibrate(timeline, unprofiled, host_step * replayed.steps if host_step else None)
+    if calibration.host.per_event_us > PROFILER_US_PER_EVENT_MAX:
+        return HostCost(), {"measured": False, **power, "note": (
+            f"the unprofiled step ({fmt_us(unprofiled)}) would need {calibration.host.per_event_us:.0f} µs of profiler "
+            f"cost taken off each recorded event of the host's calls (it is 1-20 µs in captured traces): work this "
+            "trace does not record holds the host (threads whose ops the profiler missed, such as DataParallel's), so "
+            "host-side figures are left as profiled, upper bounds")}
     profiled = replayed.loop_step_us
     out: dict[str, object] = {
         "measured": True, "unprofiled_step_us": round(unprofiled, 2), "profiled_step_us": round(profiled, 2),
