@@ -167,4 +167,4 @@ def int_arg(key, default, low, high):
 
 
 def rank_arg():
-    return int_arg("rank", -1, -1, 1 << 20) if request.args.get("rank") else None
+    return int_arg("rank", 0, 0, 1 << 20) if request.args.get("rank") else None

@@ -178,6 +178,11 @@ def test_runs_list_names_each_runs_top_finding(engine, blobs, client):
         assert row["top_finding"]["title"] == top.title
         assert row["top_finding"]["saving_us_per_step"] == pytest.approx(top.saving_us_per_step, abs=0.01)
         assert html.escape(top.title, quote=False) in page and fmt_us(top.saving_us_per_step) in page
+    # a page past the last says so, not "No runs. Ingest one"; a rank below 0 is no rank
+    past = text_of(client.get("/?page=1000000").get_data(as_text=True))
+    assert "No runs on page 1000000" in past and "Ingest one" not in past
+    bad = client.get(f"/runs/{labelled}?rank=-1")
+    assert bad.status_code == 400 and "must be in [0, 1048576]" in bad.get_data(as_text=True)
 
 
 def test_multi_rank_run_is_one_finding_per_cause_with_each_ranks_figures(engine, blobs, client):
