@@ -373,16 +373,20 @@ def fused(trace: Trace, kernel_rows, fused_us: float, host: bool = True) -> Chan
 def fused_chains(trace: Trace, chains: list, fused_us: list, host: bool = True) -> list:
     """fused() of each chain of CHAINS (kernel rows) with its FUSED_US, in one pass over all of them: a trace holds
     thousands of chains, and numpy's per-call cost would dominate one at a time."""
-    ts, dur = trace.column("kernels", "ts"), trace.column("kernels", "dur")
+    ts = trace.column("kernels", "ts")
     chains = [sorted(rows, key=ts.__getitem__) for rows in chains]
+    # each chain's measured time, in one pass: a floor above it (its data in L2, or kernels without durations)
+    # frees no GPU time
+    flat = np.fromiter((r for rows in chains for r in rows), dtype=np.int64)
+    owner = np.repeat(np.arange(len(chains)), [len(rows) for rows in chains])
+    sums = np.bincount(owner, weights=trace.column("kernels", "dur")[flat], minlength=len(chains))
     out = []
-    for rows, us, whole, copies in zip(chains, fused_us, *_whole_ops_and_copies(trace, chains), strict=True):
+    for rows, us, measured, whole, copies in zip(chains, fused_us, sums.tolist(), *_whole_ops_and_copies(trace, chains),
+                                                 strict=True):
         if not rows:
             out.append(Change())
             continue
         intervals = host_intervals(trace, whole) if host else []
-        # a floor above what the chain took (its data in L2, or kernels without durations) frees no GPU time
-        measured = float(sum(dur[r] for r in rows))
         out.append(Change(durations={rows[0]: min(float(us), measured)}, removed=set(rows[1:]),
                           host_removed=intervals[1:], copies_removed=copies,
                           fused_into=dict.fromkeys(rows[1:], rows[0])))
