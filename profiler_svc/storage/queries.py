@@ -472,6 +472,13 @@ def _breakdown_delta(steps_a: dict, steps_b: dict) -> list[dict]:
 _CHANGED_SHARE = 0.05
 
 
+def _same_but_class(a: str, b: str) -> bool:
+    """Two cause keys equal but for the module class that one names and the other leaves empty."""
+    head_a, _, cls_a = a.rpartition(":")
+    head_b, _, cls_b = b.rpartition(":")
+    return bool(head_a) and head_a == head_b and (cls_a == "") != (cls_b == "")
+
+
 def findings_delta(in_a: list[dict], in_b: list[dict]) -> dict:
     """Findings by cause: gone in B (resolved), only in B (new), in both with a different saving (changed)."""
     by_a, by_b = {f["cause"]: f for f in in_a}, {f["cause"]: f for f in in_b}
@@ -480,6 +487,12 @@ def findings_delta(in_a: list[dict], in_b: list[dict]) -> dict:
     for cause in [c for c in by_a if c not in by_b]:
         if by_a[cause]["title"] in titles_b:
             by_b[cause] = by_b.pop(titles_b.pop(by_a[cause]["title"]))
+    # a capture with module labels names the module class a cause without them leaves empty
+    # ("unfused_chain:rms_norm:LlamaRMSNorm" and "unfused_chain:rms_norm:"): one cause, where one side has one such
+    for cause in [c for c in by_a if c not in by_b]:
+        kin = [c for c in by_b if c not in by_a and _same_but_class(c, cause)]
+        if len(kin) == 1 and sum(_same_but_class(kin[0], c) for c in by_a if c not in by_b) == 1:
+            by_b[cause] = by_b.pop(kin[0])
     brief = lambda f: {k: f[k] for k in ("id", "title", "category", "severity", "saving_us_per_step")}  # noqa: E731
     changed = []
     for cause in by_a.keys() & by_b.keys():

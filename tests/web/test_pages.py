@@ -422,6 +422,16 @@ def test_compare_step_ci_breakdown_and_findings(engine, blobs, client, tmp_path)
     assert 'id="same-run"' in same and 'id="compare-chart"' not in same and 'id="compare-form"' in same
 
 
+def test_compare_matches_a_cause_a_labelled_capture_names_by_its_class(engine, blobs, client):
+    """The Llama sample (plain torch.profiler) against the same model captured with module labels: "eager RMSNorm"
+    was resolved in B and "eager RMSNorm in LlamaRMSNorm" new, one problem listed as gone and as found."""
+    a, b = ingest(engine, blobs, fixture_path("llama_bf16_train")), ingest(engine, blobs, LABELLED)
+    fd = client.get(f"/api/v1/compare?a={a}&b={b}").get_json()["findings"]
+    resolved, new = {f["title"].split(":")[0] for f in fd["resolved"]}, {f["title"].split(":")[0] for f in fd["new"]}
+    assert "eager RMSNorm" not in resolved and "eager RMSNorm in LlamaRMSNorm" not in new
+    assert "rotary embedding as mul/neg/cat/add kernels" not in resolved  # rope: LlamaAttention's
+
+
 def test_ab_result_from_a_cpu_is_parity_only(engine, blobs):
     from profiler_svc.storage import save_ab_result
     from tests.storage.test_ab_results import result_dict
