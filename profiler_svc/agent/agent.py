@@ -12,6 +12,7 @@ See docs/capture.md for what is recorded and how files are named.
 """
 import datetime
 import gzip
+import inspect
 import json
 import os
 import re
@@ -84,6 +85,12 @@ class Capture:
         for key in ("activities", "schedule", "on_trace_ready"):
             if key in profile_kwargs:
                 raise UserError(f"capture() sets {key} itself; it cannot be passed through")
+        unknown = sorted(set(profile_kwargs) - set(inspect.signature(torch.profiler.profile).parameters))
+        if unknown:
+            raise UserError(f"torch.profiler.profile takes no {', '.join(map(repr, unknown))} (capture() passes its "
+                            "other keywords on to it)")
+        if out is not None and not isinstance(out, (str, os.PathLike)):
+            raise UserError(f"out must be a path (a folder, or a file ending .json.gz), got {type(out).__name__}")
 
         self.model = model
         self.name = name or class_name(model)
@@ -113,11 +120,16 @@ class Capture:
         self._numerics = None
         self._profiler: Optional[torch.profiler.profile] = None
         self._discard = False
+        self._recorded = 0  # recorded steps of the cycle that cap.step() closed
         self._cycles_saved = 0
 
     # ---- the with block --------------------------------------------------------------------
 
     def __enter__(self) -> "Capture":
+        if torch._C._autograd._profiler_enabled():
+            # torch's profilers do not nest: the inner one's stop ends the outer session, which then crashes
+            raise UserError("a profiler is already recording (torch.profiler, or another capture block): end it "
+                            "before this capture starts")
         activities = [ProfilerActivity.CPU]
         if torch.cuda.is_available():
             activities.append(ProfilerActivity.CUDA)
@@ -128,8 +140,16 @@ class Capture:
         if self._profiler.current_action in RECORDING:
             _drain_gpu()
         self._profiler.__enter__()
-        self.clocks.reset()  # a block's own readings, should the Capture be entered again
-        self._sync_labels()
+        try:
+            self.clocks.reset()  # a block's own readings, should the Capture be entered again
+            self._sync_labels()
+        except Exception as exc:  # no __exit__ follows a failed __enter__: leave nothing running or attached
+            profiler, self._profiler = self._profiler, None
+            self._discard = True
+            self.labels.detach()
+            profiler.__exit__(None, None, None)
+            raise UserError(f"capture could not label the model's modules: {one_line(exc)}") from None
+        self._recorded = 0
         self.timer.begin(profiled=self._profiler.current_action != ProfilerAction.NONE)
         return self
 
@@ -147,6 +167,9 @@ class Capture:
         if profiler.current_action not in RECORDING and profiler.schedule(profiler.step_num + 1) in RECORDING:
             _drain_gpu()
             self.timer.settle()  # the GPU is idle now: reading the step events costs nothing and stays unrecorded
+        # the recorded steps of this cycle that a cap.step() closed (a saved cycle starts the count again)
+        self._recorded = 0 if profiler.current_action == ProfilerAction.RECORD_AND_SAVE else (
+            self._recorded + (profiler.current_action in RECORDING))
         profiler.step()
         self._sync_labels()
         self.timer.begin(profiled=profiler.current_action != ProfilerAction.NONE)
@@ -155,8 +178,9 @@ class Capture:
         profiler, self._profiler = self._profiler, None
         if profiler is None:  # __exit__ without __enter__, or twice
             return False
-        # A cycle cut short by an exception is dropped, not saved half-way through a step.
-        self._discard = exc_type is not None
+        # A cycle cut short by an exception is dropped, not saved half-way through a step; so is one whose only
+        # recorded step is the one the last cap.step() opened (the block ended before it ran: an empty step)
+        self._discard = exc_type is not None or (self.schedule is not None and not self._recorded)
         self._end_step_mark()
         try:
             if profiler.current_action in RECORDING and not self._discard:
@@ -201,7 +225,8 @@ class Capture:
             self.labels.attach()
 
     def _on_model_call(self):
-        self._sample_numerics()
+        if self._profiler is not None and self._profiler.current_action in RECORDING:
+            self._sample_numerics()  # in the recorded window: its autocast, not the warm-up's
         # Without a schedule torch.profiler marks no steps: the step's first model call opens its
         # ProfilerStep#N range, cap.step() closes it (so no empty step follows the last one).
         if self.schedule is None and self._step_range is None:
@@ -310,11 +335,13 @@ def _output_location(out, name, run, rank, world_size):
     else:
         folder, stem = out, f"{_safe(name)}_{run}_rank{rank}"
     folder = folder or "."
-    try:
-        os.makedirs(folder, exist_ok=True)
-    except OSError as exc:
-        raise UserError(f"cannot create trace folder {folder}: {exc.strerror}") from None
-    if not os.access(folder, os.W_OK):
+    # checked now, made when the first trace is written: a capture that writes none leaves no empty folder
+    existing = os.path.abspath(folder)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise UserError(f"cannot create trace folder {folder}: {existing} is a file")
+    if not os.access(existing, os.W_OK):
         raise UserError(f"trace folder {folder} is not writable")
     return folder, stem
 

@@ -11,6 +11,7 @@ import socket
 
 import torch
 
+from ..errors import UserError
 from ..trace.labels import METADATA_SCHEMA
 from .hooks import class_name, unwrap, walk_modules
 
@@ -146,7 +147,11 @@ def rank_and_world_size() -> tuple:
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    rank, world = os.environ.get("RANK") or "0", os.environ.get("WORLD_SIZE") or "1"
+    if not (rank.isdigit() and world.isdigit() and int(rank) < int(world)):
+        raise UserError(f"RANK={rank!r} and WORLD_SIZE={world!r} in the environment are not a rank of a world "
+                        "(whole numbers, the rank below the size)")
+    return int(rank), int(world)
 
 
 def static_metadata(model, *, rank, world_size, workload, run, name, settings) -> dict:

@@ -227,6 +227,58 @@ def test_too_few_steps_warns(model, x, tmp_path):
     assert cap.trace_path is None and os.listdir(tmp_path) == []
 
 
+def test_a_block_that_ends_as_recording_begins_writes_no_empty_trace(model, x, tmp_path):
+    """wait 7, warmup 1, active 3 and 8 steps: the 8th cap.step() opened the first recorded step and the block
+    ended; the trace held that one empty ProfilerStep#8, with no warning, and recommend found 1 step and nothing."""
+    with pytest.warns(UserWarning, match="no trace written"):
+        with profiler_svc.capture(model, out=tmp_path / "traces", active=3) as cap:
+            for _ in range(8):
+                train_step(model, x)
+                cap.step()
+    assert cap.trace_path is None and not (tmp_path / "traces").exists()  # nor an empty folder
+
+
+def test_a_capture_inside_a_running_profiler_is_refused(model, x, tmp_path):
+    """torch's profilers do not nest: the inner one's stop ended the outer session, whose export then crashed
+    the process (a segfault)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as outer:
+        with pytest.raises(UserError, match="a profiler is already recording"):
+            with profiler_svc.capture(model, out=tmp_path):
+                model(x)
+        model(x)
+    assert any(e.name == "aten::linear" for e in outer.events()) and os.listdir(tmp_path) == []
+
+
+def test_a_module_that_cannot_be_labelled_leaves_nothing_running(model, x, tmp_path):
+    """A TorchScript submodule refuses forward hooks: __enter__ raised torch's RuntimeError and left the profiler
+    recording and the other modules' labels in place, as no __exit__ follows a failed __enter__."""
+    model.head = torch.jit.script(nn.Linear(16, 4))
+    before = hook_state(model)
+    with pytest.raises(UserError, match="capture could not label the model's modules: .*ScriptModule"):
+        with profiler_svc.capture(model, out=tmp_path):
+            model(x)
+    assert not torch._C._autograd._profiler_enabled()
+    assert_same_state(before, hook_state(model)) and os.listdir(tmp_path) == []
+
+
+def test_numerics_are_read_in_the_recorded_window(model, x, tmp_path):
+    """Sampled at the first labelled call, in warm-up: a step recorded under bf16 autocast read as without it."""
+    with profiler_svc.capture(model, out=tmp_path, wait=1, warmup=1, active=1) as cap:
+        for i in range(3):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=i == 2):
+                model(x)
+            cap.step()
+    assert load(cap.trace_path)[METADATA_KEY]["numerics"]["autocast"]["cpu"]["enabled"] is True
+
+
+@pytest.mark.parametrize("rank, world", [("abc", "2"), ("0", "x"), ("3", "2")])
+def test_a_rank_the_environment_cannot_mean_is_one_line(model, tmp_path, monkeypatch, rank, world):
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("WORLD_SIZE", world)
+    with pytest.raises(UserError, match="are not a rank of a world"):
+        profiler_svc.capture(model, out=tmp_path)
+
+
 def test_ranks_write_their_own_files(model, x, tmp_path, monkeypatch):
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -260,6 +312,7 @@ def test_write_failure_warns_and_leaves_nothing(model, x, tmp_path, monkeypatch)
     ({"workload": "not a reference"}, "workload must look like"),
     ({"upload": "ftp://host"}, "must start with http"),
     ({"schedule": None}, "sets schedule itself"),
+    ({"with_stak": True}, "torch.profiler.profile takes no 'with_stak'"),  # raised at __enter__, a folder made
 ])
 def test_bad_arguments(model, tmp_path, kwargs, message):
     with pytest.raises(UserError, match=message):
@@ -274,6 +327,8 @@ def test_bad_model_and_folder(model, tmp_path):
     blocker.write_text("")
     with pytest.raises(UserError, match="cannot create trace folder"):
         profiler_svc.capture(model, out=blocker / "traces")
+    with pytest.raises(UserError, match="out must be a path"):
+        profiler_svc.capture(model, out=123)
 
 
 # ---- upload -------------------------------------------------------------------------------
