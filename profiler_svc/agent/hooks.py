@@ -169,7 +169,9 @@ class ModuleLabels:
         current_graph_task = torch._C._current_graph_task_id
 
         def forward(module, *args, **kwargs):
-            if is_compiling():  # inside a graph dynamo traces: leave it unbroken
+            # inside a graph dynamo traces: leave it unbroken; after the block (a deepcopy made inside it, an EMA,
+            # keeps this forward): the plain one, no label and no step opened on a finished capture
+            if is_compiling() or not self.handles:
                 return cls_forward(module, *args, **kwargs)
             if is_root and self.on_root_call is not None:
                 self.on_root_call()

@@ -271,6 +271,20 @@ def test_numerics_are_read_in_the_recorded_window(model, x, tmp_path):
     assert load(cap.trace_path)[METADATA_KEY]["numerics"]["autocast"]["cpu"]["enabled"] is True
 
 
+def test_a_copy_made_inside_the_block_is_unlabelled_after_it(model, x, tmp_path):
+    """An EMA copy (deepcopy inside the block) kept the labelled forward: called after the block it opened a
+    ProfilerStep range on the finished capture, and a later profiler session recorded its labels."""
+    import copy
+    with profiler_svc.capture(model, out=tmp_path) as cap:
+        model(x)
+        ema = copy.deepcopy(model)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as later:
+        out = ema(x)
+    names = {e.name for e in later.events()}
+    assert cap._step_range is None and not any(n.startswith(("module::", "ProfilerStep")) for n in names)
+    assert torch.equal(out, model(x))
+
+
 @pytest.mark.parametrize("rank, world", [("abc", "2"), ("0", "x"), ("3", "2")])
 def test_a_rank_the_environment_cannot_mean_is_one_line(model, tmp_path, monkeypatch, rank, world):
     monkeypatch.setenv("RANK", rank)
