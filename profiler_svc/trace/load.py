@@ -96,8 +96,13 @@ def load_traces(path, progress=None) -> list[Trace]:
     named: dict = {}
     for trace in traces:
         if trace.rank is not None and named.setdefault(trace.rank, trace) is not trace:
-            raise TraceError(f"{path}: {Path(named[trace.rank].path).name} and {Path(trace.path).name} are both "
-                             f"rank {trace.rank}: a folder holds one job's traces, one file a rank")
+            first = named[trace.rank]
+            run = first.capture_metadata.get("run")
+            why = ("two cycles of one capture (its repeat writes a file a cycle): analyse each file alone"
+                   if run is not None and run == trace.capture_metadata.get("run")
+                   else "a folder holds one job's traces, one file a rank")
+            raise TraceError(f"{path}: {Path(first.path).name} and {Path(trace.path).name} are both rank {trace.rank}, "
+                             f"{why}")
     _refuse_windows_of_one_process(path, [t for t in traces if t.rank is None])
     free = (r for r in range(len(traces) + len(named)) if r not in named)
     for trace in traces:

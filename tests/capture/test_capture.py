@@ -271,6 +271,20 @@ def test_numerics_are_read_in_the_recorded_window(model, x, tmp_path):
     assert load(cap.trace_path)[METADATA_KEY]["numerics"]["autocast"]["cpu"]["enabled"] is True
 
 
+def test_a_folder_of_one_captures_cycles_is_said_to_be_so(model, x, tmp_path, capsys):
+    """repeat=2 writes a file a cycle, both rank 0: recommend refused the folder as "a folder holds one job's
+    traces, one file a rank", which did not say why there were two."""
+    from profiler_svc.cli import main
+    with profiler_svc.capture(model, out=tmp_path / "cycles", wait=0, warmup=1, active=1, repeat=2) as cap:
+        for _ in range(4):
+            model(x)
+            cap.step()
+    assert len(cap.trace_paths) == 2
+    assert main(["recommend", str(tmp_path / "cycles")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "are both rank 0, two cycles of one capture" in err
+
+
 def test_a_copy_made_inside_the_block_is_unlabelled_after_it(model, x, tmp_path):
     """An EMA copy (deepcopy inside the block) kept the labelled forward: called after the block it opened a
     ProfilerStep range on the finished capture, and a later profiler session recorded its labels."""
