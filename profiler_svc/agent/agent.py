@@ -140,8 +140,11 @@ class Capture:
         if self._profiler.current_action in RECORDING:
             _drain_gpu()
         self._profiler.__enter__()
+        # a block's own steps and timings, should the Capture be entered again (its files keep counting)
+        self.steps, self._discard = 0, False
+        self.timer = StepTimer(host_steps=host_alone_steps(self.schedule["wait"]) if self.schedule else 0)
         try:
-            self.clocks.reset()  # a block's own readings, should the Capture be entered again
+            self.clocks.reset()
             self._sync_labels()
         except Exception as exc:  # no __exit__ follows a failed __enter__: leave nothing running or attached
             profiler, self._profiler = self._profiler, None

@@ -285,6 +285,20 @@ def test_a_folder_of_one_captures_cycles_is_said_to_be_so(model, x, tmp_path, ca
     assert err.count("\n") == 1 and "are both rank 0, two cycles of one capture" in err
 
 
+def test_a_capture_entered_again_counts_its_own_steps(model, x, tmp_path):
+    """Reused for a second block, a Capture kept the first block's step count and timed steps: its trace's metadata
+    said 6 steps for a block of 3, its step indices mixed both blocks'."""
+    cap = profiler_svc.capture(model, out=tmp_path, wait=1, warmup=1, active=1)
+    for _ in range(2):
+        with cap:
+            for _ in range(3):
+                model(x)
+                cap.step()
+    first, second = (load(p)[METADATA_KEY] for p in cap.trace_paths)
+    assert first["steps"] == second["steps"] == 3
+    assert first["unprofiled"]["step_indices"] == second["unprofiled"]["step_indices"] == [0]
+
+
 def test_a_copy_made_inside_the_block_is_unlabelled_after_it(model, x, tmp_path):
     """An EMA copy (deepcopy inside the block) kept the labelled forward: called after the block it opened a
     ProfilerStep range on the finished capture, and a later profiler session recorded its labels."""
