@@ -142,9 +142,8 @@ class Change:
 
     def without_kernels(self, kernels: set, kernel_dur: Optional[np.ndarray] = None) -> "Change":
         """The same change, leaving these kernels (claimed by another fix) as they are. With KERNEL_DUR (trace.kernels'
-        durations), a fused kernel no longer does the work of the claimed ones fused into it: it takes their
-        measured time off its own (eager attention's SDPA kernel, priced at its GEMMs' time, where TF32 claims
-        the GEMMs)."""
+        durations), a fused kernel no longer does the work of the claimed ones fused into it (eager attention's SDPA
+        kernel, where TF32 claims the GEMMs): see _shed_claimed."""
         durations = {k: v for k, v in self.durations.items() if k not in kernels}
         removed = self.removed - kernels
         if kernel_dur is not None and kernels & (self.fused_into.keys() | set(self.fused_into.values())):
@@ -164,14 +163,11 @@ class Change:
         for k, head in self.fused_into.items():
             members.setdefault(head, [head]).append(k)
         for head, rows in members.items():
-            lost = [k for k in rows if k in kernels]
-            if not lost or head not in self.durations:
-                continue
             left = sorted(k for k in rows if k not in kernels)
+            if len(left) in (0, len(rows)) or head not in self.durations:
+                continue  # all claimed, or none
             total = float(kernel_dur[rows].sum())
             share = float(kernel_dur[left].sum()) / total if total > 0 else len(left) / len(rows)
-            if not left:
-                continue
             carrier = head if head in durations else left[0]
             durations[carrier] = self.durations[head] * share
             removed.discard(carrier)
