@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from ..trace.model import Trace
+from ..trace.model import Trace, launch_times as trace_launch_times
 from ..trace.replay import BLOCKING_CALLS
 
 
@@ -49,11 +49,7 @@ def idle_gaps(trace: Trace) -> IdleGaps:
 
 def launch_times(trace: Trace, gpu: pd.DataFrame) -> np.ndarray:
     """Host time each GPU activity's launch call started (NaN when the trace has no launch for it)."""
-    runtime = trace.runtime
-    launches = runtime[runtime["correlation"] >= 0]
-    by_corr = pd.Series(launches["ts"].to_numpy(), index=launches["correlation"].to_numpy())
-    by_corr = by_corr[~by_corr.index.duplicated()]
-    return by_corr.reindex(gpu["correlation"].to_numpy()).to_numpy(dtype=float)
+    return trace_launch_times(trace.runtime, gpu["correlation"].to_numpy())
 
 
 def blocking_calls(trace: Trace) -> pd.DataFrame:

@@ -31,7 +31,7 @@ from ..errors import TraceError, setting_int
 from . import labels
 from .device import device_from_properties
 from .kernel_names import kernel_kinds, name_mask
-from .model import RawInputs, Trace
+from .model import RawInputs, Trace, launch_times
 from .schema import ANY_DECODER, ARRAY_DECODER, TOP_LEVEL_DECODER, TraceEvent
 
 # A decompressed trace above this is refused while it is read (gzip bombs included); PROFILER_SVC_MAX_TRACE_BYTES
@@ -919,10 +919,7 @@ def _launched_later(kernels: pd.DataFrame, runtime: pd.DataFrame) -> tuple[int, 
     to reach the GPU on every bundled trace; a kernel ahead of its launch is on a clock offset from the host's."""
     if not len(kernels) or not len(runtime):
         return 0, 0.0
-    linked = runtime["correlation"].to_numpy() >= 0  # -1: no id, which links nothing
-    launched = pd.Series(runtime["ts"].to_numpy()[linked], index=runtime["correlation"].to_numpy()[linked])
-    launched = launched[~launched.index.duplicated()].reindex(kernels["correlation"].to_numpy()).to_numpy()
-    ahead = launched - kernels["ts"].to_numpy()
+    ahead = launch_times(runtime, kernels["correlation"].to_numpy()) - kernels["ts"].to_numpy()
     ahead = ahead[ahead > 0]
     return int(len(ahead)), float(ahead.max()) if len(ahead) else 0.0
 

@@ -41,6 +41,14 @@ _ELEMENT_BYTES = {"fp32": 4, "fp64": 8, "fp16": 2, "bf16": 2, "fp8": 1, "int64":
                   "bool": 1, "uint8": 1, "int8": 1, "int16": 2, "complex64": 8}
 
 
+def launch_times(runtime: pd.DataFrame, correlation: np.ndarray) -> np.ndarray:
+    """Host time each GPU activity's launch call started, by its CORRELATION id (NaN where the trace has no launch
+    for it: no such call, or no id, -1, which links nothing)."""
+    linked = runtime["correlation"].to_numpy() >= 0
+    by_id = pd.Series(runtime["ts"].to_numpy()[linked], index=runtime["correlation"].to_numpy()[linked])
+    return by_id[~by_id.index.duplicated()].reindex(correlation).to_numpy(dtype=float)
+
+
 def short_dtype(type_name: str) -> str:
     return _DTYPE_NAMES.get(type_name, type_name)
 
@@ -186,8 +194,7 @@ class Trace:
             start, end = float(self.steps["ts"].min()), float(self.steps["end"].max())
             if len(self.kernels):  # GPU work launched in the last step runs after it on the host, unless it syncs
                 k = self.kernels
-                launched = pd.Series(self.runtime["ts"].to_numpy(), index=self.runtime["correlation"].to_numpy())
-                launched = launched[~launched.index.duplicated()].reindex(k["correlation"].to_numpy()).to_numpy()
+                launched = launch_times(self.runtime, k["correlation"].to_numpy())
                 in_steps = np.where(np.isnan(launched), k["ts"].to_numpy(), launched) <= end
                 last = k["end"].to_numpy()[in_steps & (k["ts"].to_numpy() >= start)]
                 end = max(end, float(last.max()) if len(last) else end)
