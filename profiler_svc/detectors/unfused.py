@@ -561,8 +561,7 @@ def _norm_only(chain: Chain) -> Chain:
     end = next((i for i in range(start, len(kinds)) if kinds[i] not in _NORM_OPS), len(kinds))
     if start and kinds[start - 1] in ("aten::to", "aten::_to_copy"):
         start -= 1  # the norm's own upcast
-    cut = list(range(start)) + list(range(end, len(kinds)))
-    return _without(chain, cut) if cut else chain
+    return _span(chain, start, end)
 
 
 # the ops of an RMSNorm's forward and of their gradients (PowBackward is a pow and a mul, MeanBackward a div...)
@@ -580,7 +579,12 @@ def _norm_backward_only(chain: Chain) -> Chain:
     core = kinds.index("aten::rsqrt")  # the norm's own gradients lie around rsqrt's, up to another op's
     start = next((i + 1 for i in range(core - 1, -1, -1) if kinds[i] not in _NORM_OPS), 0)
     end = next((i for i in range(core, len(kinds)) if kinds[i] not in _NORM_OPS), len(kinds))
-    cut = list(range(start)) + list(range(end, len(kinds)))
+    return _span(chain, start, end)
+
+
+def _span(chain: Chain, start: int, end: int) -> Chain:
+    """CHAIN's kernels at positions START..END-1 alone."""
+    cut = list(range(start)) + list(range(end, len(chain.rows)))
     return _without(chain, cut) if cut else chain
 
 
