@@ -113,14 +113,11 @@ class Capture:
                                         workload=workload, run=self.run, name=self.name, settings=settings)
         self.trace_paths: list[str] = []
         self.uploads: list[dict] = []  # the service's replies, one per uploaded trace
-        self.steps = 0
-        self.timer = StepTimer(host_steps=host_alone_steps(self.schedule["wait"]) if self.schedule else 0)
+        self._start_block()
         self.clocks = GpuClocks(model_device(model))  # read as each timed step ends
         self._step_range = None  # this step's ProfilerStep#N range, when capture marks steps itself
         self._numerics = None
         self._profiler: Optional[torch.profiler.profile] = None
-        self._discard = False
-        self._recorded = 0  # recorded steps of the cycle that cap.step() closed
         self._cycles_saved = 0
 
     # ---- the with block --------------------------------------------------------------------
@@ -140,9 +137,7 @@ class Capture:
         if self._profiler.current_action in RECORDING:
             _drain_gpu()
         self._profiler.__enter__()
-        # a block's own steps and timings, should the Capture be entered again (its files keep counting)
-        self.steps, self._discard = 0, False
-        self.timer = StepTimer(host_steps=host_alone_steps(self.schedule["wait"]) if self.schedule else 0)
+        self._start_block()
         try:
             self.clocks.reset()
             self._sync_labels()
@@ -152,9 +147,15 @@ class Capture:
             self.labels.detach()
             profiler.__exit__(None, None, None)
             raise UserError(f"capture could not label the model's modules: {one_line(exc)}") from None
-        self._recorded = 0
         self.timer.begin(profiled=self._profiler.current_action != ProfilerAction.NONE)
         return self
+
+    def _start_block(self) -> None:
+        """A block's own steps and timings, should the Capture be entered again (its files keep counting)."""
+        self.steps = 0
+        self.timer = StepTimer(host_steps=host_alone_steps(self.schedule["wait"]) if self.schedule else 0)
+        self._discard = False  # the cycle in progress is dropped, not saved (set as the block ends)
+        self._recorded = 0  # recorded steps of the cycle that cap.step() closed
 
     def step(self) -> None:
         """Mark the end of one training or inference step (drives the schedule)."""
