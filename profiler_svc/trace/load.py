@@ -712,9 +712,10 @@ class TableBuilder:
             "name": _names([e.name for e in evs]),
             "ts": _num([e.ts for e in evs]),
             "dur": _num([e.dur for e in evs]),
-            "stream": self._ids([a.stream if a else (e.tid if isinstance(e.tid, int) else None)
+            # Kineto files a GPU activity under pid = device, tid = stream; a peer-to-peer copy's args name no device
+            "stream": self._ids([a.stream if a and a.stream is not None else (e.tid if isinstance(e.tid, int) else None)
                                  for e, a in zip(evs, args)]),
-            "device": self._ids([a.device if a else (e.pid if isinstance(e.pid, int) else None)
+            "device": self._ids([a.device if a and a.device is not None else (e.pid if isinstance(e.pid, int) else None)
                                  for e, a in zip(evs, args)]),
             "correlation": self._ids([a.correlation if a else None for a in args]),
             "external_id": self._ids([a.external_id if a else None for a in args]),

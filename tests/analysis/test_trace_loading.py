@@ -506,3 +506,14 @@ def test_kernels_without_durations_free_no_negative_gpu_time(tmp_path):
     chains = [f for f in report.findings if f.category == "unfused_chain"]
     assert chains and all(f.gpu_time_saved_us_per_step >= 0 for f in chains)
     assert any("without a duration" in w for w in report.trace["warnings"])
+
+
+def test_a_peer_to_peer_copy_is_on_the_device_it_was_issued_on():
+    """Kineto names no device in a peer-to-peer copy's args; it files the copy under its device's pid."""
+    path = fixture_path("llama_bf16_data_parallel_train")  # DataParallel's Broadcast copies GPU to GPU
+    trace = load_trace(path)
+    with gzip.open(path) as f:
+        raw = [e for e in json.load(f)["traceEvents"] if e.get("cat") == "gpu_memcpy" and "PtoP" in e["name"]]
+    assert raw and all("device" not in e["args"] for e in raw)
+    copies = trace.memory[trace.memory["name"].str.contains("PtoP")]
+    assert sorted(copies["device"].tolist()) == sorted(e["pid"] for e in raw)
