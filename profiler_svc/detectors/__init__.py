@@ -2,7 +2,7 @@
 
 Adding a detector is one file and one line in DETECTORS.
 """
-from . import communication, fallback, host_sync, launch_gaps, misalignment, unfused
+from . import communication, data_parallel, fallback, host_sync, launch_gaps, misalignment, unfused
 from .common import CATEGORIES, Finding, Recommendation
 from .top_kernels import module_times, top_kernels, top_ops
 
@@ -13,6 +13,7 @@ DETECTORS = (
     launch_gaps.detect,
     host_sync.detect,
     communication.detect,
+    data_parallel.detect,
 )
 
 

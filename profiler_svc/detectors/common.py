@@ -60,6 +60,9 @@ class Finding:
     # (key, title, sizes) of the root cause when several findings can share one (a misaligned size): the report
     # makes them one finding
     root_cause: tuple = ()
+    # a fix the replay cannot model (DataParallel to DDP): the step after it is no shorter than this (µs per step),
+    # and the saving is priced as the step down to it, an upper bound kept out of the combined prediction
+    step_floor_us: Optional[float] = None
     severity: str = "info"
     rank: Optional[int] = None
     id: str = ""

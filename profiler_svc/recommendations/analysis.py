@@ -14,6 +14,7 @@ import numpy as np
 from ..detectors import Finding, run_detectors
 from ..detectors.common import (VOCAB_MIN, Recommendation, fmt_us, is_communication, is_compute_bound_kernel,
                                 name_mask, size_root_cause)
+from ..detectors.data_parallel import DATA_PARALLEL_KEY
 from ..detectors.launch_gaps import idle_breakdown
 from ..detectors.misalignment import HEAD_DIM_KEY
 from ..detectors.unfused import PATTERNS
@@ -153,11 +154,15 @@ def analyse(trace: Trace) -> Analysis:
     base = timeline.replay(host=host)
     step_us = base.loop_step_us
     for f in findings:
+        if f.step_floor_us is not None:
+            f.saving_us_per_step = max(0.0, step_us - f.step_floor_us)
+            continue
         f.saving_us_per_step = step_us - timeline.replay(f.change, host=host).loop_step_us
         f.gpu_time_saved_us_per_step = _gpu_time_saved(trace, f.change)
         if f.recommendation.swap and f.saving_us_per_step < 0:
             f.recommendation = slows_step(f, -f.saving_us_per_step)
-    helpful = sorted((f for f in findings if f.saving_us_per_step > 0), key=lambda f: -f.saving_us_per_step)
+    helpful = sorted((f for f in findings if f.saving_us_per_step > 0 and f.step_floor_us is None),
+                     key=lambda f: -f.saving_us_per_step)
     # the waterfall: the fixes applied one after another, largest first; each bar is what that fix buys on
     # top of the ones before it, and the last step is the combined prediction. A fix that lengthens the step
     # on top of those (its host cost outweighing a GPU saving the others already took) stays out of it.
@@ -186,6 +191,10 @@ def analyse(trace: Trace) -> Analysis:
         "waterfall": waterfall,
         "not_combined": not_combined,
     }
+    unreplayed = [f for f in findings if f.step_floor_us is not None]
+    if unreplayed:
+        prediction["left_out"] = [{"title": f.title, "why": "the replay cannot model this fix; its saving is an "
+                                   "upper bound"} for f in unreplayed]
     return Analysis(trace, findings, _steps_summary(trace, timeline, base, host, calibration, findings), prediction,
                     host)
 
@@ -414,7 +423,7 @@ def _steps_summary(trace: Trace, timeline: Timeline, base, host: HostCost, calib
         "step_us": _spread(steps),
         "replay_error_pct": round(timeline.error_pct, 2),
         "calibration": calibration,
-        "bottleneck": _bottleneck(trace, sens, base),
+        "bottleneck": _data_parallel_bound(trace, findings) or _bottleneck(trace, sens, base),
         "breakdown_us_per_step": _breakdown(trace),
         "idle": _idle(trace, findings),
         "phases": _phases(trace),
@@ -476,6 +485,18 @@ def _bottleneck(trace: Trace, sens: dict, base) -> dict:
     else:
         kind, detail = "balanced", "host and GPU each bound parts of the step"
     return {"kind": kind, "detail": detail, **figures}
+
+
+def _data_parallel_bound(trace: Trace, findings: list) -> Optional[dict]:
+    """Under DataParallel the GPUs wait on one process's replica threads, whose ops the replay cannot see: the
+    host bounds the step however its halving answers."""
+    for f in findings:
+        if f.key == DATA_PARALLEL_KEY:
+            busy = 100 * trace.gpu_busy_us / trace.span_us if trace.span_us else 0.0
+            return {"kind": "launch overhead", "detail": (
+                f"torch.nn.DataParallel's replica threads launch every GPU's work from one process: the GPUs are busy "
+                f"{busy:.0f}% of the window")}
+    return None
 
 
 def _collective_host_time(trace: Trace) -> float:

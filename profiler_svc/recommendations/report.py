@@ -255,7 +255,7 @@ def render_text(report: Report, top: int = 10) -> str:
     if findings:
         lines.append(f"{'#':>2}  {'severity':8}  {'category':15}  {'saves/step':>11}  finding")
         for i, f in enumerate(findings, 1):
-            lines.append(f"{i:>2}  {f.severity:8}  {f.category:15}  {fmt_us(f.saving_us_per_step):>11}  {clean(f.title)}")
+            lines.append(f"{i:>2}  {f.severity:8}  {f.category:15}  {_saving(f):>11}  {clean(f.title)}")
         if len(report.findings) > top:  # the combined prediction counts them too
             lines.append(f"    and {len(report.findings) - top} more (--top {len(report.findings)} shows every one)")
         lines.append("")
@@ -295,7 +295,13 @@ def _what_it_does(f) -> str:
     """'saves X per step (Y% of the step)', or for a fix the replay says lengthens the step, 'slows the step by X'."""
     if f.saving_us_per_step < 0:
         return f"slows the step by {fmt_us(-f.saving_us_per_step)} per step ({-f.share_of_step_pct:.1f}% of it)"
-    return f"saves {fmt_us(f.saving_us_per_step)} per step ({f.share_of_step_pct:.1f}% of the step)"
+    bound = "up to " if f.step_floor_us is not None else ""
+    return f"saves {bound}{fmt_us(f.saving_us_per_step)} per step ({f.share_of_step_pct:.1f}% of the step)"
+
+
+def _saving(f) -> str:
+    """The saving per step for a table: '≤ X' where it is an upper bound (a fix the replay cannot model)."""
+    return ("≤ " if f.step_floor_us is not None else "") + fmt_us(f.saving_us_per_step)
 
 
 def _rate(k: dict) -> str:
@@ -344,7 +350,7 @@ def render_markdown(report: Report, top: int = 10) -> str:
     if report.findings:
         out += ["| # | severity | category | saves per step | finding | swap |", "|---|---|---|---|---|---|"]
         for i, f in enumerate(report.findings[:top], 1):
-            out.append(f"| {i} | {f.severity} | {f.category} | {fmt_us(f.saving_us_per_step)} | {_md(f.title)} | "
+            out.append(f"| {i} | {f.severity} | {f.category} | {_saving(f)} | {_md(f.title)} | "
                        f"{_code(f.recommendation.swap) if f.recommendation.swap else ''} |")
         if len(report.findings) > top:
             out.append(f"\nAnd {len(report.findings) - top} more (`--top {len(report.findings)}` shows every one).")

@@ -167,6 +167,18 @@ def test_a_jobs_page_says_the_straggler_is_not_in_the_combined_prediction(engine
     assert left and all(f"Not in the combined prediction: {x['title']} ({x['why']})." in page for x in left)
 
 
+def test_a_saving_the_replay_cannot_model_reads_as_an_upper_bound(engine, blobs, client):
+    """A DataParallel capture (two GPUs, one process): its DDP fix is priced by its floor, "up to", and left out of
+    the combined prediction, as the CLI says."""
+    path = fixture_path("llama_bf16_data_parallel_train")
+    report = recommend(str(path))
+    bound = next(f for f in report.findings if f.step_floor_us is not None)
+    page = text_of(client.get(f"/runs/{ingest(engine, blobs, path)}").get_data(as_text=True))
+    assert f"saves up to {fmt_us(bound.saving_us_per_step)} /step" in page
+    assert f"up to {fmt_us(bound.saving_us_per_step)} per step" in page
+    assert f"Not in the combined prediction: {bound.title} ({report.prediction['left_out'][0]['why']})." in page
+
+
 def test_runs_list_names_each_runs_top_finding(engine, blobs, client):
     labelled = ingest(engine, blobs, LABELLED)
     small = ingest(engine, blobs, fixture_path("llama_bf16_compiled_infer"))
