@@ -126,11 +126,16 @@ def rope_rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
     """q, k: [B, S, H, D] views (any strides, unit stride on D); cos, sin: [B, S, R] (batch stride may be 0),
     R <= D rotary dims (the rest pass through).
 
-    Returns the rotated q and k in the same layout as the inputs (empty_like keeps a dense view's strides).
+    Returns the rotated q and k in the same layout as the inputs (empty_like keeps a dense view's strides); the
+    backward's in [B, S, H, D] order, the layout HF's projections give q and k, whatever the incoming gradient's
+    (a KV cache's cat hands it back in [B, H, S, D] order): the projections' view then takes it without a copy.
     """
     batch, seq, n_q_heads, dim = q.shape
     n_k_heads = k.shape[2]
-    qo, ko = torch.empty_like(q), torch.empty_like(k)
+    if backward:
+        qo, ko = q.new_empty(q.shape), k.new_empty(k.shape)
+    else:
+        qo, ko = torch.empty_like(q), torch.empty_like(k)
     if batch * seq and (n_q_heads or n_k_heads) and dim:  # either may be empty, not both
         half, passed = cos.shape[-1] // 2, dim - cos.shape[-1]
         block_d, block_hq, block_hk = _pow2(half), _pow2(n_q_heads), _pow2(n_k_heads)
