@@ -43,8 +43,9 @@ _FIXES[_PACKED_CHECK] = (
     "transformers reads the position ids on the host in every forward that has no attention mask and no cache, to "
     "find packed sequences (masking_utils.find_packed_sequence_indices); the forward waits there for the GPU to "
     "finish the previous step. Give the forward a cache, which skips the check: use_cache=True (the config's "
-    "default; the cache keeps references to the keys and values that the attention's backward keeps anyway), or "
-    "pass past_key_values.",
+    "default), or pass past_key_values. The cache is not free: its first update copies each layer's keys and "
+    "values (a cat onto an empty tensor), GPU time this saving does not count: A/B-test it (profiler_svc ab --fix "
+    "use_cache).",
     "model.config.use_cache = True  # or: model(input_ids, past_key_values=DynamicCache(config=model.config))")
 
 
