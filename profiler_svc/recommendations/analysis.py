@@ -49,6 +49,8 @@ HOST_PACE_RANGE = (0.85, 1.45)
 # The prediction names its range where the saving moves across HOST_PACE_RANGE by over this share of it and by over
 # PACE_NOTE_STEP of the step
 PACE_NOTE_SHARE = 0.25
+# why a fix priced by its floor (Finding.step_floor_us) is not in the combined prediction
+UNREPLAYED = "the replay cannot model this fix; its saving is an upper bound"
 PACE_NOTE_STEP = 0.01
 
 
@@ -193,8 +195,7 @@ def analyse(trace: Trace) -> Analysis:
     }
     unreplayed = [f for f in findings if f.step_floor_us is not None]
     if unreplayed:
-        prediction["left_out"] = [{"title": f.title, "why": "the replay cannot model this fix; its saving is an "
-                                   "upper bound"} for f in unreplayed]
+        prediction["left_out"] = [{"title": f.title, "why": UNREPLAYED} for f in unreplayed]
     return Analysis(trace, findings, _steps_summary(trace, timeline, base, host, calibration, findings), prediction,
                     host)
 

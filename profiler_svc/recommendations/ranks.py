@@ -76,7 +76,8 @@ def merge_ranks(analyses: list[Analysis], job: Optional[Job] = None) -> list[Fin
         if job is not None:
             worst.change_by_rank = {f.rank: f.change for f in group}
             worst.whole_change_by_rank = {f.rank: f.whole_change for f in group if f.whole_change is not None}
-            if any(f.saving_us_per_step > 0 for f in group):  # one that shortens no rank's step is not replayed
+            # one that shortens no rank's step is not replayed, nor one priced by its floor (its change is empty)
+            if worst.step_floor_us is None and any(f.saving_us_per_step > 0 for f in group):
                 worst.saving_us_per_step = round(job.step_us - _job_step_us(analyses, job, [worst]), 2)
                 if worst.recommendation.swap and worst.saving_us_per_step < 0:
                     worst.recommendation = slows_step(worst, -worst.saving_us_per_step)
@@ -133,7 +134,7 @@ def job_prediction(analyses: list[Analysis], job: Job, findings: list[Finding]) 
     not_combined: list = []
     kept: list[Finding] = []
     step = step_us
-    for f in sorted((f for f in findings if f.saving_us_per_step > 0 and f.change_by_rank),
+    for f in sorted((f for f in findings if f.saving_us_per_step > 0 and f.change_by_rank and f.step_floor_us is None),
                     key=lambda f: -f.saving_us_per_step):
         after_us = _job_step_us(analyses, job, kept + [f])
         if after_us > step + 0.01:

@@ -10,7 +10,7 @@ from ..formats import clean, clean_lines, fmt_us, plain_json
 from ..trace import Trace, load_traces
 from ..trace.replay import Change
 
-from .analysis import analyse
+from .analysis import UNREPLAYED, analyse
 from .ranks import Job, job_of, job_predict, job_prediction, merge_ranks, rank_summary, straggler
 from .severity import SEVERITIES, severity_for
 
@@ -115,9 +115,12 @@ def build_report(traces: list[Trace], path: str, top: int = 20) -> Report:
             prediction = job_prediction(analyses, job, findings)
         stragglers = straggler(analyses, job)
         findings += stragglers
-        if job is not None and stragglers:
+        if job is not None:
             prediction["left_out"] = [{"title": f.title, "why": "the replay cannot balance the ranks' work"}
-                                      for f in stragglers]
+                                      for f in stragglers] + [
+                {"title": f.title, "why": UNREPLAYED} for f in findings if f.step_floor_us is not None]
+            if not prediction["left_out"]:
+                del prediction["left_out"]
     findings.sort(key=lambda f: (-f.saving_us_per_step, f.category, f.title))
     counters: dict[str, int] = {}
     for f in findings:

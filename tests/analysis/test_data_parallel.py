@@ -80,3 +80,23 @@ def test_data_parallel_is_one_finding_priced_by_its_floor_and_left_out_of_the_pr
 @pytest.mark.parametrize("path", [p for p in gpu_fixtures() if p != DP], ids=lambda p: p.name)
 def test_no_other_real_trace_is_data_parallel(path):
     assert not any(f.key == "communication:data_parallel" for f in recommend(path).findings)
+
+
+def test_a_job_keeps_a_floor_priced_finding_out_of_its_replay(monkeypatch):
+    """Ranks replayed together (NCCL DDP, two H100s): a finding priced by its floor keeps its own figure, stays out
+    of the job's combined prediction and is named there, as on one trace."""
+    import profiler_svc.detectors as detectors
+    from profiler_svc.detectors.common import Finding, Recommendation
+    from tests.plugins.traces import fixture_dir
+
+    def floored(trace):
+        return [Finding(category="communication", title="a fix the replay cannot model", detail="", evidence={},
+                        recommendation=Recommendation("change it"), key="communication:floored", step_floor_us=1000.0)]
+    monkeypatch.setattr(detectors, "DETECTORS", (*detectors.DETECTORS, floored))
+    r = recommend(fixture_dir("llama_nccl_ddp"))
+    p = r.prediction
+    assert p["scope"] == "job"
+    f = next(f for f in r.findings if f.key == "communication:floored")
+    assert f.saving_us_per_step > 0 and f.key not in p["findings"]
+    assert {"title": f.title, "why": "the replay cannot model this fix; its saving is an upper bound"} in p["left_out"]
+    assert all(w["finding"] != f.key for w in p["waterfall"])
