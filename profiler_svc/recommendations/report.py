@@ -31,6 +31,8 @@ class Report:
     traces: list = field(default_factory=list, repr=False)
     analyses: list = field(default_factory=list, repr=False)
     job: Optional[Job] = field(default=None, repr=False)  # ranks coupled by their collectives, replayed together
+    # the analysis the headline figures (trace, step, prediction) are of: the first rank with GPU work
+    main: int = field(default=0, repr=False)
 
     def to_dict(self) -> dict:
         by_category = {c: 0 for c in CATEGORIES}
@@ -61,14 +63,14 @@ class Report:
     def predict(self, swaps=(), fixes=()) -> dict:
         """The step replayed with the fixes of every finding that recommends one of SWAPS or FIXES applied
         together: what an A/B of exactly those should measure. Ranks coupled by their collectives: the job's step,
-        every rank's change replayed together; else the first rank's."""
+        every rank's change replayed together; else the headline rank's."""
         if self.job is not None:
             return job_predict(self.analyses, self.job, self.recommending(swaps, fixes))
-        return self.analyses[0].predict(self.recommending(swaps, fixes)) if self.analyses else {}
+        return self.analyses[self.main].predict(self.recommending(swaps, fixes)) if self.analyses else {}
 
     def recommending(self, swaps=(), fixes=()) -> list:
-        """The findings that recommend one of SWAPS or FIXES: the job's merged ones, else the first rank's."""
-        findings = self.findings if self.job is not None else self.analyses[0].findings if self.analyses else []
+        """The findings that recommend one of SWAPS or FIXES: the job's merged ones, else the headline rank's."""
+        findings = self.findings if self.job is not None else self.analyses[self.main].findings if self.analyses else []
         return [f for f in findings
                 if f.recommendation.swap in swaps or getattr(f.recommendation, "fix", None) in fixes]
 
@@ -105,7 +107,9 @@ def build_report(traces: list[Trace], path: str, top: int = 20) -> Report:
             # to the hundredth once, here: the text, JSON, markdown and the dashboard format this one value
             f.saving_us_per_step = round(f.saving_us_per_step, 2) + 0.0
             f.gpu_time_saved_us_per_step = round(f.gpu_time_saved_us_per_step, 2) + 0.0
-    main = analyses[0]
+    # a CPU-only trace beside GPU ranks (a folder of mixed captures) has no step or prediction to head the report
+    index = next((i for i, a in enumerate(analyses) if a.trace.has_gpu), 0)
+    main = analyses[index]
     findings, prediction, job = main.findings, main.prediction, None
     if len(analyses) > 1:
         # ranks coupled by their collectives (NCCL) are priced together, as the job's step; else each on its own
@@ -127,8 +131,10 @@ def build_report(traces: list[Trace], path: str, top: int = 20) -> Report:
         counters[f.category] = counters.get(f.category, 0) + 1
         f.id = f"{f.category}-{counters[f.category]}"
     summary = trace_summary(main.trace)
-    for a in analyses[1:]:  # the other ranks' warnings too: the summary is the first rank's
-        summary["warnings"] += [f"rank {a.trace.rank}: {w}" for w in trace_warnings(a.trace, len(a.trace.window_kernels))]
+    for a in analyses:  # the other ranks' warnings too: the summary is the headline rank's
+        if a is not main:
+            summary["warnings"] += [f"rank {a.trace.rank}: {w}"
+                                    for w in trace_warnings(a.trace, len(a.trace.window_kernels))]
     return Report(
         source={"path": str(path), "files": [t.path for t in traces], "ranks": [t.rank for t in traces]},
         trace=summary,
@@ -142,6 +148,7 @@ def build_report(traces: list[Trace], path: str, top: int = 20) -> Report:
         traces=traces,
         analyses=analyses,
         job=job,
+        main=index,
     )
 
 
@@ -231,7 +238,7 @@ def _headline(report: Report) -> list[str]:
 
 def _ranks_scope(report: Report) -> str:
     """Which rank a multi-rank report's figures are, or that they are the job's."""
-    first = report.source["ranks"][0]
+    first = report.source["ranks"][report.main]
     if report.prediction.get("scope") == "job":
         return (f"step below: rank {first}; the prediction and each finding's saving: the job's step, its ranks "
                 "replayed together; each rank's own saving in a finding's evidence")

@@ -348,3 +348,19 @@ def test_the_text_says_how_many_findings_the_table_left_out(capsys):
     assert "more (--top" not in out
     code, out, _ = run(capsys, "recommend", path, "--format", "markdown")
     assert f"And {total - 10} more" in out
+
+
+def test_a_folder_with_a_cpu_only_rank_is_headed_by_a_rank_with_gpu_work(tmp_path):
+    """A CPU-only trace as rank 0 beside a GPU rank: the headline (device, step, prediction) is the GPU rank's, and
+    the header says which rank it is; it was rank 0's: "device unknown, GPU busy 0.0%", no prediction."""
+    from profiler_svc.recommendations import recommend
+    from profiler_svc.recommendations.report import render_text
+    shutil.copy(fixture_path("cpu_compiled_mlp_infer"), tmp_path / "a_rank0.json.gz")
+    shutil.copy(fixture_path("llama_bf16_compiled_infer"), tmp_path / "b_rank1.json.gz")
+    r = recommend(tmp_path)
+    gpu = recommend(fixture_path("llama_bf16_compiled_infer"))
+    assert r.source["ranks"] == [0, 1]
+    assert r.trace["device"]["name"] == gpu.trace["device"]["name"] == "NVIDIA H200"
+    assert r.steps["step_us"] == gpu.steps["step_us"] and r.prediction["step_us"] == gpu.prediction["step_us"]
+    assert "step and prediction below: rank 1" in render_text(r)
+    assert r.predict(fixes=["cuda_graphs"])["step_us"] == gpu.prediction["step_us"]
