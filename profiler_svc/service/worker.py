@@ -193,8 +193,12 @@ def run_worker(engine: Engine, *, once: bool = False, poll_s: float = 2.0, worke
     number of jobs run."""
     done = 0
     while stop is None or not stop.is_set():
-        job_id = work_once(engine, worker=worker, runner=runner, lease_s=lease_s, kinds=kinds, blobs=blobs,
-                           analyser=analyser, run_analyser=run_analyser)
+        try:
+            job_id = work_once(engine, worker=worker, runner=runner, lease_s=lease_s, kinds=kinds, blobs=blobs,
+                               analyser=analyser, run_analyser=run_analyser)
+        except Exception as exc:  # e.g. the database locked or down: the worker lives on (a job it held is requeued)
+            log.error("worker: %s; trying again in %g s", one_line(exc), poll_s)
+            job_id = None
         if job_id is not None:
             done += 1
             continue

@@ -41,7 +41,10 @@ class Received:
 class BlobStore:
     def __init__(self, root):
         self.root = Path(root)
-        (self.root / "tmp").mkdir(parents=True, exist_ok=True)
+        try:
+            (self.root / "tmp").mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # e.g. PROFILER_SVC_BLOB_DIR names a file, or a place this user cannot write
+            raise UserError(f"cannot use {self.root} as the folder of trace files: {exc.strerror or exc}") from None
 
     def relpath(self, sha256: str) -> str:
         if not _SHA256.match(sha256):

@@ -5,15 +5,17 @@
 - ``PROFILER_SVC_HOME``: data folder (database file, trace blobs, secret key).
   Default: ``~/.local/share/profiler_svc``.
 """
+import fcntl
 import functools
 import importlib.resources
 import os
 from contextlib import contextmanager
 from pathlib import Path
 
-from sqlalchemy import create_engine, event, inspect
+from sqlalchemy import create_engine, event
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.pool import NullPool
 
 from ..errors import UserError
 from ..formats import one_line
@@ -102,21 +104,113 @@ def session_scope(engine: Engine | None = None):
 def upgrade(engine: Engine | None = None, revision: str = "head") -> None:
     """Bring the schema up to date with the Alembic migrations in profiler_svc.migrations."""
     from alembic import command
-    from alembic.config import Config
-
     engine = engine or get_engine()
+    if engine.dialect.name == "sqlite" and revision == "head" and current_revision(engine) == head_revision():
+        return  # the usual case on every command's start: no lock, no write transaction
+    _migrate(engine, command.upgrade, revision)
+
+
+def downgrade(engine: Engine, revision: str) -> None:
+    """Take the schema back to REVISION (undoing a release; the tests)."""
+    from alembic import command
+    _migrate(engine, command.downgrade, revision)
+
+
+def _alembic_config():
+    from alembic.config import Config
     config = Config()
     # The folder, not the module: Alembic runs migrations/env.py, which imports the models from here.
     config.set_main_option("script_location", str(importlib.resources.files("profiler_svc.migrations")))
-    with engine.begin() as connection:
-        config.attributes["connection"] = connection
-        command.upgrade(config, revision)
+    return config
+
+
+def head_revision() -> str | None:
+    from alembic.script import ScriptDirectory
+    return ScriptDirectory.from_config(_alembic_config()).get_current_head()
+
+
+def current_revision(engine: Engine) -> str | None:
+    """The database's revision; None where it was never migrated."""
+    from alembic.migration import MigrationContext
+    with engine.connect() as connection:
+        return MigrationContext.configure(connection).get_current_revision()
+
+
+def _migrate(engine: Engine, step, revision: str) -> None:
+    config = _alembic_config()
+    if engine.dialect.name != "sqlite":
+        with engine.begin() as connection:  # PostgreSQL: transactional DDL, all revisions or none
+            config.attributes["connection"] = connection
+            step(config, revision)
+        return
+    migration_engine = sqlite_migration_engine(str(engine.url))
+    try:
+        # the lock serialises processes that start on a fresh file at once; Alembic reads the revision again
+        # under it, so the one that waited finds the schema migrated and does nothing
+        with _file_lock(engine.url.database), migration_engine.begin() as connection:
+            config.attributes["connection"] = connection
+            step(config, revision)
+            _check_foreign_keys(connection)
+    finally:
+        migration_engine.dispose()
+
+
+def sqlite_migration_engine(url: str) -> Engine:
+    """SQLite for migrations: foreign keys off, else a batch table rebuild (copy, drop, rename) fires the
+    ON DELETE actions of the rows that point at the table it drops; and every statement, DDL too, in the
+    transaction (Python's sqlite3 runs DDL outside one), so a migration that fails leaves nothing half done."""
+    engine = create_engine(url, poolclass=NullPool, connect_args={"timeout": 30})
+
+    @event.listens_for(engine, "connect")
+    def _connect(dbapi_connection, _record):
+        dbapi_connection.isolation_level = None  # we say BEGIN ourselves, below
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA foreign_keys=OFF")  # a no-op inside a transaction: before BEGIN
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _begin(connection):
+        connection.exec_driver_sql("BEGIN IMMEDIATE")  # the writer's lock now, not half way through
+
+    return engine
+
+
+@contextmanager
+def _file_lock(database: str | None):
+    """An exclusive flock on a file beside the SQLite database (none for an in-memory one)."""
+    if not database or database == ":memory:":
+        yield
+        return
+    path = f"{database}.migrate.lock"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as exc:
+        raise UserError(f"cannot create the migration lock {path}: {exc.strerror or exc}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _check_foreign_keys(connection) -> None:
+    """Foreign keys were off while the migration ran: rows it left pointing nowhere fail it (rolled back)."""
+    broken = connection.exec_driver_sql("PRAGMA foreign_key_check").fetchall()
+    if broken:
+        table, rowid, parent, _ = broken[0]
+        raise UserError(f"the migration would leave {len(broken)} rows whose foreign keys point nowhere "
+                        f"(e.g. {table} row {rowid} -> {parent}); the database was left as it was")
 
 
 def require_schema(engine: Engine) -> None:
-    """A clear error instead of 'no such table' when `db upgrade` was never run."""
-    if not inspect(engine).has_table("alembic_version"):
-        raise UserError(f"database {_redact(str(engine.url))} is not initialised: run `profiler_svc db upgrade`")
+    """A clear error instead of 'no such table' (or column) when the schema is not the one this code uses."""
+    current, head = current_revision(engine), head_revision()
+    where = f"database {_redact(str(engine.url))}"
+    if current is None:
+        raise UserError(f"{where} is not initialised: run `profiler_svc db upgrade`")
+    if current != head:
+        raise UserError(f"{where} is at revision {current}, head is {head}: run `profiler_svc db upgrade`")
 
 
 def ready_engine() -> Engine:

@@ -30,7 +30,8 @@ from ..workload_spec import check_workload_allowed
 from . import jobs
 from .blobs import BlobStore
 from .db import home, session_scope
-from .models import AnalysisJob, FindingRecord, KernelSummary, Run, RunAnalysisJob, TraceRecord, utcnow
+from .models import (AnalysisJob, FindingRecord, KernelSummary, Run, RunAnalysisJob, TraceRecord, utcnow,
+                     valid_utf8)
 from .queries import analysis_covers, trace_ids
 
 log = logging.getLogger(__name__)
@@ -232,7 +233,8 @@ def ingest_path(engine: Engine, path, *, name: str | None = None, group_key: str
     """Ingest a trace file, or a folder of per-rank traces as one run."""
     path = Path(path)
     if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.name.endswith((".json", ".json.gz")))
+        # files only, as the analyser lists a folder: not a folder named x.json, nor a link to nothing
+        files = sorted(p for p in path.iterdir() if p.name.endswith((".json", ".json.gz")) and p.is_file())
         if not files:
             raise UserError(f"{path}: no .json or .json.gz traces in this folder")
         group_key = group_key or f"folder:{path.resolve()}:{os.urandom(4).hex()}"
@@ -246,27 +248,40 @@ def ingest_path(engine: Engine, path, *, name: str | None = None, group_key: str
     results = []
     try:
         for file in files:
-            with open(file, "rb") as stream:
+            try:
+                stream = open(file, "rb")
+            except OSError as exc:  # e.g. not readable by this user
+                raise UserError(f"{file}: {exc.strerror or exc}") from None
+            with stream:
                 results.append(ingest_stream(engine, stream, filename=file.name, blobs=blobs, name=name,
                                              group_key=group_key, host=host, workload=workload))
         new = [r for r in results if not r.duplicate]
         whole_run = len(files) > 1 and bool(new) and _holds_exactly(engine, new[0].run_id, results)
         if whole_run:  # the folder is the run: its report is the run's
             _store_run_analysis(engine, new[0].run_id, run_analysis(analyse(path)), [r.trace_id for r in results])
-    except BaseException:
+    except BaseException as exc:
         # A folder is one job: all of its ranks or none of them.
         stored = [r for r in results if not r.duplicate]
         _remove(engine, blobs, stored)
-        for run_id in {r.run_id for r in stored}:  # a run it joined lost its joint analysis to it
-            _queue_if_uncovered(engine, run_id)
+        for run_id in {r.run_id for r in stored}:  # a run it joined lost its joint analysis to its first file
+            if isinstance(exc, Exception):
+                _analyse_together(engine, blobs, run_id)  # back as it was, as the success path does below
+            else:  # Ctrl-C: stop now, a worker analyses the run
+                _queue_if_uncovered(engine, run_id)
         raise
     if new and not whole_run:  # joined a run holding other traces: its ranks analysed together from the store
-        try:
-            refresh_run_analysis(engine, blobs, new[0].run_id)
-        except UserError as exc:  # the traces stay stored, with each rank's own figures, until a worker tries
-            log.warning("run %s: %s", new[0].run_id, exc)
-            _queue_if_uncovered(engine, new[0].run_id)
+        _analyse_together(engine, blobs, new[0].run_id)
     return results
+
+
+def _analyse_together(engine, blobs, run_id: int) -> None:
+    """The run's stored ranks analysed together now; queued for a worker where that fails (the traces keep each
+    rank's own figures until then)."""
+    try:
+        refresh_run_analysis(engine, blobs, run_id)
+    except UserError as exc:
+        log.warning("run %s: %s", run_id, exc)
+        _queue_if_uncovered(engine, run_id)
 
 
 def _queue_if_uncovered(engine, run_id: int) -> None:
@@ -585,10 +600,10 @@ def _get_or_create_run(session, *, group_key, name, host, workload, meta) -> Run
 
 
 def _text(value, limit: int | None = None) -> str | None:
-    """A string for a text column: NUL removed (PostgreSQL refuses it), at most `limit` characters."""
+    """A string for a text column: valid UTF-8, NUL removed (PostgreSQL refuses it), at most `limit` characters."""
     if value is None:
         return None
-    text = str(value).replace("\x00", "")
+    text = valid_utf8(str(value)).replace("\x00", "")
     return text[:limit] if limit else text
 
 
@@ -607,7 +622,7 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 def clean_filename(filename) -> str:
     """An uploaded file's name as stored and shown: its last path part, no control characters
     (CR, LF, NUL would break a download's header), at most 255 characters."""
-    name = _CONTROL.sub("", str(filename or "")).replace("\\", "/").rsplit("/", 1)[-1].strip()
+    name = _CONTROL.sub("", valid_utf8(str(filename or ""))).replace("\\", "/").rsplit("/", 1)[-1].strip()
     return name[:255] or "upload.json"
 
 

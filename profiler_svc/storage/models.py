@@ -14,6 +14,15 @@ def utcnow() -> datetime:
     return datetime.now(timezone.utc)
 
 
+def valid_utf8(text: str) -> str:
+    """TEXT with what cannot be stored as UTF-8 replaced by U+FFFD: the bytes of a file name or argument that is
+    not UTF-8 (os.fsdecode gives them as lone surrogates), or a lone surrogate a trace's JSON escaped."""
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    except UnicodeEncodeError:  # a surrogate outside the range surrogateescape makes
+        return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+
+
 class Base(DeclarativeBase):
     type_annotation_map = {dict: JSON, list: JSON}
 

@@ -1,5 +1,6 @@
 """Read side: the data behind every page, as plain dicts (the HTML pages and the JSON API share it)."""
 from collections import Counter
+from datetime import datetime, timezone
 
 from sqlalchemy import false, func, or_, select
 
@@ -36,7 +37,7 @@ def list_runs(session, q: str | None = None, limit: int = 100, offset: int = 0) 
     top = _top_findings(session, [r.id for r in rows])
     return {"q": q or "", "runs": [{
         "id": r.id, "name": r.name, "host": r.host, "workload": r.workload,
-        "created_at": r.created_at.isoformat(), "traces": r.traces,
+        "created_at": iso_utc(r.created_at), "traces": r.traces,
         "span_us": r.span_us or 0.0, "gpu_busy_pct": round(r.gpu_busy_pct or 0.0, 2),
         "top_finding": top.get(r.id)} for r in rows]}
 
@@ -56,14 +57,40 @@ def _top_findings(session, run_ids: list[int]) -> dict:
     for r in rows:
         out.setdefault(r.run_id, {"id": r.id, "title": r.title, "severity": r.severity,
                                   "saving_us_per_step": r.saving_us_per_step})
-    # ranks analysed together: the job's largest (the run page's first); the runs in one query, which
-    # job_analysis's session.get then finds in the session
-    for run in session.scalars(select(Run).where(Run.id.in_(list(out)))).all():
-        job = job_analysis(session, run.id)
-        top = _job_findings(session, run.id, job)[:1] if job is not None else []
-        if top:
-            out[run.id] = {k: top[0][k] for k in ("id", "title", "severity", "saving_us_per_step")}
+    # ranks analysed together: the job's first finding (the run page's first), as _job_findings gives it; for all the
+    # runs of the page in three queries (job_analysis and _job_findings per run took three each, loading whole traces)
+    jobs = {run_id: analysis for run_id, analysis in session.execute(
+                select(Run.id, Run.analysis).where(Run.id.in_(list(out))))
+            if (analysis or {}).get("scope") == "job" and analysis.get("findings")}
+    if not jobs:
+        return out
+    held: dict = {run_id: [] for run_id in jobs}
+    for run_id, trace_id in session.execute(select(TraceRecord.run_id, TraceRecord.id)
+                                            .where(TraceRecord.run_id.in_(list(jobs)))):
+        held[run_id].append(trace_id)
+    # where the analysis covers the traces the run holds now (analysis_covers)
+    tops = {run_id: analysis["findings"][0] for run_id, analysis in jobs.items()
+            if sorted(analysis.get("trace_ids") or []) == sorted(held[run_id])}
+    if not tops:
+        return out
+    titles = {top.get("title") for top in tops.values()} - {None}
+    # the stored row of the finding on the rank it names: the first of that rank and title
+    ids = {(r.run_id, r.rank, r.title): r.id for r in session.execute(
+        select(FindingRecord.run_id, FindingRecord.rank, FindingRecord.title, func.min(FindingRecord.id).label("id"))
+        .where(FindingRecord.run_id.in_(list(tops)), FindingRecord.title.in_(titles))
+        .group_by(FindingRecord.run_id, FindingRecord.rank, FindingRecord.title))}
+    for run_id, top in tops.items():
+        out[run_id] = {"id": ids.get((run_id, top.get("rank"), top.get("title"))), "title": top.get("title"),
+                       "severity": top.get("severity"), "saving_us_per_step": top.get("saving_us_per_step")}
     return out
+
+
+def iso_utc(value: datetime | None) -> str | None:
+    """A stored time in ISO 8601 with its UTC offset: SQLite gives it back naive (it was stored in UTC), PostgreSQL
+    with its zone; the API says the same for both."""
+    if value is None:
+        return None
+    return (value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value).isoformat()
 
 
 def like_escaped(text: str) -> str:
@@ -85,7 +112,7 @@ def run_summary(session, run_id: int) -> dict:
     kernel_time = sum(t.kernel_time_us for t in traces)
     return {
         "id": run.id, "name": run.name, "host": run.host, "workload": run.workload,
-        "group_key": run.group_key, "created_at": run.created_at.isoformat(), "metadata": run.meta,
+        "group_key": run.group_key, "created_at": iso_utc(run.created_at), "metadata": run.meta,
         "ranks": [t.rank for t in traces],
         "summary": {
             "span_us": max((t.span_us for t in traces), default=0.0),
@@ -243,9 +270,9 @@ def job_dict(job: ABJob, with_result: bool = True) -> dict:
     out = {"id": job.id, "run_id": job.run_id, "finding_id": job.finding_id, "swap": job.swap,
            "workload": job.workload, "params": job.params, "status": job.status,
            "attempts": job.attempts, "worker": job.worker, "error": job.error,
-           "created_at": job.created_at.isoformat(),
-           "started_at": job.started_at.isoformat() if job.started_at else None,
-           "finished_at": job.finished_at.isoformat() if job.finished_at else None}
+           "created_at": iso_utc(job.created_at),
+           "started_at": iso_utc(job.started_at),
+           "finished_at": iso_utc(job.finished_at)}
     if with_result:
         out["result"] = job.result.result if job.result else None
     return out
@@ -255,9 +282,9 @@ def upload_dict(job: AnalysisJob) -> dict:
     """An upload's analysis job: where it stands, and the run and trace it became."""
     return {"id": job.id, "status": job.status, "filename": job.filename, "size_bytes": job.size_bytes,
             "blob_path": job.blob_path, "group_key": job.group_key, "run_id": job.run_id, "trace_id": job.trace_id, "note": job.note,
-            "error": job.error, "attempts": job.attempts, "created_at": job.created_at.isoformat(),
-            "started_at": job.started_at.isoformat() if job.started_at else None,
-            "finished_at": job.finished_at.isoformat() if job.finished_at else None}
+            "error": job.error, "attempts": job.attempts, "created_at": iso_utc(job.created_at),
+            "started_at": iso_utc(job.started_at),
+            "finished_at": iso_utc(job.finished_at)}
 
 
 def upload_page(session, upload_id: int) -> dict:

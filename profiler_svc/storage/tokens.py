@@ -10,8 +10,8 @@ from datetime import timedelta
 from sqlalchemy import select, update
 
 from ..errors import UserError
-from .models import APIToken, utcnow
-from .queries import get
+from .models import APIToken, utcnow, valid_utf8
+from .queries import get, iso_utc
 
 PREFIX = "psvc_"  # recognisable in a leaked log or config file
 _LAST_USED_EVERY = timedelta(minutes=5)  # at most one write per token per 5 minutes
@@ -23,7 +23,7 @@ def digest(token: str) -> str:
 
 def create(session, name: str) -> tuple[APIToken, str]:
     """A new token: its row, and the token itself (shown once, never stored)."""
-    name = (name or "").replace("\x00", "").strip()
+    name = valid_utf8(name or "").replace("\x00", "").strip()  # e.g. a non-UTF-8 command-line argument
     if not name or len(name) > 255:
         raise UserError("a token needs a name of 1 to 255 characters (who or what uses it)")
     token = PREFIX + secrets.token_urlsafe(32)
@@ -68,8 +68,8 @@ def revoke(session, token_id: int) -> APIToken:
 
 
 def listing(session) -> list[dict]:
-    return [{"id": t.id, "name": t.name, "created_at": t.created_at.isoformat(),
-             "last_used_at": t.last_used_at.isoformat() if t.last_used_at else None,
-             "revoked_at": t.revoked_at.isoformat() if t.revoked_at else None}
+    return [{"id": t.id, "name": t.name, "created_at": iso_utc(t.created_at),
+             "last_used_at": iso_utc(t.last_used_at),
+             "revoked_at": iso_utc(t.revoked_at)}
             for t in session.scalars(select(APIToken).order_by(APIToken.id))]
 

@@ -30,14 +30,7 @@ def test_upgrade_creates_every_table_and_is_repeatable(engine):
 
 
 def downgrade(engine, revision):
-    from alembic import command
-    from alembic.config import Config
-    import importlib.resources
-    config = Config()
-    config.set_main_option("script_location", str(importlib.resources.files("profiler_svc.migrations")))
-    with engine.begin() as connection:
-        config.attributes["connection"] = connection
-        command.downgrade(config, revision)
+    storage_db.downgrade(engine, revision)
 
 
 def test_migrations_keep_stored_findings(engine):
@@ -67,6 +60,92 @@ def test_migrations_keep_stored_findings(engine):
     assert {"analysis_jobs", "api_tokens"} <= set(inspect(engine).get_table_names())
     with storage_db.session_scope(engine) as s:  # 0004: a run stored before has no analysis of its own
         assert s.get(Run, run).analysis == {}
+
+
+def test_migrations_keep_the_rows_that_point_at_the_tables_they_rebuild(engine):
+    """SQLite alters a table by rebuilding it (copy, drop, rename): with foreign keys on, the drop fired the ON DELETE
+    actions of the rows pointing at it. 0002 nulled an A/B job's finding; going down from 0004 deleted every trace,
+    finding and kernel of the rebuilt runs."""
+    downgrade(engine, "0001")
+    with engine.begin() as conn:
+        run = conn.execute(text("insert into runs (name, metadata, created_at) values ('r', '{}', '2026-11-24') "
+                                "returning id")).scalar()
+        trace = conn.execute(text(
+            "insert into traces (run_id, rank, filename, content_sha256, size_bytes, stored_bytes, blob_path, span_us,"
+            " gpu_busy_pct, kernel_count, kernel_time_us, event_count, summary, timeline, created_at) values "
+            f"({run}, 0, 't', '{'b' * 64}', 1, 1, 'x', 1, 1, 1, 1, 1, '{{}}', '{{}}', '2026-11-24') returning id")).scalar()
+        finding = conn.execute(text(
+            "insert into findings (trace_id, run_id, finding_key, category, severity, title, detail, evidence,"
+            f" estimated_savings_us, summary) values ({trace}, {run}, 'k', 'c', 'low', 't', '', '{{}}', 1, '') "
+            "returning id")).scalar()
+        conn.execute(text(
+            "insert into kernel_summaries (trace_id, run_id, name, count, total_us, mean_us, share_pct, input_shapes,"
+            f" dtypes) values ({trace}, {run}, 'k', 1, 1, 1, 1, '[]', '[]')"))
+        conn.execute(text("insert into ab_jobs (run_id, finding_id, swap, workload, params, status, attempts, created_at)"
+                          f" values ({run}, {finding}, 's', 'x.y:z', '{{}}', 'done', 1, '2026-11-24')"))
+    storage_db.upgrade(engine)
+    with engine.connect() as conn:
+        assert conn.execute(text("select finding_id from ab_jobs")).scalar() == finding
+    downgrade(engine, "0003")
+    for model in (Run, TraceRecord, FindingRecord, KernelSummary):
+        with engine.connect() as conn:
+            assert conn.execute(select(func.count()).select_from(model.__table__)).scalar() == 1, model.__tablename__
+    storage_db.upgrade(engine)
+    with engine.connect() as conn:
+        assert conn.execute(text("select finding_id from ab_jobs")).scalar() == finding
+
+
+def test_a_failed_sqlite_migration_changes_nothing_and_can_run_again(tmp_path, monkeypatch):
+    """Each revision's DDL ran outside a transaction on SQLite: a migration that failed half way left tables that
+    the next attempt tripped over ("table ... already exists")."""
+    from alembic.operations import Operations
+    url = f"sqlite:///{tmp_path / 'fail.sqlite3'}"
+    engine = storage_db.get_engine(url)
+    storage_db.upgrade(engine, "0002")
+    create_table = Operations.create_table
+
+    def fail_after_the_first_table(self, name, *columns, **kw):
+        create_table(self, name, *columns, **kw)
+        raise RuntimeError("the disk filled up")
+    monkeypatch.setattr(Operations, "create_table", fail_after_the_first_table)
+    with pytest.raises(RuntimeError, match="disk filled up"):
+        storage_db.upgrade(engine)
+    assert "api_tokens" not in inspect(engine).get_table_names()
+    assert storage_db.current_revision(engine) == "0002"
+    monkeypatch.setattr(Operations, "create_table", create_table)
+    storage_db.upgrade(engine)
+    assert storage_db.current_revision(engine) == storage_db.head_revision()
+    storage_db._engines.pop(url).dispose()
+
+
+def test_first_commands_at_once_on_a_fresh_sqlite_file_migrate_it_once(tmp_path):
+    """Two commands started at once against a fresh data folder both created the tables: one failed with
+    "table alembic_version already exists"."""
+    import subprocess
+    import sys
+    code = "from profiler_svc.storage.db import ready_engine; ready_engine()"
+    env = {**os.environ, "PROFILER_SVC_HOME": str(tmp_path / "home")}
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE, text=True)
+             for _ in range(4)]
+    errors = [p.communicate(timeout=120)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0] * 4, errors
+    engine = storage_db.get_engine(f"sqlite:///{tmp_path / 'home' / 'profiler_svc.sqlite3'}")
+    assert storage_db.current_revision(engine) == storage_db.head_revision()
+    engine.dispose()
+
+
+def test_a_database_behind_the_code_is_one_line_telling_to_upgrade(engine):
+    """require_schema checked only that alembic_version existed: a database at an older revision got as far as a
+    query naming a column it lacks (a traceback on the command line, a 500 on the web)."""
+    downgrade(engine, "0003")
+    try:
+        with pytest.raises(UserError) as error:
+            storage_db.require_schema(engine)
+    finally:  # the PostgreSQL database serves the session's other tests
+        storage_db.upgrade(engine)
+    head = storage_db.head_revision()
+    assert str(error.value).endswith(f"is at revision 0003, head is {head}: run `profiler_svc db upgrade`")
+    storage_db.require_schema(engine)
 
 
 def test_the_migrations_build_the_schema_the_models_declare(engine):
@@ -703,3 +782,45 @@ def test_a_failed_upload_leaves_the_blob_of_the_same_trace_being_stored(engine, 
     with storage_db.session_scope(engine) as s:
         assert s.get(AnalysisJob, job_id).status == "failed"
         assert blobs.path(s.get(TraceRecord, result.trace_id).blob_path).is_file()
+
+
+def test_names_that_are_not_utf8_are_stored_with_a_replacement_character(engine, blobs, tmp_path):
+    """A file named b'caf\\xe9.json.gz' (Latin-1), or such a --name, --run or token name: os.fsdecode gives the bytes
+    that are not UTF-8 as lone surrogates, which the insert could not encode (UnicodeEncodeError, a traceback)."""
+    from profiler_svc.storage import tokens
+    path = tmp_path / os.fsdecode(b"caf\xe9.json.gz")
+    path.write_bytes(SMALL_TRACE.read_bytes())
+    [result] = ingest.ingest_path(engine, path, blobs=blobs, name=os.fsdecode(b"r\xe9"),
+                                  group_key=os.fsdecode(b"k\xe9"), host=os.fsdecode(b"h\xe9"))
+    with storage_db.session_scope(engine) as s:
+        trace, run = s.get(TraceRecord, result.trace_id), s.get(Run, result.run_id)
+        assert (trace.filename, run.name, run.group_key, run.host) == ("caf\ufffd.json.gz", "r\ufffd", "k\ufffd", "h\ufffd")
+        token, _ = tokens.create(s, os.fsdecode(b"ci-\xe9"))
+        assert token.name == "ci-\ufffd"
+    assert ingest.clean_filename("a\ud800.json") == "a\ufffd\ufffd\ufffd.json"  # a lone surrogate from JSON's escapes
+
+
+def test_a_folder_that_fails_into_a_joined_run_leaves_the_runs_joint_analysis(engine, blobs, tmp_path):
+    """A folder ingested into a run whose NCCL ranks were analysed together: its first file, stored, cleared the run's
+    joint analysis (and its cross-rank findings) in its own commit; its truncated second file failed the folder,
+    whose rollback removed the trace but left the run without its analysis, queued for a worker."""
+    from profiler_svc.storage.models import RunAnalysisJob
+    ranks = ingest.ingest_path(engine, fixture_dir("llama_nccl_ddp"), blobs=blobs, group_key="job")
+
+    def joint(s, run_id):
+        run = s.get(Run, run_id)
+        cross = s.scalars(select(FindingRecord).where(FindingRecord.id.in_(run.analysis.get("cross_finding_ids") or [])))
+        return ({k: v for k, v in run.analysis.items() if k != "cross_finding_ids"},
+                sorted((f.rank, f.finding_key, f.title) for f in cross))
+    with storage_db.session_scope(engine) as s:
+        before = joint(s, ranks[0].run_id)
+    assert before[0]["scope"] == "job" and before[0]["trace_ids"] == sorted(r.trace_id for r in ranks)
+    folder = tmp_path / "more"
+    folder.mkdir()
+    trace_variant(folder, "extra").rename(folder / "a.json.gz")  # names no rank: joins as the next one
+    (folder / "b.json").write_bytes(gzip.decompress(SMALL_TRACE.read_bytes())[:50_000])  # truncated
+    with pytest.raises(UserError):
+        ingest.ingest_path(engine, folder, blobs=blobs, group_key="job")
+    with storage_db.session_scope(engine) as s:
+        assert joint(s, ranks[0].run_id) == before
+        assert s.scalars(select(RunAnalysisJob.status)).all() in ([], ["done"])

@@ -145,3 +145,28 @@ def test_heartbeat_keeps_a_long_job_alive(engine, run_id):
     assert worker.work_once(engine, worker="w1", runner=slow_runner, lease_s=0.3) == job_id
     assert stolen == [None]
     assert job(engine, job_id).status == "done"
+
+
+def test_a_database_error_does_not_stop_the_worker(engine, run_id, monkeypatch, caplog):
+    """One error outside a job (here claiming one while another process held SQLite's write lock past the timeout)
+    ended the worker's loop, and `serve`'s analysis thread with it: uploads then waited forever."""
+    from sqlalchemy.exc import OperationalError
+    [job_id] = queue(engine, run_id, 1)
+    claim, claims, stop = jobs.claim, [], threading.Event()
+
+    def claim_locked_once(*args, **kwargs):
+        claims.append(1)
+        if len(claims) > 20:  # the worker never came back: end the test, not hang it
+            stop.set()
+        if len(claims) == 1:
+            raise OperationalError("UPDATE ab_jobs ...", {}, Exception("database is locked"))
+        return claim(*args, **kwargs)
+    monkeypatch.setattr(jobs, "claim", claim_locked_once)
+
+    def runner(spec):
+        stop.set()
+        return {"verdict": "faster"}
+    assert worker.run_worker(engine, runner=runner, poll_s=0.01, stop=stop, kinds=("ab",)) == 1
+    assert job(engine, job_id).status == "done"
+    [logged] = [r.getMessage() for r in caplog.records if "database is locked" in r.getMessage()]
+    assert "\n" not in logged

@@ -79,3 +79,28 @@ def test_serve_on_a_busy_port_is_one_line(sqlite_env, capsys):
         port = busy.getsockname()[1]
         assert main(["serve", "--port", str(port)]) == 2
     assert f"cannot listen on 127.0.0.1:{port}" in one_line_error(capsys)
+
+
+def test_file_system_problems_are_one_line(sqlite_env, capsys, tmp_path, monkeypatch):
+    """A folder holding a folder named like a trace (IsADirectoryError), a link to nothing (FileNotFoundError), a file
+    this user may not read, a blob folder that is a file (NotADirectoryError): tracebacks, each."""
+    import errno
+    import shutil
+    from profiler_svc.storage import ingest
+    folder = tmp_path / "job"
+    folder.mkdir()
+    shutil.copy(SMALL_TRACE, folder / "a.json.gz")
+    (folder / "sub.json").mkdir()
+    (folder / "b.json").symlink_to(tmp_path / "nowhere.json")
+    assert main(["ingest", str(folder)]) == 0  # not files, so not traces: as `profiler_svc recommend` reads it
+    assert capsys.readouterr().out.strip() == "run 1 trace 1: stored"
+
+    def refuse(path, mode="r"):
+        raise PermissionError(errno.EACCES, "Permission denied", str(path))
+    monkeypatch.setattr(ingest, "open", refuse, raising=False)
+    assert main(["ingest", str(DDP)]) == 2
+    assert one_line_error(capsys).endswith(f"{sorted(DDP.glob('*.json.gz'))[0]}: Permission denied")
+    monkeypatch.delattr(ingest, "open")
+    monkeypatch.setenv("PROFILER_SVC_BLOB_DIR", str(folder / "a.json.gz"))
+    assert main(["ingest", str(SMALL_TRACE)]) == 2
+    assert one_line_error(capsys).endswith("as the folder of trace files: Not a directory")
