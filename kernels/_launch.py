@@ -151,6 +151,23 @@ def kernel_op(name: str, mutates_args=()):
     return register
 
 
+def first_order_only(backward):
+    """For an autograd.Function's Triton backward, which autograd cannot see into: under create_graph=True its
+    gradients would differentiate as constants (silently wrong second derivatives), so that raises instead.
+    (torch's once_differentiable marks only gradients computed from an incoming gradient that requires grad:
+    ours depend on the forward's inputs as well, and those paths went unmarked.)"""
+    name = backward.__qualname__.rpartition(".")[0]
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        if torch.is_grad_enabled() and any(ctx.needs_input_grad):
+            raise RuntimeError(f"{name}: the fused Triton backward is first-order only; create_graph=True (double "
+                               "backward) is not supported")
+        return backward(ctx, *grads)
+
+    return wrapper
+
+
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 # Fast-path launches: launch key -> (compiled kernel, its launcher's trailing constexpr arguments), or False
 # where a kernel must always go through Triton's own launch path (the interpreter, hooks).

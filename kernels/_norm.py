@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from . import _launch
-from ._launch import as_rows, kernel_op, launch, persistent_programs, require_triton, round_to, row_tiles
+from ._launch import as_rows, first_order_only, kernel_op, launch, persistent_programs, require_triton, round_to, row_tiles
 
 # Backward on whole rows wider than _launch.BWD_SMALL_N: programs per SM = this // the row's tile width,
 # at least 1. Those programs hold a whole row in registers, so only 1-2 fit on an SM anyway; more would
@@ -297,6 +297,9 @@ def norm_bwd(
 
 def normalize(x, weight, bias, eps: float, offset: float, center: bool, residual):
     """The norms' entry point: through autograd only where a gradient is wanted (it costs CPU time)."""
+    # The kernels index w and b by column alone: a strided view (w[::2]) is copied to unit stride.
+    weight = weight.contiguous() if weight is not None else None
+    bias = bias.contiguous() if bias is not None else None
     tensors = (x, weight, bias, residual)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         return NormFunction.apply(x, weight, bias, eps, offset, center, residual)
@@ -325,6 +328,7 @@ class NormFunction(torch.autograd.Function):
         return y if residual is None else (y, rows.view(x.shape))
 
     @staticmethod
+    @first_order_only
     def backward(ctx, dy, ds=None):
         saved, weight, mean, rstd = ctx.saved_tensors
         shape = dy.shape
@@ -344,6 +348,11 @@ class NormFunction(torch.autograd.Function):
 
 def check_norm_args(x, weight, bias, residual) -> None:
     require_triton(x)
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension: the norm is over its last")
+    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+        if t is not None and not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
     for name, param in (("weight", weight), ("bias", bias)):
         if param is not None and param.shape != x.shape[-1:]:
             raise ValueError(f"{name} shape {tuple(param.shape)} does not match the last dim of x {tuple(x.shape)}")

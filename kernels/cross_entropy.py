@@ -23,7 +23,8 @@ from torch import nn
 
 from . import placement
 from ._launch import (
-    device_pipeline_stages, kernel_op, launch, persistent_programs, require_triton, round_to, takes_native,
+    device_pipeline_stages, first_order_only, kernel_op, launch, persistent_programs, require_triton, round_to,
+    takes_native,
 )
 from .parity import place
 from .swap import SwapEntry
@@ -368,6 +369,7 @@ class CrossEntropyFunction(torch.autograd.Function):
         return _reduce(loss_rows, target, ignore_index, reduction)
 
     @staticmethod
+    @first_order_only
     def backward(ctx, grad):
         logits, target, lse, *scale = ctx.saved_tensors
         ignore_index, reduction, smoothing = ctx.args
@@ -424,13 +426,17 @@ def cross_entropy(logits, target, ignore_index: int = -100, reduction: str = "me
 
 
 class CrossEntropyLoss(nn.Module):
-    """Drop-in for nn.CrossEntropyLoss with class-index targets (no class weights)."""
+    """Drop-in for nn.CrossEntropyLoss without class weights: class-index targets through the fused kernel,
+    class-probability (floating-point) targets, which it does not take, through F.cross_entropy."""
 
     def __init__(self, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0):
         super().__init__()
         self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
 
     def forward(self, logits, target):
+        if target.is_floating_point():
+            return F.cross_entropy(logits, target, ignore_index=self.ignore_index, reduction=self.reduction,
+                                   label_smoothing=self.label_smoothing)
         return cross_entropy(logits, target, self.ignore_index, self.reduction, self.label_smoothing)
 
 
@@ -616,6 +622,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         return _reduce(loss_rows, target, ignore_index, reduction)
 
     @staticmethod
+    @first_order_only
     def backward(ctx, grad):
         ignore_index, smoothing, chunk_rows = ctx.args
         if ctx.reduction != "none":

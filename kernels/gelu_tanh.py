@@ -15,7 +15,7 @@ from . import placement
 from ._elementwise import (
     GELU_TANH, act_and_derivative, act_value, check_float, gelu_flavour, launch_elementwise, needs_grad, upcast,
 )
-from ._launch import kernel_op, round_to, takes_native
+from ._launch import first_order_only, kernel_op, round_to, takes_native
 from .parity import place
 from .swap import SwapEntry
 
@@ -66,6 +66,7 @@ class GeluFunction(torch.autograd.Function):
         return gelu_fwd(x, flavour)
 
     @staticmethod
+    @first_order_only
     def backward(ctx, dy):
         (x,) = ctx.saved_tensors
         return gelu_bwd(dy.contiguous(), x, ctx.flavour), None

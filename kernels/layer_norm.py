@@ -13,7 +13,7 @@ from . import placement
 from ._launch import takes_native
 from ._norm import check_norm_args, normalize
 from .parity import place
-from .swap import SwapEntry, behaves_like
+from .swap import SwapEntry, behaves_like, takes_one_input
 
 
 # Below this many elements a 16-bit LayerNorm on a GPU goes to F.layer_norm (the same fp32 math and single
@@ -27,6 +27,13 @@ def layer_norm(x, weight=None, bias=None, eps: float = 1e-5, *, residual=None):
             and (weight is None or weight.dtype is x.dtype) and (bias is None or bias.dtype is x.dtype)):
         return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
     check_norm_args(x, weight, bias, residual)
+    if residual is not None and residual.dtype != x.dtype:  # eager's add promotes: the sum's dtype is the norm's
+        s = residual + x
+        return layer_norm(s, weight, bias, eps), s
+    if not x.shape[-1]:  # zero-width rows: nothing to launch, and torch's op gives the empty result (and gradient)
+        s = x if residual is None else residual + x
+        y = F.layer_norm(s, s.shape[-1:], weight, bias, eps)
+        return y if residual is None else (y, s)
     return normalize(x, weight, bias, float(eps), 0.0, True, residual)
 
 
@@ -54,7 +61,9 @@ class LayerNorm(nn.Module):
 
 def _probe_layer_norm(module: nn.Module) -> Optional[tuple[int, float]]:
     """(hidden, eps) if `module` computes a LayerNorm over its last dim, else None."""
-    if any(True for _ in module.children()):
+    # One input, and no state but the weight (and bias): the replacement carries nothing else, and its
+    # forward(x, residual=None) would read a second argument (a gated norm's `gate`) as the residual.
+    if any(True for _ in module.children()) or any(True for _ in module.buffers()) or not takes_one_input(module):
         return None
     params = dict(module.named_parameters())
     if set(params) - {"weight", "bias"} or any(p.dim() != 1 for p in params.values()):

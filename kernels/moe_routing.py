@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from torch.nn import functional as F
 
-from ._launch import interpreted, kernel_op, launch, round_to
+from ._launch import first_order_only, interpreted, kernel_op, launch, round_to
 from ._elementwise import needs_grad
 
 ROW_BLOCK = 1024  # columns per step of the routed rows' kernels (here and swiglu.py's): 2 KiB of a bf16 row per load
@@ -122,6 +122,7 @@ class RoutedExpertsFunction(torch.autograd.Function):
         return combine(rows, pos, weights)
 
     @staticmethod
+    @first_order_only
     def backward(ctx, dout):
         hidden, weights, gate_up, down, pre, ends, pos, pair_of_row, token_of_row, kept_rows = ctx.saved_tensors
         d_rows = dout.contiguous().index_select(0, token_of_row)  # each row's output gradient, unweighted

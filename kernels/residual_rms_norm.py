@@ -135,7 +135,14 @@ class ResidualNormLayer(SharedStateModule):
     def _add_rms_norm(self, name: str, x, residual):
         """(RMSNorm(residual + x), residual + x) with the norm child NAME's weight."""
         eps, offset = self._norm_args[name]
-        return rms_norm(x, getattr(getattr(self, name), "weight", None), eps, offset=offset, residual=residual)
+        norm = getattr(self, name)
+        weight = getattr(norm, "weight", None)
+        if residual.dtype != x.dtype or (weight is not None and weight.dtype != x.dtype):
+            # Mixed dtypes (autocast, fp32 norm weights): eager's add, then the norm child itself, whose own math
+            # sets the dtypes that flow on (LlamaRMSNorm promotes bf16 with an fp32 weight to fp32).
+            s = residual + x
+            return norm(s), s
+        return rms_norm(x, weight, eps, offset=offset, residual=residual)
 
 
 def _replace(module: nn.Module) -> ResidualNormLayer:

@@ -4,7 +4,7 @@ y = x / sqrt(mean(x²) + eps) * (offset + w), computed in fp32 and rounded once 
 offset=0 is HF Llama/Mistral/Qwen2/T5 and nn.RMSNorm; offset=1 is Gemma (weights stored as w - 1).
 With `residual`, s = x + residual is normalized and also returned (the pre-norm residual stream).
 """
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -14,7 +14,7 @@ from . import placement
 from ._launch import takes_native
 from ._norm import check_norm_args, normalize
 from .parity import place
-from .swap import SwapEntry, behaves_like
+from .swap import SwapEntry, behaves_like, takes_one_input
 
 
 # Below this many elements a 16-bit RMSNorm on a GPU goes to torch's fused F.rms_norm (the same fp32 math
@@ -31,8 +31,12 @@ NATIVE_BELOW_OFFSET = placement.NATIVE_BELOW["rms_norm_offset"]
 def rms_norm(x, weight=None, eps: float = 1e-6, *, offset: float = 0.0, residual=None):
     """RMSNorm over the last dim; returns y, or (y, x + residual) when `residual` is given."""
     check_norm_args(x, weight, None, residual)
+    if residual is not None and residual.dtype != x.dtype:  # eager's add promotes: the sum's dtype is the norm's
+        s = residual + x
+        return rms_norm(s, weight, eps, offset=offset), s
     native = weight is not None if offset else weight is None or weight.dtype == x.dtype
-    if native and takes_native(x, NATIVE_BELOW_OFFSET if offset else NATIVE_BELOW):
+    # zero-width rows: nothing to launch, and torch's op gives the empty result (and its gradient)
+    if (native and takes_native(x, NATIVE_BELOW_OFFSET if offset else NATIVE_BELOW)) or not x.shape[-1]:
         s = x if residual is None else residual + x
         y = _native_rms_norm(s, weight, eps, offset)
         return y if residual is None else (y, s)
@@ -40,7 +44,7 @@ def rms_norm(x, weight=None, eps: float = 1e-6, *, offset: float = 0.0, residual
 
 
 def _native_rms_norm(x, weight, eps: float, offset: float):
-    if not offset:
+    if not offset or weight is None:  # without a weight the offset scales nothing
         return F.rms_norm(x, x.shape[-1:], weight, eps)
     # (offset + w) and the norm in fp32, one rounding at the end
     return F.rms_norm(x.float(), x.shape[-1:], weight.float() + offset, eps).to(x.dtype)
@@ -50,15 +54,22 @@ class RMSNorm(nn.Module):
     """Drop-in RMSNorm module; `offset=1.0` for Gemma's (1 + w) scaling."""
 
     weight: Optional[nn.Parameter]  # None without elementwise_affine
+    eager: Optional[Callable]  # a swap's: the replaced module's forward, for inputs in a dtype other than the weight's
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, offset: float = 0.0, elementwise_affine: bool = True):
         super().__init__()
         self.eps, self.offset = eps, offset
+        self.eager = None
         init = torch.zeros(hidden_size) if offset else torch.ones(hidden_size)
         self.register_parameter("weight", nn.Parameter(init) if elementwise_affine else None)
         self.hidden_size = hidden_size
 
     def forward(self, x, residual=None):
+        if self.eager is not None and self.weight is not None and self.weight.dtype != x.dtype:
+            # Mixed dtypes: the replaced module's own math sets the result's dtype (LlamaRMSNorm's w·h promotes
+            # bf16 x with an fp32 w to fp32, nn.RMSNorm keeps bf16).
+            s = x if residual is None else residual + x
+            return self.eager(s) if residual is None else (self.eager(s), s)
         return rms_norm(x, self.weight, self.eps, offset=self.offset, residual=residual)
 
     def extra_repr(self):
@@ -70,7 +81,9 @@ class RMSNorm(nn.Module):
 
 def _probe_rms_norm(module: nn.Module) -> Optional[tuple[int, float, float]]:
     """(hidden, eps, offset) if `module` computes an RMSNorm over its last dim, else None."""
-    if any(True for _ in module.children()):
+    # One input, and no state but the weight (and bias): the replacement carries nothing else, and its
+    # forward(x, residual=None) would read a second argument (a gated norm's `gate`) as the residual.
+    if any(True for _ in module.children()) or any(True for _ in module.buffers()) or not takes_one_input(module):
         return None
     params = dict(module.named_parameters())
     if set(params) - {"weight"}:
@@ -106,6 +119,7 @@ def _replace_rms_norm(module: nn.Module) -> RMSNorm:
     weight = getattr(module, "weight", None)
     new = RMSNorm(hidden, eps, offset, elementwise_affine=False)
     new.weight = weight  # shared, not copied: training updates and checkpoints still hit the original
+    new.eager = module.forward
     return new
 
 

@@ -30,7 +30,7 @@ from torch import nn
 
 from ._elementwise import check_float, needs_grad
 from ._forwards import SharedStateModule, copy_function, through_decorators
-from ._launch import kernel_op, launch, round_to
+from ._launch import first_order_only, kernel_op, launch, round_to
 from .parity import place
 from .swap import SwapEntry
 
@@ -199,6 +199,7 @@ class RopeFunction(torch.autograd.Function):
         return _rotate(q, k, cos, sin, unsqueeze_dim, False, interleaved)
 
     @staticmethod
+    @first_order_only
     def backward(ctx, dq, dk):
         cos, sin, *qk = ctx.saved_tensors
         dq_in, dk_in = _rotate(dq, dk, cos, sin, ctx.unsqueeze_dim, True, ctx.interleaved)

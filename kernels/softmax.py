@@ -18,7 +18,7 @@ from torch import nn
 
 from . import placement
 from ._launch import (
-    as_rows, kernel_op, launch, persistent_programs, require_triton, round_to, row_tiles, takes_native,
+    as_rows, first_order_only, kernel_op, launch, persistent_programs, require_triton, round_to, row_tiles, takes_native,
 )
 from .parity import place
 from .swap import SwapEntry, behaves_like
@@ -296,6 +296,7 @@ class SoftmaxFunction(torch.autograd.Function):
         return y.view(x.shape)
 
     @staticmethod
+    @first_order_only
     def backward(ctx, dy):
         x2, lse = ctx.saved_tensors
         return softmax_bwd(as_rows(dy), x2, lse).view(dy.shape)
@@ -320,6 +321,8 @@ def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     dim = dim % x.dim()
     if dim != x.dim() - 1:
         return softmax(x.movedim(dim, -1)).movedim(-1, dim)
+    if not x.shape[-1]:  # zero-width rows: nothing to launch, and torch's op gives the empty result (and gradient)
+        return torch.softmax(x, -1)
     if torch.is_grad_enabled() and x.requires_grad:
         return SoftmaxFunction.apply(x)
     return softmax_fwd(as_rows(x), False)[0].view(x.shape)  # no gradient wanted: no autograd, no statistics

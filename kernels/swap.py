@@ -10,6 +10,7 @@ that plan kept on the model; ab_test toggles a plan of its own.
 from __future__ import annotations
 
 import importlib
+import inspect
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
@@ -28,6 +29,9 @@ _OP_FILES = REGISTRY_ORDER
 
 # The plans `swap` installed on a model, oldest first: `unswap` removes them newest first.
 _PLANS_ATTR = "_profiler_svc_swap_plans"
+
+
+COMPILED_REASON = "compiled submodule: swap before torch.compile"
 
 
 class UnknownSwapError(ValueError):
@@ -143,6 +147,9 @@ def plan_swaps(model: nn.Module, names: Iterable | str | SwapEntry | None = None
     plan = SwapPlan(model, [entry.name for entry in entries], SwapReport())
     ours = {name for installed in model.__dict__.get(_PLANS_ATTR, ()) for name, _, _ in installed.changes}
     done_prefixes: list[str] = []  # replaced subtrees: their children are not visited
+    # Modules that torch.compile wrapped (an OptimizedModule's _orig_mod): the compiled forward holds the
+    # module itself, so one set in its place would never run. Their children are attributes it reads: those swap.
+    compiled = {id(m._orig_mod) for m in model.modules() if isinstance(getattr(m, "_orig_mod", None), nn.Module)}
     for qualified_name, module in list(model.named_modules()):
         if not qualified_name or any(qualified_name.startswith(p + ".") for p in done_prefixes):
             continue  # the model itself is never replaced (it has no parent to set it on)
@@ -152,6 +159,9 @@ def plan_swaps(model: nn.Module, names: Iterable | str | SwapEntry | None = None
             try:
                 if not entry.matches(module):
                     continue
+                if id(module) in compiled:
+                    plan.report.skipped.append((qualified_name, entry.name, COMPILED_REASON))
+                    break
                 replacement = entry.replace(module)
                 abs_err = rel_err = float("nan")
                 if check:
@@ -174,7 +184,15 @@ def plan_swaps(model: nn.Module, names: Iterable | str | SwapEntry | None = None
 
 def _set_child(model: nn.Module, qualified_name: str, new: nn.Module) -> None:
     parent_name, _, child = qualified_name.rpartition(".")
-    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+    parent = model.get_submodule(parent_name) if parent_name else model
+    old = getattr(parent, child)
+    # The module put in place takes the train/eval mode of the one it replaces: a model.eval() since the last
+    # swap reached only that one. Children both share keep their own mode.
+    shared = {id(module) for module in old.modules()}
+    for module in new.modules():
+        if id(module) not in shared:
+            module.training = old.training
+    setattr(parent, child, new)
 
 
 def _on_model_place(module: nn.Module, model: nn.Module, inputs: tuple) -> tuple:
@@ -217,6 +235,17 @@ def swapped(model: nn.Module, names=None, *, check: bool = True):
 
 
 # ---- helpers for the op files' `matches` ------------------------------------------------------
+
+
+def takes_one_input(module: nn.Module) -> bool:
+    """Does `module.forward` take exactly one argument? A replacement whose forward(x, residual=None) would
+    read a second one (a gated norm's `gate`) as something else, so modules taking more are not matched."""
+    try:
+        parameters = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: cannot tell
+        return False
+    kinds = [p.kind for p in parameters]
+    return kinds in ([inspect.Parameter.POSITIONAL_ONLY], [inspect.Parameter.POSITIONAL_OR_KEYWORD])
 
 
 def behaves_like(module: nn.Module, expected: Callable, inputs: tuple, rtol: float | None = None) -> bool:

@@ -19,7 +19,7 @@ from ._elementwise import (
     ACT_NAMES, GELU_ERF, GELU_TANH, SILU, act_and_derivative, act_value, activation_kind, check_float, launch_elementwise, needs_grad, upcast,
 )
 from ._forwards import share_state
-from ._launch import kernel_op, launch, round_to, takes_native
+from ._launch import first_order_only, kernel_op, launch, round_to, takes_native
 from .moe_routing import ExpertsGate, grouped_mm_fits, routed_experts, row_block
 from .parity import place
 from .swap import SwapEntry, behaves_like
@@ -170,6 +170,7 @@ class GatedActFunction(torch.autograd.Function):
         return gated_act_fwd(gate, up, act)
 
     @staticmethod
+    @first_order_only
     def backward(ctx, dout):
         gate, up = ctx.saved_tensors
         if ctx.reuse_inputs and not torch.compiler.is_compiling():
@@ -202,6 +203,7 @@ class GatedDownFunction(torch.autograd.Function):
         return F.linear(hidden, weight, bias)
 
     @staticmethod
+    @first_order_only
     def backward(ctx, dy):
         gate, up, weight = ctx.saved_tensors
         dy = dy.contiguous()
@@ -230,6 +232,7 @@ class GatedSplitFunction(torch.autograd.Function):
         return gated_split_fwd(gate_up, act)
 
     @staticmethod
+    @first_order_only
     def backward(ctx, dout):
         (gate_up,) = ctx.saved_tensors
         dout = dout.contiguous()
@@ -594,8 +597,21 @@ def replace_gated_experts(module: nn.Module) -> GatedExperts:
     return GatedExperts(module, gated_experts_act(module), _experts_interface(module))
 
 
+def _stochastic(layer: nn.Module) -> bool:
+    """Does `layer` drop out at random in training (nn.Dropout and its kin with p > 0, a DropPath...)?"""
+    if isinstance(layer, nn.modules.dropout._DropoutNd):
+        return layer.p > 0
+    prob = getattr(layer, "p", getattr(layer, "drop_prob", None))
+    return type(layer).__name__.endswith(("Dropout", "DropPath", "StochasticDepth")) \
+        and not (isinstance(prob, (int, float)) and prob <= 0)
+
+
 def gated_block_act(module: nn.Module):
     """The gate activation of a gated MLP (separate or fused gate/up projections) or an MoE experts block."""
+    # The probe runs in eval mode, where dropout is the identity; the replacement has none, so a block
+    # holding one would lose it in training.
+    if any(_stochastic(layer) for layer in module.modules() if layer is not module):
+        return None
     return gated_mlp_act(module) if not isinstance(getattr(module, "gate_up_proj", None), nn.Parameter) \
         else gated_experts_act(module)
 

@@ -115,6 +115,21 @@ def test_swap_cross_entropy_loss():
     assert holder["loss"] is loss_fn
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_swapped_loss_takes_class_probability_targets(reduction):
+    # nn.CrossEntropyLoss takes soft (floating-point) targets too, which the kernel does not: F.cross_entropy's.
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(4, 10, generator=gen, requires_grad=True)
+    soft = torch.softmax(torch.randn(4, 10, generator=gen), -1)
+    eager = nn.CrossEntropyLoss(reduction=reduction, label_smoothing=0.1)
+    holder = nn.ModuleDict({"loss": eager})
+    expected = eager(logits, soft)
+    assert [r[0] for r in swap(holder, ["cross_entropy"]).swapped] == ["loss"]
+    got = holder["loss"](logits, soft)
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(torch.autograd.grad(got.sum(), logits), torch.autograd.grad(expected.sum(), logits))
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_gradient_written_in_forward(reduction):
     """With mean/sum the forward writes the gradient for an incoming 1; the backward keeps it for 1 and

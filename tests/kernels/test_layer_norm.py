@@ -49,3 +49,41 @@ def test_module_matches_nn_layer_norm():
     g_ref = torch.autograd.grad(ref(x).square().sum(), [x, ref.weight, ref.bias])
     for a, b in zip(g, g_ref):
         torch.testing.assert_close(a, b)
+
+
+def test_strided_weight_and_bias_forward_and_backward():
+    # w[::2], b[::2]: the kernels index them by column alone, so strided views must not be read as dense.
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(4, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(16, generator=gen, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(16, generator=gen, dtype=torch.float64, requires_grad=True)
+    y = layer_norm(x, w[::2], b[::2], 1e-5)
+    expected = F.layer_norm(x, (8,), w[::2], b[::2], 1e-5)
+    assert rel_err(y, expected) < 1e-12
+    grads = torch.autograd.grad(y.square().sum(), [x, w, b])
+    expected_grads = torch.autograd.grad(expected.square().sum(), [x, w, b])
+    assert all(rel_err(g, e) < 1e-12 for g, e in zip(grads, expected_grads))
+
+
+def test_integer_tensors_are_rejected():
+    with pytest.raises(TypeError, match="x must be a floating-point tensor"):
+        layer_norm(torch.randint(-5, 5, (2, 4)))
+    with pytest.raises(TypeError, match="bias must be a floating-point tensor"):
+        layer_norm(torch.randn(2, 4), torch.ones(4), torch.zeros(4, dtype=torch.int64))
+
+
+def test_zero_width_rows_give_the_empty_result():
+    x = torch.randn(4, 0, requires_grad=True)
+    y = layer_norm(x, torch.ones(0), torch.zeros(0))
+    assert y.shape == (4, 0)
+    y.sum().backward()
+    assert x.grad.shape == (4, 0)
+
+
+def test_residual_in_another_dtype_is_added_as_eager_promotes():
+    gen = torch.Generator().manual_seed(10)
+    x = torch.randn(4, 16, generator=gen).bfloat16()
+    r, w = torch.randn(4, 16, generator=gen), torch.rand(16, generator=gen) + 0.5
+    y, s = layer_norm(x, w, None, 1e-5, residual=r)
+    assert s.dtype == torch.float32 and torch.equal(s, r + x)
+    torch.testing.assert_close(y, layer_norm(r + x, w, None, 1e-5))

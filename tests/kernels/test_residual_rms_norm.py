@@ -1,6 +1,7 @@
 """The `residual_rms_norm` swap: pre-norm decoder layers with the residual add fused into the RMSNorm after
 it, on tiny models of the families whose layers write that add differently (Triton interpreter on CPU)."""
 import pytest
+import torch
 
 from profiler_svc.kernels import swap, unswap
 from profiler_svc.kernels.residual_rms_norm import ResidualNormLayer
@@ -47,3 +48,17 @@ def test_a_checkpointing_layer_is_skipped_and_says_why():
     assert not report.swapped
     assert [row[0] for row in report.skipped] == ["model.layers.0", "model.layers.1"]
     assert all("checkpoints its activations" in row[2] for row in report.skipped)
+
+
+def test_mixed_dtypes_under_autocast_follow_eager():
+    # Under autocast the block's output is bf16 while the residual stream and the norm weights stay fp32: eager's
+    # add promotes to fp32 and LlamaRMSNorm keeps it, so the layer must not round the stream to bf16.
+    model = build("Llama").eval()
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = model(input_ids=ids).logits
+        assert swap(model, ["residual_rms_norm"]).swapped
+        got = model(input_ids=ids).logits
+    unswap(model)
+    assert got.dtype == expected.dtype
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)

@@ -2,6 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from kernel_numerics import assert_no_worse, rel_err
+from torch import nn
 
 from profiler_svc.kernels import rms_norm
 from profiler_svc.kernels.rms_norm import RMSNorm
@@ -113,3 +114,62 @@ def test_torch_rms_norm_without_eps_is_swapped_with_the_eps_it_computes_with(dty
     with swapped(model, "rms_norm"):
         assert type(model[0]) is RMSNorm and model[0].eps == torch.finfo(torch.float32).eps
         torch.testing.assert_close(model(x), expected)
+
+
+def test_strided_weight_forward_and_backward():
+    # w[::2]: the kernels index the weight by column alone, so a strided view must not be read as dense.
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(4, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    base = torch.randn(16, generator=gen, dtype=torch.float64, requires_grad=True)
+    y = rms_norm(x, base[::2], 1e-6)
+    assert rel_err(y, reference(x, base[::2])) < 1e-12
+    grads = torch.autograd.grad(y.square().sum(), [x, base])
+    expected = torch.autograd.grad(reference(x, base[::2]).square().sum(), [x, base])
+    assert all(rel_err(g, e) < 1e-12 for g, e in zip(grads, expected))
+
+
+@pytest.mark.parametrize("x_dtype, w_dtype", [(torch.int64, None), (torch.int64, torch.float32), (torch.float32, torch.int32)])
+def test_integer_tensors_are_rejected(x_dtype, w_dtype):
+    x = torch.randint(-5, 5, (2, 4)).to(x_dtype)
+    w = torch.ones(4, dtype=w_dtype) if w_dtype else None
+    with pytest.raises(TypeError, match="must be a floating-point tensor"):
+        rms_norm(x, w)
+
+
+def test_residual_in_another_dtype_is_added_as_eager_promotes():
+    gen = torch.Generator().manual_seed(10)
+    x = torch.randn(4, 16, generator=gen).bfloat16()
+    r, w = torch.randn(4, 16, generator=gen), torch.rand(16, generator=gen) + 0.5
+    y, s = rms_norm(x, w, 1e-6, residual=r)
+    assert s.dtype == torch.float32 and torch.equal(s, r + x)
+    torch.testing.assert_close(y, rms_norm(r + x, w, 1e-6))
+
+
+def test_swapped_norm_with_a_weight_in_another_dtype_follows_the_module():
+    # bf16 activations into an fp32-weight norm: LlamaRMSNorm's w·h returns fp32, nn.RMSNorm keeps bf16.
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from profiler_svc.kernels import swap
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(11)).bfloat16()
+    for norm in (LlamaRMSNorm(16), nn.RMSNorm(16, eps=1e-6)):
+        with torch.no_grad():
+            norm.weight.uniform_(0.5, 1.5)
+            expected = norm(x)
+        holder = nn.Sequential(norm)
+        assert swap(holder, ["rms_norm"]).swapped
+        with torch.no_grad():
+            got = holder[0](x)
+        assert got.dtype == expected.dtype
+        torch.testing.assert_close(got, expected)
+
+
+def test_zero_width_rows_give_the_empty_result_and_a_0d_input_a_clear_error():
+    x, w = torch.randn(4, 0, requires_grad=True), torch.ones(0, requires_grad=True)
+    y = rms_norm(x, w)
+    assert y.shape == (4, 0)
+    y.sum().backward()
+    assert x.grad.shape == (4, 0) and w.grad.shape == (0,)
+    y, s = rms_norm(torch.randn(4, 0), None, offset=1.0, residual=torch.randn(4, 0))
+    assert y.shape == s.shape == (4, 0)
+    with pytest.raises(ValueError, match="at least one dimension"):
+        rms_norm(torch.tensor(1.0))

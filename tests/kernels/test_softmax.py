@@ -101,3 +101,11 @@ def test_two_pass_backward_under_one_tile_forward(monkeypatch):
     dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
     (g,), (r,) = torch.autograd.grad(softmax(x32), x32, dy.float()), torch.autograd.grad(torch.softmax(x, -1), x, dy)
     assert rel_err(g, r) < 1e-6
+
+
+def test_zero_width_rows_give_the_empty_result():
+    x = torch.randn(4, 0, requires_grad=True)
+    y = softmax(x)
+    assert y.shape == (4, 0)
+    y.sum().backward()
+    assert x.grad.shape == (4, 0)

@@ -234,3 +234,87 @@ def test_swaps_accumulate_skip_their_own_modules_and_unswap_restores_all():
     assert all(m is m0 for (_, m), (_, m0) in zip(model.named_modules(), before))
     unswap(model)  # nothing left to undo
     assert all(m is m0 for (_, m), (_, m0) in zip(model.named_modules(), before))
+
+
+class GatedLayerNorm(nn.LayerNorm):
+    """A LayerNorm whose forward takes an optional second input, as the gated norms' forward(hidden_states, gate=None)."""
+
+    def forward(self, x, gate=None):
+        y = super().forward(x)
+        return y if gate is None else y * nn.functional.silu(gate)
+
+
+def _mamba_gated_norm():
+    from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
+    norm = MambaRMSNormGated(16, group_size=16)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    return norm
+
+
+@pytest.mark.parametrize("make", [_mamba_gated_norm, lambda: GatedLayerNorm(16)], ids=["MambaRMSNormGated", "layer_norm"])
+def test_norms_whose_forward_takes_a_second_input_are_not_matched(make):
+    # Called with one argument they are plain norms, but the replacement's forward(x, residual=None) would read
+    # the gate as a residual (a Mamba2 model then crashed).
+    norm = make()
+    model = nn.Sequential(nn.Linear(16, 16), norm)
+    report = swap(model, ["rms_norm", "layer_norm"])
+    assert report.swapped == [] and model[1] is norm
+
+
+class ScaledRMSNorm(nn.Module):
+    """An RMSNorm with a persistent output-scale buffer (a calibration step's) that its forward reads."""
+
+    def __init__(self, n, eps=1e-6):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.rand(n) + 0.5), eps
+        self.register_buffer("out_scale", torch.ones(()))
+
+    def forward(self, x):
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.out_scale
+
+
+class ShiftedLayerNorm(nn.LayerNorm):
+    """A LayerNorm with a non-persistent shift buffer, zero when matched, added after the norm."""
+
+    def __init__(self, n):
+        super().__init__(n)
+        self.register_buffer("shift", torch.zeros(n), persistent=False)
+
+    def forward(self, x):
+        return super().forward(x) + self.shift
+
+
+@pytest.mark.parametrize("make", [ScaledRMSNorm, ShiftedLayerNorm])
+def test_norms_holding_buffers_are_not_matched(make):
+    # The replacement carries only the weight and bias: the buffer would leave the state_dict and the forward.
+    norm = make(16)
+    model = nn.Sequential(nn.Linear(16, 16), norm)
+    keys = list(model.state_dict())
+    report = swap(model, ["rms_norm", "layer_norm"])
+    assert report.swapped == [] and model[1] is norm and list(model.state_dict()) == keys
+
+
+@pytest.mark.parametrize("swap_mode, switch", [("train", "eval"), ("eval", "train")])
+def test_modules_put_in_place_take_the_mode_of_those_they_replace(swap_mode, switch):
+    # model.eval() after the swap reaches only the replacements: unswap must not bring back stale train-mode
+    # originals (their dropout then ran in evaluation), nor swap bring in train-mode replacements.
+    model = getattr(_qwen3(), swap_mode)()
+    swap(model, ["rope", "rms_norm", "swiglu"], check=False)
+    assert all(m.training == (swap_mode == "train") for m in model.modules())
+    getattr(model, switch)()
+    unswap(model)
+    assert all(m.training == (switch == "train") for m in model.modules())
+
+
+def test_a_module_compiled_on_its_own_is_skipped_with_the_reason():
+    # torch.compile(norm) holds the norm itself: a replacement set as its _orig_mod would never run.
+    norm = nn.RMSNorm(8)
+    compiled = torch.compile(norm, backend="eager")
+    model = nn.Sequential(nn.Linear(8, 8), compiled)
+    report = swap(model, ["rms_norm"])
+    assert report.swapped == [] and model[1]._orig_mod is norm
+    assert report.skipped == [("1._orig_mod", "rms_norm", "compiled submodule: swap before torch.compile")]
+    # a whole compiled model: its modules' children are attributes the compiled forward reads, and swap
+    whole = torch.compile(nn.Sequential(nn.Linear(8, 8), nn.RMSNorm(8)), backend="eager")
+    assert [row[0] for row in swap(whole, ["rms_norm"]).swapped] == ["_orig_mod.1"]

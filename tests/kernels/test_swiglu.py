@@ -303,3 +303,23 @@ def test_a_backward_hook_on_down_proj_is_called(fused_projection, hook):
     assert type(y.grad_fn).__name__ != "GatedDownFunctionBackward"
     y.sum().backward()
     assert called
+
+
+class DropoutMLP(nn.Module):
+    """down(dropout(act(gate(x)) · up(x))): a gated MLP in eval mode, but the replacement has no dropout."""
+
+    def __init__(self, dropout):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = nn.Linear(8, 16), nn.Linear(8, 16), nn.Linear(16, 8)
+        self.act_fn, self.dropout = nn.SiLU(), dropout
+
+    def forward(self, x):
+        return self.down_proj(self.dropout(self.act_fn(self.gate_proj(x)) * self.up_proj(x)))
+
+
+@pytest.mark.parametrize("dropout", [nn.Dropout(0.5), nn.AlphaDropout(0.1), nn.Dropout1d(0.2)], ids=lambda d: type(d).__name__)
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_mlps_holding_dropout_are_not_matched(dropout, mode):
+    mlp = getattr(DropoutMLP(dropout), mode)()
+    assert not SWAP.matches(mlp)
+    assert SWAP.matches(DropoutMLP(nn.Dropout(0.0)))  # p = 0 drops nothing: the fused MLP computes the same
