@@ -9,6 +9,7 @@ is held to eager's own rounding error, not to an arbitrary tolerance.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
@@ -46,7 +47,8 @@ class TensorParity:
     spread_max_abs: float | None = None  # ... and its max abs error
     allowed_rms_rel: float | None = None  # the most B's normwise error may be
     # "strict": within eager's error and spread; "cost": a precision change's tolerance;
-    # "ill_conditioned": eager's own error is >= ILL_CONDITIONED, B within twice it
+    # "ill_conditioned": eager's own error is >= ILL_CONDITIONED, B within twice it;
+    # "mismatch": an integer or bool tensor, B's share of differing elements within eager's and its spread
     gate: str = "strict"
 
 
@@ -62,13 +64,16 @@ def place(model: nn.Module) -> tuple[torch.device, torch.dtype]:
 
 
 def flatten(obj, prefix: str) -> dict[str, torch.Tensor]:
-    """Every tensor in a (nested) output, by a readable path: output[0], output.logits, ..."""
+    """Every tensor in a (nested) output of tensors, dicts, tuples, lists and dataclasses, by a readable path:
+    output[0], output.logits, ..."""
     if isinstance(obj, torch.Tensor):
         return {prefix: obj.detach()}
     if isinstance(obj, dict):  # Hugging Face ModelOutput is a dict too
         items = ((f"{prefix}.{key}", value) for key, value in obj.items())
     elif isinstance(obj, (tuple, list)):
         items = ((f"{prefix}[{i}]", value) for i, value in enumerate(obj))
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        items = ((f"{prefix}.{f.name}", getattr(obj, f.name)) for f in dataclasses.fields(obj))
     else:
         return {}
     found = {}
@@ -169,7 +174,11 @@ class Error:
 
 
 def measure(x: torch.Tensor, ref: torch.Tensor) -> Error:
-    """`errors` and the normwise relative error of `x` against the fp64 reference `ref`."""
+    """`errors` and the normwise relative error of `x` against the fp64 reference `ref`; for an integer or bool
+    tensor (an argmax, a mask), the share of its elements that differ from the reference's, in every field."""
+    if not ref.is_floating_point() and tuple(x.shape) == tuple(ref.shape):
+        rate = (x.to(ref.device) != ref).double().mean().item() if ref.numel() else 0.0
+        return Error(rate, rate, rate)
     max_abs, max_rel = errors(x, ref)
     if not math.isfinite(max_abs) or not ref.is_floating_point():
         return Error(max_abs, max_rel, max_abs if max_abs else 0.0)
@@ -195,8 +204,11 @@ def judge_strict(name: str, ref: torch.Tensor | tuple, dtype: torch.dtype, a: Er
     rounding of the result to the tensor's own dtype (never the model's: a float32 loss of a bf16
     model is held to float32's rounding and to the bf16 model's measured spread). A 1% bias on a bf16 model
     moves the normwise error by far more than eager's spread does. Where eager's own normwise error is
-    ILL_CONDITIONED or more, B is held only to twice it (gate "ill_conditioned").
+    ILL_CONDITIONED or more, B is held only to twice it (gate "ill_conditioned"). An integer or bool tensor is
+    judged by its mismatch rate (`measure`) as `judge_mismatch` says.
     """
+    if not dtype.is_floating_point:
+        return judge_mismatch(name, ref, dtype, a, spread_runs, b, factor)
     if a.rms_rel >= ILL_CONDITIONED:
         return TensorParity(
             name=name, shape=list(ref.shape if torch.is_tensor(ref) else ref[0]), dtype=str(dtype).removeprefix("torch."),
@@ -220,6 +232,23 @@ def judge_strict(name: str, ref: torch.Tensor | tuple, dtype: torch.dtype, a: Er
         allowed_rms_rel=allowed_rms, gate="strict")
 
 
+def judge_mismatch(name: str, ref: torch.Tensor | tuple, dtype: torch.dtype, a: Error, spread_runs: list[Error],
+                   b: Error, factor: float) -> TensorParity:
+    """An integer or bool tensor (an argmax, a mask): B's share of elements that differ from fp64's may exceed
+    eager's share by `factor` times how far that share moves with the parameters nudged, plus one element. A
+    near-tie that rounding flips is no bug, and eager's own rate shows how many the model has; a wrong kernel
+    that moves the decisions flips many more (gate "mismatch")."""
+    shape = list(ref.shape if torch.is_tensor(ref) else ref[0])
+    finite = [e for e in spread_runs if math.isfinite(e.rms_rel)]
+    spread = max((abs(e.rms_rel - a.rms_rel) for e in finite), default=0.0)
+    allowed = a.rms_rel + factor * spread + 1 / max(math.prod(shape), 1)
+    return TensorParity(
+        name=name, shape=shape, dtype=str(dtype).removeprefix("torch."), a_max_abs=a.max_abs, a_max_rel=a.max_rel,
+        b_max_abs=b.max_abs, b_max_rel=b.max_rel, allowed_abs=allowed, passed=b.rms_rel <= allowed,
+        a_rms_rel=a.rms_rel, b_rms_rel=b.rms_rel, spread_rms_rel=spread, spread_max_abs=spread,
+        allowed_rms_rel=allowed, gate="mismatch")
+
+
 def judge_choices(dtype: torch.dtype, a: float, spread: list[float], b: float, factor: float) -> TensorParity:
     """A model's discrete choices (topk): how far B's fall short of fp64's own top k (relative to the largest
     score), held to eager's shortfall plus `factor` times how far it moves with the parameters nudged, plus
@@ -236,7 +265,8 @@ def judge_choices(dtype: torch.dtype, a: float, spread: list[float], b: float, f
 def judge_cost(name: str, ref: torch.Tensor | tuple, dtype: torch.dtype, a: Error, b: Error,
                max_rel_error: float | None) -> TensorParity:
     """A precision change's numeric cost: B's error against fp64 beside eager's. It passes when B's
-    normwise relative error is within the user's tolerance (any finite error when none is set)."""
+    normwise relative error (an integer or bool tensor's mismatch rate) is within the user's tolerance (any
+    finite error when none is set)."""
     limit = math.inf if max_rel_error is None else max_rel_error
     return TensorParity(
         name=name, shape=list(ref.shape if torch.is_tensor(ref) else ref[0]), dtype=str(dtype).removeprefix("torch."),

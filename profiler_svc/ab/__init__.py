@@ -1,4 +1,4 @@
-"""A/B testing of swaps and fixes: parity against fp64, then interleaved timing with a bootstrap CI.
+"""A/B testing of swaps and fixes: parity against fp64, then interleaved timing with a 95% CI on the speedup.
 
 `ab_test(model, inputs, swaps)` is the API; `profiler_svc ab` (commands.py) the CLI. Names load lazily:
 the CLI imports `profiler_svc.ab.commands` for every command, and only `ab` itself needs torch.

@@ -18,7 +18,7 @@ def add_commands(subparsers) -> None:
         "ab", help="A/B-test fused-kernel swaps and configuration fixes on a workload: parity vs fp64, then timing",
         description="Run the workload as given (A) and with the swaps and fixes applied (B): parity of outputs "
                     "(and loss and gradients with --train) against an fp64 run, then interleaved timed "
-                    "rounds with a bootstrap confidence interval on the speedup. A fix that changes precision "
+                    "rounds with a 95% confidence interval on the speedup. A fix that changes precision "
                     "(tf32, bf16_autocast) is judged by its numeric cost within --max-rel-error. Exit 0, or 1 "
                     "when parity fails.")
     p.add_argument("--workload", required=True, metavar="PKG.MODULE:FACTORY",
@@ -35,7 +35,8 @@ def add_commands(subparsers) -> None:
                    help="the numeric cost you accept from a precision fix: normwise relative error vs fp64, "
                         "per output, loss and gradient (default: reported, not gated)")
     p.add_argument("--train", action="store_true", help="time forward + backward, compare loss and gradients")
-    p.add_argument("--rounds", type=int, default=30, help="timed rounds per variant (default 30)")
+    p.add_argument("--rounds", type=int, default=30,
+                   help="timed rounds per variant (default 30; fewer than 6 cannot show a difference)")
     p.add_argument("--warmup", type=int, default=5, help="untimed rounds first (default 5)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print ABResult.to_dict() as JSON")
@@ -53,10 +54,12 @@ def run_ab(args) -> int:
     unknown = [f for f in fixes if f not in FIX_NAMES]
     if unknown:
         raise UserError(f"unknown fix {', '.join(map(repr, unknown))}; available: {', '.join(FIX_NAMES)}")
-    workload = load_workload(args.workload)
+    if "fused_optimizer" in args.fix and not args.train:
+        raise UserError("--fix fused_optimizer needs --train: the optimizer steps only in a training step")
     # predicted for what ran (a swap that matched no module and a fix that did not apply are left out), from the
-    # trace the report names now: the report may move while the A/B runs
+    # trace the report names now (the report may move while the A/B runs), read before the workload loads
     trace = report_trace(args.from_report) if args.from_report else None
+    workload = load_workload(args.workload)
     prediction = (lambda ran, applied: predicted_change(trace, ran, applied)) if trace else None
     started_at = datetime.now(timezone.utc)
     try:
@@ -137,6 +140,9 @@ def _read_report(path: Path) -> dict:
                         f"(no schema {SCHEMA!r})")
     if not isinstance(report.get("findings"), list):
         raise UserError(f"report {path} has no findings list")
+    if not isinstance(report.get("source") or {}, dict):
+        raise UserError(f"report {path} has a malformed source: an object with the trace's path expected, "
+                        f"not a {type(report['source']).__name__}")
     return report
 
 

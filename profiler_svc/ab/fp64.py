@@ -2,11 +2,13 @@
 
 Some ops have no float64 kernel (torch._grouped_mm, which Mixtral's and Qwen3-MoE's experts call;
 fused attention or quantized kernels). Under `Float64Fallback`, every op of the reference run goes
-through as usual; one that raises on float64 inputs is run again with them in float32, then in
-bfloat16 and float16, its outputs cast back to float64, and the op is recorded so the result can
-say which parts of the reference were less exact. The mode sits below autograd, so the backward's
-ops are covered too. An op that fails for another reason is named in the error, with its inputs'
-dtypes: float64 beside a lower precision is a step that builds its own inputs in the model's dtype.
+through as usual; one that raises on float64 inputs for want of a float64 kernel ("not implemented for
+'Double'") is run again with them in float32, then in bfloat16 and float16, its outputs cast back to float64,
+and the op is recorded so the result can say which parts of the reference were less exact. The mode sits below
+autograd, so the backward's ops are covered too. An op that gets float64 beside a lower precision is the model
+mixing precisions (a bf16 model calling `self.router(h.float())`): its lower-precision inputs are upcast to
+float64 and that is recorded too; under a step callable it is the step building its inputs in the model's dtype,
+an error that says so. An op that fails for another reason (a shape) is the model's own error, raised as is.
 
 Discrete choices (the experts an MoE router picks with topk) are not rounding: where bf16 and fp64 rank two
 near-equal scores apart, the fp64 run computes another function, and the run judged against it looks wrong by
@@ -17,6 +19,8 @@ a rounding unit, a wrong router by far more.
 """
 from __future__ import annotations
 
+import re
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
@@ -26,6 +30,8 @@ _FALLBACK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 _TOPK = torch.ops.aten.topk.default
+# What an op without a float64 kernel says: "not implemented for 'Double'", "expected ... Double", "got Double".
+_NO_FLOAT64 = re.compile(r"\bDouble\b|float64")
 
 
 class RecordChoices(TorchDispatchMode):
@@ -43,16 +49,19 @@ class RecordChoices(TorchDispatchMode):
 
 
 class Float64Fallback(TorchDispatchMode):
-    def __init__(self):
+    def __init__(self, step_callable: bool = False):
         super().__init__()
+        self.step_callable = step_callable  # the inputs are a step(model) that builds its own
         self.fallbacks: dict[str, str] = {}  # op -> the dtype it ran in
+        self.upcasts: dict[str, str] = {}  # op -> the lower precisions of its inputs, upcast to float64
         self.failed: tuple | None = None  # (op name, input dtypes, error) of the op that raised
+        self.own_error = False  # the op failed on float64 inputs for a reason other than a missing kernel
         self.topk_calls = 0  # in the last run
         self.choices: list[torch.Tensor] | None = None  # a run's topk indices to replay, in call order
         self.shortfall = 0.0  # the replayed choices' largest shortfall from fp64's own top k, relative
 
     def start_run(self, choices: list[torch.Tensor] | None = None) -> None:
-        self.failed, self.topk_calls, self.shortfall = None, 0, 0.0
+        self.failed, self.own_error, self.topk_calls, self.shortfall = None, False, 0, 0.0
         self.choices = list(choices) if choices is not None else None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -68,8 +77,14 @@ class Float64Fallback(TorchDispatchMode):
                              if isinstance(t, torch.Tensor) and t.is_floating_point()})
             name = _op_name(func)
             # out of memory is no missing kernel: another precision would only allocate again
-            if dtypes != ["float64"] or func._schema.is_mutable or isinstance(err, torch.OutOfMemoryError):
+            if func._schema.is_mutable or isinstance(err, torch.OutOfMemoryError):
                 self.failed = (name, dtypes, err)
+                raise
+            if "float64" in dtypes and len(dtypes) > 1 and not self.step_callable:
+                return self._upcast(func, args, kwargs, name, dtypes, err)
+            if dtypes != ["float64"] or not _NO_FLOAT64.search(str(err)):
+                self.failed = (name, dtypes, err)
+                self.own_error = dtypes == ["float64"]
                 raise
             for dtype in _FALLBACK_DTYPES:
                 try:
@@ -80,6 +95,16 @@ class Float64Fallback(TorchDispatchMode):
                 return tree_map(_to_double, out)
             self.failed = (name, dtypes, err)
             raise
+
+    def _upcast(self, func, args, kwargs, name, dtypes, err):
+        """The op with its lower-precision floating inputs upcast to float64, where the model mixes them."""
+        try:
+            out = func(*_cast(args, torch.float64, lower=True), **_cast(kwargs, torch.float64, lower=True))
+        except Exception:
+            self.failed = (name, dtypes, err)
+            raise err from None
+        self.upcasts.setdefault(name, " and ".join(d for d in dtypes if d != "float64"))
+        return out
 
     def _replay(self, func, args, kwargs, indices):
         """fp64's scores at the recorded choices, and how far those fall short of its own top k."""
@@ -105,8 +130,9 @@ class Float64Fallback(TorchDispatchMode):
         name, dtypes, err = self.failed
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         if "float64" in dtypes and len(dtypes) > 1:
-            return (f"{name} got {' and '.join(dtypes)} inputs ({first}): a step callable must build its "
-                    "floating inputs in the model's dtype (next(model.parameters()).dtype)")
+            hint = (": a step callable must build its floating inputs in the model's dtype "
+                    "(next(model.parameters()).dtype)") if self.step_callable else ""
+            return f"{name} got {' and '.join(dtypes)} inputs ({first}){hint}"
         if isinstance(err, torch.OutOfMemoryError):
             return f"{name} ran out of GPU memory in float64 ({first})"
         if dtypes == ["float64"]:
@@ -114,15 +140,22 @@ class Float64Fallback(TorchDispatchMode):
         return f"{name} failed ({first})"
 
     def report(self) -> list[dict]:
-        return [{"op": op, "dtype": dtype} for op, dtype in self.fallbacks.items()]
+        return [{"op": op, "dtype": dtype} for op, dtype in self.fallbacks.items()] + [
+            {"op": op, "note": f"the model mixes {lower} with float64 here; its {lower} inputs were upcast to float64"}
+            for op, lower in self.upcasts.items()]
 
 
 def _op_name(func) -> str:
     return str(func.overloadpacket).replace("aten.", "aten::", 1) if hasattr(func, "overloadpacket") else str(func)
 
 
-def _cast(obj, dtype):
-    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype == torch.float64 else t, obj)
+def _cast(obj, dtype, lower=False):
+    """Float64 tensors cast to dtype; with `lower`, the floating tensors other than float64 instead."""
+    def cast(t):
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and (t.dtype == torch.float64) != lower:
+            return t.to(dtype)
+        return t
+    return tree_map(cast, obj)
 
 
 def _to_double(t):

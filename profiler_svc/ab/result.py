@@ -70,6 +70,7 @@ class ABResult:
         cost = [t for t in self.parity if t.gate == "cost"]
         strict = [t for t in self.parity if t.gate == "strict"]
         noisy = [t for t in self.parity if t.gate == "ill_conditioned"]
+        discrete = [t for t in self.parity if t.gate == "mismatch"]
         if cost:
             w = worst(cost)
             assert w is not None  # cost is not empty
@@ -92,6 +93,14 @@ class ABResult:
             status = "within" if not bad else f"OVER on {len(bad)}:"
             lines.append(f"{len(noisy)} tensors eager itself gets wrong by >= {ILL_CONDITIONED:g} of their norm "
                          f"(ill-conditioned, not judged strictly): B {status} twice eager's error")
+        if discrete:
+            bad = [t for t in discrete if not t.passed]
+            w = worst(discrete)
+            assert w is not None  # discrete is not empty
+            status = "within" if not bad else f"OVER on {len(bad)}:"
+            lines.append(f"{len(discrete)} integer or bool tensors, judged by the share of elements that differ from "
+                         f"fp64's: B {status} eager's share + {self.parity_factor:g}x its spread; worst {w.name}: "
+                         f"B {_g(w.b_rms_rel)}, eager {_g(w.a_rms_rel)}, allowed {_g(w.allowed_rms_rel)}")
         if self.timing:
             t = self.timing
             lines.append(f"time: A {t.median_a_ms:.3f} ms, B {t.median_b_ms:.3f} ms "

@@ -12,6 +12,7 @@ import contextlib
 import copy
 import gc
 import itertools
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
@@ -23,7 +24,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..errors import UserError
 from ..formats import one_line
-from ..kernels import SwapPlan, UnknownSwapError, available_swaps, parity, plan_swaps
+from ..kernels import SwapEntry, SwapPlan, UnknownSwapError, available_swaps, parity, plan_swaps
 from . import stats
 from .fp64 import Float64Fallback, RecordChoices
 from .fixes import FixPlan, UnknownFixError, available_fixes, plan_fixes
@@ -57,20 +58,18 @@ def ab_test(model: nn.Module, inputs, swaps=(), *, fixes=(), train: bool = False
     the measured one: a dict, or `predict(swaps, fixes) -> dict | None`, called with the swaps that replaced a
     module and the fixes that applied, so that it predicts what ran.
     """
-    if rounds < 2 or warmup < 0:
-        raise UserError(f"need rounds >= 2 and warmup >= 0, got rounds={rounds}, warmup={warmup}")
-    if max_rel_error is not None and not max_rel_error > 0:
-        raise UserError(f"max_rel_error must be a positive number, got {max_rel_error}")
+    _check_arguments(rounds, warmup, seed, parity_factor, max_rel_error)
     if optimizer is not None and not train:
         raise UserError("an optimizer steps only in training: pass train=True")
     call = _caller(inputs)
     device, _ = parity.place(model)
     named_params = list(model.named_parameters())  # B shares these tensors, so A's names serve both
+    if optimizer is not None:
+        _check_optimizer(optimizer, named_params)
 
     state = _Preserved(model, optimizer)
-    rng_devices = [device] if device.type == "cuda" else []
     try:
-        with torch.random.fork_rng(devices=rng_devices):
+        with torch.random.fork_rng(devices=_rng_devices()):
             variants = _variants(model, swaps, fixes, optimizer)  # matching probes modules: inside _Preserved
             step = _Step(call, train, loss_fn, optimizer, named_params)
             checks, fallbacks = _parity_in_memory(model, inputs, step, variants, state, seed, parity_factor,
@@ -79,11 +78,11 @@ def ab_test(model: nn.Module, inputs, swaps=(), *, fixes=(), train: bool = False
             timing, peaks = None, {"A": None, "B": None}
             if passed:
                 times, peaks = _timed_rounds(model, step, variants, state, device, rounds, warmup)
-                speedup, low, high = stats.speedup_ci(times["A"], times["B"], seed)
+                speedup, low, high, level = stats.speedup_ci(times["A"], times["B"])
                 timing = Timing(timer=stats.timer_name(device), rounds=rounds, warmup=warmup,
                                 a_ms=times["A"], b_ms=times["B"],
                                 median_a_ms=float(np.median(times["A"])), median_b_ms=float(np.median(times["B"])),
-                                speedup=speedup, ci_low=low, ci_high=high, ci_level=stats.CI_LEVEL,
+                                speedup=speedup, ci_low=low, ci_high=high, ci_level=level,
                                 saving_ms=stats.saving_ms(times["A"], times["B"]))
     finally:
         state.restore()
@@ -97,7 +96,8 @@ def ab_test(model: nn.Module, inputs, swaps=(), *, fixes=(), train: bool = False
         prediction = prediction(ran, applied) if passed and (ran or applied) else None
     return ABResult(
         swaps=b.swap_plan.swaps if b.swap_plan else [], train=train, device=_describe(device),
-        verdict=stats.verdict(passed, timing.ci_low if timing else None, timing.ci_high if timing else None),
+        verdict=stats.verdict(passed, timing.ci_low if timing else None, timing.ci_high if timing else None,
+                              timing.ci_level if timing else stats.CI_LEVEL),
         swapped=[{"module": m, "class": c, "swap": s} for m, c, s, *_ in b.swap_plan.report.swapped] if b.swap_plan else [],
         skipped=[{"module": m, "swap": s, "reason": r} for m, s, r in b.swap_plan.report.skipped] if b.swap_plan else [],
         parity_passed=passed, parity_factor=parity_factor, parity=checks, timing=timing,
@@ -137,7 +137,9 @@ def _nothing():
 def _variants(model, swaps, fixes, optimizer) -> dict[str, _Variant]:
     """A (as given), B (every swap and fix) and, when B changes precision, P: A with only the
     precision fixes, the baseline B's swaps and exact fixes are held to."""
-    swaps, fixes = list(swaps or []), list(fixes or [])
+    # one name (or entry) on its own is a list of one, not of its characters
+    swaps = [swaps] if isinstance(swaps, (str, SwapEntry)) else list(swaps or [])
+    fixes = [fixes] if isinstance(fixes, str) else list(fixes or [])
     if not swaps and not fixes:
         raise UserError("nothing to test: name at least one swap (available: " + ", ".join(available_swaps())
                         + ") or fix (available: " + ", ".join(available_fixes()) + ")")
@@ -240,6 +242,10 @@ def _parity(model, inputs, step, variants, state, seed, factor, max_rel_error):
     """
     reference = _Reference(model, inputs, step, seed)
     ref = reference.run()
+    if not step.train and not any(t.is_floating_point() for t in ref.values()):
+        # all([]) would pass: with no loss or gradients, the outputs are the only check
+        raise UserError("nothing to compare: the model's output holds no floating-point tensor (they are found in "
+                        "tensors, dicts, tuples, lists and dataclasses); return them so, or test with train=True")
     routed = reference.mode.topk_calls > 0
     dtypes, errors, choices = {}, {}, {}
     for name, variant in variants.items():
@@ -324,7 +330,9 @@ class _Reference:
         self.call = step.call if callable(inputs) else _caller(parity.to_double(inputs))
         self.step, self.seed = step, seed
         self.params = list(self.model.named_parameters())
-        self.mode = Float64Fallback()
+        # params_after and an optimizer's step move self.params: every run starts again from these
+        self.initial = [p.detach().clone() for _, p in self.params]
+        self.mode = Float64Fallback(step_callable=callable(inputs) and not isinstance(inputs, torch.Tensor))
 
     @property
     def fallbacks(self) -> list[dict]:
@@ -350,12 +358,11 @@ class _Reference:
         return found
 
     def run(self, parameters=None, choices=None) -> dict[str, torch.Tensor]:
-        """One step in float64; `parameters`: the model's own (nudged) values to use, upcast; `choices`: a
-        run's topk indices to take in place of fp64's own (RecordChoices)."""
-        if parameters is not None:
-            with torch.no_grad():
-                for (_, mine), theirs in zip(self.params, parameters):
-                    mine.copy_(theirs)
+        """One step in float64 from the model's initial parameters, or from `parameters` (the model's own
+        nudged values, upcast); `choices`: a run's topk indices to take in place of fp64's own (RecordChoices)."""
+        with torch.no_grad():
+            for (_, mine), theirs in zip(self.params, self.initial if parameters is None else parameters):
+                mine.copy_(theirs)
         optimizer = _reference_optimizer(self.step.optimizer, self.step.named_params, self.params)
         step = _Step(self.call, self.step.train, self.step.loss_fn, optimizer, self.params)
         self.mode.start_run(choices)
@@ -365,6 +372,8 @@ class _Reference:
         except UserError:
             raise
         except Exception as err:
+            if self.mode.own_error:  # not float64's doing (a shape): the model's own error, as its own run raises it
+                raise
             cause = self.mode.describe_failure() or f"{type(err).__name__}: {one_line(err)}"
             raise UserError(f"the float64 reference run failed: {cause}") from err
 
@@ -505,6 +514,10 @@ class _Preserved:
 
     def __init__(self, model: nn.Module, optimizer=None):
         self.modes = [(m, m.training) for m in model.modules()]
+        # which tensor each module holds under each name: a forward may rebind a buffer (self.ema = 0.9 * self.ema
+        # + ...), and putting back values alone would leave the new tensor in its place
+        self.slots: list[tuple[dict, str, torch.Tensor | None]] = [
+            (slots, name, t) for m in model.modules() for slots in (m._parameters, m._buffers) for name, t in slots.items()]
         self.grads = [(p, p.grad) for p in model.parameters()]
         # CPU copies: the values come back into the very same tensors, and the GPU keeps its memory.
         self.values = [(t, t.detach().to("cpu", copy=True))
@@ -519,6 +532,8 @@ class _Preserved:
             p.grad = None  # our steps accumulate nothing into the user's gradients
 
     def restore(self) -> None:
+        for slots, name, t in self.slots:
+            slots[name] = t
         with torch.no_grad():
             for t, saved in self.values:
                 t.copy_(saved)
@@ -557,6 +572,44 @@ def _set_modes(model: nn.Module, train: bool, for_parity: bool) -> None:
 
 
 # ---- arguments ------------------------------------------------------------------------------------
+
+
+def _check_arguments(rounds, warmup, seed, parity_factor, max_rel_error) -> None:
+    """Each number's type and range, before anything runs: a bad one is one line, not a failure mid-test."""
+    def whole(x):
+        return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+    def real(x):
+        return isinstance(x, (int, float, np.floating, np.integer)) and not isinstance(x, bool)
+
+    if not whole(rounds) or rounds < 2:  # fewer than stats.MIN_ROUNDS give no_difference: no 95% interval
+        raise UserError(f"rounds must be a whole number >= 2, got {rounds!r}")
+    if not whole(warmup) or warmup < 0:
+        raise UserError(f"warmup must be a whole number >= 0, got {warmup!r}")
+    if not whole(seed) or seed < 0:
+        raise UserError(f"seed must be a whole number >= 0, got {seed!r}")
+    if not real(parity_factor) or not math.isfinite(parity_factor) or parity_factor <= 0:
+        raise UserError(f"parity_factor must be a finite number > 0, got {parity_factor!r}")
+    if max_rel_error is not None and (not real(max_rel_error) or not max_rel_error > 0):
+        raise UserError(f"max_rel_error must be a positive number, got {max_rel_error!r}")
+
+
+def _check_optimizer(optimizer, named_params) -> None:
+    """The optimizer must step the model's own parameters: the fp64 reference steps its copies of them."""
+    groups = getattr(optimizer, "param_groups", None)
+    if not isinstance(groups, list) or not callable(getattr(optimizer, "step", None)):
+        raise UserError(f"optimizer must be a torch.optim.Optimizer, not {type(optimizer).__name__}")
+    mine = {id(p) for _, p in named_params}
+    stepped = [p for g in groups for p in g["params"]]
+    foreign = sum(1 for p in stepped if id(p) not in mine)
+    if foreign:
+        raise UserError(f"the optimizer steps tensors that are not the model's parameters ({foreign} of "
+                        f"{len(stepped)}): build it on model.parameters()")
+
+
+def _rng_devices() -> list[int]:
+    """Every CUDA device: a model may run on any of them, and each has its own RNG to put back."""
+    return list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
 
 
 def _caller(inputs):

@@ -84,7 +84,7 @@ def _write(tmp_path, name, text):
     (["--workload", "ab_workloads:not_a_workload", "--swap", "rms_norm"], "must return (model, inputs)"),
     (["--workload", "ab_workloads:mlp"], "nothing to test: give --swap NAME, --fix NAME"),
     (["--workload", "ab_workloads:mlp", "--swap", "no_such_swap"], "unknown swap 'no_such_swap'; available: "),
-    (["--workload", "ab_workloads:mlp", "--swap", "rms_norm", "--rounds", "1"], "rounds >= 2"),
+    (["--workload", "ab_workloads:mlp", "--swap", "rms_norm", "--rounds", "1"], "rounds must be a whole number >= 2"),
     (["--workload", "ab_workloads:mlp", "--from-report", "/no/such/report.json"], "does not exist"),
     (["--workload", "ab_workloads:mlp", "--from-report", "{tmp}/bad.json"], "cannot read report"),
     (["--workload", "ab_workloads:mlp", "--from-report", "{tmp}/other.json"], "is not a `profiler_svc recommend"),
@@ -229,3 +229,20 @@ def test_a_reports_relative_trace_path_is_found_beside_the_report(tmp_path, caps
                                   "findings": []}))
     prediction = predicted_change(report_trace(report), [], ["tf32"])
     assert capsys.readouterr()[1] == "" and prediction["saving_us_per_step"] > 0
+
+
+@pytest.mark.parametrize("source", ["trace.json", ["trace.json"]])
+def test_a_report_with_a_malformed_source_is_one_line_exit_2(tmp_path, capsys, source):
+    """A report's "source" names the trace to predict from; a string or list there was a traceback, exit 1,
+    after the workload had loaded."""
+    report = _write(tmp_path, "report.json", json.dumps({
+        "schema": "profiler_svc.report/1", "source": source,
+        "findings": [{"recommendation": {"summary": "x", "swap": "rms_norm", "fix": None}}]}))
+    code, out, err = _ab(capsys, "--workload", "ab_workloads:not_a_workload", "--from-report", report, *QUICK)
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert "has a malformed source: an object with the trace's path expected" in err
+
+
+def test_fused_optimizer_without_train_says_train_is_missing(capsys):
+    code, out, err = _ab(capsys, "--workload", "ab_workloads:llama_train_adamw", "--fix", "fused_optimizer", *QUICK)
+    assert code == 2 and err.count("\n") == 1 and "--fix fused_optimizer needs --train" in err

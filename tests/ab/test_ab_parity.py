@@ -1,5 +1,7 @@
 """The strict gate is strict on bf16 models, a correct swap still passes, and a precision change is
 judged by its numeric cost within the user's tolerance."""
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -349,3 +351,121 @@ def test_spread_runs_nudge_each_parameter_by_a_few_of_its_rounding_units(dtype):
     assert bool((nudged.double() > 0).all())  # none zeroed, none of its sign flipped
     if NUDGE_UNITS * ulp <= NUDGE_MAX:
         assert (moved != 0).float().mean() > 0.5 and moved.abs().max() > 2 * ulp  # most move, some by units
+
+
+def test_a_routed_model_with_an_optimizer_judges_every_variant_from_the_same_parameters():
+    """Each run of a routed model has its own fp64 run; the optimizer step of one stepped the reference's
+    parameters for the next, so B was judged one step ahead and a 1%-wrong head passed."""
+    model, inputs, loss_fn = _moe(True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    same = ab_test(model, inputs, [NOOP], train=True, loss_fn=loss_fn, optimizer=optimizer, **QUICK)
+    assert same.parity_passed, [(t.name, t.b_rms_rel, t.allowed_rms_rel) for t in same.parity if not t.passed]
+    wrong = ab_test(model, inputs, [WRONG], train=True, loss_fn=loss_fn, optimizer=optimizer, **QUICK)
+    assert wrong.verdict == "parity_failed" and "output" in _failed(wrong)
+
+
+@dataclasses.dataclass
+class _Out:
+    logits: torch.Tensor
+    note: str = "dataclass"
+
+
+class _Wrapped(torch.nn.Module):
+    """The MLP's output in a dataclass, as None, or in an object parity cannot see into."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.inner, self.kind = mlp()[0], kind
+
+    def forward(self, x):
+        y = self.inner(x)
+        return {"dataclass": _Out(y), "none": None, "object": object()}[self.kind]
+
+
+def test_a_dataclass_output_is_compared_field_by_field():
+    x = mlp()[1][0]
+    result = ab_test(_Wrapped("dataclass"), (x,), [WRONG], **QUICK)
+    assert [t.name for t in result.parity] == ["output.logits"] and result.verdict == "parity_failed"
+
+
+@pytest.mark.parametrize("kind", ["none", "object"])
+def test_an_output_without_a_floating_tensor_is_a_user_error(kind):
+    """No loss, no gradients and no output tensor: nothing would be compared, and all([]) passed."""
+    from profiler_svc.errors import UserError
+
+    with pytest.raises(UserError, match="nothing to compare: the model's output holds no floating-point tensor"):
+        ab_test(_Wrapped(kind), (mlp()[1][0],), [WRONG], **QUICK)
+
+
+class _Classifier(torch.nn.Module):
+    """Logits and their argmax: bf16 rounding flips the argmax of near-tied logits, which fp64 does not."""
+
+    def __init__(self, width=64, classes=2000):
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(width)
+        self.head = torch.nn.Linear(width, classes)
+
+    def forward(self, x):
+        logits = self.head(self.norm(x))
+        return logits, logits.argmax(-1)
+
+
+class _ShiftedLinear(torch.nn.Module):
+    """The linear map plus 0.5 on the first 100 outputs: the argmax moves to them."""
+
+    def __init__(self, linear):
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+
+    def forward(self, x):
+        y = F.linear(x, self.weight, self.bias)
+        return torch.cat([y[..., :100] + 0.5, y[..., 100:]], -1)
+
+
+SHIFTED = SwapEntry(name="test_shifted_linear", summary="moves the argmax (wrong)", replace=_ShiftedLinear,
+                    matches=lambda m: type(m) is torch.nn.Linear,
+                    example_inputs=lambda m: (torch.randn(4, m.in_features, dtype=m.weight.dtype),))
+
+
+def test_integer_outputs_are_judged_by_how_often_they_differ_from_fp64():
+    """An integer output's error was 0 or infinite: eager's argmax differs from fp64's somewhere, so every swap
+    failed. It is judged by its share of differing elements, within eager's share and its spread."""
+    torch.manual_seed(0)
+    model, x = _Classifier().to(torch.bfloat16), torch.randn(4, 64, 64).to(torch.bfloat16)
+    same = ab_test(model, (x,), [NOOP], **QUICK)
+    argmax = next(t for t in same.parity if t.name == "output[1]")
+    assert same.parity_passed and argmax.gate == "mismatch" and 0 < argmax.a_rms_rel < 0.1
+    assert "integer or bool tensors, judged by the share of elements that differ" in same.summary()
+    wrong = ab_test(model, (x,), [SHIFTED], **QUICK)
+    argmax = next(t for t in wrong.parity if t.name == "output[1]")
+    assert not argmax.passed and argmax.b_rms_rel > 0.3
+
+
+def test_a_shape_error_is_the_models_own_not_the_references():
+    """Only an op without a float64 kernel is retried in lower precisions; a shape error is raised as the model
+    raises it, not as a failure of the float64 reference."""
+    model = mlp()[0]
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        ab_test(model, (torch.randn(8, 16),), [NOOP], **QUICK)
+
+
+class _Fp32Router(torch.nn.Module):
+    """A bf16 body with its router kept in fp32, fed `h.float()`, as MoE models keep routers."""
+
+    def __init__(self, width=32):
+        super().__init__()
+        self.body = torch.nn.Linear(width, width).to(torch.bfloat16)
+        self.router = torch.nn.Linear(width, 4)
+
+    def forward(self, x):
+        h = self.body(x)
+        return h, self.router(h.float())
+
+
+def test_a_model_that_mixes_precisions_gets_its_lower_precision_inputs_upcast_in_the_reference():
+    """In the fp64 copy, `h.float()` meets the router's float64 weight: the float32 input is upcast, and said."""
+    torch.manual_seed(0)
+    result = ab_test(_Fp32Router(), (torch.randn(8, 32).to(torch.bfloat16),), [NOOP], **QUICK)
+    assert result.parity_passed
+    assert {"op": "aten::addmm", "note": "the model mixes float32 with float64 here; its float32 inputs were upcast "
+                                         "to float64"} in result.reference_fallbacks
