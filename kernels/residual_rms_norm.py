@@ -137,9 +137,11 @@ class ResidualNormLayer(SharedStateModule):
         eps, offset = self._norm_args[name]
         norm = getattr(self, name)
         weight = getattr(norm, "weight", None)
-        if residual.dtype != x.dtype or (weight is not None and weight.dtype != x.dtype):
+        hooked = norm._forward_pre_hooks or norm._forward_hooks or norm._backward_pre_hooks or norm._backward_hooks
+        if hooked or residual.dtype != x.dtype or (weight is not None and weight.dtype != x.dtype):
             # Mixed dtypes (autocast, fp32 norm weights): eager's add, then the norm child itself, whose own math
-            # sets the dtypes that flow on (LlamaRMSNorm promotes bf16 with an fp32 weight to fp32).
+            # sets the dtypes that flow on (LlamaRMSNorm promotes bf16 with an fp32 weight to fp32). A norm with
+            # hooks is called too: the fused call would pass them by.
             s = residual + x
             return norm(s), s
         return rms_norm(x, weight, eps, offset=offset, residual=residual)

@@ -192,7 +192,17 @@ def _set_child(model: nn.Module, qualified_name: str, new: nn.Module) -> None:
     for module in new.modules():
         if id(module) not in shared:
             module.training = old.training
+    # and its hooks (a user's, or transformers' output recorders): they fire on the module that runs
+    for hooks in _HOOK_DICTS:
+        getattr(new, hooks).update(getattr(old, hooks))
+    if old._backward_hooks:
+        new._is_full_backward_hook = old._is_full_backward_hook
     setattr(parent, child, new)
+
+
+# nn.Module's per-instance hook registries, keyed by handle id: copying one keeps every hook once
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+               "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks")
 
 
 def _on_model_place(module: nn.Module, model: nn.Module, inputs: tuple) -> tuple:

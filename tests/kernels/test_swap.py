@@ -318,3 +318,42 @@ def test_a_module_compiled_on_its_own_is_skipped_with_the_reason():
     # a whole compiled model: its modules' children are attributes the compiled forward reads, and swap
     whole = torch.compile(nn.Sequential(nn.Linear(8, 8), nn.RMSNorm(8)), backend="eager")
     assert [row[0] for row in swap(whole, ["rms_norm"]).swapped] == ["_orig_mod.1"]
+
+
+@pytest.mark.parametrize("recorders_first", [True, False], ids=["recorders-installed-before-the-swap", "swap-first"])
+def test_swapped_hf_layers_keep_their_class_their_hooks_and_the_outputs_transformers_records(recorders_first):
+    """transformers 5 records hidden states and attentions by hooks it installs, on first use, on the instances of
+    the decoder layer's and the attention's classes; a user's hooks sit on the modules themselves. Swapped, the
+    stand-ins are instances of those classes and carry the hooks of the modules they replace (both were lost:
+    `output_hidden_states=True` gave an empty tuple), and unswap hands them back."""
+    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaDecoderLayer
+
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=100, attn_implementation="eager")
+
+    def build():
+        torch.manual_seed(0)
+        return transformers.LlamaForCausalLM(config).eval()
+
+    ids = torch.randint(0, 100, (1, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        eager = build()(ids, output_hidden_states=True, output_attentions=True)
+    model = build()
+    calls = []
+    model.model.layers[1].post_attention_layernorm.register_forward_hook(lambda *_: calls.append("norm"))
+    model.model.layers[0].self_attn.register_forward_pre_hook(lambda *_: calls.append("attention"))
+    if recorders_first:
+        with torch.no_grad():
+            model(ids, output_hidden_states=True, output_attentions=True)
+    swap(model, ["rope", "residual_rms_norm", "rms_norm"])
+    layer = model.model.layers[0]
+    assert isinstance(layer, LlamaDecoderLayer) and isinstance(layer.self_attn, LlamaAttention)
+    for model_call in ("swapped", "unswapped"):
+        calls.clear()
+        with torch.no_grad():
+            out = model(ids, output_hidden_states=True, output_attentions=True)
+        assert sorted(calls) == ["attention", "norm"], model_call
+        assert len(out.hidden_states) == 3 and len(out.attentions) == 2, model_call
+        for a, b in zip(eager.hidden_states + eager.attentions, out.hidden_states + out.attentions):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+        unswap(model)
