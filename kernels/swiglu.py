@@ -316,14 +316,16 @@ class GatedMLP(nn.Module):
         self.act, self.recompute = act, recompute
 
     def forward(self, x):
-        # The projections' outputs are ours alone: their memory is reused for their gradients.
+        # The projections' outputs are ours alone, their memory reused for their gradients, unless a forward hook
+        # saw them (and may keep them: an activation it records must not turn into a gradient)
         gate, up = self.gate_proj(x), self.up_proj(x)
         if _native(gate):  # eager's own ops, and no more host work than eager's: the host sets the time here
             return self.down_proj(_NATIVE_ACT[self.act](gate) * up)
+        alone = not (_forward_hooked(self.gate_proj) or _forward_hooked(self.up_proj))
         recompute = self.recompute is not False and _recompute_fits(self.down_proj, gate, up)
-        if recompute and _plain_linear(self.down_proj, gate):
+        if alone and recompute and _plain_linear(self.down_proj, gate):
             return GatedDownFunction.apply(gate, up, self.down_proj.weight, self.down_proj.bias, self.act)
-        hidden = gated_act(gate, up, self.act, reuse_inputs=True)
+        hidden = gated_act(gate, up, self.act, reuse_inputs=alone)
         if not (recompute and self.recompute):
             return self.down_proj(hidden)
         with torch.autograd.graph.saved_tensors_hooks(*_recompute_when_saved(hidden, gate, up, self.act)):
@@ -331,6 +333,10 @@ class GatedMLP(nn.Module):
 
     def extra_repr(self):
         return f"act={ACT_NAMES[self.act]}, recompute={self.recompute}"
+
+
+def _forward_hooked(module: nn.Module) -> bool:
+    return bool(module._forward_hooks)
 
 
 class GateUpMLP(nn.Module):
@@ -344,15 +350,16 @@ class GateUpMLP(nn.Module):
         self.gate_up_proj, self.down_proj, self.act, self.recompute = gate_up_proj, down_proj, act, recompute
 
     def forward(self, x):
-        # the projection's output is ours alone: the backward writes its gradient over it
+        # the projection's output is ours alone, unless a forward hook saw it: the backward writes its gradient over it
         gate_up = self.gate_up_proj(x)
         if _native(gate_up):  # as GatedMLP's
             return self.down_proj(_eager_split(gate_up, self.act))
+        alone = not _forward_hooked(self.gate_up_proj)
         # an odd width fails as eager's chunk does on a small call, and gated_act_split names it on a large one
-        if self.recompute is not False and gate_up.shape[-1] % 2 == 0 and _recompute_fits(self.down_proj, gate_up) \
-                and _plain_linear(self.down_proj, gate_up):
+        if alone and self.recompute is not False and gate_up.shape[-1] % 2 == 0 \
+                and _recompute_fits(self.down_proj, gate_up) and _plain_linear(self.down_proj, gate_up):
             return GatedDownFunction.apply(gate_up, None, self.down_proj.weight, self.down_proj.bias, self.act)
-        return self.down_proj(gated_act_split(gate_up, self.act, reuse_input=True))
+        return self.down_proj(gated_act_split(gate_up, self.act, reuse_input=alone))
 
     def extra_repr(self):
         return f"act={ACT_NAMES[self.act]}, recompute={self.recompute}"
