@@ -75,6 +75,13 @@ def _sqlite_pragmas(dbapi_connection, _record):
     cursor.execute("PRAGMA foreign_keys=ON")
     cursor.execute("PRAGMA journal_mode=WAL")
     cursor.close()
+    # SQLite's own lower() folds ASCII only: ILIKE (lower(x) LIKE lower(y)) then missed "ÉCOLE" for "école",
+    # which PostgreSQL finds
+    dbapi_connection.create_function("lower", 1, _lower, deterministic=True)
+
+
+def _lower(value):
+    return value.lower() if isinstance(value, str) else value
 
 
 def _redact(url: str) -> str:

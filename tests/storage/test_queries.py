@@ -66,3 +66,12 @@ def test_times_say_they_are_utc_on_both_databases(engine, blobs):
         times = [run["created_at"], queries.run_summary(s, result.run_id)["created_at"],
                  tokens.listing(s)[0]["created_at"]]
     assert all(t.endswith("+00:00") for t in times), times
+
+
+def test_search_folds_case_beyond_ascii_on_both_databases(engine, blobs):
+    """SQLite's lower() folds ASCII only, so a run named "ÉCOLE-llama" was found by q=école on PostgreSQL alone."""
+    [stored] = ingest.ingest_path(engine, SMALL_TRACE, blobs=blobs, name="ÉCOLE-llama")
+    with storage_db.session_scope(engine) as s:
+        for q in ("école", "ÉCOLE", "École-LLAMA"):
+            assert [r["id"] for r in queries.list_runs(s, q=q)["runs"]] == [stored.run_id], q
+        assert queries.list_runs(s, q="ecole")["runs"] == []  # folding case, not accents
