@@ -160,14 +160,15 @@ def submit_upload(engine: Engine, stream, *, filename: str, blobs: BlobStore, na
                 with Session(engine, expire_on_commit=False) as session:
                     job = session.scalars(select(AnalysisJob)
                                           .where(AnalysisJob.content_sha256 == received.sha256)).first()
-                    if job is not None and job.status != "failed":
+                    # done with its trace gone (a failed folder ingest removed the trace it had found): as failed
+                    if job is not None and job.status != "failed" and not (job.status == "done" and job.trace_id is None):
                         return job
                     if job is None:
                         job = AnalysisJob(content_sha256=received.sha256, blob_path=blobs.relpath(received.sha256),
                                           size_bytes=received.size_bytes, stored_bytes=received.stored_bytes,
                                           **asked)
                         session.add(job)
-                    else:  # the same content failed before: try again (its blob was removed then)
+                    else:  # the same content failed (or lost its trace) before: try again (its blob was removed then)
                         jobs.queue_again(job, **asked)
                     session.flush()  # the unique content hash is checked here, before the blob moves
                     try:

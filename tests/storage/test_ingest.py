@@ -824,3 +824,19 @@ def test_a_folder_that_fails_into_a_joined_run_leaves_the_runs_joint_analysis(en
     with storage_db.session_scope(engine) as s:
         assert joint(s, ranks[0].run_id) == before
         assert s.scalars(select(RunAnalysisJob.status)).all() in ([], ["done"])
+
+
+def test_an_upload_done_whose_trace_is_gone_is_queued_again_when_sent_again(engine, blobs):
+    """A worker marked an upload done on a trace that a failing folder ingest then removed (its trace_id set to
+    NULL, its file deleted): sending the same content again returned that done job, and nothing ever stored it."""
+    from profiler_svc.storage.models import AnalysisJob
+    with open(SMALL_TRACE, "rb") as f:
+        job = ingest.submit_upload(engine, f, filename="upload.json.gz", blobs=blobs)
+    with storage_db.session_scope(engine) as s:
+        done = s.get(AnalysisJob, job.id)
+        done.status, done.trace_id, done.run_id = "done", None, None
+        blobs.delete(done.blob_path)
+    with open(SMALL_TRACE, "rb") as f:
+        again = ingest.submit_upload(engine, f, filename="upload.json.gz", blobs=blobs)
+    assert again.id == job.id and again.status == "queued"
+    assert blobs.path(again.blob_path).is_file()
