@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 
 from ..formats import reference_note
 from ..kernels.parity import ILL_CONDITIONED, TensorParity, worst
+from .stats import CI_LEVEL, MIN_ROUNDS
 
 SCHEMA = "profiler_svc.ab/1"
 
@@ -107,6 +108,9 @@ class ABResult:
                          f"(medians of {t.rounds} interleaved rounds after {t.warmup} warm-up, {t.timer})")
             lines.append(f"speedup A/B: {t.speedup:.3f}x ({t.ci_level:.0%} CI {t.ci_low:.3f}-{t.ci_high:.3f}; "
                          "each round's A/B, median)")
+            if t.ci_level < CI_LEVEL:
+                lines.append(f"{t.rounds} rounds give no {CI_LEVEL:.0%} interval (the fewest that do: {MIN_ROUNDS}): "
+                             "no verdict on speed")
             if t.saving_ms is not None:
                 lines.append(f"B saves {t.saving_ms:.3f} ms per step (each round's A - B, median)")
         if self.memory_method:

@@ -383,3 +383,20 @@ def test_a_no_op_comes_out_no_difference_19_times_in_20(rounds):
     if rounds < MIN_ROUNDS:
         assert false == 0 and speedup_ci(a[0], b[0])[3] == 1 - 2 / 2 ** rounds  # the interval's true level
     assert MIN_ROUNDS == 6
+
+
+def test_too_few_rounds_say_why_there_is_no_verdict():
+    """Below MIN_ROUNDS the verdict is no_difference whatever the times: the summary says it is the rounds."""
+    from profiler_svc.ab.result import ABResult, Timing
+
+    def result(rounds):
+        a, b = [2.0] * rounds, [1.0] * rounds  # B twice as fast, every round
+        speedup, low, high, level = speedup_ci(a, b)
+        timing = Timing(timer="cuda_events", rounds=rounds, warmup=0, a_ms=a, b_ms=b, median_a_ms=2.0, median_b_ms=1.0,
+                        speedup=speedup, ci_low=low, ci_high=high, ci_level=level, saving_ms=1.0)
+        return ABResult(swaps=["rms_norm"], train=False, device="cuda", verdict=verdict(True, low, high, level),
+                        swapped=[], skipped=[], parity_passed=True, parity_factor=4.0, parity=[], timing=timing)
+    few, enough = result(3), result(6)
+    assert few.verdict == "no_difference" and "3 rounds give no 95% interval" in few.summary()
+    assert enough.verdict == "faster" and "give no" not in enough.summary()
+
