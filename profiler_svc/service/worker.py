@@ -197,6 +197,8 @@ def run_worker(engine: Engine, *, once: bool = False, poll_s: float = 2.0, worke
             job_id = work_once(engine, worker=worker, runner=runner, lease_s=lease_s, kinds=kinds, blobs=blobs,
                                analyser=analyser, run_analyser=run_analyser)
         except Exception as exc:  # e.g. the database locked or down: the worker lives on (a job it held is requeued)
+            if once:  # one pass asked for: an error is its answer, not an empty queue
+                raise
             log.error("worker: %s; trying again in %g s", one_line(exc), poll_s)
             job_id = None
         if job_id is not None:

@@ -9,6 +9,7 @@ import fcntl
 import functools
 import importlib.resources
 import os
+from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -150,16 +151,35 @@ def _migrate(engine: Engine, step, revision: str) -> None:
             config.attributes["connection"] = connection
             step(config, revision)
         return
+    if _in_memory(engine.url.database):  # one process's own database, on the engine's one connection
+        with engine.connect() as connection:
+            connection.exec_driver_sql("PRAGMA foreign_keys=OFF")  # before the transaction: a no-op inside one
+            connection.commit()
+            try:
+                with connection.begin():
+                    config.attributes["connection"] = connection
+                    broken = _broken_foreign_keys(connection)
+                    step(config, revision)
+                    _check_foreign_keys(connection, broken)
+            finally:
+                connection.exec_driver_sql("PRAGMA foreign_keys=ON")
+                connection.commit()
+        return
     migration_engine = sqlite_migration_engine(str(engine.url))
     try:
         # the lock serialises processes that start on a fresh file at once; Alembic reads the revision again
         # under it, so the one that waited finds the schema migrated and does nothing
         with _file_lock(engine.url.database), migration_engine.begin() as connection:
             config.attributes["connection"] = connection
+            broken = _broken_foreign_keys(connection)
             step(config, revision)
-            _check_foreign_keys(connection)
+            _check_foreign_keys(connection, broken)
     finally:
         migration_engine.dispose()
+
+
+def _in_memory(database: str | None) -> bool:
+    return not database or database == ":memory:" or database.startswith("file::memory:")
 
 
 def sqlite_migration_engine(url: str) -> Engine:
@@ -185,10 +205,7 @@ def sqlite_migration_engine(url: str) -> Engine:
 
 @contextmanager
 def _file_lock(database: str | None):
-    """An exclusive flock on a file beside the SQLite database (none for an in-memory one)."""
-    if not database or database == ":memory:":
-        yield
-        return
+    """An exclusive flock on a file beside the SQLite database."""
     path = f"{database}.migrate.lock"
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
@@ -201,13 +218,20 @@ def _file_lock(database: str | None):
         os.close(fd)
 
 
-def _check_foreign_keys(connection) -> None:
-    """Foreign keys were off while the migration ran: rows it left pointing nowhere fail it (rolled back)."""
-    broken = connection.exec_driver_sql("PRAGMA foreign_key_check").fetchall()
-    if broken:
-        table, rowid, parent, _ = broken[0]
-        raise UserError(f"the migration would leave {len(broken)} rows whose foreign keys point nowhere "
-                        f"(e.g. {table} row {rowid} -> {parent}); the database was left as it was")
+def _broken_foreign_keys(connection) -> Counter:
+    """Rows whose foreign keys point nowhere, by (table, parent table): a database edited with foreign keys off
+    (the sqlite3 shell's default) may hold some before any migration."""
+    return Counter((table, parent) for table, _, parent, _ in connection.exec_driver_sql("PRAGMA foreign_key_check"))
+
+
+def _check_foreign_keys(connection, before: Counter) -> None:
+    """Foreign keys were off while the migration ran: rows it left pointing nowhere, beyond those there were
+    before, fail it (rolled back)."""
+    new = _broken_foreign_keys(connection) - before
+    if new:
+        (table, parent), count = next(iter(new.items()))
+        raise UserError(f"the migration would leave {sum(new.values())} more rows whose foreign keys point nowhere "
+                        f"(e.g. {count} in {table} -> {parent}); the database was left as it was")
 
 
 def require_schema(engine: Engine) -> None:

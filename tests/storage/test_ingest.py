@@ -840,3 +840,37 @@ def test_an_upload_done_whose_trace_is_gone_is_queued_again_when_sent_again(engi
         again = ingest.submit_upload(engine, f, filename="upload.json.gz", blobs=blobs)
     assert again.id == job.id and again.status == "queued"
     assert blobs.path(again.blob_path).is_file()
+
+
+def test_an_in_memory_sqlite_database_is_migrated():
+    """`sqlite://`: the migration ran on a connection of its own, another throwaway database, and every command
+    then said the database was not initialised."""
+    engine = storage_db.get_engine("sqlite://")
+    storage_db.upgrade(engine)
+    storage_db.require_schema(engine)
+    assert {"runs", "traces", "findings"} <= set(inspect(engine).get_table_names())
+    with engine.connect() as conn:
+        assert conn.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1  # back on for the connection's next use
+
+
+def test_rows_left_dangling_before_a_migration_do_not_fail_it(engine, tmp_path):
+    """A database edited with foreign keys off (the sqlite3 shell's default) holds traces of a deleted run: the
+    migration's check blamed it for them, and every command (which migrates first) then failed."""
+    if engine.dialect.name != "sqlite":
+        pytest.skip("PostgreSQL enforces its foreign keys always")
+    downgrade(engine, "0004")
+    with engine.connect() as conn:
+        conn.exec_driver_sql("PRAGMA foreign_keys=OFF")
+        conn.commit()
+        run = conn.execute(text("insert into runs (name, metadata, created_at) values ('r', '{}', '2026-11-24') "
+                                "returning id")).scalar()
+        conn.execute(text(
+            "insert into traces (run_id, rank, filename, content_sha256, size_bytes, stored_bytes, blob_path, span_us,"
+            " gpu_busy_pct, kernel_count, kernel_time_us, event_count, summary, timeline, created_at) values "
+            f"({run}, 0, 't', '{'c' * 64}', 1, 1, 'x', 1, 1, 1, 1, 1, '{{}}', '{{}}', '2026-11-24')"))
+        conn.execute(text(f"delete from runs where id = {run}"))
+        conn.commit()
+        conn.exec_driver_sql("PRAGMA foreign_keys=ON")
+        conn.commit()
+    storage_db.upgrade(engine)
+    storage_db.require_schema(engine)

@@ -170,3 +170,16 @@ def test_a_database_error_does_not_stop_the_worker(engine, run_id, monkeypatch, 
     assert job(engine, job_id).status == "done"
     [logged] = [r.getMessage() for r in caplog.records if "database is locked" in r.getMessage()]
     assert "\n" not in logged
+
+
+def test_one_pass_of_the_worker_reports_a_database_error(engine, run_id, monkeypatch):
+    """`worker --once` read an error outside a job as an empty queue and exited 0 with the job still queued."""
+    from sqlalchemy.exc import OperationalError
+    [job_id] = queue(engine, run_id, 1)
+
+    def claim_locked(*args, **kwargs):
+        raise OperationalError("UPDATE ab_jobs ...", {}, Exception("database is locked"))
+    monkeypatch.setattr(jobs, "claim", claim_locked)
+    with pytest.raises(OperationalError):
+        worker.run_worker(engine, runner=lambda spec: {"verdict": "faster"}, once=True, kinds=("ab",))
+    assert job(engine, job_id).status == "queued"
