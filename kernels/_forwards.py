@@ -74,13 +74,16 @@ _STAND_INS: dict = {}  # (cls, original) -> their class: one per pair, however m
 def standing_in_for(cls: type, original: type) -> type:
     """CLS as a subclass of ORIGINAL's class too, CLS's methods first: code that finds modules by their class
     finds the stand-in (transformers installs its hidden-state and attention recorders on the modules that are
-    instances of the decoder layer's and attention's classes), and a class's own __call__ (transformers'
-    GradientCheckpointingLayer) still wraps it."""
+    instances of the decoder layer's and attention's classes)."""
     if issubclass(original, cls):  # already one
         return original
     if (cls, original) not in _STAND_INS:
-        _STAND_INS[cls, original] = type(cls.__name__, (cls, original),
-                                         {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+        stand_in = type(cls.__name__, (cls, original), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+        # but called as a plain module: a checkpointing layer's __call__ or its __init_subclass__'s forward wrapper
+        # (transformers 5.17, 5.24) would checkpoint a stand-in, which shares the original's state but not its flag
+        setattr(stand_in, "forward", getattr(cls, "forward"))
+        setattr(stand_in, "__call__", nn.Module.__call__)
+        _STAND_INS[cls, original] = stand_in
     return _STAND_INS[cls, original]
 
 

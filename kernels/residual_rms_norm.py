@@ -27,7 +27,7 @@ from torch import nn
 from ._forwards import SharedStateModule, compile_function, function_syntax, through_decorators
 from .rms_norm import _probe_rms_norm, rms_norm
 from .rope import attention_example_inputs
-from .swap import SwapEntry
+from .swap import SwapEntry, hooked
 
 _FUSED = "_add_rms_norm"  # the method the rewritten statements call
 
@@ -137,8 +137,7 @@ class ResidualNormLayer(SharedStateModule):
         eps, offset = self._norm_args[name]
         norm = getattr(self, name)
         weight = getattr(norm, "weight", None)
-        hooked = norm._forward_pre_hooks or norm._forward_hooks or norm._backward_pre_hooks or norm._backward_hooks
-        if hooked or residual.dtype != x.dtype or (weight is not None and weight.dtype != x.dtype):
+        if hooked(norm) or residual.dtype != x.dtype or (weight is not None and weight.dtype != x.dtype):
             # Mixed dtypes (autocast, fp32 norm weights): eager's add, then the norm child itself, whose own math
             # sets the dtypes that flow on (LlamaRMSNorm promotes bf16 with an fp32 weight to fp32). A norm with
             # hooks is called too: the fused call would pass them by.

@@ -67,7 +67,11 @@ class RMSNorm(nn.Module):
     def forward(self, x, residual=None):
         if self.eager is not None and self.weight is not None and self.weight.dtype != x.dtype:
             # Mixed dtypes: the replaced module's own math sets the result's dtype (LlamaRMSNorm's w·h promotes
-            # bf16 x with an fp32 w to fp32, nn.RMSNorm keeps bf16).
+            # bf16 x with an fp32 w to fp32, nn.RMSNorm keeps bf16), with our weight (load_state_dict(assign=True)
+            # gives this module a new one, not the replaced module)
+            original = getattr(self.eager, "__self__", None)
+            if original is not None and original._parameters.get("weight") is not self.weight:
+                original._parameters["weight"] = self.weight
             s = x if residual is None else residual + x
             return self.eager(s) if residual is None else (self.eager(s), s)
         return rms_norm(x, self.weight, self.eps, offset=self.offset, residual=residual)

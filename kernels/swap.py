@@ -192,15 +192,16 @@ def _set_child(model: nn.Module, qualified_name: str, new: nn.Module) -> None:
     for module in new.modules():
         if id(module) not in shared:
             module.training = old.training
-    # and its hooks (a user's, or transformers' output recorders): they fire on the module that runs
+    # and its hooks (a user's, or transformers' output recorders), the very registries: they fire on the module that
+    # runs, and a handle's remove() reaches both
     for hooks in _HOOK_DICTS:
-        getattr(new, hooks).update(getattr(old, hooks))
+        setattr(new, hooks, getattr(old, hooks))
     if old._backward_hooks:
         new._is_full_backward_hook = old._is_full_backward_hook
     setattr(parent, child, new)
 
 
-# nn.Module's per-instance hook registries, keyed by handle id: copying one keeps every hook once
+# nn.Module's per-instance hook registries (dicts a RemovableHandle deletes its id from)
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
                "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks")
 
@@ -245,6 +246,15 @@ def swapped(model: nn.Module, names=None, *, check: bool = True):
 
 
 # ---- helpers for the op files' `matches` ------------------------------------------------------
+
+
+def hooked(module: nn.Module) -> bool:
+    """Does a hook see the module's calls, forward or backward: one of its own, or a global one (it may keep what
+    the module took or gave, so a fused path must not skip the module's call or write over its output)?"""
+    every = nn.modules.module
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or every._global_forward_hooks or every._global_forward_pre_hooks
+                or every._global_backward_hooks or every._global_backward_pre_hooks)
 
 
 def takes_one_input(module: nn.Module) -> bool:

@@ -22,7 +22,7 @@ from ._forwards import share_state
 from ._launch import first_order_only, kernel_op, launch, round_to, takes_native
 from .moe_routing import ExpertsGate, grouped_mm_fits, routed_experts, row_block
 from .parity import place
-from .swap import SwapEntry, behaves_like
+from .swap import SwapEntry, behaves_like, hooked
 
 
 @triton.jit
@@ -316,12 +316,12 @@ class GatedMLP(nn.Module):
         self.act, self.recompute = act, recompute
 
     def forward(self, x):
-        # The projections' outputs are ours alone, their memory reused for their gradients, unless a forward hook
-        # saw them (and may keep them: an activation it records must not turn into a gradient)
+        # The projections' outputs are ours alone, their memory reused for their gradients, unless a hook saw them
+        # (and may keep them: an activation it records must not turn into a gradient)
         gate, up = self.gate_proj(x), self.up_proj(x)
         if _native(gate):  # eager's own ops, and no more host work than eager's: the host sets the time here
             return self.down_proj(_NATIVE_ACT[self.act](gate) * up)
-        alone = not (_forward_hooked(self.gate_proj) or _forward_hooked(self.up_proj))
+        alone = not (hooked(self.gate_proj) or hooked(self.up_proj))
         recompute = self.recompute is not False and _recompute_fits(self.down_proj, gate, up)
         if alone and recompute and _plain_linear(self.down_proj, gate):
             return GatedDownFunction.apply(gate, up, self.down_proj.weight, self.down_proj.bias, self.act)
@@ -335,10 +335,6 @@ class GatedMLP(nn.Module):
         return f"act={ACT_NAMES[self.act]}, recompute={self.recompute}"
 
 
-def _forward_hooked(module: nn.Module) -> bool:
-    return bool(module._forward_hooks)
-
-
 class GateUpMLP(nn.Module):
     """down_proj(act(gate) · up), gate and up the halves of one gate_up_proj (Phi-3), with the fused gated
     activation reading them in place. Shares (does not copy) the two projections. As GatedMLP, it recomputes the
@@ -350,11 +346,11 @@ class GateUpMLP(nn.Module):
         self.gate_up_proj, self.down_proj, self.act, self.recompute = gate_up_proj, down_proj, act, recompute
 
     def forward(self, x):
-        # the projection's output is ours alone, unless a forward hook saw it: the backward writes its gradient over it
+        # the projection's output is ours alone, unless a hook saw it: the backward writes its gradient over it
         gate_up = self.gate_up_proj(x)
         if _native(gate_up):  # as GatedMLP's
             return self.down_proj(_eager_split(gate_up, self.act))
-        alone = not _forward_hooked(self.gate_up_proj)
+        alone = not hooked(self.gate_up_proj)
         # an odd width fails as eager's chunk does on a small call, and gated_act_split names it on a large one
         if alone and self.recompute is not False and gate_up.shape[-1] % 2 == 0 \
                 and _recompute_fits(self.down_proj, gate_up) and _plain_linear(self.down_proj, gate_up):
@@ -424,11 +420,7 @@ def _recompute_fits(down_proj: nn.Module, *inputs: torch.Tensor) -> bool:
 def _plain_linear(layer: nn.Module, x: torch.Tensor) -> bool:
     """Is `layer` an nn.Linear that GatedDownFunction may run by its weight: no hooks, forward or backward, or wrapped
     forward to call (a capture's labels, an adapter's, a gradient monitor's), no autocast to cast its weight, and x's dtype?"""
-    hooks = nn.modules.module
-    return type(layer) is nn.Linear and "forward" not in vars(layer) \
-        and not (layer._forward_hooks or layer._forward_pre_hooks or layer._backward_hooks or layer._backward_pre_hooks) \
-        and not (hooks._global_forward_hooks or hooks._global_forward_pre_hooks or hooks._global_backward_hooks
-                 or hooks._global_backward_pre_hooks) \
+    return type(layer) is nn.Linear and "forward" not in vars(layer) and not hooked(layer) \
         and layer.weight.dtype == x.dtype and not torch.is_autocast_enabled(x.device.type)
 
 

@@ -173,3 +173,19 @@ def test_zero_width_rows_give_the_empty_result_and_a_0d_input_a_clear_error():
     assert y.shape == s.shape == (4, 0)
     with pytest.raises(ValueError, match="at least one dimension"):
         rms_norm(torch.tensor(1.0))
+
+
+def test_a_swapped_norm_loaded_with_assign_uses_its_new_weight_in_mixed_dtypes():
+    """load_state_dict(assign=True) gives the swapped module a new weight; its mixed-dtype path ran the replaced
+    module, which kept the old one (3x off)."""
+    from torch import nn
+
+    from profiler_svc.kernels import swap
+    LlamaRMSNorm = pytest.importorskip("transformers.models.llama.modeling_llama").LlamaRMSNorm
+    model = nn.Sequential(LlamaRMSNorm(16))
+    assert [s for *_, s, _, _ in swap(model, ["rms_norm"]).swapped] == ["rms_norm"]
+    model.load_state_dict({"0.weight": torch.full((16,), 3.0)}, assign=True)
+    x = torch.randn(4, 16).to(torch.bfloat16)
+    eager = LlamaRMSNorm(16)
+    eager.weight.data.fill_(3.0)
+    torch.testing.assert_close(model(x), eager(x))

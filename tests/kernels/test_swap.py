@@ -357,3 +357,43 @@ def test_swapped_hf_layers_keep_their_class_their_hooks_and_the_outputs_transfor
         for a, b in zip(eager.hidden_states + eager.attentions, out.hidden_states + out.attentions):
             torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
         unswap(model)
+
+
+def test_a_hook_removed_while_swapped_is_gone_from_both_modules():
+    """The replacement took a copy of the original's hooks: a handle's remove() deleted the hook from the original
+    only, so it still fired, and unswap copied it back onto the original."""
+    calls = []
+    model = nn.Sequential(nn.Linear(16, 16), nn.RMSNorm(16))
+    handle = model[1].register_forward_hook(lambda *_: calls.append(1))
+    assert [s for *_, s, _, _ in swap(model, ["rms_norm"]).swapped] == ["rms_norm"]
+    calls.clear()  # the swap's own probes called the norm too
+    x = torch.randn(3, 16)
+    model(x)
+    assert calls == [1]
+    handle.remove()
+    model(x)
+    unswap(model)
+    model(x)
+    assert calls == [1]
+
+
+def test_a_stand_in_layer_is_called_as_a_plain_module_not_a_checkpointing_one():
+    """A stand-in is an instance of the decoder layer's class, transformers' GradientCheckpointingLayer: its
+    __call__ (5.17) or the forward wrapper its __init_subclass__ puts on a subclass (5.24) would checkpoint the
+    stand-in when checkpointing is enabled after the swap, against the documented rule (enable it first)."""
+    from profiler_svc.kernels._forwards import SharedStateModule
+
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=100)
+    model = transformers.LlamaForCausalLM(config)
+    swap(model, ["residual_rms_norm"])
+    layer = model.model.layers[0]
+    assert type(layer).__call__ is nn.Module.__call__ and type(layer).forward is SharedStateModule.forward
+    model.gradient_checkpointing_enable()
+    checkpointed = []
+    for module in model.modules():
+        if hasattr(module, "_gradient_checkpointing_func"):
+            module._gradient_checkpointing_func = lambda *a, **k: checkpointed.append(1)
+    ids = torch.randint(0, 100, (1, 6))
+    model.train()(ids, labels=ids).loss.backward()
+    assert checkpointed == []

@@ -325,8 +325,9 @@ def test_mlps_holding_dropout_are_not_matched(dropout, mode):
     assert SWAP.matches(DropoutMLP(nn.Dropout(0.0)))  # p = 0 drops nothing: the fused MLP computes the same
 
 
+@pytest.mark.parametrize("scope", ["module", "global"])
 @pytest.mark.parametrize("family", ["llama", "phi3"])
-def test_a_projection_output_a_hook_saw_is_not_overwritten_by_the_backward(family):
+def test_a_projection_output_a_hook_saw_is_not_overwritten_by_the_backward(family, scope):
     """The fused backward writes gate's and up's gradients over the projections' outputs, which are the MLP's
     alone, unless a forward hook saw them: an activation a hook records stayed a reference and turned into a
     gradient (changed by up to 1.4 on a 16-wide MLP). With a hook the outputs are left alone; gradients as eager's."""
@@ -346,9 +347,18 @@ def test_a_projection_output_a_hook_saw_is_not_overwritten_by_the_backward(famil
     model = nn.Sequential(copy.deepcopy(eager))
     assert [s for *_, s, _, _ in swap(model, ["swiglu"]).swapped] == ["swiglu"]
     seen = []
-    getattr(model[0], hooked).register_forward_hook(lambda module, args, out: seen.append(out))
+    projection = getattr(model[0], hooked)
+    if scope == "module":
+        getattr(model[0], hooked).register_forward_hook(lambda module, args, out: seen.append(out))
+    else:  # every module's calls (torch.nn.modules.module.register_module_forward_hook)
+        handle = nn.modules.module.register_module_forward_hook(
+            lambda module, args, out: seen.append(out) if module is projection else None)
     x = torch.randn(4, 16, requires_grad=True)
-    y = model(x)
+    try:
+        y = model(x)
+    finally:
+        if scope == "global":
+            handle.remove()
     before = seen[0].detach().clone()
     grad = torch.randn_like(y)
     y.backward(grad)
