@@ -176,7 +176,7 @@ class Error:
 def measure(x: torch.Tensor, ref: torch.Tensor) -> Error:
     """`errors` and the normwise relative error of `x` against the fp64 reference `ref`; for an integer or bool
     tensor (an argmax, a mask), the share of its elements that differ from the reference's, in every field."""
-    if not ref.is_floating_point() and tuple(x.shape) == tuple(ref.shape):
+    if not (ref.is_floating_point() or ref.is_complex()) and tuple(x.shape) == tuple(ref.shape):
         rate = (x.to(ref.device) != ref).double().mean().item() if ref.numel() else 0.0
         return Error(rate, rate, rate)
     max_abs, max_rel = errors(x, ref)
@@ -207,7 +207,7 @@ def judge_strict(name: str, ref: torch.Tensor | tuple, dtype: torch.dtype, a: Er
     ILL_CONDITIONED or more, B is held only to twice it (gate "ill_conditioned"). An integer or bool tensor is
     judged by its mismatch rate (`measure`) as `judge_mismatch` says.
     """
-    if not dtype.is_floating_point:
+    if not (dtype.is_floating_point or dtype.is_complex):
         return judge_mismatch(name, ref, dtype, a, spread_runs, b, factor)
     if a.rms_rel >= ILL_CONDITIONED:
         return TensorParity(

@@ -330,8 +330,9 @@ class _Reference:
         self.call = step.call if callable(inputs) else _caller(parity.to_double(inputs))
         self.step, self.seed = step, seed
         self.params = list(self.model.named_parameters())
-        # params_after and an optimizer's step move self.params: every run starts again from these
-        self.initial = [p.detach().clone() for _, p in self.params]
+        # an optimizer's step (and params_after) move self.params: every run starts again from these (on the CPU: the
+        # reference's parameters are the largest thing on the GPU); without one nothing moves them
+        self.initial = [p.detach().to("cpu", copy=True) for _, p in self.params] if step.optimizer is not None else None
         self.mode = Float64Fallback(step_callable=callable(inputs) and not isinstance(inputs, torch.Tensor))
 
     @property
@@ -360,8 +361,9 @@ class _Reference:
     def run(self, parameters=None, choices=None) -> dict[str, torch.Tensor]:
         """One step in float64 from the model's initial parameters, or from `parameters` (the model's own
         nudged values, upcast); `choices`: a run's topk indices to take in place of fp64's own (RecordChoices)."""
+        source = self.initial if parameters is None else parameters
         with torch.no_grad():
-            for (_, mine), theirs in zip(self.params, self.initial if parameters is None else parameters):
+            for (_, mine), theirs in zip(self.params, source or ()):
                 mine.copy_(theirs)
         optimizer = _reference_optimizer(self.step.optimizer, self.step.named_params, self.params)
         step = _Step(self.call, self.step.train, self.step.loss_fn, optimizer, self.params)

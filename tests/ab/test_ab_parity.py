@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from ab_swaps import NOOP, WRONG, needs_kernels
 from ab_workloads import llama_train_adamw, mlp
@@ -469,3 +470,28 @@ def test_a_model_that_mixes_precisions_gets_its_lower_precision_inputs_upcast_in
     assert result.parity_passed
     assert {"op": "aten::addmm", "note": "the model mixes float32 with float64 here; its float32 inputs were upcast "
                                          "to float64"} in result.reference_fallbacks
+
+
+def test_a_complex_output_is_judged_by_its_error_not_by_mismatches():
+    """Complex tensors are not floating point in torch's sense: they went to the integer outputs' mismatch gate,
+    where a B three times off passed."""
+    from profiler_svc.kernels import parity
+    gen = torch.Generator().manual_seed(0)
+    ref = torch.randn(64, dtype=torch.complex128, generator=gen)
+    a = parity.measure((ref * (1 + 1e-4)).to(torch.complex64), ref)
+    spread = [parity.measure((ref * (1 + 2e-4)).to(torch.complex64), ref)]
+    wrong = parity.judge_strict("output", ref, torch.complex64, a, spread, parity.measure((ref * 3).to(torch.complex64), ref), 4.0)
+    assert wrong.gate != "mismatch" and not wrong.passed
+
+
+def test_the_reference_keeps_a_second_copy_of_its_parameters_only_for_an_optimizer_and_on_the_cpu():
+    """Every reference run starts from the same parameters; only an optimizer's step moves them, and the copy that
+    puts them back held as much memory as the fp64 parameters themselves, on their device."""
+    from profiler_svc.ab import runner
+    model, x = nn.Linear(8, 8), torch.randn(2, 8)
+    call = runner._caller((x,))
+    plain = runner._Reference(model, (x,), runner._Step(call, True, None, None, list(model.named_parameters())), 0)
+    assert plain.initial is None
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    stepped = runner._Reference(model, (x,), runner._Step(call, True, None, sgd, list(model.named_parameters())), 0)
+    assert stepped.initial and all(t.device.type == "cpu" and t.dtype == torch.float64 for t in stepped.initial)
