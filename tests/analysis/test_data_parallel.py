@@ -98,5 +98,6 @@ def test_a_job_keeps_a_floor_priced_finding_out_of_its_replay(monkeypatch):
     assert p["scope"] == "job"
     f = next(f for f in r.findings if f.key == "communication:floored")
     assert f.saving_us_per_step > 0 and f.key not in p["findings"]
+    assert f.evidence["step_floor_us"] == 1000.0  # the dashboard's stored findings read the bound there
     assert {"title": f.title, "why": "the replay cannot model this fix; its saving is an upper bound"} in p["left_out"]
     assert all(w["finding"] != f.key for w in p["waterfall"])
