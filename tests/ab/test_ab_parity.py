@@ -394,7 +394,7 @@ def test_an_output_without_a_floating_tensor_is_a_user_error(kind):
     """No loss, no gradients and no output tensor: nothing would be compared, and all([]) passed."""
     from profiler_svc.errors import UserError
 
-    with pytest.raises(UserError, match="nothing to compare: the model's output holds no floating-point tensor"):
+    with pytest.raises(UserError, match="nothing to compare: the model's output holds no tensor"):
         ab_test(_Wrapped(kind), (mlp()[1][0],), [WRONG], **QUICK)
 
 
@@ -440,6 +440,21 @@ def test_integer_outputs_are_judged_by_how_often_they_differ_from_fp64():
     wrong = ab_test(model, (x,), [SHIFTED], **QUICK)
     argmax = next(t for t in wrong.parity if t.name == "output[1]")
     assert not argmax.passed and argmax.b_rms_rel > 0.3
+
+
+class _ArgmaxOnly(_Classifier):
+    def forward(self, x):
+        return super().forward(x)[1]
+
+
+def test_an_output_of_integers_alone_is_judged_too():
+    """An inference model returning only its argmax was refused as "nothing to compare", though the mismatch gate
+    judges exactly that."""
+    torch.manual_seed(0)
+    model, x = _ArgmaxOnly().to(torch.bfloat16), torch.randn(4, 64, 64).to(torch.bfloat16)
+    same = ab_test(model, (x,), [NOOP], **QUICK)
+    assert same.parity_passed and [t.gate for t in same.parity] == ["mismatch"]
+    assert not ab_test(model, (x,), [SHIFTED], **QUICK).parity_passed
 
 
 def test_a_shape_error_is_the_models_own_not_the_references():
