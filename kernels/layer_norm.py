@@ -13,7 +13,7 @@ from . import placement
 from ._launch import takes_native
 from ._norm import check_norm_args, normalize
 from .parity import place
-from .swap import SwapEntry, behaves_like, takes_one_input
+from .swap import SwapEntry, behaves_like, plain_norm_candidate
 
 
 # Below this many elements a 16-bit LayerNorm on a GPU goes to F.layer_norm (the same fp32 math and single
@@ -61,9 +61,7 @@ class LayerNorm(nn.Module):
 
 def _probe_layer_norm(module: nn.Module) -> Optional[tuple[int, float]]:
     """(hidden, eps) if `module` computes a LayerNorm over its last dim, else None."""
-    # One input, and no state but the weight (and bias): the replacement carries nothing else, and its
-    # forward(x, residual=None) would read a second argument (a gated norm's `gate`) as the residual.
-    if any(True for _ in module.children()) or any(True for _ in module.buffers()) or not takes_one_input(module):
+    if not plain_norm_candidate(module):
         return None
     params = dict(module.named_parameters())
     if set(params) - {"weight", "bias"} or any(p.dim() != 1 for p in params.values()):

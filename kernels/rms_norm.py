@@ -14,7 +14,7 @@ from . import placement
 from ._launch import takes_native
 from ._norm import check_norm_args, normalize
 from .parity import place
-from .swap import SwapEntry, behaves_like, takes_one_input
+from .swap import SwapEntry, behaves_like, plain_norm_candidate
 
 
 # Below this many elements a 16-bit RMSNorm on a GPU goes to torch's fused F.rms_norm (the same fp32 math
@@ -85,9 +85,7 @@ class RMSNorm(nn.Module):
 
 def _probe_rms_norm(module: nn.Module) -> Optional[tuple[int, float, float]]:
     """(hidden, eps, offset) if `module` computes an RMSNorm over its last dim, else None."""
-    # One input, and no state but the weight (and bias): the replacement carries nothing else, and its
-    # forward(x, residual=None) would read a second argument (a gated norm's `gate`) as the residual.
-    if any(True for _ in module.children()) or any(True for _ in module.buffers()) or not takes_one_input(module):
+    if not plain_norm_candidate(module):
         return None
     params = dict(module.named_parameters())
     if set(params) - {"weight"}:

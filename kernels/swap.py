@@ -257,9 +257,12 @@ def hooked(module: nn.Module) -> bool:
                 or every._global_backward_hooks or every._global_backward_pre_hooks)
 
 
-def takes_one_input(module: nn.Module) -> bool:
-    """Does `module.forward` take exactly one argument? A replacement whose forward(x, residual=None) would
-    read a second one (a gated norm's `gate`) as something else, so modules taking more are not matched."""
+def plain_norm_candidate(module: nn.Module) -> bool:
+    """No children, no buffers, and a forward of one argument: a norm replacement carries nothing but the weight
+    (and bias), and its forward(x, residual=None) would read a second argument (a gated norm's `gate`) as the
+    residual."""
+    if any(True for _ in module.children()) or any(True for _ in module.buffers()):
+        return False
     try:
         parameters = inspect.signature(module.forward).parameters.values()
     except (TypeError, ValueError):  # no signature to read: cannot tell
