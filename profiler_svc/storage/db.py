@@ -132,7 +132,9 @@ def _alembic_config():
     return config
 
 
+@functools.lru_cache(maxsize=1)
 def head_revision() -> str | None:
+    """The newest migration shipped (read from the migration scripts once: they do not change while we run)."""
     from alembic.script import ScriptDirectory
     return ScriptDirectory.from_config(_alembic_config()).get_current_head()
 
@@ -157,10 +159,7 @@ def _migrate(engine: Engine, step, revision: str) -> None:
             connection.commit()
             try:
                 with connection.begin():
-                    config.attributes["connection"] = connection
-                    broken = _broken_foreign_keys(connection)
-                    step(config, revision)
-                    _check_foreign_keys(connection, broken)
+                    _migrate_checked(config, connection, step, revision)
             finally:
                 connection.exec_driver_sql("PRAGMA foreign_keys=ON")
                 connection.commit()
@@ -170,12 +169,18 @@ def _migrate(engine: Engine, step, revision: str) -> None:
         # the lock serialises processes that start on a fresh file at once; Alembic reads the revision again
         # under it, so the one that waited finds the schema migrated and does nothing
         with _file_lock(engine.url.database), migration_engine.begin() as connection:
-            config.attributes["connection"] = connection
-            broken = _broken_foreign_keys(connection)
-            step(config, revision)
-            _check_foreign_keys(connection, broken)
+            _migrate_checked(config, connection, step, revision)
     finally:
         migration_engine.dispose()
+
+
+def _migrate_checked(config, connection, step, revision: str) -> None:
+    """SQLite: the migration on CONNECTION (foreign keys off, in its transaction), failed if it leaves rows pointing
+    nowhere."""
+    config.attributes["connection"] = connection
+    broken = _broken_foreign_keys(connection)
+    step(config, revision)
+    _check_foreign_keys(connection, broken)
 
 
 def _in_memory(database: str | None) -> bool:
