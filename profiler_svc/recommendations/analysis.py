@@ -49,9 +49,9 @@ HOST_PACE_RANGE = (0.85, 1.45)
 # The prediction names its range where the saving moves across HOST_PACE_RANGE by over this share of it and by over
 # PACE_NOTE_STEP of the step
 PACE_NOTE_SHARE = 0.25
+PACE_NOTE_STEP = 0.01
 # why a fix priced by its floor (Finding.step_floor_us) is not in the combined prediction
 UNREPLAYED = "the replay cannot model this fix; its saving is an upper bound"
-PACE_NOTE_STEP = 0.01
 
 
 @dataclass
