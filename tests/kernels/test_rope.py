@@ -74,7 +74,8 @@ def test_strided_views_as_hf_attention_passes_them(dtype):
 def test_gradients_reach_the_projections_in_their_layout_through_a_kv_cache():
     """HF's DynamicCache cats k onto an empty tensor, so k's gradient comes back to rope in [B, H, S, D] order; the
     backward still writes it in the projection's [B, S, H, D] order, which the projection's view takes without a
-    copy (eager's layout-following gradient cost a copy a layer: 0.44 ms a step at the Llama bar's size, H200)."""
+    copy (written in the incoming gradient's layout, it cost a copy a layer: benchmarks/results/
+    ab_end_to_end_llama_h100_2026-11-27.md, the H200 section)."""
     gen = torch.Generator().manual_seed(4)
     batch, seq, heads, kv_heads, dim = 2, 6, 4, 2, 32
     cos, sin = (t.float() for t in cos_sin(batch, seq, dim, gen))
