@@ -1,7 +1,8 @@
 """The dashboard: a Flask app factory with two blueprints, HTML pages and the JSON API that mirrors them.
 
 Configuration (``create_app(config)`` keys, or the environment):
-- ``DATABASE_URL`` (``PROFILER_SVC_DATABASE_URL``), ``BLOB_DIR`` (``PROFILER_SVC_BLOB_DIR``)
+- ``DATABASE_URL`` (``PROFILER_SVC_DATABASE_URL``), ``BLOB_DIR`` (``PROFILER_SVC_BLOB_DIR``); the database is
+  opened as the commands open it: SQLite migrated, PostgreSQL refused unless at the latest schema
 - ``API_TOKEN`` (``PROFILER_SVC_TOKEN``): the operator's token, accepted besides the database's tokens
   (``profiler_svc token create``); see `auth`
 - ``PUBLIC_READ`` (``PROFILER_SVC_PUBLIC_READ=1``): reads (pages, API GETs, downloads) without a token
@@ -21,7 +22,7 @@ from werkzeug.exceptions import HTTPException
 
 from ..errors import UserError, setting_int
 from ..formats import fmt_us
-from ..storage.db import database_url, get_engine, home
+from ..storage.db import home, ready_engine
 from ..storage.blobs import BlobStore
 from ..storage.ingest import default_blob_store
 from ..trace.load import max_trace_bytes
@@ -50,7 +51,8 @@ def create_app(config: dict | None = None) -> Flask:
     if not app.config["SECRET_KEY"]:
         app.config["SECRET_KEY"] = _persistent_secret_key()
 
-    app.extensions["profiler_svc.engine"] = get_engine(app.config["DATABASE_URL"] or database_url())
+    # checked here, once, whatever server runs the app (gunicorn, `flask`, `serve`): not a 500 on every page
+    app.extensions["profiler_svc.engine"] = ready_engine(app.config["DATABASE_URL"])
     app.extensions["profiler_svc.blobs"] = (BlobStore(app.config["BLOB_DIR"]) if app.config["BLOB_DIR"]
                                             else default_blob_store())
     app.extensions["profiler_svc.blobs"].clean_tmp()  # what uploads cut off by a crash left behind

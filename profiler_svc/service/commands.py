@@ -158,11 +158,10 @@ def cmd_worker(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from ..storage.db import ready_engine
-    engine = ready_engine()
     _check_can_listen(args.host, args.port)
     from ..web import create_app
-    app = create_app()
+    app = create_app()  # opens the database as every command does
+    engine = app.extensions["profiler_svc.engine"]
     analysers = args.analysis_workers if args.analysis_workers is not None else int(engine.dialect.name == "sqlite")
     start_analysis_workers(engine, app.extensions["profiler_svc.blobs"], analysers)
     serve(app, args.host, args.port, threads=args.threads)

@@ -249,9 +249,10 @@ def require_schema(engine: Engine) -> None:
         raise UserError(f"{where} is at revision {current}, head is {head}: run `profiler_svc db upgrade`")
 
 
-def ready_engine() -> Engine:
-    """The configured database, migrated when it is the zero-set-up SQLite file."""
-    engine = get_engine()
+def ready_engine(url: str | None = None) -> Engine:
+    """The database at URL (default: the configured one) as every command and the web app open it: SQLite
+    migrated (zero set-up), any other refused with one line unless its schema is this code's."""
+    engine = get_engine(url)
     try:
         if engine.dialect.name == "sqlite":
             upgrade(engine)
