@@ -46,6 +46,14 @@ def default_blob_store() -> BlobStore:
 
 
 @dataclass
+class Asked:
+    """What an ingest asked of the run its trace goes into: a trace stored already is compared with it."""
+    name: str | None = None
+    group_key: str | None = None
+    workload: str | None = None
+
+
+@dataclass
 class IngestResult:
     run_id: int
     trace_id: int
@@ -91,12 +99,15 @@ def _without_path(message: str, path, filename: str) -> str:
 
 def ingest_stream(engine: Engine, stream, *, filename: str, blobs: BlobStore | None = None,
                   name: str | None = None, group_key: str | None = None, host: str | None = None,
-                  workload: str | None = None, max_bytes: int | None = None) -> IngestResult:
+                  workload: str | None = None, max_bytes: int | None = None,
+                  asked: Asked | None = None) -> IngestResult:
     """Store one trace read from a binary stream (plain or gzip JSON), analysed here and now (the CLI;
-    the web app queues the analysis instead: `submit_upload`)."""
+    the web app queues the analysis instead: `submit_upload`). ASKED: what the user asked for, where
+    NAME and GROUP_KEY are the caller's defaults (a folder's run); a stored trace of this content is compared with it."""
     blobs = blobs or default_blob_store()
     filename = clean_filename(filename)
-    with _receiving(engine, blobs, stream, workload, max_bytes) as (received, existing):
+    asked = asked or Asked(name, group_key, workload)
+    with _receiving(engine, blobs, stream, asked, max_bytes) as (received, existing):
         if existing:
             return existing
         analysed = analyse_file(received.tmp_path, filename)
@@ -108,22 +119,22 @@ def ingest_stream(engine: Engine, stream, *, filename: str, blobs: BlobStore | N
             return result
         except IntegrityError:
             # Someone stored the same content between our check and our commit.
-            existing = _find_trace(engine, received.sha256, workload)
+            existing = _find_trace(engine, received.sha256, asked)
             if existing:
                 return existing
             raise
 
 
 @contextmanager
-def _receiving(engine, blobs, stream, workload, max_bytes):
+def _receiving(engine, blobs, stream, asked: Asked, max_bytes):
     """The upload in the blob store's temporary place (removed on leaving unless committed), and the
     stored trace with the same content if there is one."""
-    if workload is not None:
-        check_workload_allowed(workload)
+    if asked.workload is not None:
+        check_workload_allowed(asked.workload)
     # uncompressed, checked while receiving (a gzip bomb stops early); none given: the analyser's own limit
     received = blobs.receive(stream, max_bytes=max_trace_bytes() if max_bytes is None else max_bytes)
     try:
-        yield received, _find_trace(engine, received.sha256, workload)
+        yield received, _find_trace(engine, received.sha256, asked)
     finally:
         received.tmp_path.unlink(missing_ok=True)
         received.release()
@@ -150,7 +161,8 @@ def submit_upload(engine: Engine, stream, *, filename: str, blobs: BlobStore, na
     trace). Returns the stored trace when this content is stored already, else its analysis job
     (a new one, the one already queued for the same content, or a failed one queued again)."""
     filename = clean_filename(filename)
-    with _receiving(engine, blobs, stream, workload, max_bytes) as (received, existing):
+    wanted = Asked(name, group_key, workload)
+    with _receiving(engine, blobs, stream, wanted, max_bytes) as (received, existing):
         if existing:
             return existing
         asked = dict(filename=filename, name=_text(name, 255), group_key=_run_key(group_key),
@@ -180,7 +192,7 @@ def submit_upload(engine: Engine, stream, *, filename: str, blobs: BlobStore, na
                         raise
                     return job
             except IntegrityError:
-                existing = _find_trace(engine, received.sha256, workload)
+                existing = _find_trace(engine, received.sha256, wanted)
                 if existing:
                     return existing
         raise UserError("the upload raced with another upload of the same trace; send it again")
@@ -193,12 +205,13 @@ def store_analysed_job(engine: Engine, blobs: BlobStore, job_id: int, worker: st
         job = session.get(AnalysisJob, job_id)
         upload = Upload(job.content_sha256, job.blob_path, job.filename, job.size_bytes, job.stored_bytes,
                         job.name, job.group_key, job.host, job.workload)
-    existing = _find_trace(engine, upload.sha256, upload.workload)  # e.g. `profiler_svc ingest` of the same file
+    asked = Asked(upload.name, upload.group_key, upload.workload)
+    existing = _find_trace(engine, upload.sha256, asked)  # e.g. `profiler_svc ingest` of the same file
     if existing is None:
         try:
             return _store(engine, blobs, upload, analysed, job=(job_id, worker))
         except IntegrityError:  # ... that committed while we analysed
-            existing = _find_trace(engine, upload.sha256, upload.workload)
+            existing = _find_trace(engine, upload.sha256, asked)
             if existing is None:
                 raise
     with session_scope(engine) as session:
@@ -233,6 +246,7 @@ def ingest_path(engine: Engine, path, *, name: str | None = None, group_key: str
                 blobs: BlobStore | None = None) -> list[IngestResult]:
     """Ingest a trace file, or a folder of per-rank traces as one run."""
     path = Path(path)
+    asked = Asked(name, group_key, workload)  # before a folder's defaults, which nobody asked for
     if path.is_dir():
         # files only, as the analyser lists a folder: not a folder named x.json, nor a link to nothing
         files = sorted(p for p in path.iterdir() if p.name.endswith((".json", ".json.gz")) and p.is_file())
@@ -255,7 +269,7 @@ def ingest_path(engine: Engine, path, *, name: str | None = None, group_key: str
                 raise UserError(f"{file}: {exc.strerror or exc}") from None
             with stream:
                 results.append(ingest_stream(engine, stream, filename=file.name, blobs=blobs, name=name,
-                                             group_key=group_key, host=host, workload=workload))
+                                             group_key=group_key, host=host, workload=workload, asked=asked))
         new = [r for r in results if not r.duplicate]
         whole_run = len(files) > 1 and bool(new) and _holds_exactly(engine, new[0].run_id, results)
         if whole_run:  # the folder is the run: its report is the run's
@@ -433,23 +447,38 @@ def _blob_unused(session, sha256: str) -> bool:
     return stored is None and waiting is None
 
 
-def _find_trace(engine, sha256, workload=None) -> IngestResult | None:
-    """The stored trace with this content, if any; saying so when it was asked for another workload."""
+def _find_trace(engine, sha256, asked: Asked) -> IngestResult | None:
+    """The stored trace with this content, if any; saying so when its run is not the one asked for."""
     with session_scope(engine) as session:
         row = session.execute(select(TraceRecord.id, TraceRecord.run_id)
                               .where(TraceRecord.content_sha256 == sha256)).first()
         if row is None:
             return None
-        note = None
-        run = session.get(Run, row.run_id)
-        if workload and run.workload != workload:
-            if run.workload:
-                note = (f"already stored in run {run.id} with workload {run.workload!r}; "
-                        f"workload {workload!r} was not applied")
-            else:
-                run.workload = workload
-                note = f"already stored in run {run.id}; its workload is now {workload!r}"
+        note = _settle_asked(session.get(Run, row.run_id), asked)
     return IngestResult(run_id=row.run_id, trace_id=row.id, duplicate=True, note=note)
+
+
+def _settle_asked(run: Run, asked: Asked) -> str | None:
+    """A stored trace asked for again: a workload its run lacks is given to it; another run key, name or workload
+    is said and not applied (the trace stays in the one run it belongs to, which other ranks may share)."""
+    differ = [(label, held, wanted) for label, held, wanted in (
+        ("run key", run.group_key, _run_key(asked.group_key)), ("name", run.name, _text(asked.name, 255)))
+        if wanted and wanted != held]
+    given = None
+    if asked.workload and not run.workload:
+        run.workload = given = asked.workload
+    elif asked.workload and asked.workload != run.workload:
+        differ.append(("workload", run.workload, asked.workload))
+    if not differ and not given:
+        return None
+    parts = [f"already stored in run {run.id}"]
+    if differ:
+        parts[0] += " with " + ", ".join(f"{label} {held!r}" if held else f"no {label}" for label, held, _ in differ)
+        parts.append(", ".join(f"{label} {wanted!r}" for label, _, wanted in differ)
+                     + (" was" if len(differ) == 1 else " were") + " not applied")
+    if given:
+        parts.append(f"its workload is now {given!r}")
+    return "; ".join(parts)
 
 
 def _store(engine, blobs, upload: Upload, analysed: dict, *, move_blob=None, job=None) -> IngestResult | None:

@@ -874,3 +874,18 @@ def test_rows_left_dangling_before_a_migration_do_not_fail_it(engine, tmp_path):
         conn.commit()
     storage_db.upgrade(engine)
     storage_db.require_schema(engine)
+
+
+def test_an_upload_of_a_stored_trace_says_the_run_and_name_it_keeps(engine, blobs):
+    """The API's answer to content stored already (200, duplicate) says when the run key or name asked for was not
+    applied, as `profiler_svc ingest` prints it."""
+    [first] = ingest.ingest_path(engine, SMALL_TRACE, blobs=blobs, name="first", group_key="job-1")
+    with open(SMALL_TRACE, "rb") as f:
+        again = ingest.submit_upload(engine, f, filename="upload.json.gz", blobs=blobs, name="second",
+                                     group_key="job-1")
+    assert isinstance(again, ingest.IngestResult) and (again.run_id, again.trace_id) == (first.run_id, first.trace_id)
+    assert again.note == (f"already stored in run {first.run_id} with name 'first'; "
+                          "name 'second' was not applied")
+    with open(SMALL_TRACE, "rb") as f:
+        same = ingest.submit_upload(engine, f, filename="upload.json.gz", blobs=blobs, group_key="job-1")
+    assert same.note is None

@@ -104,3 +104,41 @@ def test_file_system_problems_are_one_line(sqlite_env, capsys, tmp_path, monkeyp
     monkeypatch.setenv("PROFILER_SVC_BLOB_DIR", str(folder / "a.json.gz"))
     assert main(["ingest", str(SMALL_TRACE)]) == 2
     assert one_line_error(capsys).endswith("as the folder of trace files: Not a directory")
+
+
+def test_a_duplicate_ingest_says_which_run_it_stays_in(engine, monkeypatch, tmp_path, capsys):
+    """A stored trace ingested again with another --run and --name printed only "already stored": the user took it
+    to be in the run they named. It stays where it is (a trace is one rank of one run), and the line says so."""
+    from sqlalchemy import select
+    from profiler_svc.storage.db import session_scope
+    from unittest.mock import ANY
+    from profiler_svc.storage.models import Run
+    from tests.plugins.database import trace_variant
+    monkeypatch.setenv("PROFILER_SVC_DATABASE_URL", engine.url.render_as_string(hide_password=False))
+    monkeypatch.setenv("PROFILER_SVC_BLOB_DIR", str(tmp_path / "blobs"))
+    assert main(["ingest", str(SMALL_TRACE), "--run", "job-1", "--name", "first"]) == 0
+    assert capsys.readouterr().out == "run 1 trace 1: stored\n"
+    assert main(["ingest", str(SMALL_TRACE), "--run", "job-2", "--name", "second"]) == 0
+    assert capsys.readouterr().out == ("run 1 trace 1: already stored (already stored in run 1 with run key 'job-1', "
+                                       "name 'first'; run key 'job-2', name 'second' were not applied)\n")
+    assert main(["ingest", str(SMALL_TRACE), "--name", "first"]) == 0  # what it is stored as: nothing to say
+    assert capsys.readouterr().out == "run 1 trace 1: already stored\n"
+    # a folder's run name and key are defaults nobody asked for: no note about them
+    assert main(["ingest", str(DDP)]) == 0
+    capsys.readouterr()
+    assert main(["ingest", str(DDP)]) == 0
+    assert capsys.readouterr().out == "run 2 trace 2: already stored\nrun 2 trace 3: already stored\n"
+    assert main(["ingest", str(DDP), "--run", "job-1"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("run 2 trace 2: already stored (already stored in run 2 with run key 'folder:")
+    assert first.endswith("; run key 'job-1' was not applied)")
+    plain = trace_variant(tmp_path, "plain")
+    assert main(["ingest", str(plain)]) == 0
+    stored = capsys.readouterr().out.removesuffix(": stored\n")  # "run N trace 4" (PostgreSQL's ids have gaps)
+    run = stored.split()[1]
+    assert main(["ingest", str(plain), "--run", "job-1"]) == 0
+    assert capsys.readouterr().out == (f"{stored}: already stored (already stored in run {run} with no run key; "
+                                       "run key 'job-1' was not applied)\n")
+    with session_scope(engine) as session:
+        assert [(r.group_key, r.name) for r in session.scalars(select(Run).order_by(Run.id))] == \
+            [("job-1", "first"), (ANY, "gpt2_ddp"), (None, "variant-plain")]
