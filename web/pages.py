@@ -9,6 +9,7 @@ from ..errors import UserError
 from ..formats import fmt_us, reference_note
 from ..storage import jobs, queries
 from ..storage.models import Run
+from .. import intervals
 from ..trace.kernel_names import short_kernel_name
 from . import db
 from .api import int_arg, rank_arg
@@ -42,9 +43,21 @@ def _setup(state):
         pass
     app.jinja_env.filters["short_kernel"] = short_kernel_name
     app.jinja_env.filters["reference_note"] = reference_note
+    app.jinja_env.filters["level_pct"] = level_pct
     app.jinja_env.globals["static_url"] = static_url
     app.jinja_env.globals["evidence_rows"] = evidence_rows
     app.after_request(_cache_versioned)
+
+
+def level_pct(level: float) -> str:
+    """An interval's level for people: 95 %, 97.1 %, 87.5 % (to a tenth of a percent)."""
+    return f"{round(100 * level, 1):g} %"
+
+
+def interval_terms() -> dict:
+    """What a page's intervals are judged by: the level a verdict needs, and the fewest A/B rounds and steps a side
+    that reach it (read when the page renders, from their one home)."""
+    return {"ci_target": intervals.CI_LEVEL, "min_rounds": intervals.MIN_ROUNDS, "min_steps": intervals.MIN_STEPS}
 
 
 def static_url(filename: str) -> str:
@@ -123,7 +136,7 @@ def jobs_list():
 
 @bp.get("/jobs/<int:job_id>")
 def job(job_id):
-    return render_template("job.html", job=queries.job_page(db(), job_id))
+    return render_template("job.html", job=queries.job_page(db(), job_id), **interval_terms())
 
 
 @bp.get("/compare")
@@ -132,7 +145,7 @@ def compare():
     if not request.args.get("a") or not request.args.get("b"):
         return render_template("compare.html", cmp=None, runs=runs)
     data = queries.compare(db(), int_arg("a", None, 1, 2**31 - 1), int_arg("b", None, 1, 2**31 - 1))
-    return render_template("compare.html", cmp=data, runs=runs)
+    return render_template("compare.html", cmp=data, runs=runs, **interval_terms())
 
 
 def plotly_url() -> str:

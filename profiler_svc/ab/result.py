@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 
 from ..formats import reference_note
 from ..kernels.parity import ILL_CONDITIONED, TensorParity, worst
-from .stats import CI_LEVEL, MIN_ROUNDS
+from ..intervals import CI_LEVEL, MIN_ROUNDS
 
 SCHEMA = "profiler_svc.ab/1"
 

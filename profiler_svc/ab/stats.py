@@ -1,13 +1,14 @@
 """Timing one step, and the statistics that turn interleaved rounds into a verdict."""
 from __future__ import annotations
 
-import math
 import time
 
 import numpy as np
 import torch
 
-CI_LEVEL = 0.95
+# the level and the fewest rounds that reach it live with the interval, where the web reads them without torch
+from ..intervals import CI_LEVEL, binomial_below, sign_test_rank
+from ..intervals import MIN_ROUNDS as MIN_ROUNDS
 
 
 def timer_name(device: torch.device) -> str:
@@ -59,28 +60,10 @@ def speedup_ci(a_ms, b_ms, level: float = CI_LEVEL) -> tuple[float, float, float
         raise ValueError("need the same, non-zero number of A and B timings")
     ratios = np.sort(a / b)
     n = ratios.size
-    k = _order_statistic(n, level)
+    k = sign_test_rank(n, level)
     if k == 0:
-        k, level = 1, 1 - 2 * _below(n, 1)
+        k, level = 1, 1 - 2 * binomial_below(n, 1)
     return float(np.median(ratios)), float(ratios[k - 1]), float(ratios[n - k]), level
-
-
-def _below(n: int, k: int) -> float:
-    """P(fewer than k of n ratios fall below their median): Binomial(n, 1/2)'s CDF at k - 1."""
-    return sum(math.comb(n, i) for i in range(k)) / 2 ** n
-
-
-def _order_statistic(n: int, level: float) -> int:
-    """The largest k whose interval [k-th smallest, k-th largest] of n ratios misses their median with
-    probability 2 * P(Binomial(n, 1/2) < k) <= 1 - level; 0 when even the whole range misses it more often."""
-    k = 0
-    while k + 1 <= (n + 1) // 2 and 2 * _below(n, k + 1) <= 1 - level:
-        k += 1
-    return k
-
-
-# The fewest rounds whose interval reaches CI_LEVEL: 6 (the whole range of 6 ratios covers 1 - 2 / 2**6 = 96.9%).
-MIN_ROUNDS = next(n for n in range(1, 100) if _order_statistic(n, CI_LEVEL))
 
 
 def saving_ms(a_ms, b_ms) -> float:

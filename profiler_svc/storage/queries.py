@@ -7,6 +7,7 @@ from sqlalchemy import false, func, or_, select
 from ..detectors.common import recommended
 from ..errors import UserError
 from ..recommendations.report import above_dram_note
+from ..intervals import shift_interval
 from ..trace.kernel_names import short_kernel_name
 from .models import ABJob, AnalysisJob, FindingRecord, KernelSummary, Run, RunAnalysisJob, TraceRecord
 
@@ -431,7 +432,7 @@ def job_page(session, job_id: int) -> dict:
 
 
 def compare(session, run_a: int, run_b: int, limit: int = 50) -> dict:
-    """Run B against run A: the step (difference of the median step, with a bootstrap interval over the steps),
+    """Run B against run A: the step (difference of the median step, with an exact interval for the shift),
     the per-step breakdown, findings resolved / new / changed (by cause), and per-kernel time (B minus A)."""
     a, b = run_summary(session, run_a), run_summary(session, run_b)
     ta, tb = _trace_for(session, run_a, None), _trace_for(session, run_b, None)
@@ -461,12 +462,14 @@ def compare(session, run_a: int, run_b: int, limit: int = 50) -> dict:
             "total_delta_us": round(b["summary"]["kernel_time_us"] - a["summary"]["kernel_time_us"], 3)}
 
 
-# An interval needs a few steps on each side; bootstrap resamples for it (fixed seed: the same page every time).
-_MIN_STEPS_FOR_CI, _BOOTSTRAP = 3, 2000
+# A side of one step has no spread to go on: an interval needs two steps a side (the level it reaches is stated).
+_MIN_STEPS_FOR_CI = 2
 
 
-def step_difference(steps_a: dict, steps_b: dict, level: float = 0.95) -> dict | None:
-    """B's median step minus A's, with a bootstrap confidence interval over each run's measured steps."""
+def step_difference(steps_a: dict, steps_b: dict) -> dict | None:
+    """B's median step minus A's, with the exact distribution-free interval for the shift between the two runs' steps
+    (intervals.shift_interval) and the level it reaches: CI_LEVEL, or below it where there are too few steps.
+    The estimate stays the difference of the two medians the page shows beside it; the interval is the shift's."""
     import numpy as np
     va = np.asarray((steps_a.get("step_us") or {}).get("values") or [], dtype=float)
     vb = np.asarray((steps_b.get("step_us") or {}).get("values") or [], dtype=float)
@@ -478,13 +481,10 @@ def step_difference(steps_a: dict, steps_b: dict, level: float = 0.95) -> dict |
     out: dict[str, float | None] = {"a_us": a_us, "b_us": b_us, "a_steps": len(va), "b_steps": len(vb)}
     out["delta_us"] = delta_us
     out["delta_pct"] = round(100 * delta_us / a_us, 2) if a_us else None
-    out["ci_level"], out["ci_low_us"], out["ci_high_us"] = level, None, None
+    out["ci_level"], out["ci_low_us"], out["ci_high_us"] = None, None, None
     if min(len(va), len(vb)) >= _MIN_STEPS_FOR_CI:
-        rng = np.random.default_rng(0)
-        diffs = (np.median(rng.choice(vb, (_BOOTSTRAP, len(vb))), axis=1)
-                 - np.median(rng.choice(va, (_BOOTSTRAP, len(va))), axis=1))
-        low, high = np.quantile(diffs, [(1 - level) / 2, (1 + level) / 2])
-        out["ci_low_us"], out["ci_high_us"] = round(float(low), 2), round(float(high), 2)
+        low, high, level = shift_interval(va, vb)
+        out["ci_level"], out["ci_low_us"], out["ci_high_us"] = level, round(low, 2), round(high, 2)
     return out
 
 

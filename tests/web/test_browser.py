@@ -263,6 +263,9 @@ def test_hostile_names_render_as_text(server, page):
     assert cell.locator("img, script").count() == 0
     page.goto(f"{base}/compare?a={runs['llama']}&b={runs['hostile']}")
     page.wait_for_selector("#compare-form")
+    # two steps a side: the interval at the level it has (1 - 2 / C(4, 2)), which is no verdict
+    ci = page.locator("#step-ci").inner_text()
+    assert ci.startswith("66.7 % CI ") and ci.endswith("2 and 2 steps give no 95 % interval (4 a side do), no verdict")
     page.goto(f"{base}/runs/{runs['hostile']}/timeline")
     page.wait_for_selector("#timeline-chart .main-svg")
     assert page.evaluate("document.querySelectorAll('img[src=x], script:not([src]):not([type])').length") == 0

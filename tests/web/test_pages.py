@@ -10,6 +10,7 @@ from profiler_svc.formats import fmt_us
 from profiler_svc.recommendations import recommend
 from profiler_svc.storage import queries
 from profiler_svc.storage.ingest import ingest_path
+from profiler_svc import intervals
 from tests.plugins.traces import DDP, fixture_dir, fixture_path
 from tests.web.test_web import TOKEN, csrf_token, make_app
 from tests.web.uploads import sign_in
@@ -27,6 +28,11 @@ def client(engine, blobs):
 
 def ingest(engine, blobs, path, **kwargs) -> int:
     return ingest_path(engine, path, blobs=blobs, **kwargs)[0].run_id
+
+
+def shown_level(level: float) -> str:
+    """An interval's level as the pages show it: 95 %, 66.7 %."""
+    return f"{round(100 * level, 1):g} %"
 
 
 def text_of(page: str) -> str:
@@ -411,8 +417,13 @@ def test_compare_step_ci_breakdown_and_findings(engine, blobs, client, tmp_path)
     step = cmp["step"]
     assert step["a_steps"] == len(sa["values"]) >= 3 and step["delta_us"] == pytest.approx(sb["median"] - sa["median"], abs=0.01)
     assert step["ci_low_us"] <= step["delta_us"] <= step["ci_high_us"]
+    # the exact level of the interval for 6 and 6 steps (at least 95%), on the page as the level it is
+    assert step["ci_level"] == intervals.shift_rank(6, 6)[1] >= intervals.CI_LEVEL
     page = client.get(f"/compare?a={a}&b={b}").get_data(as_text=True)
-    assert fmt_us(step["delta_us"]) in page and fmt_us(step["ci_low_us"]) in page
+    assert fmt_us(step["delta_us"]) in page
+    ci = text_of(re.search(r'id="step-ci">(.*?)</div>', page, re.S).group(1)).strip()
+    assert ci.startswith(f"{shown_level(step['ci_level'])} CI {fmt_us(step['ci_low_us'])} to {fmt_us(step['ci_high_us'])}")
+    assert "no verdict" not in ci
     # every finding of A is resolved, changed or unchanged in B; every finding of B is new, changed or unchanged
     a, b = ingest(engine, blobs, small), ingest(engine, blobs, large)
     cmp = client.get(f"/api/v1/compare?a={a}&b={b}").get_json()
@@ -426,7 +437,12 @@ def test_compare_step_ci_breakdown_and_findings(engine, blobs, client, tmp_path)
     assert 'id="compare-form"' in page and f'<option value="{a}" selected>' in page and f'<option value="{b}" selected>' in page
     for f in fd["resolved"] + fd["new"]:
         assert html.escape(f["title"], quote=False) in page
-    assert "too few steps" in page  # two steps a side
+    # two steps a side: the whole range of differences, at the level it has (1 - 2 / C(4, 2)), and no verdict
+    step = cmp["step"]
+    assert step["a_steps"] == step["b_steps"] == 2 and step["ci_level"] == pytest.approx(2 / 3)
+    ci = text_of(re.search(r'id="step-ci">(.*?)</div>', page, re.S).group(1)).strip()
+    assert ci == (f"66.7 % CI {fmt_us(step['ci_low_us'])} to {fmt_us(step['ci_high_us'])}: 2 and 2 steps give no "
+                  f"{shown_level(intervals.CI_LEVEL)} interval ({intervals.MIN_STEPS} a side do), no verdict")
     for row in cmp["breakdown"]:
         assert fmt_us(row["delta_us"]) in page
     # the same run twice says so, with no chart
