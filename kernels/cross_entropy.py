@@ -1,6 +1,7 @@
 """Cross-entropy over logits, and a chunked fused linear + cross-entropy that never holds all logits.
 
-Per row r with target t (rows whose target is ignore_index contribute nothing):
+Per row r with target t (rows whose target is ignore_index contribute nothing; any other target outside
+[0, V), which torch refuses, gives that row a NaN loss and gradient, so no reduced loss can pass for valid):
     lse = logsumexp(x),  loss = (1 - ε)·(lse - x_t) + ε·(lse - mean(x))          (ε = label smoothing)
     dloss/dx_j = g_r · (softmax(x)_j - (1 - ε)·[j = t] - ε/V)
 One online pass over a row gives lse, x_t and mean(x) (fp32 math; fp64 for fp32 logits). With
@@ -52,10 +53,10 @@ def _cross_entropy_kernel(
         row = tl.cast(row32, tl.int64)
         target = tl.load(T + row).to(tl.int64)
         ignored = target == ignore_index
+        in_range = (target >= 0) & (target < V)  # never read outside the row, whatever the target
         x_row = X + row * stride_x
         if COMPUTE_LSE:
             # The target's logit first: its load is in flight during the pass instead of after it.
-            in_range = (target >= 0) & (target < V)  # never read outside the row, whatever the target
             x_t = tl.load(x_row + tl.where(in_range, target, 0)).to(ACC)
         total = tl.zeros([], dtype=ACC)
         if ONE_TILE:
@@ -103,9 +104,9 @@ def _cross_entropy_kernel(
             if ROW_SUM:
                 loss = (1.0 - smoothing) * loss + smoothing * (lse - total / V)
             tl.store(LSE + row, lse)
-            tl.store(LOSS + row, tl.where(ignored, 0.0, loss))
+            tl.store(LOSS + row, _row_weight(loss, ignored, in_range))
         if WRITE_GRAD:
-            scale = tl.where(ignored, 0.0, tl.load(SCALE + row * stride_scale).to(ACC))
+            scale = _row_weight(tl.load(SCALE + row * stride_scale).to(ACC), ignored, in_range)
             dx_row = DX + row * stride_dx
             if ONE_TILE:
                 grad = prob - smoothing / V - tl.where(cols == target, 1.0 - smoothing, 0.0)
@@ -133,6 +134,14 @@ def _cross_entropy_kernel(
 
 
 @triton.jit
+def _row_weight(value, ignored, in_range):
+    """A row's loss, or its gradient's scale: 0 where the target is ignore_index, NaN where it is any other
+    class outside [0, V), which torch refuses (an IndexError, a device-side assert). A NaN loss is what the
+    user sees without the host sync a check would cost."""
+    return tl.where(ignored, 0.0, tl.where(in_range, value, float("nan")))
+
+
+@triton.jit
 def _grad(x, cols, target, lse, V, smoothing):
     """softmax(x) - (1 - ε)·onehot(target) - ε/V at `cols` of the row, in x's dtype (fp32, fp64): the kernel
     scales it and rounds it once as it stores it (stores stay in the kernels, see
@@ -155,7 +164,7 @@ def _regrad_kernel(
         for row32 in range(tl.program_id(0), M, tl.num_programs(0)):
             row = tl.cast(row32, tl.int64)
             target = tl.load(T + row).to(tl.int64)
-            row_scale = tl.where(target == ignore_index, 0.0, scale)
+            row_scale = _row_weight(scale, target == ignore_index, (target >= 0) & (target < V))
             x_row, dx_row, lse = X + row * stride_x, DX + row * stride_dx, tl.load(LSE + row)
             for start in range(0, V, BLOCK_N):
                 cols = start + tl.arange(0, BLOCK_N)

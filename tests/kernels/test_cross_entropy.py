@@ -234,3 +234,75 @@ def test_pipelined_rows_fit_shared_memory():
     assert pipeline_stages(3, row, 99 * 1024) == 2
     assert pipeline_stages(3, row, 48 * 1024) == 1
     assert pipeline_stages(1, row, 0) == 1
+
+
+# Targets torch refuses (an IndexError on the CPU, a device-side assert on a GPU), with the ignore_index in use:
+# past the last class, negative, and the usual -100 where another class is ignored.
+OUT_OF_RANGE = {"V": (50, -100), "negative": (-5, -100), "-100 not ignored": (-100, 0)}
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("bad", sorted(OUT_OF_RANGE))
+def test_target_out_of_range_gives_nan_not_a_loss(reduction, bad):
+    """No host check (a sync per step): the row's loss and gradient are NaN, so a reduced loss is NaN; the
+    other rows are as if that row were ignored."""
+    value, ignore_index = OUT_OF_RANGE[bad]
+    logits, target = problem(9, 50, seed=11)
+    target[::5] = ignore_index
+    target[3] = value
+    others = torch.arange(9) != 3
+    valid = target.clone()
+    valid[3] = ignore_index
+    ref_x = logits.detach().clone().requires_grad_()
+    ref = F.cross_entropy(ref_x, valid, ignore_index=ignore_index, reduction=reduction)
+    x = logits.detach().float()
+    with torch.no_grad():
+        inference = cross_entropy(x, target, ignore_index, reduction)
+    x.requires_grad_()
+    loss = cross_entropy(x, target, ignore_index, reduction)
+    for got in (inference, loss.detach()):
+        if reduction == "none":
+            assert got[3].isnan() and rel_err(got[others], ref.detach()[others]) < 1e-6
+        else:
+            assert got.isnan()
+    # For mean/sum the forward wrote the gradient for an incoming 1: the first backward, with another incoming
+    # gradient, rewrites it; the second recomputes it.
+    for dy in (torch.full(ref.shape, -2.5, dtype=torch.float64), torch.ones(ref.shape, dtype=torch.float64)):
+        (g,) = torch.autograd.grad(loss, x, dy.float(), retain_graph=True)
+        assert g[3].isnan().all() and g[others].isfinite().all()
+        if reduction != "mean":  # the mean's other rows are divided by a count that holds the bad row
+            (r,) = torch.autograd.grad(ref, ref_x, dy, retain_graph=True)
+            assert rel_err(g[others], r[others]) < 1e-6
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("low_memory", [False, True])
+def test_fused_linear_cross_entropy_target_out_of_range_gives_nan(reduction, low_memory):
+    gen = torch.Generator().manual_seed(12)
+    m, h, v = 10, 8, 40
+    hidden = torch.randn(m, h, generator=gen, requires_grad=True)
+    weight = torch.randn(v, h, generator=gen, requires_grad=True)
+    target = torch.randint(0, v, (m,), generator=gen)
+    target[2], target[6], target[8] = v, -5, -100
+    bad = torch.zeros(m, dtype=torch.bool)
+    bad[[2, 6]] = True
+    valid = target.masked_fill(bad, -100)
+    kwargs = dict(reduction=reduction, chunk_rows=3, low_memory=low_memory)  # several chunks, a ragged last one
+    with torch.no_grad():
+        inference = fused_linear_cross_entropy(hidden, weight, target, **kwargs)
+    loss = fused_linear_cross_entropy(hidden, weight, target, **kwargs)
+    ref = F.cross_entropy(hidden @ weight.t(), valid, reduction=reduction)
+    for got in (inference, loss.detach()):
+        if reduction == "none":
+            assert got[bad].isnan().all() and rel_err(got[~bad], ref.detach()[~bad]) < 1e-6
+        else:
+            assert got.isnan()
+    for dy in (torch.full(ref.shape, -2.5), torch.ones(ref.shape)):
+        grad_hidden, grad_weight = torch.autograd.grad(loss, [hidden, weight], dy, retain_graph=not low_memory)
+        assert grad_hidden[bad].isnan().all() and grad_hidden[~bad].isfinite().all()
+        assert grad_weight.isnan().all()  # each class's row sums over the bad rows' gradients too
+        if reduction != "mean":
+            ref_hidden = torch.autograd.grad(ref, hidden, dy, retain_graph=True)[0]
+            assert rel_err(grad_hidden[~bad], ref_hidden[~bad]) < 1e-5
+        if low_memory:  # its gradients are handed out once
+            break
