@@ -335,7 +335,12 @@ def _with_fused_rope(forward):
     if kind is None:
         raise ValueError("the model's apply_rotary_pos_emb is neither rotate-half nor interleaved RoPE (with partial rotary)")
     scope = dict(forward.__globals__, apply_rotary_pos_emb=_fused_apply(original, kind == "interleaved"))
-    return copy_function(forward, scope, forward.__closure__)
+    # No `__name__`: torch.compile would take the globals of a function it inlines for that module's and read
+    # (and guard) apply_rotary_pos_emb there, the model file's own; without it, it reads this dict.
+    scope.pop("__name__", None)
+    fused = copy_function(forward, scope, forward.__closure__)
+    fused.__module__ = forward.__module__
+    return fused
 
 
 def attention_forward(module: nn.Module):

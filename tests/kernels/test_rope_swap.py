@@ -198,3 +198,37 @@ def test_attention_of_other_families_swapped_with_same_outputs_and_grads(family,
     for name in grads:
         torch.testing.assert_close(new_grads[name], grads[name], rtol=1e-4, atol=1e-6)
     unswap(model)
+
+
+def test_swapped_model_compiles_and_runs_the_fused_rope():
+    """torch.compile reads the fused forward's globals from its own scope, not from the model file's module
+    (whose apply_rotary_pos_emb is the original): one graph that holds the fused op, the eager outputs, and
+    the same loss and gradients in training."""
+    model = tiny().eval()
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(5))
+    assert swap(model, ["rope"]).swapped
+    targets = []
+
+    def recording(gm, example_inputs):
+        targets.extend(node.target for node in gm.graph.nodes if node.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            expected = model(input_ids=ids).logits
+            got = torch.compile(model, backend=recording, fullgraph=True)(input_ids=ids).logits
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        assert targets.count(torch.ops.profiler_svc.rope.default) == 2  # one per layer: ours, traced
+
+        model.train()
+        logits, loss, grads = run(model, ids)
+        compiled = torch.compile(model, backend="aot_eager")
+        compiled_logits, compiled_loss, compiled_grads = run(compiled, ids)
+        torch.testing.assert_close(compiled_logits, logits)
+        torch.testing.assert_close(compiled_loss, loss)
+        for name in grads:  # the compiled wrapper names the model `_orig_mod`
+            torch.testing.assert_close(compiled_grads[f"_orig_mod.{name}"], grads[name])
+    finally:
+        torch._dynamo.reset()
+        unswap(model)
