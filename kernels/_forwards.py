@@ -5,7 +5,9 @@ The class's code object is never changed and the model file's globals are never 
 function is a new function over a copy of those globals, rebuilt through the forward's decorators.
 """
 import ast
+import copy
 import inspect
+import pickle
 import textwrap
 import types
 from typing import Callable, Optional
@@ -116,8 +118,25 @@ class SharedStateModule(nn.Module):
         self._change = change
         self.__class__ = standing_in_for(type(self), type(original))
 
+    # (rebuild, args), set by the swap that built this stand-in: its class (made at run time) and its forward (a
+    # function made from the original's class) do not pickle, so an unpickled stand-in is built again by that swap
+    # and then given this one's state
+    _rebuilt_by: Optional[tuple[Callable, tuple]] = None
+
     def forward(self, *args, **kwargs):
         return self._fused_forward(self, *args, **kwargs)
+
+    def __reduce__(self):
+        if self._rebuilt_by is None:
+            raise pickle.PicklingError(f"{self._original_class} with {self._change} was not built by a swap: it cannot be pickled")
+        return (*self._rebuilt_by, {name: value for name, value in vars(self).items() if name != "_fused_forward"})
+
+    def __deepcopy__(self, memo):
+        # a copy needs no rebuilding: it keeps the class and the forward as they are (as nn.Module's own copy does)
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        new.__setstate__(copy.deepcopy(vars(self), memo))
+        return new
 
     def extra_repr(self):
         return f"{self._original_class} with {self._change}"

@@ -3,9 +3,9 @@
 Each op file in this package ends with `SWAP = SwapEntry(...)` (or `SWAPS = [...]`); the registry
 collects them lazily, so a missing or broken op file never breaks the others. This file is the one
 owner of swapping: `plan_swaps` resolves names, matches instances and builds their replacements;
-the plan installs them (`setattr(parent, child_name, new)`, never rebinding module globals) and
-removes them again, putting back the very same original objects. `swap`/`unswap`/`swapped` are
-that plan kept on the model; ab_test toggles a plan of its own.
+the plan installs them (`setattr(parent, child_name, new)` at every path that holds the instance, never
+rebinding module globals) and removes them again, putting back the very same original objects.
+`swap`/`unswap`/`swapped` are that plan kept on the model; ab_test toggles a plan of its own.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
+from ._forwards import SharedStateModule
 from .parity import cast_floats, module_parity, place
 # Which swaps apply to a module, from a capture's module tree alone (classes, parameter shapes): placement.py's
 # rules, re-exported here; the analyser loads that file by path to name only swaps that apply.
@@ -55,7 +56,9 @@ class SwapEntry:
 
 @dataclass
 class SwapReport:
-    swapped: list = field(default_factory=list)  # (qualified_name, class_name, swap_name, max_abs_err, max_rel_err)
+    # (qualified_name, class_name, swap_name, max_abs_err, max_rel_err): one row per module instance, under its first
+    # path where the model holds it at several (the plan replaces it at all of them)
+    swapped: list = field(default_factory=list)
     skipped: list = field(default_factory=list)  # (qualified_name, swap_name, reason)
 
     def to_dict(self) -> dict:
@@ -150,36 +153,56 @@ def plan_swaps(model: nn.Module, names: Iterable | str | SwapEntry | None = None
     # Modules that torch.compile wrapped (an OptimizedModule's _orig_mod): the compiled forward holds the
     # module itself, so one set in its place would never run. Their children are attributes it reads: those swap.
     compiled = {id(m._orig_mod) for m in model.modules() if isinstance(getattr(m, "_orig_mod", None), nn.Module)}
-    for qualified_name, module in list(model.named_modules()):
-        if not qualified_name or any(qualified_name.startswith(p + ".") for p in done_prefixes):
-            continue  # the model itself is never replaced (it has no parent to set it on)
-        if qualified_name in ours:
-            continue  # already swapped by `swap`
-        for entry in entries:
-            try:
-                if not entry.matches(module):
-                    continue
-                if id(module) in compiled:
-                    plan.report.skipped.append((qualified_name, entry.name, COMPILED_REASON))
-                    break
-                replacement = entry.replace(module)
-                abs_err = rel_err = float("nan")
-                if check:
-                    inputs = _on_model_place(module, model, entry.example_inputs(module))
-                    with entry.check_context(module) if entry.check_context else nullcontext():
-                        abs_err, rel_err, reason = module_parity(module, replacement, inputs)
-                    if reason:
-                        plan.report.skipped.append((qualified_name, entry.name, reason))
-                        continue
-            except Exception as err:  # a module we cannot handle is skipped with the reason, never fatal
-                plan.report.skipped.append((qualified_name, entry.name, f"{type(err).__name__}: {err}".splitlines()[0]))
+    # A module reachable at several paths (a norm two blocks share) is decided once and replaced at every path
+    # that still holds it: its replacement, or None where it stays.
+    decided: dict[int, tuple[SwapEntry, nn.Module] | None] = {}
+    with hooks_silenced(model.modules()):  # the probes run modules on random inputs: no user hook may see them
+        for qualified_name, module in list(model.named_modules(remove_duplicate=False)):
+            if not qualified_name or any(qualified_name.startswith(p + ".") for p in done_prefixes):
+                continue  # the model itself is never replaced (it has no parent to set it on)
+            if qualified_name in ours:
+                continue  # already swapped by `swap`
+            if id(module) not in decided:
+                decided[id(module)] = _decide(model, qualified_name, module, entries, plan.report, check=check,
+                                               compiled=id(module) in compiled)
+            choice = decided[id(module)]
+            if choice is None:
                 continue
+            entry, replacement = choice
             plan.changes.append((qualified_name, module, replacement))
             if not entry.shares_children:
                 done_prefixes.append(qualified_name)
-            plan.report.swapped.append((qualified_name, type(module).__name__, entry.name, abs_err, rel_err))
-            break
     return plan
+
+
+def _decide(model: nn.Module, qualified_name: str, module: nn.Module, entries: list[SwapEntry], report: SwapReport, *,
+            check: bool, compiled: bool) -> tuple[SwapEntry, nn.Module] | None:
+    """(entry, replacement) of the first swap that applies to `module` and passes the check, else None; what it
+    swapped or skipped goes in the report under `qualified_name`."""
+    for entry in entries:
+        try:
+            if not entry.matches(module):
+                continue
+            if compiled:
+                report.skipped.append((qualified_name, entry.name, COMPILED_REASON))
+                return None
+            replacement = entry.replace(module)
+            abs_err = rel_err = float("nan")
+            if check:
+                inputs = _on_model_place(module, model, entry.example_inputs(module))
+                with entry.check_context(module) if entry.check_context else nullcontext():
+                    abs_err, rel_err, reason = module_parity(module, replacement, inputs)
+                if reason:
+                    report.skipped.append((qualified_name, entry.name, reason))
+                    continue
+        except Exception as err:  # a module we cannot handle is skipped with the reason, never fatal
+            report.skipped.append((qualified_name, entry.name, f"{type(err).__name__}: {err}".splitlines()[0]))
+            continue
+        if isinstance(replacement, SharedStateModule):  # pickled, it is built again by this swap (its forward is not data)
+            replacement._rebuilt_by = (rebuild_replacement, (entry.name, module))
+        report.swapped.append((qualified_name, type(module).__name__, entry.name, abs_err, rel_err))
+        return entry, replacement
+    return None
 
 
 def _set_child(model: nn.Module, qualified_name: str, new: nn.Module) -> None:
@@ -204,6 +227,40 @@ def _set_child(model: nn.Module, qualified_name: str, new: nn.Module) -> None:
 # nn.Module's per-instance hook registries (dicts a RemovableHandle deletes its id from)
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
                "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks")
+# and the global ones that see every module's calls (register_module_forward_hook...)
+_GLOBAL_HOOK_DICTS = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_forward_hooks_with_kwargs",
+                      "_global_forward_hooks_always_called", "_global_backward_pre_hooks", "_global_backward_hooks")
+
+
+@contextmanager
+def hooks_silenced(modules: Iterable[nn.Module]):
+    """Inside, no hook of MODULES and no global module hook fires: the swap's probes call modules on random inputs,
+    which a user's hook (a counter, an activation recorder, a capture's labels) must not see. Each registry is
+    emptied in place and refilled on exit, so the hooks' handles keep reaching them."""
+    every = nn.modules.module
+    registries = {id(hooks): hooks for module in modules for hooks in (getattr(module, name, None) for name in _HOOK_DICTS)
+                  if hooks is not None}
+    registries.update((id(hooks), hooks) for hooks in (getattr(every, name, None) for name in _GLOBAL_HOOK_DICTS)
+                      if hooks is not None)
+    saved = {key: dict(hooks) for key, hooks in registries.items()}
+    for hooks in registries.values():
+        hooks.clear()
+    try:
+        yield
+    finally:
+        for key, hooks in registries.items():
+            added = dict(hooks)  # one registered inside stays, after those that were there
+            hooks.clear()
+            hooks.update(saved[key])
+            hooks.update(added)
+
+
+def rebuild_replacement(swap_name: str, original: nn.Module) -> nn.Module:
+    """The replacement the swap SWAP_NAME builds for ORIGINAL, built again: how a stand-in (a SharedStateModule,
+    whose forward is a function made at swap time) comes back from a pickle, its own state then set on it."""
+    entry, = _resolve(swap_name)
+    with hooks_silenced(original.modules()):
+        return entry.replace(original)
 
 
 def _on_model_place(module: nn.Module, model: nn.Module, inputs: tuple) -> tuple:

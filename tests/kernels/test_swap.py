@@ -366,7 +366,7 @@ def test_a_hook_removed_while_swapped_is_gone_from_both_modules():
     model = nn.Sequential(nn.Linear(16, 16), nn.RMSNorm(16))
     handle = model[1].register_forward_hook(lambda *_: calls.append(1))
     assert [s for *_, s, _, _ in swap(model, ["rms_norm"]).swapped] == ["rms_norm"]
-    calls.clear()  # the swap's own probes called the norm too
+    assert calls == []  # the swap's probes run with the hooks silenced
     x = torch.randn(3, 16)
     model(x)
     assert calls == [1]

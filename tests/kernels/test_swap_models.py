@@ -1,0 +1,167 @@
+"""swap on whole models as users hold them: modules shared between paths, user hooks, pickling (TRITON_INTERPRET=1 on CPU)."""
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+from profiler_svc.kernels import plan_swaps, swap, unswap
+from profiler_svc.kernels.gelu_tanh import GELUTanh
+from profiler_svc.kernels.layer_norm import LayerNorm
+from profiler_svc.kernels.rms_norm import RMSNorm
+
+transformers = pytest.importorskip("transformers")
+
+
+class Block(nn.Module):
+    def __init__(self, norm, act):
+        super().__init__()
+        self.norm, self.fc, self.act = norm, nn.Linear(16, 16), act
+
+    def forward(self, x):
+        return x + self.act(self.fc(self.norm(x)))
+
+
+class GeGLU(nn.Module):
+    def __init__(self, act):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = nn.Linear(16, 24), nn.Linear(16, 24), nn.Linear(24, 16)
+        self.act_fn = act
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SharedModules(nn.Module):
+    """One RMSNorm and one tanh GELU shared by two blocks; the GELU is also a GeGLU's activation, and the model
+    holds one LayerNorm under two attributes."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        norm, act = nn.RMSNorm(16, eps=1e-6), nn.GELU(approximate="tanh")
+        with torch.no_grad():
+            norm.weight.uniform_(0.5, 1.5)
+        self.mlp = GeGLU(act)  # first: the GELU's first path is inside a block replaced whole
+        self.blocks = nn.ModuleList([Block(norm, act), Block(norm, act)])
+        self.final = nn.LayerNorm(16)
+        self.head_norm = self.final
+
+    def forward(self, x):
+        x = self.mlp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head_norm(self.final(x))
+
+
+SHARED_PATHS = {"norm": ["blocks.0.norm", "blocks.1.norm"], "act": ["blocks.0.act", "blocks.1.act"],
+                "final": ["final", "head_norm"]}
+
+
+def test_a_module_reachable_at_several_paths_is_swapped_and_restored_at_every_one():
+    model = SharedModules()
+    originals = {key: model.get_submodule(paths[0]) for key, paths in SHARED_PATHS.items()}
+    x = torch.randn(3, 5, 16)
+    with torch.no_grad():
+        expected = model(x)
+
+    report = swap(model, ["geglu", "rms_norm", "gelu_tanh", "layer_norm"])
+
+    assert sorted((row[0], row[2]) for row in report.swapped) == [
+        ("blocks.0.act", "gelu_tanh"), ("blocks.0.norm", "rms_norm"), ("final", "layer_norm"), ("mlp", "geglu")]
+    for key, kind in (("norm", RMSNorm), ("act", GELUTanh), ("final", LayerNorm)):
+        first, second = (model.get_submodule(path) for path in SHARED_PATHS[key])
+        assert isinstance(first, kind) and second is first, key  # one replacement, the tie kept
+    assert model.blocks[0].norm.weight is originals["norm"].weight
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-5)
+
+    unswap(model)
+    for key, paths in SHARED_PATHS.items():
+        assert all(model.get_submodule(path) is originals[key] for path in paths), key
+    assert model.mlp.act_fn is originals["act"]
+
+
+def test_probes_fire_no_user_hook_and_decide_as_without_hooks():
+    def llama():
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+        return transformers.LlamaForCausalLM(config).eval()
+
+    unhooked = swap(llama())
+    model = llama()
+    calls = []
+    for name, module in model.named_modules():
+        module.register_forward_pre_hook(lambda *_, name=name: calls.append(("pre", name)))
+        module.register_forward_hook(lambda *_, name=name: calls.append(("post", name)))
+    every = nn.modules.module
+    handles = [every.register_module_forward_pre_hook(lambda *_: calls.append("global pre")),
+               every.register_module_forward_hook(lambda *_: calls.append("global post"))]
+    try:
+        report = swap(model)
+        assert calls == []
+        assert report.swapped and [row[:3] for row in report.swapped] == [row[:3] for row in unhooked.swapped]
+        assert report.skipped == unhooked.skipped
+        with torch.no_grad():
+            model(torch.randint(0, 128, (1, 5)))
+        assert {"pre", "post", "global pre", "global post"} <= {c if isinstance(c, str) else c[0] for c in calls}
+        assert ("post", "model.layers.1.post_attention_layernorm") in calls  # a swapped module's hooks still fire
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _qwen3():
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=128, head_dim=16)
+    return transformers.Qwen3ForCausalLM(config).eval()
+
+
+def _torch_round_trip(model):
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+@pytest.mark.parametrize("copier", [lambda m: pickle.loads(pickle.dumps(m)), _torch_round_trip, copy.deepcopy],
+                         ids=["pickle", "torch.save", "deepcopy"])
+def test_a_swapped_model_pickles_and_comes_back_swapped(copier):
+    model = _qwen3()
+    ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = model(ids).logits
+    report = swap(model)
+    assert {row[2] for row in report.swapped} == {"residual_rms_norm", "rope", "rms_norm", "swiglu"}
+    swapped_types = {name: type(module).__name__ for name, module in model.named_modules()}
+
+    twin = copier(model)
+
+    assert {name: type(module).__name__ for name, module in twin.named_modules()} == swapped_types
+    assert twin.model.layers[0] is not model.model.layers[0]
+    with torch.no_grad():
+        torch.testing.assert_close(twin(ids).logits, expected, rtol=1e-4, atol=1e-5)
+    # the copy's swap is its own: unswap puts its own originals back
+    unswap(twin)
+    assert type(twin.model.layers[0].self_attn).__name__ == "Qwen3Attention"
+    assert type(model.model.layers[0].self_attn).__name__ == "RopeAttention"
+    with torch.no_grad():
+        torch.testing.assert_close(twin(ids).logits, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_a_model_under_an_installed_plan_pickles_too():
+    # ab_test's plans are not kept on the model: each stand-in carries what rebuilds it
+    model = _qwen3()
+    ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = model(ids).logits
+    with plan_swaps(model, ["rope", "residual_rms_norm"]).installed():
+        twin = pickle.loads(pickle.dumps(model))
+    assert type(twin.model.layers[1]).__name__ == "ResidualNormLayer"
+    assert type(twin.model.layers[1].self_attn).__name__ == "RopeAttention"
+    with torch.no_grad():
+        torch.testing.assert_close(twin(ids).logits, expected, rtol=1e-4, atol=1e-5)
