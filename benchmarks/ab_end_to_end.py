@@ -4,10 +4,11 @@ profiler_svc recommends for it vs Liger-Kernel's apply_liger_kernel_to_<family>,
     python benchmarks/ab_end_to_end.py [--family llama|gemma|qwen2|mixtral] [--out DIR] [--steps 20]
                                        [--warmup 5] [--budget-s 460] [--skip-ab] [--small] [--child-timeout-s 120]
                                        [--variants ours:train,...] [--swaps rope,rms_norm,swiglu [--fused-loss]] [--ab-tokens 1x512]
-                                       [--profile STEPS]
+                                       [--profile STEPS] [--bundled-adamw]
 
 --swaps skips the recommend stage and measures "ours" with those swaps; --profile adds, after each variant's
-timed steps, a torch.profiler pass: GPU time per step by kernel and the longest idle gaps between kernels.
+timed steps, a torch.profiler pass: GPU time per step by kernel and the longest idle gaps between kernels;
+--bundled-adamw steps "ours" with profiler_svc.kernels.AdamW instead of torch's fused AdamW.
 
 Families are built from configs of one size (hidden 2048, 8 layers, 32k vocabulary; Mixtral: 8 experts
 of 2816, top 2), random weights, bf16, SDPA.
@@ -172,7 +173,11 @@ def stage_measure(args) -> dict:
     losses = []
     if args.mode == "train":
         model.train()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=dev.type == "cuda")
+        if ours and args.bundled_adamw:
+            from profiler_svc.kernels import AdamW
+            opt = AdamW(model.parameters(), lr=1e-5)
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=dev.type == "cuda")
 
         def step():
             loss = loss_of(model, ids, labels, fused_loss, low_memory)
@@ -199,6 +204,7 @@ def stage_measure(args) -> dict:
             "min_ms": min(times), "max_ms": max(times), "steps": args.steps, "warmup": args.warmup,
             "peak_gb": peak / 1e9 if peak is not None else None, "swapped": swapped, "fused_loss": fused_loss,
             "keep_activation": bool(ours and args.keep_activation), "use_cache": args.use_cache,
+            "optimizer": type(opt).__module__ + "." + type(opt).__name__ if args.mode == "train" else None,
             "first_loss": float(losses[0]) if losses else None}
 
 
@@ -390,6 +396,8 @@ def main(argv=None) -> int:
                    help="build the model with use_cache=True (no packed-sequence check on the host in training)")
     p.add_argument("--keep-activation", action="store_true",
                    help="'ours' gated MLPs keep their activation for the backward (recompute=False)")
+    p.add_argument("--bundled-adamw", action="store_true",
+                   help="'ours' steps with profiler_svc.kernels.AdamW in place of torch's fused AdamW")
     p.add_argument("--profile", type=int, default=0, metavar="STEPS",
                    help="after timing, profile STEPS steps of each variant: GPU time per step by kernel")
     args = p.parse_args(argv)
@@ -415,7 +423,7 @@ def main(argv=None) -> int:
     module_swaps = [s for s in recommended if s in available_swaps() and s != "cross_entropy"]
     fused_loss = "cross_entropy" in recommended or rec.get("fused_loss") or args.fused_loss
     ours = ["--swaps", ",".join(module_swaps)] + (["--fused-loss"] if fused_loss else []) + \
-        (["--keep-activation"] if args.keep_activation else [])
+        (["--keep-activation"] if args.keep_activation else []) + (["--bundled-adamw"] if args.bundled_adamw else [])
     profile = ["--profile", str(args.profile)] if args.profile else []
     runs = []
     for variant, mode in MEASURED:

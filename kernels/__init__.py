@@ -11,7 +11,7 @@ from .swap import (
     SwapEntry, SwapPlan, SwapReport, UnknownSwapError, available_swaps, plan_swaps, swap, swapped, unswap,
 )
 
-# functional op name -> the file (module) that defines it
+# functional op (or optimizer) name -> the file (module) that defines it
 _OPS = {
     "rms_norm": "rms_norm",
     "layer_norm": "layer_norm",
@@ -23,6 +23,7 @@ _OPS = {
     "gelu_tanh": "gelu_tanh",
     "rope": "rope",
     "routed_experts": "moe_routing",
+    "AdamW": "adamw",
 }
 
 __all__ = sorted(_OPS) + [
