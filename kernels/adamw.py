@@ -261,15 +261,15 @@ def _count_own_steps(states: list) -> dict:
     return by_count
 
 
-def _separate_counters(optimizer: torch.optim.Optimizer) -> None:
-    """Give each tensor its own step count again, where torch's own step expects it: torch adds 1 to each in a
-    list, so a shared one would count once per tensor."""
+def _counters_back_on_the_device(optimizer: torch.optim.Optimizer) -> None:
+    """torch's fused and capturable steps keep each step count on its parameter's device: put back there the
+    counts the bundled step read on the CPU."""
     for group in optimizer.param_groups:
-        on_device = group.get("fused") or group.get("capturable")
-        for p in group["params"]:
-            state = optimizer.state.get(p)
-            if state and "step" in state:
-                state["step"] = state["step"].to(p.device if on_device else "cpu", torch.float32, copy=True)
+        if group.get("fused") or group.get("capturable"):
+            for p in group["params"]:
+                state = optimizer.state.get(p)
+                if state and "step" in state and state["step"].device != p.device:
+                    state["step"] = state["step"].to(p.device)
 
 
 @torch.no_grad()
@@ -345,7 +345,7 @@ class BundledStep:
             self.optimizer.__dict__.pop("step", None)
         else:
             self.optimizer.step = self.previous
-        _separate_counters(self.optimizer)
+        _counters_back_on_the_device(self.optimizer)
 
 
 def use_bundled_step(optimizer) -> BundledStep:

@@ -2,5 +2,5 @@
 detectors, the CLI and the A/B fix registry (profiler_svc.ab.fixes has exactly these, in this order).
 Its own module, free of imports, so that the CLI can list them without loading the analyser or torch."""
 
-FIX_NAMES = ("tf32", "bf16_autocast", "sdpa", "sdpa_backends", "fused_optimizer", "pad_vocab", "cuda_graphs",
-             "channels_last", "cudnn_benchmark", "use_cache")
+FIX_NAMES = ("tf32", "bf16_autocast", "sdpa", "sdpa_backends", "fused_optimizer", "bundled_adamw", "pad_vocab",
+             "cuda_graphs", "channels_last", "cudnn_benchmark", "use_cache")

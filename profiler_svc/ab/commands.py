@@ -54,8 +54,9 @@ def run_ab(args) -> int:
     unknown = [f for f in fixes if f not in FIX_NAMES]
     if unknown:
         raise UserError(f"unknown fix {', '.join(map(repr, unknown))}; available: {', '.join(FIX_NAMES)}")
-    if "fused_optimizer" in args.fix and not args.train:
-        raise UserError("--fix fused_optimizer needs --train: the optimizer steps only in a training step")
+    for fix in ("fused_optimizer", "bundled_adamw"):  # the fixes that act on the optimizer
+        if fix in args.fix and not args.train:
+            raise UserError(f"--fix {fix} needs --train: the optimizer steps only in a training step")
     # predicted for what ran (a swap that matched no module and a fix that did not apply are left out), from the
     # trace the report names now (the report may move while the A/B runs), read before the workload loads
     trace = report_trace(args.from_report) if args.from_report else None

@@ -8,7 +8,7 @@ The names are profiler_svc.fix_names.FIX_NAMES, the detectors' `Recommendation.f
 (tests/ab/test_fixes.py holds the two to one list).
 
 A fix changes one of three things: a global flag (tf32, cudnn_benchmark), the model or optimizer
-(sdpa, pad_vocab, channels_last, fused_optimizer, use_cache), or the step around the model (bf16_autocast,
+(sdpa, pad_vocab, channels_last, fused_optimizer, bundled_adamw, use_cache), or the step around the model (bf16_autocast,
 cuda_graphs: `wrap` turns the step `call(model)` into the fixed one).
 """
 from __future__ import annotations
@@ -348,10 +348,12 @@ class _FusedOptimizer(Change):
             group.update(values)
 
 
+_NO_OPTIMIZER = "the workload's step has no optimizer (return one from the workload factory, or pass optimizer= to ab_test)"
+
+
 def _fused_optimizer(model, optimizer):
     if optimizer is None:
-        raise NotApplicable("the workload's step has no optimizer (return one from the workload factory, "
-                            "or pass optimizer= to ab_test)")
+        raise NotApplicable(_NO_OPTIMIZER)
     import inspect
 
     if "fused" not in inspect.signature(type(optimizer).__init__).parameters:
@@ -359,6 +361,33 @@ def _fused_optimizer(model, optimizer):
     if all(g.get("fused") for g in optimizer.param_groups):
         raise NotApplicable(f"{type(optimizer).__name__} is already fused")
     return _FusedOptimizer(optimizer)
+
+
+class _BundledAdamW(Change):
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+        self.step = None
+        self.note = (f"{type(optimizer).__name__}'s step by profiler_svc.kernels.AdamW's kernel: one Triton launch per "
+                     "parameter group, its state carried on")
+
+    def install(self):
+        from ..kernels.adamw import use_bundled_step
+        self.step = use_bundled_step(self.optimizer)
+
+    def remove(self):
+        if self.step is not None:
+            self.step.remove()
+            self.step = None
+
+
+def _bundled_adamw(model, optimizer):
+    if optimizer is None:
+        raise NotApplicable(_NO_OPTIMIZER)
+    from ..kernels.adamw import bundled_step_refusal
+    reason = bundled_step_refusal(optimizer)
+    if reason:
+        raise NotApplicable(reason)
+    return _BundledAdamW(optimizer)
 
 
 class _PaddedRows(torch.autograd.Function):
@@ -522,6 +551,7 @@ _REGISTRY = (
     FixEntry("sdpa_backends", "scaled_dot_product_attention's fused backends allowed (flash, memory-efficient, "
                               "cuDNN)", _sdpa_backends),
     FixEntry("fused_optimizer", "the optimizer's fused implementation (fused=True)", _fused_optimizer),
+    FixEntry("bundled_adamw", "AdamW stepped by the bundled Triton kernel (profiler_svc.kernels.AdamW)", _bundled_adamw),
     FixEntry("pad_vocab", f"vocabulary (embedding and LM head) padded to a multiple of {PAD_MULTIPLE}, "
                           "logits sliced back", _pad_vocab),
     FixEntry("cuda_graphs", 'torch.compile(backend="cudagraphs"): the step as CUDA graphs', _cuda_graphs),

@@ -243,6 +243,19 @@ def test_a_report_with_a_malformed_source_is_one_line_exit_2(tmp_path, capsys, s
     assert "has a malformed source: an object with the trace's path expected" in err
 
 
-def test_fused_optimizer_without_train_says_train_is_missing(capsys):
-    code, out, err = _ab(capsys, "--workload", "ab_workloads:llama_train_adamw", "--fix", "fused_optimizer", *QUICK)
-    assert code == 2 and err.count("\n") == 1 and "--fix fused_optimizer needs --train" in err
+@pytest.mark.parametrize("fix", ["fused_optimizer", "bundled_adamw"])
+def test_an_optimizer_fix_without_train_says_train_is_missing(capsys, fix):
+    code, out, err = _ab(capsys, "--workload", "ab_workloads:llama_train_adamw", "--fix", fix, *QUICK)
+    assert code == 2 and err.count("\n") == 1 and f"--fix {fix} needs --train" in err
+
+
+def test_the_bundled_adamw_from_the_cli_keeps_the_optimizer_s_parity(capsys):
+    """B steps the workload's torch AdamW with the bundled kernel; the parameters after the step are judged."""
+    code, out, err = _ab(capsys, "--workload", "ab_workloads:llama_train_adamw", "--train", "--json",
+                         "--fix", "bundled_adamw", *QUICK)
+    assert code == 0, err
+    result = json.loads(out)
+    assert [row["fix"] for row in result["fixes_applied"]] == ["bundled_adamw"]
+    assert "profiler_svc.kernels.AdamW" in result["fixes_applied"][0]["note"]
+    params = [row for row in result["parity"] if row["name"].startswith("param.")]
+    assert params and result["parity_passed"]

@@ -102,7 +102,8 @@ def _train_step(model, inputs, optimizer, call):
 
 
 CASES = {
-    "tf32": llama, "bf16_autocast": llama, "sdpa": llama, "fused_optimizer": llama, "pad_vocab": llama,
+    "tf32": llama, "bf16_autocast": llama, "sdpa": llama, "fused_optimizer": llama, "bundled_adamw": llama,
+    "pad_vocab": llama,
     "channels_last": convnet, "cudnn_benchmark": convnet, "use_cache": llama,
 }
 
@@ -135,6 +136,8 @@ def test_fix_applies_and_undoes_exactly(name):
                 assert model.config._attn_implementation == "sdpa"
             if name == "fused_optimizer":
                 assert all(g["fused"] for g in optimizer.param_groups)
+            if name == "bundled_adamw":
+                assert "step" in optimizer.__dict__  # this instance's step is the kernel's
             if name == "pad_vocab":
                 head = model.lm_head.head.weight
                 assert head.shape[0] == 250 and head.untyped_storage().nbytes() == 256 * 64 * 4
@@ -188,6 +191,7 @@ def test_pad_vocab_keeps_outputs_loss_and_gradients(factory):
     ("sdpa", lambda: llama(attn="sdpa"), "already runs through sdpa"),
     ("sdpa", convnet, "no Hugging Face config"),
     ("fused_optimizer", llama, "has no optimizer"),
+    ("bundled_adamw", llama, "has no optimizer"),
     ("cuda_graphs", llama, "need the model on a CUDA device"),
     ("channels_last", llama, "no 4-d weights"),
     ("cudnn_benchmark", llama, "no convolution"),
@@ -204,6 +208,14 @@ def test_not_applicable_says_why(name, factory, reason):
     plan = plan_fixes(model, [name])
     assert plan.applied == [] and plan.skipped[0][0] == name and reason in plan.skipped[0][1]
     _assert_same(model, None, before)
+
+
+def test_bundled_adamw_says_which_optimizer_it_does_not_step():
+    model, _ = llama()
+    plan = plan_fixes(model, ["bundled_adamw"], optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    assert plan.applied == [] and "SGD is not torch.optim.AdamW" in plan.skipped[0][1]
+    plan = plan_fixes(model, ["bundled_adamw"], optimizer=torch.optim.AdamW(model.parameters(), amsgrad=True))
+    assert plan.applied == [] and "amsgrad=True" in plan.skipped[0][1]
 
 
 def test_sdpa_backends_allows_the_fused_backends_inside_the_forward_only():
