@@ -797,7 +797,14 @@ def _optimizer_name(trace: Trace) -> Optional[str]:
 
 
 def _optimizer_fix(name: Optional[str]) -> tuple:
-    """(summary, snippet, A/B fix) for a foreach optimizer step of torch.optim class NAME."""
+    """(summary, snippet, A/B fix) for a foreach optimizer step of torch.optim class NAME: AdamW's is the bundled
+    kernel, which makes the fused passes at the copy's rate (docs/kernels.md, "AdamW"); the others', torch's own."""
+    if name == "AdamW":
+        return ("Step with the bundled AdamW: one Triton kernel per parameter group reads the parameters, gradients "
+                "and moments once, at the copy's rate (torch's fused=True makes the same passes, more slowly).",
+                "from profiler_svc.kernels import AdamW\n"
+                "opt = AdamW(model.parameters(), lr=lr)  # its other arguments as before (amsgrad is not supported)",
+                "bundled_adamw")
     if name is None or name in FUSED_OPTIMIZER_PASSES:
         cls = name or "AdamW"
         return ("Use the fused optimizer implementation (one kernel per parameter group reads params, grads and "
