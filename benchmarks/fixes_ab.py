@@ -5,7 +5,8 @@ Cases (issue 19's measurements): each fix on a model where it should help, and w
 an fp32 Llama training step, and on a host-bound one (1x64 tokens); the GPT-2 vocabulary 50257 padded to a
 multiple of 64, and an already aligned 50304; eager attention -> SDPA (bf16 Llama); SDPA's fused backends,
 turned off by the user's code, allowed again (bf16 Llama, 2x1024); a foreach AdamW -> fused on a wide fp32 Llama
-at 1x256 (the optimizer a large share of the step) and on the 4x1024 bf16 one (a small share), and a foreach SGD
+at 1x256 (the optimizer a large share of the step) and on the 4x1024 bf16 one (a small share), the same AdamW
+stepped by the bundled kernel (bundled_adamw: there, and host-bound at 1x64), and a foreach SGD
 with momentum -> fused on ResNet-18 (bf16, 64 images); bf16 autocast on the fp32 Llama; channels-last and cudnn.benchmark on torchvision ResNet-50 (bf16 and
 fp32), MobileNetV3 and EfficientNet-B0; CUDA graphs (torch.compile backend="cudagraphs") on a host-bound bf16
 Llama step, and on a GEMM-bound one (2 layers 4096 wide, 4x2048 tokens); use_cache on a bf16 Llama trained with
@@ -37,6 +38,10 @@ CASES = {
     "pad_vocab_aligned": ("pad_vocab", "gpt2_aligned", torch.bfloat16, (4, 1024), "sdpa", False),
     "sdpa": ("sdpa", "llama", torch.bfloat16, (2, 2048), "eager", False),
     "fused_optimizer": ("fused_optimizer", "llama_wide", torch.float32, (1, 256), "sdpa", True),
+    # the same foreach AdamW stepped by the bundled kernel; and where the optimizer is a small share, and host-bound
+    "bundled_adamw": ("bundled_adamw", "llama_wide", torch.float32, (1, 256), "sdpa", True),
+    "bundled_adamw_small_share": ("bundled_adamw", "llama", torch.bfloat16, (4, 1024), "sdpa", True),
+    "bundled_adamw_hostbound": ("bundled_adamw", "llama", torch.bfloat16, (1, 64), "sdpa", True),
     "bf16_autocast": ("bf16_autocast", "llama", torch.float32, (4, 1024), "sdpa", False),
     "channels_last": ("channels_last", "resnet50", torch.bfloat16, (64,), None, False),
     "cudnn_benchmark": ("cudnn_benchmark", "resnet50", torch.float32, (32,), None, False),
@@ -59,8 +64,8 @@ CASES = {
     "cudnn_benchmark_b1": ("cudnn_benchmark", "resnet50", torch.bfloat16, (1,), None, False),
     "cuda_graphs_gpubound": ("cuda_graphs", "llama_wide", torch.bfloat16, (4, 2048), "sdpa", False),
 }
-HELPS = ("tf32", "pad_vocab", "sdpa", "sdpa_backends", "fused_optimizer", "fused_optimizer_sgd", "bf16_autocast",
-         "channels_last", "cudnn_benchmark", "cuda_graphs", "use_cache")
+HELPS = ("tf32", "pad_vocab", "sdpa", "sdpa_backends", "fused_optimizer", "bundled_adamw", "fused_optimizer_sgd",
+         "bf16_autocast", "channels_last", "cudnn_benchmark", "cuda_graphs", "use_cache")
 TORCHVISION = ("resnet18", "resnet50", "mobilenet_v3_large", "efficientnet_b0")
 CONFIGS = {
     "llama": ("LlamaForCausalLM", "LlamaConfig",
