@@ -75,6 +75,8 @@ PATTERNS = {
                              "from profiler_svc.kernels import fused_linear_cross_entropy\n"
                              "loss = fused_linear_cross_entropy(hidden, lm_head.weight, labels)  # never materializes logits"),
     "optimizer": Pattern(None, "optimizer step as many foreach kernels", 7, ""),  # its snippet: _optimizer_fix
+    # torch's fused AdamW makes the fused passes already, below the copy's rate the bundled kernel reaches
+    "fused_adamw": Pattern(None, "torch's fused AdamW below the copy's rate", 7, ""),
     "generic": Pattern(None, "chain of memory-bound kernels", 2,
                        "model = torch.compile(model)  # inductor fuses elementwise/reduction chains"),
 }
@@ -179,7 +181,7 @@ def detect(trace: Trace) -> list[Finding]:
     kernels = _Kernels(trace, trace.window_kernels.sort_values("ts"), _parameter_dtype(trace))
     # without recorded shapes every row is unknown: then only the module and direction delimit a chain
     wildcard = not any(d is not None for d in trace.raw_inputs.dims) if trace.raw_inputs else True
-    return _findings(trace, _stream_chains(kernels, wildcard) + _gated_pairs(kernels))
+    return _findings(trace, _stream_chains(kernels, wildcard) + _gated_pairs(kernels) + _fused_adamw_steps(trace, kernels))
 
 
 class _Kernels:
@@ -214,6 +216,7 @@ class _Kernels:
         self.kinds = kinds
         self.top_kind = np.array([kind_code[op_kind(n)] for n in top_names], dtype=np.int64)[top_codes]
         self.op_kind = np.array([kind_code[op_kind(n)] for n in op_names], dtype=np.int64)[op_codes]
+        self.list_dtype = list_dtype  # the elements of tensor lists, which the trace does not type
         self._info(trace, self.candidate | self.act | self.product, list_dtype)
         self._end_bytes(trace, self.candidate)
 
@@ -404,6 +407,28 @@ def _stream_chains(k: _Kernels, wildcard: bool) -> list[Chain]:
             largest=tensor_bytes(big[0], big[1]) if big else 0, first_bytes=first_end[c], last_bytes=last_end[c],
             shape=big[0] if big else None, dtype=big[1] if big else "", module=modules[c],
             time=sum(dur[a:b]), backward=backward[c]))
+    return chains
+
+
+def _fused_adamw_steps(trace: Trace, k: _Kernels) -> list[Chain]:
+    """Each call of torch's fused AdamW (aten::_fused_adamw_) as a chain of its multi-tensor kernels, sized from
+    its tensor lists: the passes are fused already, the rate is what a faster kernel changes. A call whose lists
+    were recorded without shapes has no size to price, and no chain."""
+    rows = np.flatnonzero(k.columns["op_name"] == "aten::_fused_adamw_")
+    if not len(rows):
+        return []
+    ops = k.columns["op"][rows]
+    dur = k.columns["dur"]
+    chains = []
+    for op in np.unique(ops).tolist():
+        mine = rows[ops == op]
+        _, big, _ = _chain_info("aten::_fused_adamw_", trace.op_inputs(op), k.list_dtype)
+        params = tensor_bytes(big[0], big[1]) if big else 0  # the parameters, one pseudo-tensor
+        if not params:
+            continue
+        chains.append(Chain(kernels=k, rows=mine, ops=Counter({"aten::_fused_adamw_": len(mine)}),
+                            bytes=FUSED_OPTIMIZER_PASSES["AdamW"] * params, largest=params,
+                            dtype=big[1] if big else "", kind="fused_adamw", time=float(dur[mine].sum())))
     return chains
 
 
@@ -683,7 +708,8 @@ def _finding(trace, kind, cls, group, bandwidth) -> Finding:
     pattern = PATTERNS[kind]
     time = sum(c.time for c in group)
     gated = kind in ("swiglu", "geglu")
-    optimizer = _optimizer_name(trace) if kind == "optimizer" else None
+    stepping = kind in ("optimizer", "fused_adamw")  # an optimizer's step, not a module's chain
+    optimizer = "AdamW" if kind == "fused_adamw" else _optimizer_name(trace) if kind == "optimizer" else None
     if optimizer in FUSED_OPTIMIZER_PASSES:
         pattern = replace(pattern, passes=FUSED_OPTIMIZER_PASSES[optimizer])
     fused_bytes_each = [_passes(trace, pattern, c, gated) * (_gated_bytes(c) if gated else c.end_bytes) for c in group]
@@ -733,13 +759,19 @@ def _finding(trace, kind, cls, group, bandwidth) -> Finding:
     ops = " → ".join(names[:10]) + (" → …" if len(names) > 10 else "")
     where = f" in {cls}" if cls and kind != "generic" else ""
     n_kernels = sum(len(c.rows) for c in group)
-    if kind == "optimizer":
+    if stepping:
         counted = plural(len(group), "optimizer step")
     else:
         counted = " and ".join(([f"{len(forward)} forward"] if forward else [])
                                + ([f"{backward} backward"] if backward else [])) \
             + (" chains" if len(group) > 1 else " chain")
-    if unsized:
+    if kind == "fused_adamw":  # its passes are the fused ones already: what it moves is the fused minimum
+        detail = (f"{counted} of torch's fused AdamW ({n_kernels} kernels) took {per_step_note(trace, time)} for "
+                  f"{per_step(trace, fused_bytes) / 1e6:.1f} MB per step ({pattern.passes} passes over the parameters): "
+                  f"{fused_bytes / max(time, 1e-9) / 1e3:.0f} GB/s, {100 * fused_bytes / max(time, 1e-9) / bandwidth:.0f}% "
+                  f"of the device's {trace.device.memory_bandwidth_gbps:.0f} GB/s. The same passes at that bandwidth "
+                  f"take {fmt_us(per_step(trace, fused_time))}.{cost_note}")
+    elif unsized:
         detail = (f"{counted}{where} ({n_kernels} kernels, e.g. {ops}) took {per_step_note(trace, time)}. The trace "
                   f"records no shapes inside tensor lists, so the bytes are not known: the foreach kernels make "
                   f"{sum(list_passes) / len(group):.0f} passes over the parameters a step, a fused {optimizer or 'optimizer'} step "
@@ -750,7 +782,7 @@ def _finding(trace, kind, cls, group, bandwidth) -> Finding:
                   f"output once: {per_step(trace, fused_bytes) / 1e6:.1f} MB, {fmt_us(per_step(trace, fused_time))} "
                   f"at {trace.device.memory_bandwidth_gbps:.0f} GB/s.{cost_note}")
     snippet, fix = None, None
-    if kind == "optimizer":
+    if stepping:
         summary, snippet, fix = _optimizer_fix(optimizer)
     elif swap:
         summary = (f"Swap in the bundled fused `{swap}` kernel"
@@ -763,7 +795,7 @@ def _finding(trace, kind, cls, group, bandwidth) -> Finding:
     return Finding(
         category="unfused_chain",
         title=f"{pattern.label}{' and the tokens routed around them' if experts else ''}{where}: "
-              f"{plural(len(group), 'step' if kind == 'optimizer' else 'chain')}, "
+              f"{plural(len(group), 'step' if stepping else 'chain')}, "
               f"{plural(n_kernels, 'kernel')}",
         detail=detail,
         evidence={"pattern": kind, "ops": first_ops[:24],

@@ -153,6 +153,33 @@ def test_llama_optimizer_step_bytes_and_label():
     assert opt.saving_us_per_step > 0 and opt.gpu_time_saved_us_per_step > 0
 
 
+def test_torchs_fused_adamw_is_priced_against_the_same_passes_at_the_device_bandwidth():
+    """Llama (the sample's config) trained with AdamW(fused=True) on an H200: torch's fused kernels make the fused
+    passes already, below the device's bandwidth; the finding prices the same 7 passes at that bandwidth and
+    recommends the bundled AdamW. Bytes from the config's parameter count, time from the raw JSON."""
+    name = "llama_bf16_fused_adamw_train"
+    r = report(name)
+    opt = one(name, "unfused_chain:fused_adamw")
+    steps = r.steps["count"]
+    params = llama_parameters()
+    assert opt.evidence["fused_min_bytes"] == steps * 7 * params * 2 == opt.evidence["bytes_moved"]
+    per_step = raw_kernel_time(name, lambda n: "FusedAdamMathFunctor" in n) / steps
+    assert opt.evidence["time_us_per_step"] == pytest.approx(per_step, rel=1e-3)
+    bandwidth = r.trace["device"]["memory_bandwidth_gbps"] * 1e3  # bytes per µs
+    floor = 7 * params * 2 / bandwidth
+    assert opt.evidence["fused_us_per_step"] == pytest.approx(floor, rel=1e-3)
+    assert opt.gpu_time_saved_us_per_step == pytest.approx(per_step - floor, rel=0.05)
+    assert f"{100 * 7 * params * 2 / per_step / bandwidth:.0f}% of the device's" in opt.detail
+    assert opt.recommendation.fix == "bundled_adamw" and "profiler_svc.kernels import AdamW" in opt.recommendation.snippet
+    # one finding per optimizer: no foreach one here, and no fused one where the step ran foreach kernels
+    assert findings(name, key="unfused_chain:optimizer") == []
+    assert findings("llama_bf16_train", key="unfused_chain:fused_adamw") == []
+    # a fused AdamW whose tensor lists were recorded without shapes (this DDP capture's): no size, no price
+    ddp_rank = "llama_nccl_ddp/llama_nccl_ddp_rank0"
+    assert raw_kernel_time(ddp_rank, lambda n: "FusedAdamMathFunctor" in n) > 0
+    assert findings(ddp_rank, key="unfused_chain:fused_adamw") == []
+
+
 def test_llama_profiled_step_is_launch_bound_and_says_why():
     r = report("llama_bf16_train")
     assert r.steps["bottleneck"]["kind"] == "launch overhead"

@@ -71,6 +71,12 @@ def llama_bf16_nocache_train_calibrated():
     return model, {"input_ids": ids, "labels": ids}, lambda out: out.loss
 
 
+def llama_bf16_fused_adamw_train():
+    """Llama, bf16, SDPA, training with torch's fused AdamW (fused=True, as Hugging Face's Trainer defaults to):
+    one multi-tensor kernel per chunk of the parameter lists, below the copy's rate."""
+    return llama_bf16_train_agent()
+
+
 def _to_module_device(module, args, kwargs):
     """A forward pre-hook: the call's tensors (and tuples of them) moved to the module's GPU, as accelerate's
     device_map hooks do (accelerate need not be installed)."""
@@ -128,6 +134,10 @@ FIXTURES = {
         factory=llama8_bf16_two_gpu_pipeline_train, model="LlamaForCausalLM, layers 0-3 on cuda:0, 4-7 and the head on cuda:1",
         config=LLAMA8, dtype="bf16", attn="sdpa", batch="2x1024", mode="train (fwd+bwd+AdamW foreach)",
         numerics="defaults", calibrated=True, gpus=2),
+    "llama_bf16_fused_adamw_train": dict(
+        factory=llama_bf16_fused_adamw_train, model="LlamaForCausalLM", config=LLAMA, dtype="bf16", attn="sdpa",
+        batch="x".join(map(str, LLAMA_BATCH)), mode="train (fwd+bwd+AdamW fused=True)", numerics="defaults",
+        calibrated=True, optimizer="fused"),
     "llama_bf16_data_parallel_train": dict(
         factory=llama_bf16_data_parallel_train, model="torch.nn.DataParallel(LlamaForCausalLM), 2 GPUs", config=LLAMA,
         dtype="bf16", attn="sdpa", batch="8x512 (4x512 a GPU)", mode="train (fwd+bwd+AdamW foreach)",
@@ -155,7 +165,8 @@ def capture(name, out_dir):
     model, inputs = made[:2]
     if len(made) == 3:
         loss_fn = made[2]
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4,
+                                **({"fused": True} if info.get("optimizer") == "fused" else {"foreach": True}))
 
         def step():
             loss_fn(model(**inputs)).backward()
