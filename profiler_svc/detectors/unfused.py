@@ -207,6 +207,7 @@ class _Kernels:
         fused_op = (_per_value(op_names, lambda n: (n or "").startswith("aten::_fused_"))[op_codes]
                     | _per_value(top_names, lambda n: (n or "").startswith("fsdp::"))[top_codes])
         self.candidate = memory & (op >= 0) & ~fused_op & ~sdpa
+        self.fused_adamw = _per_value(op_names, lambda n: n == "aten::_fused_adamw_")[op_codes]  # _fused_adamw_steps
         # the gated pairs' activations and products (_gated_pairs)
         self.act = _per_value(top_names, lambda n: n in _ACTS)[top_codes]
         self.product = _per_value(top_names, lambda n: n == "aten::mul")[top_codes] & memory & ~sdpa
@@ -414,7 +415,7 @@ def _fused_adamw_steps(trace: Trace, k: _Kernels) -> list[Chain]:
     """Each call of torch's fused AdamW (aten::_fused_adamw_) as a chain of its multi-tensor kernels, sized from
     its tensor lists: the passes are fused already, the rate is what a faster kernel changes. A call whose lists
     were recorded without shapes has no size to price, and no chain."""
-    rows = np.flatnonzero(k.columns["op_name"] == "aten::_fused_adamw_")
+    rows = np.flatnonzero(k.fused_adamw)
     if not len(rows):
         return []
     ops = k.columns["op"][rows]
