@@ -45,34 +45,39 @@ def _adamw_math(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step_size, bias
 
 
 @triton.jit
-def _adamw_kernel(TABLE, GRADS, BLOCK_TENSOR, lr, beta1, beta2, eps, weight_decay, step_size, bias_correction2_sqrt,
+def _adamw_kernel(TABLE, GRADS, CORRECTIONS, BLOCK_TENSOR, lr, beta1, beta2, eps, weight_decay,
                   DTYPE: tl.constexpr, MAXIMIZE: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     t = tl.load(BLOCK_TENSOR + pid)
-    row = TABLE + 5 * t  # parameter, exp_avg, exp_avg_sq addresses; size; the tensor's first block
-    n = tl.load(row + 3)
-    start = (pid - tl.load(row + 4)).to(tl.int64) * BLOCK
-    offs = start + tl.arange(0, BLOCK)
-    # Addresses read from memory carry no alignment the compiler can see; every tensor here is 16-byte aligned
-    # (checked on the host), and saying so lets the loads and stores vectorize.
-    p_ptr = tl.multiple_of(tl.load(row).to(tl.pointer_type(DTYPE)), 16) + offs
-    m_ptr = tl.multiple_of(tl.load(row + 1).to(tl.pointer_type(DTYPE)), 16) + offs
-    v_ptr = tl.multiple_of(tl.load(row + 2).to(tl.pointer_type(DTYPE)), 16) + offs
-    g_ptr = tl.multiple_of(tl.load(GRADS + t).to(tl.pointer_type(DTYPE)), 16) + offs
-    if start + BLOCK <= n:  # a full block: no mask, whose unknown bound would keep the accesses scalar
-        p, m, v = _adamw_math(tl.load(p_ptr), tl.load(g_ptr), tl.load(m_ptr), tl.load(v_ptr), lr, beta1, beta2,
-                              eps, weight_decay, step_size, bias_correction2_sqrt, MAXIMIZE)
-        tl.store(p_ptr, round_to(p, DTYPE))
-        tl.store(m_ptr, round_to(m, DTYPE))
-        tl.store(v_ptr, round_to(v, DTYPE))
-    else:
-        mask = offs < n
-        p, m, v = _adamw_math(tl.load(p_ptr, mask=mask), tl.load(g_ptr, mask=mask), tl.load(m_ptr, mask=mask),
-                              tl.load(v_ptr, mask=mask), lr, beta1, beta2, eps, weight_decay, step_size,
-                              bias_correction2_sqrt, MAXIMIZE)
-        tl.store(p_ptr, round_to(p, DTYPE), mask=mask)
-        tl.store(m_ptr, round_to(m, DTYPE), mask=mask)
-        tl.store(v_ptr, round_to(v, DTYPE), mask=mask)
+    g_address = tl.load(GRADS + t)
+    if g_address != 0:  # 0: no gradient this step (or one the host updates itself): the tensor stays
+        row = TABLE + 5 * t  # parameter, exp_avg, exp_avg_sq addresses; size; the tensor's first block
+        n = tl.load(row + 3)
+        start = (pid - tl.load(row + 4)).to(tl.int64) * BLOCK
+        offs = start + tl.arange(0, BLOCK)
+        # each tensor's own step count: lr / (1 - beta1^step) and sqrt(1 - beta2^step)
+        step_size = tl.load(CORRECTIONS + 2 * t)
+        bias_correction2_sqrt = tl.load(CORRECTIONS + 2 * t + 1)
+        # Addresses read from memory carry no alignment the compiler can see; every tensor here is 16-byte
+        # aligned (checked on the host), and saying so lets the loads and stores vectorize.
+        p_ptr = tl.multiple_of(tl.load(row).to(tl.pointer_type(DTYPE)), 16) + offs
+        m_ptr = tl.multiple_of(tl.load(row + 1).to(tl.pointer_type(DTYPE)), 16) + offs
+        v_ptr = tl.multiple_of(tl.load(row + 2).to(tl.pointer_type(DTYPE)), 16) + offs
+        g_ptr = tl.multiple_of(g_address.to(tl.pointer_type(DTYPE)), 16) + offs
+        if start + BLOCK <= n:  # a full block: no mask, whose unknown bound would keep the accesses scalar
+            p, m, v = _adamw_math(tl.load(p_ptr), tl.load(g_ptr), tl.load(m_ptr), tl.load(v_ptr), lr, beta1,
+                                  beta2, eps, weight_decay, step_size, bias_correction2_sqrt, MAXIMIZE)
+            tl.store(p_ptr, round_to(p, DTYPE))
+            tl.store(m_ptr, round_to(m, DTYPE))
+            tl.store(v_ptr, round_to(v, DTYPE))
+        else:
+            mask = offs < n
+            p, m, v = _adamw_math(tl.load(p_ptr, mask=mask), tl.load(g_ptr, mask=mask), tl.load(m_ptr, mask=mask),
+                                  tl.load(v_ptr, mask=mask), lr, beta1, beta2, eps, weight_decay, step_size,
+                                  bias_correction2_sqrt, MAXIMIZE)
+            tl.store(p_ptr, round_to(p, DTYPE), mask=mask)
+            tl.store(m_ptr, round_to(m, DTYPE), mask=mask)
+            tl.store(v_ptr, round_to(v, DTYPE), mask=mask)
 
 
 _TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -89,15 +94,21 @@ class _Grid:
             n = p.numel()
             rows.append((p.data_ptr(), m.data_ptr(), v.data_ptr(), n, len(block_tensor)))
             block_tensor.extend([t] * triton.cdiv(n, BLOCK))
-        self.table = torch.tensor(rows, dtype=torch.int64).to(device)
-        self.block_tensor = torch.tensor(block_tensor, dtype=torch.int32).to(device)
+        self.table = _to_device(torch.tensor(rows, dtype=torch.int64), device)
+        self.block_tensor = _to_device(torch.tensor(block_tensor, dtype=torch.int32), device)
         self.programs = len(block_tensor)
+
+
+def _to_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
+    # From pageable memory, non_blocking: the driver stages the bytes at once, so this neither waits for the GPU
+    # nor lets a later step overwrite them before they are read.
+    return table.to(device, non_blocking=True)
 
 
 def _static_launchable(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> bool:
     """Can the flat kernel update this parameter and its moments: dense, contiguous, 16-byte aligned, one dtype,
-    on a device Triton runs on? (Its gradient is checked each step: autograd allocates it anew.)"""
-    return (p.dtype in _PARAM_DTYPES and p.dtype == m.dtype == v.dtype
+    one device Triton runs on? (Its gradient is checked each step: autograd allocates it anew.)"""
+    return (p.dtype in _PARAM_DTYPES and p.dtype == m.dtype == v.dtype and p.device == m.device == v.device
             and p.is_contiguous() and m.is_contiguous() and v.is_contiguous()
             and not (p.data_ptr() | m.data_ptr() | v.data_ptr()) & 15
             and p.numel() > 0 and (p.is_cuda or interpreted()))
@@ -121,25 +132,31 @@ class _Plan:
 
 
 def _eager_update(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step, maximize) -> None:
-    """The same update with torch ops, for a tensor the flat kernel does not take (strided, misaligned, on a CPU
-    outside the interpreter): in fp32, rounded once to each tensor's dtype, as the kernel does."""
-    p32, m32, v32 = p.float(), m.float(), v.float()
-    g32 = -g.float() if maximize else g.float()
+    """The same update with torch ops, for a tensor the flat kernel does not take (strided, misaligned, complex,
+    fp64, on a CPU outside the interpreter): in fp32 (fp64 for fp64), rounded once to each tensor's dtype, as the
+    kernel does; a complex tensor as its real and imaginary parts, as torch's AdamW."""
+    if p.is_complex():
+        p, g, m, v = (torch.view_as_real(t) for t in (p, g, m, v))
+    math_dtype = torch.promote_types(p.dtype, torch.float32)
+    p32, m32, v32, g32 = (t.to(math_dtype) for t in (p, m, v, g))
+    if maximize:
+        g32 = -g32
     p32.mul_(1 - lr * weight_decay)
     m32.mul_(beta1).add_(g32, alpha=1 - beta1)
     v32.mul_(beta2).addcmul_(g32, g32, value=1 - beta2)
     denom = (v32.sqrt() / math.sqrt(1 - beta2 ** step)).add_(eps)
     p32.addcdiv_(m32, denom, value=-lr / (1 - beta1 ** step))
     for t, t32 in ((p, p32), (m, m32), (v, v32)):
-        if t32 is not t:  # .float() of an fp32 tensor is the tensor itself, already updated
+        if t32 is not t:  # .to() of a tensor already in the math dtype is the tensor itself, already updated
             t.copy_(t32)
 
 
-def adamw_step(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, step: float, *, lr: float,
+def adamw_step(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, counts: list, *, lr: float,
                beta1: float, beta2: float, eps: float, weight_decay: float, maximize: bool = False,
                plans: dict | None = None) -> None:
-    """One AdamW step of tensors at the same step count (`step`, counting this one): a launch per (device,
-    dtype), torch ops for tensors the kernel cannot take. `plans` caches launch tables between calls."""
+    """One AdamW step of a group's tensors: a launch per (device, dtype), torch ops for tensors the kernel cannot
+    take. A tensor whose gradient is None stays as it is; `counts` holds each tensor's step count, this step
+    included (None where it does not step). `plans` caches launch tables between calls."""
     plans = {} if plans is None else plans
     key = (tuple(map(torch.Tensor.data_ptr, params)), tuple(map(torch.Tensor.data_ptr, exp_avgs)),
            tuple(map(torch.Tensor.data_ptr, exp_avg_sqs)), tuple(map(torch.Tensor.numel, params)))
@@ -148,23 +165,38 @@ def adamw_step(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, ste
         if len(plans) >= _MAX_PLANS:
             plans.clear()
         plan = plans[key] = _Plan(params, exp_avgs, exp_avg_sqs)
-    hyper = (lr, beta1, beta2, eps, weight_decay, step, maximize)
+    hyper = (lr, beta1, beta2, eps, weight_decay)
+
+    def on_host(i):
+        _eager_update(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], *hyper, counts[i], maximize)
+
     for i in plan.eager:
-        _eager_update(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], *hyper)
+        if grads[i] is not None:
+            on_host(i)
+    corrections_of: dict = {}  # step count -> (lr / (1 - beta1^count), sqrt(1 - beta2^count))
     for device, dtype, indices, grid in plan.launches:
-        gs = [grads[i] for i in indices]
-        addresses = [g.data_ptr() for g in gs]
-        if any(g.dtype != dtype or not g.is_contiguous() for g in gs) or any(a & 15 for a in addresses):
-            for i in indices:  # a gradient the kernel cannot read (another dtype, strided, misaligned)
-                _eager_update(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], *hyper)
+        addresses, corrections = [], []
+        for i in indices:
+            g = grads[i]
+            address = 0 if g is None else g.data_ptr()
+            if address and (address & 15 or g.dtype != dtype or not g.is_contiguous()):
+                on_host(i)  # a gradient the kernel cannot read (misaligned, another dtype, strided): this one only
+                address = 0
+            addresses.append(address)
+            if address:
+                count = counts[i]
+                if count not in corrections_of:
+                    corrections_of[count] = (lr / (1 - beta1 ** count), math.sqrt(1 - beta2 ** count))
+                corrections.extend(corrections_of[count])
+            else:
+                corrections.extend((0.0, 1.0))
+        if not any(addresses):
             continue
-        # Pageable memory, non_blocking: the driver stages the few bytes at once, so this neither waits for the
-        # GPU nor lets a later step overwrite them before they are read.
-        grad_table = torch.tensor(addresses, dtype=torch.int64).to(device, non_blocking=True)
+        grad_table = _to_device(torch.tensor(addresses, dtype=torch.int64), device)
+        correction_table = _to_device(torch.tensor(corrections, dtype=torch.float32), device)
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            launch(_adamw_kernel, (grid.programs,), grid.table, grad_table, grid.block_tensor,
+            launch(_adamw_kernel, (grid.programs,), grid.table, grad_table, correction_table, grid.block_tensor,
                    float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
-                   float(lr) / (1 - beta1 ** step), math.sqrt(1 - beta2 ** step),
                    DTYPE=_TRITON_DTYPES[dtype], MAXIMIZE=bool(maximize), BLOCK=BLOCK, num_warps=NUM_WARPS)
 
 
@@ -187,78 +219,85 @@ _UNSUPPORTED = ("amsgrad", "capturable", "differentiable")
 def _step_groups(optimizer: torch.optim.Optimizer, plans: dict, share_counters: bool) -> None:
     """Step every parameter group of an optimizer holding torch's AdamW state layout.
 
-    With `share_counters`, tensors that step together share one step-count tensor (a CPU scalar, as torch keeps
-    it outside its fused and capturable paths), so a step adds 1 once, not once per tensor; a tensor without a
-    gradient this step gets a count of its own, which stays behind. Without it, each keeps its own, as torch's."""
+    Every tensor with a state is in the group's launch, so its tables stay the same from step to step; one without
+    a gradient this step is skipped and its count stays behind. With `share_counters`, tensors that step together
+    share one step-count tensor (a CPU scalar, as torch keeps it outside its fused and capturable paths), so a
+    step adds 1 once, not once per tensor. Without it, each keeps its own, as torch's."""
     for group in optimizer.param_groups:
         for option in _UNSUPPORTED:
             if group.get(option):
                 raise ValueError(f"profiler_svc's AdamW step does not support {option}=True")
-        params, grads, exp_avgs, exp_avg_sqs, states, idle = [], [], [], [], [], []
+        params: list = []
+        grads: list = []
+        exp_avgs: list = []
+        exp_avg_sqs: list = []
+        states: list = []
+        stepping: list = []
         fresh = None
         for p in group["params"]:
-            if p.grad is None:
-                idle.append(p)
-                continue
-            if p.grad.is_sparse:
-                raise RuntimeError("AdamW does not support sparse gradients")
-            state = optimizer.state[p]
-            if not state:
-                if fresh is None or not share_counters:
-                    fresh = torch.tensor(0.0, dtype=torch.float32)
-                state["step"] = fresh
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            elif state["step"].device.type != "cpu":
-                # loaded from torch's fused or capturable AdamW: read on the device, it would wait for the GPU
-                state["step"] = state["step"].to("cpu", torch.float32)
+            g = p.grad
+            state: dict = optimizer.state.get(p) or {}
+            if g is None and not state:
+                continue  # never stepped: no state to keep in the tables yet
+            if g is not None:
+                if g.is_sparse:
+                    raise RuntimeError("AdamW does not support sparse gradients")
+                if not state:
+                    state = optimizer.state[p]
+                    if fresh is None or not share_counters:
+                        fresh = torch.tensor(0.0, dtype=torch.float32)
+                    state["step"] = fresh
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                elif state["step"].device.type != "cpu":
+                    # loaded from torch's fused or capturable AdamW: read on the device, it would wait for the GPU
+                    state["step"] = state["step"].to("cpu", torch.float32)
+                stepping.append(len(params))
             params.append(p)
-            grads.append(p.grad)
+            grads.append(g)
             exp_avgs.append(state["exp_avg"])
             exp_avg_sqs.append(state["exp_avg_sq"])
             states.append(state)
-        if not params:
+        if not stepping:
             continue
-        by_count = _count_steps(optimizer, states, idle) if share_counters else _count_own_steps(states)
+        counts = (_count_shared_steps if share_counters else _count_own_steps)(states, stepping)
         beta1, beta2 = group["betas"]
-        for count, indices in by_count.items():
-            pick = (lambda xs: xs) if len(by_count) == 1 else (lambda xs: [xs[i] for i in indices])
-            adamw_step(pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs), count, lr=group["lr"],
-                       beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                       maximize=group.get("maximize", False), plans=plans)
+        adamw_step(params, grads, exp_avgs, exp_avg_sqs, counts, lr=group["lr"], beta1=beta1, beta2=beta2,
+                   eps=group["eps"], weight_decay=group["weight_decay"], maximize=group.get("maximize", False),
+                   plans=plans)
 
 
-def _count_steps(optimizer, states: list, idle: list) -> dict:
-    """Add this step to shared counters: {count after it: indices of the tensors at that count}."""
+def _count_shared_steps(states: list, stepping: list) -> list:
+    """Add this step to shared counters; each tensor's count after it (None for one that does not step)."""
     counters: dict = {}
-    for i, state in enumerate(states):
-        counters.setdefault(id(state["step"]), []).append(i)
-    for p in idle:  # a counter shared with a stepping tensor would carry this one along
-        state = optimizer.state.get(p)
-        if state and id(state["step"]) in counters:
+    for i in stepping:
+        counters.setdefault(id(states[i]["step"]), []).append(i)
+    moving = set(stepping)
+    for i, state in enumerate(states):  # a counter shared with a stepping tensor would carry an idle one along
+        if i not in moving and id(state["step"]) in counters:
             state["step"] = state["step"].clone()
-    by_count: dict = {}
+    counts: list = [None] * len(states)
+    shared: dict = {}  # count -> its counter
     for indices in counters.values():
         counter = states[indices[0]]["step"]
         count = counter.item() + 1
-        if count not in by_count:
+        if count not in shared:
             counter.fill_(count)
-            by_count[count] = ([], counter)
-        shared = by_count[count]
+            shared[count] = counter
         for i in indices:  # counters of equal value (separate ones, as loaded from torch's) become one
-            states[i]["step"] = shared[1]
-            shared[0].append(i)
-    return {count: indices for count, (indices, _) in by_count.items()}
+            states[i]["step"] = shared[count]
+            counts[i] = count
+    return counts
 
 
-def _count_own_steps(states: list) -> dict:
-    """Add this step to each tensor's own counter: {count after it: indices of the tensors at that count}."""
-    steps = [state["step"] for state in states]
+def _count_own_steps(states: list, stepping: list) -> list:
+    """Add this step to each stepping tensor's own counter; each tensor's count after it (None: not stepping)."""
+    steps = [states[i]["step"] for i in stepping]
     torch._foreach_add_(steps, 1)
-    by_count: dict = {}
-    for i, count in enumerate(torch.stack(steps).tolist()):
-        by_count.setdefault(count, []).append(i)
-    return by_count
+    counts: list = [None] * len(states)
+    for i, count in zip(stepping, torch.stack(steps).tolist()):
+        counts[i] = count
+    return counts
 
 
 def _counters_back_on_the_device(optimizer: torch.optim.Optimizer) -> None:
@@ -287,10 +326,20 @@ class AdamW(torch.optim.Optimizer):
     """torch.optim.AdamW's update (decoupled weight decay, no amsgrad) with one Triton launch per group."""
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, *, maximize: bool = False):
+                 weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False, foreach=None,
+                 capturable: bool = False, differentiable: bool = False, fused=None):
+        """torch.optim.AdamW's arguments, so that its call site needs only the class changed: `foreach` and `fused`
+        (implementations) are ignored; amsgrad, capturable and differentiable steps are refused."""
         _check_hyperparameters(lr, betas, eps, weight_decay)
+        for option, value in (("amsgrad", amsgrad), ("capturable", capturable), ("differentiable", differentiable)):
+            if value:
+                raise ValueError(f"profiler_svc's AdamW does not support {option}=True")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize))
         self._plans: dict = {}
+
+    def __setstate__(self, state):
+        super().__setstate__(state)  # a copy or an unpickled optimizer: launch tables are built again
+        self._plans = {}
 
     def step(self, closure=None):
         return _closure_then_step(self, closure, self._plans, share_counters=True)
@@ -333,18 +382,30 @@ class BundledStep:
             raise ValueError(f"the bundled AdamW step does not apply: {reason}")
         self.optimizer = optimizer
         self.previous = optimizer.__dict__.get("step")  # an instance-level step (an LR scheduler's counter)
+        # torch's fused AdamW takes GradScaler's scale and inf flag into its step; this step does not, so the
+        # scaler unscales and skips overflowing steps itself while it is installed
+        self.amp_scaling = optimizer.__dict__.get("_step_supports_amp_scaling")
+        optimizer._step_supports_amp_scaling = False
         plans: dict = {}
 
         def step(opt, closure=None):
+            opt._opt_called = True  # what an LR scheduler's wrapper of the step it replaces records
             return _closure_then_step(opt, closure, plans, share_counters=False)  # the user's checkpoints stay torch's
 
-        optimizer.step = types.MethodType(torch.optim.Optimizer.profile_hook_step(step), optimizer)
+        stepper = torch.optim.Optimizer.profile_hook_step(step)
+        if getattr(self.previous, "_wrapped_by_lr_sched", False):
+            stepper._wrapped_by_lr_sched = True  # the scheduler's mark; this step sets _opt_called, as its wrapper did
+        optimizer.step = types.MethodType(stepper, optimizer)
 
     def remove(self) -> None:
         if self.previous is None:
             self.optimizer.__dict__.pop("step", None)
         else:
             self.optimizer.step = self.previous
+        if self.amp_scaling is None:
+            self.optimizer.__dict__.pop("_step_supports_amp_scaling", None)
+        else:
+            self.optimizer._step_supports_amp_scaling = self.amp_scaling
         _counters_back_on_the_device(self.optimizer)
 
 

@@ -249,8 +249,12 @@ def test_an_optimizer_fix_without_train_says_train_is_missing(capsys, fix):
     assert code == 2 and err.count("\n") == 1 and f"--fix {fix} needs --train" in err
 
 
-def test_the_bundled_adamw_from_the_cli_keeps_the_optimizer_s_parity(capsys):
+def test_the_bundled_adamw_from_the_cli_keeps_the_optimizer_s_parity(capsys, monkeypatch):
     """B steps the workload's torch AdamW with the bundled kernel; the parameters after the step are judged."""
+    from profiler_svc.kernels import adamw
+    stepped = []
+    real = adamw.adamw_step
+    monkeypatch.setattr(adamw, "adamw_step", lambda *a, **k: (stepped.append(1), real(*a, **k)))
     code, out, err = _ab(capsys, "--workload", "ab_workloads:llama_train_adamw", "--train", "--json",
                          "--fix", "bundled_adamw", *QUICK)
     assert code == 0, err
@@ -258,4 +262,4 @@ def test_the_bundled_adamw_from_the_cli_keeps_the_optimizer_s_parity(capsys):
     assert [row["fix"] for row in result["fixes_applied"]] == ["bundled_adamw"]
     assert "profiler_svc.kernels.AdamW" in result["fixes_applied"][0]["note"]
     params = [row for row in result["parity"] if row["name"].startswith("param.")]
-    assert params and result["parity_passed"]
+    assert params and result["parity_passed"] and stepped  # B's steps ran the kernel

@@ -137,24 +137,36 @@ def test_new_parameter_storage_is_followed():
     assert_close_in_ulps(ours, theirs, dtype, 8)
 
 
-def test_bundled_step_on_an_existing_optimizer_keeps_label_hooks_and_state():
+def kernel_steps(monkeypatch) -> list:
+    """A list that grows by one for each group the bundled kernel steps."""
+    from profiler_svc.kernels import adamw
+    calls: list = []
+    real = adamw.adamw_step
+    monkeypatch.setattr(adamw, "adamw_step", lambda *a, **k: (calls.append(1), real(*a, **k)))
+    return calls
+
+
+def test_bundled_step_on_an_existing_optimizer_keeps_label_hooks_and_state(monkeypatch):
+    calls = kernel_steps(monkeypatch)
     dtype = torch.float32
     theirs, ours = twins(make_params(dtype))
     ref = torch.optim.AdamW(theirs, lr=1e-2, fused=True)
     user = torch.optim.AdamW(ours, lr=1e-2)
     run_steps([ref, user], [theirs, ours], dtype, steps=2)
-    calls = []
-    user.register_step_post_hook(lambda opt, args, kwargs: calls.append(opt))
+    hooked = []
+    user.register_step_post_hook(lambda opt, args, kwargs: hooked.append(opt))
     bundled = use_bundled_step(user)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         run_steps([ref, user], [theirs, ours], dtype, steps=1, seed=5)
     names = {e.name for e in prof.events()}
     assert "Optimizer.step#AdamW.step" in names
-    assert calls == [user]
+    assert len(calls) == 1  # the bundled kernel stepped, not torch's own step
+    assert hooked == [user]
     assert_close_in_ulps(ours, theirs, dtype, 8)
     bundled.remove()
     assert "step" not in user.__dict__
     run_steps([ref, user], [theirs, ours], dtype, steps=1, seed=6)  # torch's own step again, state carried on
+    assert len(calls) == 1
     assert_close_in_ulps(ours, theirs, dtype, 8)
     assert user.state[ours[0]]["step"].item() == 4.0
 
@@ -224,3 +236,132 @@ def test_a_closure_gives_the_loss_and_the_gradients_it_steps_on():
     for _ in range(3):
         assert opt.step(closure_for(ours, opt)).item() == pytest.approx(ref.step(closure_for(theirs, ref)).item())
     assert_close_in_ulps(ours, theirs, torch.float32, 8)
+
+
+def test_grad_scaler_unscales_and_skips_overflow_under_the_bundled_step():
+    """torch's fused AdamW takes GradScaler's scale and inf flag into its own step; under the bundled step the
+    scaler must unscale and skip an overflowing step itself, as with torch's own step."""
+    results = []
+    for bundled in (False, True):
+        p = torch.nn.Parameter(torch.linspace(-1, 1, 64))
+        opt = torch.optim.AdamW([p], lr=1e-2, fused=True)
+        installed = use_bundled_step(opt) if bundled else None
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        scaler.scale((p * float("inf")).sum()).backward()  # an overflow: skipped
+        scaler.step(opt)
+        scaler.update()
+        assert not p.isnan().any()
+        opt.zero_grad()
+        scaler.scale((p * 3).sum()).backward()  # unscaled before the step
+        scaler.step(opt)
+        scaler.update()
+        results.append((p.detach().clone(), opt.state[p]["step"].item()))
+        if installed:
+            installed.remove()
+            assert opt._step_supports_amp_scaling is True  # torch's fused step takes the scaler's values again
+    (theirs, their_steps), (ours, our_steps) = results
+    assert our_steps == their_steps == 1.0
+    assert_close_in_ulps([ours], [theirs], torch.float32, 8)
+
+
+def test_torchs_keyword_arguments_are_taken():
+    """The call site of torch.optim.AdamW needs only the class changed: implementation choices are ignored,
+    steps it does not compute are refused in one line."""
+    p = [torch.nn.Parameter(torch.zeros(3))]
+    AdamW(p, lr=1e-3, amsgrad=False, foreach=True, fused=True, capturable=False, differentiable=False)
+    for option in ("amsgrad", "capturable", "differentiable"):
+        with pytest.raises(ValueError, match=f"does not support {option}=True"):
+            AdamW(p, **{option: True})
+
+
+def test_a_copied_or_unpickled_optimizer_steps():
+    import pickle
+    theirs, ours = twins(make_params(torch.float32))
+    ref, opt = torch.optim.AdamW(theirs, lr=1e-2), AdamW(ours, lr=1e-2)
+    run_steps([ref, opt], [theirs, ours], torch.float32, steps=2)
+    copied = copy.deepcopy((ours, opt))
+    unpickled = pickle.loads(pickle.dumps((ours, opt)))
+    for params, optimizer in (copied, unpickled):
+        twin_ref = copy.deepcopy((theirs, ref))
+        run_steps([twin_ref[1], optimizer], [twin_ref[0], params], torch.float32, steps=1, seed=3)
+        assert_close_in_ulps(params, twin_ref[0], torch.float32, 8)
+
+
+def test_complex_and_fp64_parameters_follow_torch():
+    for dtype in (torch.complex64, torch.float64):
+        gen = torch.Generator().manual_seed(0)
+        values = [torch.randn(40, generator=gen, dtype=dtype), torch.randn(3, 5, generator=gen, dtype=dtype)]
+        theirs, ours = twins(values)
+        ref, opt = torch.optim.AdamW(theirs, lr=1e-2, foreach=False), AdamW(ours, lr=1e-2)
+        for step in range(3):
+            for a, b in zip(theirs, ours):
+                a.grad = torch.randn(a.shape, generator=gen, dtype=dtype)
+                b.grad = a.grad.clone()
+            ref.step()
+            opt.step()
+        for a, b in zip(ours, theirs):
+            tolerance = 1e-12 if dtype == torch.float64 else 1e-5
+            assert (a - b).abs().max().item() <= tolerance, (dtype, (a - b).abs().max().item())
+        assert all(torch.view_as_real(b).std() > 0 if b.is_complex() else True for b in ours)
+
+
+def test_gradients_that_come_and_go_keep_one_launch_and_one_plan(monkeypatch):
+    """Experts that get no tokens on some steps: their step counts fall behind, yet the group stays one launch a
+    step over the same tables (the idle tensors skipped), and each tensor matches torch."""
+    from profiler_svc.kernels import adamw
+    launches = []
+    real_launch = adamw.launch
+    monkeypatch.setattr(adamw, "launch", lambda *a, **k: (launches.append(1), real_launch(*a, **k)))
+    theirs, ours = twins(make_params(torch.float32))
+    ref, opt = torch.optim.AdamW(theirs, lr=1e-2, foreach=False), AdamW(ours, lr=1e-2)
+    skip = lambda step, i: (step + i) % 3 == 0 and step > 0  # noqa: E731
+    run_steps([ref, opt], [theirs, ours], torch.float32, steps=9, skip=skip)
+    assert_close_in_ulps(ours, theirs, torch.float32, 8)
+    assert [opt.state[p]["step"].item() for p in ours] == [ref.state[p]["step"].item() for p in theirs]
+    assert len(set(opt.state[p]["step"].item() for p in ours)) > 1  # the counts did diverge
+    assert len(launches) == 9 and len(opt._plans) == 1
+
+
+def test_one_gradient_the_kernel_cannot_read_goes_to_torch_ops_alone(monkeypatch):
+    from profiler_svc.kernels import adamw
+    on_host = []
+    real = adamw._eager_update
+    monkeypatch.setattr(adamw, "_eager_update", lambda p, *a: (on_host.append(p.shape), real(p, *a)))
+    theirs, ours = twins(make_params(torch.float32, shapes=[(30, 40), (300,), (64,)]))
+    ref, opt = torch.optim.AdamW(theirs, lr=1e-2, foreach=False), AdamW(ours, lr=1e-2)
+    g = torch.randn(40, 30)
+    theirs[0].grad, ours[0].grad = g.t().clone(), g.t()  # a strided gradient for one tensor
+    for a, b in zip(theirs[1:], ours[1:]):
+        a.grad = torch.randn(a.shape)
+        b.grad = a.grad.clone()
+    ref.step()
+    opt.step()
+    assert on_host == [torch.Size([30, 40])]
+    assert_close_in_ulps(ours, theirs, torch.float32, 8)
+
+
+def test_an_lr_scheduler_sees_the_bundled_step_as_the_optimizer_s():
+    import warnings
+    p = [torch.nn.Parameter(torch.zeros(3))]
+    opt = torch.optim.AdamW(p, lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    use_bundled_step(opt)
+    p[0].grad = torch.ones(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "lr_scheduler.step() before optimizer.step()" would raise
+        opt.step()
+        scheduler.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(5e-3)
+
+
+def test_moments_on_another_device_than_the_parameter_are_refused_as_torch_refuses_them():
+    """A state loaded onto one device for parameters on another (a CPU checkpoint, then model.cuda()): the kernel
+    would read the moments at addresses of the wrong device; torch's ops raise instead (here a meta device stands
+    in for the other one)."""
+    p = torch.nn.Parameter(torch.ones(64))
+    opt = AdamW([p], lr=1e-2)
+    p.grad = torch.ones(64)
+    opt.step()
+    opt.state[p]["exp_avg"] = opt.state[p]["exp_avg"].to("meta")
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        opt.step()
