@@ -309,8 +309,24 @@ def _chain_info(op_name, inputs, list_dtype):
     return 0, None, numel(shape[:-1]) if len(shape) > 1 else ("vector", numel(shape))
 
 
+# capture's metadata names parameter dtypes as torch does; the trace's tables use short names
+_TORCH_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}
+
+
 def _parameter_dtype(trace: Trace) -> str:
-    """The dtype the model's weights most likely have: that of the most common GEMM weight in the window."""
+    """The dtype the model's weights most likely have: the one holding most parameter elements in the capture's
+    module tree, else that of the most common GEMM weight in the window (under autocast a cast copy's dtype, not
+    the master weights')."""
+    held: Counter = Counter()
+    modules = trace.capture_metadata.get("modules")
+    for module in modules.values() if isinstance(modules, dict) else ():
+        params = module.get("params") if isinstance(module, dict) else None
+        for param in params.values() if isinstance(params, dict) else ():
+            shape = param.get("shape") if isinstance(param, dict) else None
+            if isinstance(shape, list) and all(isinstance(d, int) for d in shape) and param.get("dtype") in _TORCH_DTYPES:
+                held[_TORCH_DTYPES[param["dtype"]]] += numel(shape)
+    if held:
+        return held.most_common(1)[0][0]
     counts: Counter = Counter()
     k = trace.window_kernels
     for op in k.loc[k["kind"].to_numpy() == "gemm", "op"].drop_duplicates().head(200).tolist():
@@ -423,7 +439,10 @@ def _fused_adamw_steps(trace: Trace, k: _Kernels) -> list[Chain]:
     chains = []
     for op in np.unique(ops).tolist():
         mine = rows[ops == op]
-        _, big, _ = _chain_info("aten::_fused_adamw_", trace.op_inputs(op), k.list_dtype)
+        inputs = trace.op_inputs(op)
+        if len(inputs.dims) > 4 and inputs.dims[4]:
+            continue  # amsgrad (its max_exp_avg_sqs list): a step the bundled AdamW does not compute
+        _, big, _ = _chain_info("aten::_fused_adamw_", inputs, k.list_dtype)
         params = tensor_bytes(big[0], big[1]) if big else 0  # the parameters, one pseudo-tensor
         if not params:
             continue
@@ -760,7 +779,9 @@ def _finding(trace, kind, cls, group, bandwidth) -> Finding:
     ops = " → ".join(names[:10]) + (" → …" if len(names) > 10 else "")
     where = f" in {cls}" if cls and kind != "generic" else ""
     n_kernels = sum(len(c.rows) for c in group)
-    if stepping:
+    if kind == "fused_adamw":
+        counted = plural(len(group), "call")  # a call per parameter group each step: calls, not steps
+    elif stepping:
         counted = plural(len(group), "optimizer step")
     else:
         counted = " and ".join(([f"{len(forward)} forward"] if forward else [])
@@ -796,7 +817,7 @@ def _finding(trace, kind, cls, group, bandwidth) -> Finding:
     return Finding(
         category="unfused_chain",
         title=f"{pattern.label}{' and the tokens routed around them' if experts else ''}{where}: "
-              f"{plural(len(group), 'step' if stepping else 'chain')}, "
+              f"{plural(len(group), 'call' if kind == 'fused_adamw' else 'step' if stepping else 'chain')}, "
               f"{plural(n_kernels, 'kernel')}",
         detail=detail,
         evidence={"pattern": kind, "ops": first_ops[:24],

@@ -180,6 +180,39 @@ def test_torchs_fused_adamw_is_priced_against_the_same_passes_at_the_device_band
     assert findings(ddp_rank, key="unfused_chain:fused_adamw") == []
 
 
+def _fused_adamw_variant(tmp_path, change) -> list:
+    """The fused AdamW fixture with CHANGE(trace dict) applied, analysed: its fused_adamw findings."""
+    with gzip.open(fixture_path("llama_bf16_fused_adamw_train")) as f:
+        data = json.load(f)
+    change(data)
+    path = tmp_path / "variant.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump(data, f)
+    return [f for f in recommend(path).findings if f.key.startswith("unfused_chain:fused_adamw")]
+
+
+def test_fused_adamw_with_amsgrad_is_no_bundled_adamw_finding(tmp_path):
+    """amsgrad's calls carry a fifth list (max_exp_avg_sqs): a step the bundled AdamW refuses, so no finding."""
+    def amsgrad(data):
+        for e in data["traceEvents"]:
+            if e.get("name") == "aten::_fused_adamw_":
+                e["args"]["Input Dims"][4] = e["args"]["Input Dims"][3]
+    assert len(_fused_adamw_variant(tmp_path, lambda data: None)) == 1
+    assert _fused_adamw_variant(tmp_path, amsgrad) == []
+
+
+def test_fused_adamw_is_sized_by_the_capture_s_parameter_dtype(tmp_path):
+    """fp32 master weights under bf16 autocast: the GEMMs see bf16 copies, the optimizer steps fp32 tensors. The
+    capture's module tree says which: with its parameters fp32, the same lists are twice the bytes."""
+    def fp32_masters(data):
+        for module in data["profiler_svc"]["modules"].values():
+            for param in module["params"].values():
+                param["dtype"] = "float32"
+    [bf16] = _fused_adamw_variant(tmp_path, lambda data: None)
+    [fp32] = _fused_adamw_variant(tmp_path, fp32_masters)
+    assert fp32.evidence["fused_min_bytes"] == 2 * bf16.evidence["fused_min_bytes"] == 2 * 2 * 7 * llama_parameters() * 2
+
+
 def test_llama_profiled_step_is_launch_bound_and_says_why():
     r = report("llama_bf16_train")
     assert r.steps["bottleneck"]["kind"] == "launch overhead"
