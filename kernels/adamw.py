@@ -45,8 +45,9 @@ def _adamw_math(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step_size, bias
 
 
 @triton.jit
-def _adamw_kernel(TABLE, GRADS, CORRECTIONS, BLOCK_TENSOR, lr, beta1, beta2, eps, weight_decay,
-                  DTYPE: tl.constexpr, MAXIMIZE: tl.constexpr, BLOCK: tl.constexpr):
+def _adamw_kernel(TABLE, GRADS, CORRECTIONS, BLOCK_TENSOR, lr, beta1, beta2, eps, weight_decay, step_size,
+                  bias_correction2_sqrt, DTYPE: tl.constexpr, MAXIMIZE: tl.constexpr, PER_TENSOR: tl.constexpr,
+                  BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     t = tl.load(BLOCK_TENSOR + pid)
     g_address = tl.load(GRADS + t)
@@ -55,9 +56,9 @@ def _adamw_kernel(TABLE, GRADS, CORRECTIONS, BLOCK_TENSOR, lr, beta1, beta2, eps
         n = tl.load(row + 3)
         start = (pid - tl.load(row + 4)).to(tl.int64) * BLOCK
         offs = start + tl.arange(0, BLOCK)
-        # each tensor's own step count: lr / (1 - beta1^step) and sqrt(1 - beta2^step)
-        step_size = tl.load(CORRECTIONS + 2 * t)
-        bias_correction2_sqrt = tl.load(CORRECTIONS + 2 * t + 1)
+        if PER_TENSOR:  # step counts that differ: lr / (1 - beta1^step) and sqrt(1 - beta2^step) per tensor
+            step_size = tl.load(CORRECTIONS + 2 * t)
+            bias_correction2_sqrt = tl.load(CORRECTIONS + 2 * t + 1)
         # Addresses read from memory carry no alignment the compiler can see; every tensor here is 16-byte
         # aligned (checked on the host), and saying so lets the loads and stores vectorize.
         p_ptr = tl.multiple_of(tl.load(row).to(tl.pointer_type(DTYPE)), 16) + offs
@@ -173,31 +174,32 @@ def adamw_step(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, cou
     for i in plan.eager:
         if grads[i] is not None:
             on_host(i)
-    corrections_of: dict = {}  # step count -> (lr / (1 - beta1^count), sqrt(1 - beta2^count))
     for device, dtype, indices, grid in plan.launches:
-        addresses, corrections = [], []
-        for i in indices:
-            g = grads[i]
-            address = 0 if g is None else g.data_ptr()
+        gs = [grads[i] for i in indices]
+        addresses = [0 if g is None else g.data_ptr() for g in gs]  # 0: the kernel skips the tensor
+        for j, (g, address) in enumerate(zip(gs, addresses)):
             if address and (address & 15 or g.dtype != dtype or not g.is_contiguous()):
-                on_host(i)  # a gradient the kernel cannot read (misaligned, another dtype, strided): this one only
-                address = 0
-            addresses.append(address)
-            if address:
-                count = counts[i]
-                if count not in corrections_of:
-                    corrections_of[count] = (lr / (1 - beta1 ** count), math.sqrt(1 - beta2 ** count))
-                corrections.extend(corrections_of[count])
-            else:
-                corrections.extend((0.0, 1.0))
-        if not any(addresses):
+                on_host(indices[j])  # a gradient the kernel cannot read (misaligned, another dtype, strided): this one
+                addresses[j] = 0
+        live = {counts[i] for i, address in zip(indices, addresses) if address}
+        if not live:
             continue
+        # one step count (the usual case): its corrections as arguments; several: a table of them per tensor
+        corrections = [_corrections(lr, beta1, beta2, counts[i]) if address else (0.0, 1.0)
+                       for i, address in zip(indices, addresses)] if len(live) > 1 else None
         grad_table = _to_device(torch.tensor(addresses, dtype=torch.int64), device)
-        correction_table = _to_device(torch.tensor(corrections, dtype=torch.float32), device)
+        table = grad_table if corrections is None else _to_device(torch.tensor(corrections, dtype=torch.float32), device)
+        step_size, bias_correction2_sqrt = _corrections(lr, beta1, beta2, next(iter(live)))
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            launch(_adamw_kernel, (grid.programs,), grid.table, grad_table, correction_table, grid.block_tensor,
-                   float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
-                   DTYPE=_TRITON_DTYPES[dtype], MAXIMIZE=bool(maximize), BLOCK=BLOCK, num_warps=NUM_WARPS)
+            launch(_adamw_kernel, (grid.programs,), grid.table, grad_table, table, grid.block_tensor,
+                   float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), step_size,
+                   bias_correction2_sqrt, DTYPE=_TRITON_DTYPES[dtype], MAXIMIZE=bool(maximize),
+                   PER_TENSOR=corrections is not None, BLOCK=BLOCK, num_warps=NUM_WARPS)
+
+
+def _corrections(lr: float, beta1: float, beta2: float, count: float) -> tuple[float, float]:
+    """Adam's bias corrections at a step count, as the kernel takes them: lr / (1 - beta1^count), sqrt(1 - beta2^count)."""
+    return float(lr) / (1 - beta1 ** count), math.sqrt(1 - beta2 ** count)
 
 
 def _check_hyperparameters(lr, betas, eps, weight_decay) -> None:

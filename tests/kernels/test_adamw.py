@@ -305,6 +305,17 @@ def test_complex_and_fp64_parameters_follow_torch():
         assert all(torch.view_as_real(b).std() > 0 if b.is_complex() else True for b in ours)
 
 
+def kernel_device() -> str:
+    """Where the flat kernel runs: the GPU, else the CPU under Triton's interpreter (else CPU tensors take torch's
+    ops, and a test of the kernel's path has nothing to see)."""
+    from profiler_svc.kernels._launch import interpreted
+    if torch.cuda.is_available():
+        return "cuda"
+    if not interpreted():
+        pytest.skip("the kernel runs on a GPU or under TRITON_INTERPRET=1")
+    return "cpu"
+
+
 def test_gradients_that_come_and_go_keep_one_launch_and_one_plan(monkeypatch):
     """Experts that get no tokens on some steps: their step counts fall behind, yet the group stays one launch a
     step over the same tables (the idle tensors skipped), and each tensor matches torch."""
@@ -312,7 +323,7 @@ def test_gradients_that_come_and_go_keep_one_launch_and_one_plan(monkeypatch):
     launches = []
     real_launch = adamw.launch
     monkeypatch.setattr(adamw, "launch", lambda *a, **k: (launches.append(1), real_launch(*a, **k)))
-    theirs, ours = twins(make_params(torch.float32))
+    theirs, ours = twins([v.to(kernel_device()) for v in make_params(torch.float32)])
     ref, opt = torch.optim.AdamW(theirs, lr=1e-2, foreach=False), AdamW(ours, lr=1e-2)
     skip = lambda step, i: (step + i) % 3 == 0 and step > 0  # noqa: E731
     run_steps([ref, opt], [theirs, ours], torch.float32, steps=9, skip=skip)
@@ -327,12 +338,13 @@ def test_one_gradient_the_kernel_cannot_read_goes_to_torch_ops_alone(monkeypatch
     on_host = []
     real = adamw._eager_update
     monkeypatch.setattr(adamw, "_eager_update", lambda p, *a: (on_host.append(p.shape), real(p, *a)))
-    theirs, ours = twins(make_params(torch.float32, shapes=[(30, 40), (300,), (64,)]))
+    device = kernel_device()
+    theirs, ours = twins([v.to(device) for v in make_params(torch.float32, shapes=[(30, 40), (300,), (64,)])])
     ref, opt = torch.optim.AdamW(theirs, lr=1e-2, foreach=False), AdamW(ours, lr=1e-2)
-    g = torch.randn(40, 30)
+    g = torch.randn(40, 30, device=device)
     theirs[0].grad, ours[0].grad = g.t().clone(), g.t()  # a strided gradient for one tensor
     for a, b in zip(theirs[1:], ours[1:]):
-        a.grad = torch.randn(a.shape)
+        a.grad = torch.randn(a.shape, device=device)
         b.grad = a.grad.clone()
     ref.step()
     opt.step()
