@@ -44,3 +44,33 @@ def assert_no_worse(ours, baselines: dict, inputs64, reference, dtype) -> None:
         floor = torch.finfo(dtype).eps / numel**0.5
         what = "forward" if i == 0 else f"grad {i}"
         assert err == err and err <= SLACK * best + floor, f"{what}: ours {err:.3g} vs best eager {best:.3g} ({theirs})"
+
+
+# Inputs in several dtypes (a residual or a weight in another dtype than x): `errors` casts every input to one
+# dtype; here each keeps its own. Ours and eager run on the very same tensors, the fp64 reference on their exact
+# values; each output and input gradient of ours must come in eager's dtype and shape, match eager's within its
+# dtype's rounding, and have an error at most SLACK times eager's plus eps(its dtype)/sqrt(numel).
+def _outputs_and_grads(fn, inputs, dys) -> list[torch.Tensor]:
+    run_in = [t.detach().clone().requires_grad_() for t in inputs]
+    out = fn(*run_in)
+    # each incoming gradient is rounded to its output's dtype: ours, eager and the reference take the same one
+    return list(out) + list(torch.autograd.grad(out, run_in, [dy.to(o.dtype) for dy, o in zip(dys, out)]))
+
+
+def assert_mixed_no_worse(ours, eager, reference, inputs, seed=0) -> None:
+    """OURS, EAGER: fn(*inputs) -> a tuple of outputs; REFERENCE: the same function, run in fp64."""
+    ref_in = [t.detach().double().requires_grad_() for t in inputs]
+    ref_out = reference(*ref_in)
+    gen = torch.Generator().manual_seed(seed)
+    dys = [torch.randn(o.shape, generator=gen, dtype=torch.float64) for o in ref_out]
+    theirs = _outputs_and_grads(eager, inputs, dys)
+    mine = _outputs_and_grads(ours, inputs, dys)
+    ref_dys = [dy.to(o.dtype).double() for dy, o in zip(dys, theirs)]
+    expected = list(ref_out) + list(torch.autograd.grad(ref_out, ref_in, ref_dys))
+    for i, (got, base, ref) in enumerate(zip(mine, theirs, expected)):
+        what = f"output {i}" if i < len(ref_out) else f"grad {i - len(ref_out)}"
+        assert (got.dtype, got.shape) == (base.dtype, base.shape), f"{what}: ours {got.dtype}, eager {base.dtype}"
+        torch.testing.assert_close(got, base, msg=lambda m: f"{what}: {m}")
+        err, best = rel_err(got, ref), rel_err(base, ref)
+        floor = torch.finfo(base.dtype).eps / base.numel() ** 0.5
+        assert err == err and err <= SLACK * best + floor, f"{what}: ours {err:.3g} vs eager {best:.3g}"

@@ -2,6 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from kernel_numerics import assert_no_worse, rel_err
+from kernel_numerics import assert_mixed_no_worse
 
 from profiler_svc.kernels import layer_norm
 from profiler_svc.kernels.layer_norm import LayerNorm
@@ -80,10 +81,31 @@ def test_zero_width_rows_give_the_empty_result():
     assert x.grad.shape == (4, 0)
 
 
-def test_residual_in_another_dtype_is_added_as_eager_promotes():
+@pytest.mark.parametrize("x_dtype, r_dtype", [
+    (torch.bfloat16, torch.float32),  # autocast: a bf16 block's output into the fp32 stream
+    (torch.float32, torch.bfloat16),  # an fp32 output into a bf16 stream
+    (torch.float16, torch.bfloat16),  # neither is fp32, their sum is
+])
+@pytest.mark.parametrize("bias", [True, False])
+def test_residual_in_another_dtype_is_added_and_normalized_as_eager(x_dtype, r_dtype, bias):
+    """Eager's block: h = residual + x in torch's promoted dtype (fp32 here, as are the norm's parameters),
+    then F.layer_norm of h; both outputs and every gradient against it."""
     gen = torch.Generator().manual_seed(10)
-    x = torch.randn(4, 16, generator=gen).bfloat16()
-    r, w = torch.randn(4, 16, generator=gen), torch.rand(16, generator=gen) + 0.5
-    y, s = layer_norm(x, w, None, 1e-5, residual=r)
-    assert s.dtype == torch.float32 and torch.equal(s, r + x)
-    torch.testing.assert_close(y, layer_norm(r + x, w, None, 1e-5))
+    x = (torch.randn(9, 300, generator=gen) * 2 + 4).to(x_dtype)  # an offset mean, as in the test above
+    r = torch.randn(9, 300, generator=gen).to(r_dtype)
+    params = [torch.randn(300, generator=gen) for _ in range(2 if bias else 1)]
+    eps = 1e-6  # not layer_norm's default, so an eps lost on the way shows
+
+    def ours(x, r, w, b=None):
+        return layer_norm(x, w, b, eps, residual=r)
+
+    def eager(x, r, w, b=None):
+        h = r + x
+        return F.layer_norm(h, h.shape[-1:], w, b, eps), h
+
+    def exact(x, r, w, b=None):
+        h = r + x
+        return reference(h, w, 0.0 if b is None else b, eps), h
+
+    assert torch.equal(ours(x, r, *params)[1], r + x)  # eager's promoted add, bit for bit
+    assert_mixed_no_worse(ours, eager, exact, [x, r, *params])

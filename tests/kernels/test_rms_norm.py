@@ -2,6 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from kernel_numerics import assert_no_worse, rel_err
+from kernel_numerics import assert_mixed_no_worse
 from torch import nn
 
 from profiler_svc.kernels import rms_norm
@@ -136,13 +137,34 @@ def test_integer_tensors_are_rejected(x_dtype, w_dtype):
         rms_norm(x, w)
 
 
-def test_residual_in_another_dtype_is_added_as_eager_promotes():
+@pytest.mark.parametrize("x_dtype, r_dtype, w_dtype, offset", [
+    (torch.bfloat16, torch.float32, torch.float32, 0.0),  # autocast: a bf16 block's output into the fp32 stream
+    (torch.bfloat16, torch.float32, torch.float32, 1.0),  # the same into Gemma's (1 + w) norm
+    (torch.float32, torch.bfloat16, torch.bfloat16, 0.0),  # an fp32 output into a bf16 stream, bf16 weight
+    (torch.float16, torch.bfloat16, torch.float16, 0.0),  # neither is fp32, their sum is
+])
+def test_residual_in_another_dtype_is_added_and_normalized_as_eager(x_dtype, r_dtype, w_dtype, offset):
+    """Eager's decoder layer: h = residual + x in torch's promoted dtype, then HF's RMSNorm of h, whose
+    w * h keeps that dtype; both outputs and every gradient against it."""
     gen = torch.Generator().manual_seed(10)
-    x = torch.randn(4, 16, generator=gen).bfloat16()
-    r, w = torch.randn(4, 16, generator=gen), torch.rand(16, generator=gen) + 0.5
-    y, s = rms_norm(x, w, 1e-6, residual=r)
-    assert s.dtype == torch.float32 and torch.equal(s, r + x)
-    torch.testing.assert_close(y, rms_norm(r + x, w, 1e-6))
+    x, r = (torch.randn(9, 300, generator=gen).to(dtype) for dtype in (x_dtype, r_dtype))
+    w = ((1 - offset) + 0.1 * torch.randn(300, generator=gen)).to(w_dtype)  # Gemma stores w - 1
+    eps = 1e-5  # not rms_norm's default, so an eps lost on the way shows
+    hf_norm = hf_gemma_rms_norm if offset else hf_llama_rms_norm
+
+    def ours(x, r, w):
+        return rms_norm(x, w, eps, offset=offset, residual=r)
+
+    def eager(x, r, w):
+        h = r + x
+        return hf_norm(h, w, eps), h
+
+    def exact(x, r, w):
+        h = r + x
+        return reference(h, w, eps, offset), h
+
+    assert torch.equal(ours(x, r, w)[1], r + x)  # eager's promoted add, bit for bit
+    assert_mixed_no_worse(ours, eager, exact, [x, r, w])
 
 
 def test_swapped_norm_with_a_weight_in_another_dtype_follows_the_module():
