@@ -27,13 +27,13 @@ from ._launch import interpreted, launch, round_to
 BLOCK = 1024
 NUM_WARPS = 8
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_MAX_PLANS = 64  # launch plans kept per optimizer; more means the tensors' storage keeps changing
+_MAX_PLANS = 4  # launch plans kept per parameter group; more means the tensors' storage keeps changing
 
 
 @triton.jit
-def _adamw_math(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step_size, bias_correction2_sqrt,
+def _adamw_math(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step_size, bias_correction2_sqrt, inv_grad_scale,
                 MAXIMIZE: tl.constexpr):
-    p, g, m, v = p.to(tl.float32), g.to(tl.float32), m.to(tl.float32), v.to(tl.float32)
+    p, g, m, v = p.to(tl.float32), g.to(tl.float32) * inv_grad_scale, m.to(tl.float32), v.to(tl.float32)
     if MAXIMIZE:
         g = -g
     p = p - lr * weight_decay * p
@@ -46,8 +46,8 @@ def _adamw_math(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step_size, bias
 
 @triton.jit
 def _adamw_kernel(TABLE, GRADS, CORRECTIONS, BLOCK_TENSOR, lr, beta1, beta2, eps, weight_decay, step_size,
-                  bias_correction2_sqrt, DTYPE: tl.constexpr, MAXIMIZE: tl.constexpr, PER_TENSOR: tl.constexpr,
-                  BLOCK: tl.constexpr):
+                  bias_correction2_sqrt, inv_grad_scale, DTYPE: tl.constexpr, MAXIMIZE: tl.constexpr,
+                  PER_TENSOR: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     t = tl.load(BLOCK_TENSOR + pid)
     g_address = tl.load(GRADS + t)
@@ -67,7 +67,8 @@ def _adamw_kernel(TABLE, GRADS, CORRECTIONS, BLOCK_TENSOR, lr, beta1, beta2, eps
         g_ptr = tl.multiple_of(g_address.to(tl.pointer_type(DTYPE)), 16) + offs
         if start + BLOCK <= n:  # a full block: no mask, whose unknown bound would keep the accesses scalar
             p, m, v = _adamw_math(tl.load(p_ptr), tl.load(g_ptr), tl.load(m_ptr), tl.load(v_ptr), lr, beta1,
-                                  beta2, eps, weight_decay, step_size, bias_correction2_sqrt, MAXIMIZE)
+                                  beta2, eps, weight_decay, step_size, bias_correction2_sqrt, inv_grad_scale,
+                                  MAXIMIZE)
             tl.store(p_ptr, round_to(p, DTYPE))
             tl.store(m_ptr, round_to(m, DTYPE))
             tl.store(v_ptr, round_to(v, DTYPE))
@@ -75,7 +76,7 @@ def _adamw_kernel(TABLE, GRADS, CORRECTIONS, BLOCK_TENSOR, lr, beta1, beta2, eps
             mask = offs < n
             p, m, v = _adamw_math(tl.load(p_ptr, mask=mask), tl.load(g_ptr, mask=mask), tl.load(m_ptr, mask=mask),
                                   tl.load(v_ptr, mask=mask), lr, beta1, beta2, eps, weight_decay, step_size,
-                                  bias_correction2_sqrt, MAXIMIZE)
+                                  bias_correction2_sqrt, inv_grad_scale, MAXIMIZE)
             tl.store(p_ptr, round_to(p, DTYPE), mask=mask)
             tl.store(m_ptr, round_to(m, DTYPE), mask=mask)
             tl.store(v_ptr, round_to(v, DTYPE), mask=mask)
@@ -132,7 +133,7 @@ class _Plan:
                          for (device, dtype), indices in members.items()]
 
 
-def _eager_update(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step, maximize) -> None:
+def _eager_update(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step, maximize, inv_grad_scale=1.0) -> None:
     """The same update with torch ops, for a tensor the flat kernel does not take (strided, misaligned, complex,
     fp64, on a CPU outside the interpreter): in fp32 (fp64 for fp64), rounded once to each tensor's dtype, as the
     kernel does; a complex tensor as its real and imaginary parts, as torch's AdamW."""
@@ -140,6 +141,8 @@ def _eager_update(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step, maximiz
         p, g, m, v = (torch.view_as_real(t) for t in (p, g, m, v))
     math_dtype = torch.promote_types(p.dtype, torch.float32)
     p32, m32, v32, g32 = (t.to(math_dtype) for t in (p, m, v, g))
+    if inv_grad_scale != 1.0:
+        g32 = g32 * inv_grad_scale
     if maximize:
         g32 = -g32
     p32.mul_(1 - lr * weight_decay)
@@ -154,10 +157,11 @@ def _eager_update(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step, maximiz
 
 def adamw_step(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, counts: list, *, lr: float,
                beta1: float, beta2: float, eps: float, weight_decay: float, maximize: bool = False,
-               plans: dict | None = None) -> None:
+               inv_grad_scale: float = 1.0, plans: dict | None = None) -> None:
     """One AdamW step of a group's tensors: a launch per (device, dtype), torch ops for tensors the kernel cannot
     take. A tensor whose gradient is None stays as it is; `counts` holds each tensor's step count, this step
-    included (None where it does not step). `plans` caches launch tables between calls."""
+    included (None where it does not step); gradients are multiplied by `inv_grad_scale` (a GradScaler's 1/scale).
+    `plans` caches this group's launch tables between calls."""
     plans = {} if plans is None else plans
     key = (tuple(map(torch.Tensor.data_ptr, params)), tuple(map(torch.Tensor.data_ptr, exp_avgs)),
            tuple(map(torch.Tensor.data_ptr, exp_avg_sqs)), tuple(map(torch.Tensor.numel, params)))
@@ -169,7 +173,7 @@ def adamw_step(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, cou
     hyper = (lr, beta1, beta2, eps, weight_decay)
 
     def on_host(i):
-        _eager_update(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], *hyper, counts[i], maximize)
+        _eager_update(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], *hyper, counts[i], maximize, inv_grad_scale)
 
     for i in plan.eager:
         if grads[i] is not None:
@@ -193,7 +197,7 @@ def adamw_step(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, cou
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
             launch(_adamw_kernel, (grid.programs,), grid.table, grad_table, table, grid.block_tensor,
                    float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), step_size,
-                   bias_correction2_sqrt, DTYPE=_TRITON_DTYPES[dtype], MAXIMIZE=bool(maximize),
+                   bias_correction2_sqrt, float(inv_grad_scale), DTYPE=_TRITON_DTYPES[dtype], MAXIMIZE=bool(maximize),
                    PER_TENSOR=corrections is not None, BLOCK=BLOCK, num_warps=NUM_WARPS)
 
 
@@ -218,14 +222,15 @@ def _check_hyperparameters(lr, betas, eps, weight_decay) -> None:
 _UNSUPPORTED = ("amsgrad", "capturable", "differentiable")
 
 
-def _step_groups(optimizer: torch.optim.Optimizer, plans: dict, share_counters: bool) -> None:
+def _step_groups(optimizer: torch.optim.Optimizer, plans: dict, share_counters: bool,
+                 inv_grad_scale: float = 1.0) -> None:
     """Step every parameter group of an optimizer holding torch's AdamW state layout.
 
     Every tensor with a state is in the group's launch, so its tables stay the same from step to step; one without
     a gradient this step is skipped and its count stays behind. With `share_counters`, tensors that step together
     share one step-count tensor (a CPU scalar, as torch keeps it outside its fused and capturable paths), so a
     step adds 1 once, not once per tensor. Without it, each keeps its own, as torch's."""
-    for group in optimizer.param_groups:
+    for index, group in enumerate(optimizer.param_groups):
         for option in _UNSUPPORTED:
             if group.get(option):
                 raise ValueError(f"profiler_svc's AdamW step does not support {option}=True")
@@ -251,6 +256,8 @@ def _step_groups(optimizer: torch.optim.Optimizer, plans: dict, share_counters: 
                     state["step"] = fresh
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                elif not torch.is_tensor(state["step"]):  # an old checkpoint's number, as torch's own converts it
+                    state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
                 elif state["step"].device.type != "cpu":
                     # loaded from torch's fused or capturable AdamW: read on the device, it would wait for the GPU
                     state["step"] = state["step"].to("cpu", torch.float32)
@@ -266,7 +273,7 @@ def _step_groups(optimizer: torch.optim.Optimizer, plans: dict, share_counters: 
         beta1, beta2 = group["betas"]
         adamw_step(params, grads, exp_avgs, exp_avg_sqs, counts, lr=group["lr"], beta1=beta1, beta2=beta2,
                    eps=group["eps"], weight_decay=group["weight_decay"], maximize=group.get("maximize", False),
-                   plans=plans)
+                   inv_grad_scale=inv_grad_scale, plans=plans.setdefault(index, {}))
 
 
 def _count_shared_steps(states: list, stepping: list) -> list:
@@ -315,12 +322,24 @@ def _counters_back_on_the_device(optimizer: torch.optim.Optimizer) -> None:
 
 @torch.no_grad()
 def _closure_then_step(optimizer, closure, plans: dict, share_counters: bool):
-    """torch's step protocol: the closure (if any) evaluates the loss with gradients on, then the update."""
+    """torch's step protocol: the closure (if any) evaluates the loss with gradients on, then the update.
+
+    Like torch's fused AdamW, it takes GradScaler's scale-aware protocol (`_step_supports_amp_scaling`): the
+    scaler leaves the gradients scaled and sets `grad_scale` and `found_inf` on the optimizer; the step divides
+    by the one and skips itself on the other. Reading them waits for the GPU once a step, as the scaler itself
+    does for an optimizer without the protocol."""
     loss = None
     if closure is not None:
         with torch.enable_grad():
             loss = closure()
-    _step_groups(optimizer, plans, share_counters)
+    grad_scale, found_inf = getattr(optimizer, "grad_scale", None), getattr(optimizer, "found_inf", None)
+    inv_grad_scale = 1.0
+    if grad_scale is not None or found_inf is not None:
+        if found_inf is not None and found_inf.item():
+            return loss  # an overflow: nothing changes, step counts included
+        if grad_scale is not None:
+            inv_grad_scale = 1.0 / grad_scale.item()
+    _step_groups(optimizer, plans, share_counters, inv_grad_scale)
     return loss
 
 
@@ -338,6 +357,7 @@ class AdamW(torch.optim.Optimizer):
                 raise ValueError(f"profiler_svc's AdamW does not support {option}=True")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize))
         self._plans: dict = {}
+        self._step_supports_amp_scaling = True  # GradScaler's scale and inf flag come into the step (as fused=True)
 
     def __setstate__(self, state):
         super().__setstate__(state)  # a copy or an unpickled optimizer: launch tables are built again
@@ -360,6 +380,8 @@ def bundled_step_refusal(optimizer) -> str | None:
     decoupled weight decay) without amsgrad, differentiable or capturable steps, or a learning rate as a tensor."""
     if isinstance(optimizer, AdamW):
         return "it is already profiler_svc's AdamW"
+    if getattr(optimizer.__dict__.get("step"), "_bundled_adamw", False):
+        return "the bundled step is installed on it already"
     if not isinstance(optimizer, torch.optim.Adam):  # torch's AdamW is an Adam with decoupled weight decay
         return f"{type(optimizer).__name__} is not torch.optim.AdamW"
     for group in optimizer.param_groups:
@@ -384,10 +406,6 @@ class BundledStep:
             raise ValueError(f"the bundled AdamW step does not apply: {reason}")
         self.optimizer = optimizer
         self.previous = optimizer.__dict__.get("step")  # an instance-level step (an LR scheduler's counter)
-        # torch's fused AdamW takes GradScaler's scale and inf flag into its step; this step does not, so the
-        # scaler unscales and skips overflowing steps itself while it is installed
-        self.amp_scaling = optimizer.__dict__.get("_step_supports_amp_scaling")
-        optimizer._step_supports_amp_scaling = False
         plans: dict = {}
 
         def step(opt, closure=None):
@@ -395,6 +413,7 @@ class BundledStep:
             return _closure_then_step(opt, closure, plans, share_counters=False)  # the user's checkpoints stay torch's
 
         stepper = torch.optim.Optimizer.profile_hook_step(step)
+        stepper._bundled_adamw = True  # bundled_step_refusal: installed once
         if getattr(self.previous, "_wrapped_by_lr_sched", False):
             stepper._wrapped_by_lr_sched = True  # the scheduler's mark; this step sets _opt_called, as its wrapper did
         optimizer.step = types.MethodType(stepper, optimizer)
@@ -404,10 +423,6 @@ class BundledStep:
             self.optimizer.__dict__.pop("step", None)
         else:
             self.optimizer.step = self.previous
-        if self.amp_scaling is None:
-            self.optimizer.__dict__.pop("_step_supports_amp_scaling", None)
-        else:
-            self.optimizer._step_supports_amp_scaling = self.amp_scaling
         _counters_back_on_the_device(self.optimizer)
 
 

@@ -322,9 +322,10 @@ def _parameter_dtype(trace: Trace) -> str:
     for module in modules.values() if isinstance(modules, dict) else ():
         params = module.get("params") if isinstance(module, dict) else None
         for param in params.values() if isinstance(params, dict) else ():
-            shape = param.get("shape") if isinstance(param, dict) else None
-            if isinstance(shape, list) and all(isinstance(d, int) for d in shape) and param.get("dtype") in _TORCH_DTYPES:
-                held[_TORCH_DTYPES[param["dtype"]]] += numel(shape)
+            shape, dtype = (param.get("shape"), param.get("dtype")) if isinstance(param, dict) else (None, None)
+            if isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape) \
+                    and isinstance(dtype, str) and dtype in _TORCH_DTYPES:
+                held[_TORCH_DTYPES[dtype]] += numel(shape)
     if held:
         return held.most_common(1)[0][0]
     counts: Counter = Counter()

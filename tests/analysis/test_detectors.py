@@ -213,6 +213,19 @@ def test_fused_adamw_is_sized_by_the_capture_s_parameter_dtype(tmp_path):
     assert fp32.evidence["fused_min_bytes"] == 2 * bf16.evidence["fused_min_bytes"] == 2 * 2 * 7 * llama_parameters() * 2
 
 
+def test_hostile_parameter_metadata_is_ignored_not_fatal(tmp_path):
+    """A module tree whose dtypes are not strings or whose shapes are negative: those entries are not counted (a
+    negative dim would subtract elements), and the analysis goes on."""
+    def hostile(data):
+        modules = list(data["profiler_svc"]["modules"].values())
+        for i, module in enumerate(modules):
+            for param in module["params"].values():
+                param["dtype"] = ["bfloat16"] if i % 3 == 0 else {"x": 1} if i % 3 == 1 else param["dtype"]
+                param["shape"] = [-(10 ** 12)] if i % 3 == 2 else param["shape"]
+    [finding] = _fused_adamw_variant(tmp_path, hostile)
+    assert finding.evidence["fused_min_bytes"] == 2 * 7 * llama_parameters() * 2  # the GEMMs' bf16, as before
+
+
 def test_llama_profiled_step_is_launch_bound_and_says_why():
     r = report("llama_bf16_train")
     assert r.steps["bottleneck"]["kind"] == "launch overhead"

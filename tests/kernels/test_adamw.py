@@ -377,3 +377,71 @@ def test_moments_on_another_device_than_the_parameter_are_refused_as_torch_refus
     opt.state[p]["exp_avg"] = opt.state[p]["exp_avg"].to("meta")
     with pytest.raises((RuntimeError, NotImplementedError)):
         opt.step()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_grad_scaler_s_fused_protocol_with_half_parameters(dtype):
+    """Pure fp16 training with GradScaler works only with an optimizer that takes the scaler's scale into its step
+    (the scaler refuses to unscale fp16 gradients itself): torch's fused AdamW, the bundled step on it, and
+    profiler_svc's AdamW must all do it, and agree; an overflowing step changes nothing."""
+    results = []
+    for make in (lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True),
+                 lambda p: use_bundled_step(torch.optim.AdamW(p, lr=1e-2, fused=True)).optimizer,
+                 lambda p: AdamW(p, lr=1e-2)):
+        p = torch.nn.Parameter(torch.linspace(-1, 1, 64, dtype=dtype))
+        opt = make([p])
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        scaler.scale((p.float() * float("inf")).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+        assert torch.equal(p.detach(), torch.linspace(-1, 1, 64, dtype=dtype))  # skipped
+        opt.zero_grad()
+        scaler.scale((p.float() * 3).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+        results.append((p.detach().clone(), opt.state[p]["step"].item()))
+    (theirs, steps), *others = results
+    for ours, our_steps in others:
+        assert our_steps == steps == 1.0
+        assert torch.equal(ours, theirs)
+
+
+def test_many_groups_keep_their_launch_tables():
+    """Layer-wise learning rates: a group per layer. Each group's tables are built once, not every step."""
+    from profiler_svc.kernels import adamw
+    groups = [{"params": [torch.nn.Parameter(torch.randn(32))], "lr": 1e-3 * (i + 1)} for i in range(70)]
+    opt = AdamW(groups)
+    built = []
+    real = adamw._Plan
+    adamw._Plan = lambda *a: (built.append(1), real(*a))[1]
+    try:
+        for _ in range(3):
+            for g in groups:
+                g["params"][0].grad = torch.ones(32)
+            opt.step()
+    finally:
+        adamw._Plan = real
+    assert len(built) == 70
+
+
+def test_an_old_checkpoint_s_numeric_step_is_taken():
+    theirs, ours = twins(make_params(torch.float32))
+    ref = torch.optim.AdamW(theirs, lr=1e-2, foreach=False)
+    run_steps([ref], [theirs], torch.float32, steps=2)
+    saved = copy.deepcopy(ref.state_dict())
+    for state in saved["state"].values():
+        state["step"] = int(state["step"].item())  # as torch before 1.12 saved it
+    for p, q in zip(theirs, ours):
+        q.data.copy_(p.data)
+    opt = AdamW(ours, lr=1e-2)
+    opt.load_state_dict(saved)
+    run_steps([ref, opt], [theirs, ours], torch.float32, steps=1, seed=4)
+    assert_close_in_ulps(ours, theirs, torch.float32, 8)
+
+
+def test_the_bundled_step_is_installed_once():
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))])
+    use_bundled_step(opt)
+    assert "already" in bundled_step_refusal(opt)
+    with pytest.raises(ValueError, match="installed on it already"):
+        use_bundled_step(opt)
