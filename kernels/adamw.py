@@ -117,8 +117,8 @@ def _static_launchable(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> boo
 
 
 class _Plan:
-    """How one set of stepping tensors is updated: launches of the flat kernel, one per (device, dtype) with its
-    tables, and the tensors left to torch ops. Built once; reused while the tensors' storage stays."""
+    """How a group's tensors (those with a state) are updated: launches of the flat kernel, one per (device, dtype)
+    with its tables, and the tensors left to torch ops. Built once; reused while the tensors' storage stays."""
 
     def __init__(self, params, exp_avgs, exp_avg_sqs):
         members: dict = {}
