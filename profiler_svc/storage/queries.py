@@ -432,7 +432,7 @@ def job_page(session, job_id: int) -> dict:
 
 
 def compare(session, run_a: int, run_b: int, limit: int = 50) -> dict:
-    """Run B against run A: the step (difference of the median step, with an exact interval for the shift),
+    """Run B against run A: the step (the shift between the runs' steps, with its exact interval),
     the per-step breakdown, findings resolved / new / changed (by cause), and per-kernel time (B minus A)."""
     a, b = run_summary(session, run_a), run_summary(session, run_b)
     ta, tb = _trace_for(session, run_a, None), _trace_for(session, run_b, None)
@@ -462,28 +462,26 @@ def compare(session, run_a: int, run_b: int, limit: int = 50) -> dict:
             "total_delta_us": round(b["summary"]["kernel_time_us"] - a["summary"]["kernel_time_us"], 3)}
 
 
-# A side of one step has no spread to go on: an interval needs two steps a side (the level it reaches is stated).
-_MIN_STEPS_FOR_CI = 2
-
-
 def step_difference(steps_a: dict, steps_b: dict) -> dict | None:
-    """B's median step minus A's, with the exact distribution-free interval for the shift between the two runs' steps
-    (intervals.shift_interval) and the level it reaches: CI_LEVEL, or below it where there are too few steps.
-    The estimate stays the difference of the two medians the page shows beside it; the interval is the shift's."""
+    """B's step against A's: the shift between the two runs' steps, its Hodges-Lehmann estimate with the exact
+    distribution-free interval around it (intervals.shift_interval) and the level that reaches: CI_LEVEL, or below
+    it with few steps. Estimate and interval are of one quantity, so they agree in sign where the interval is sure;
+    the difference of the medians, which can fall outside it (steps of two kinds in other proportions), is not shown
+    as the change. Non-finite step times are left out."""
     import numpy as np
     va = np.asarray((steps_a.get("step_us") or {}).get("values") or [], dtype=float)
     vb = np.asarray((steps_b.get("step_us") or {}).get("values") or [], dtype=float)
+    va, vb = va[np.isfinite(va)], vb[np.isfinite(vb)]
     if not len(va) or not len(vb):
         return None
     a_us, b_us = float(np.median(va)), float(np.median(vb))
-    delta_us = round(b_us - a_us, 2)
-    # None where unknown: no A time to divide by, too few steps for an interval
+    estimate, low, high, level = shift_interval(va, vb)
+    # None where unknown: no A time to divide by; no interval (one step a side: a level of 0)
     out: dict[str, float | None] = {"a_us": a_us, "b_us": b_us, "a_steps": len(va), "b_steps": len(vb)}
-    out["delta_us"] = delta_us
-    out["delta_pct"] = round(100 * delta_us / a_us, 2) if a_us else None
+    out["delta_us"] = round(estimate, 2)
+    out["delta_pct"] = round(100 * estimate / a_us, 2) if a_us else None
     out["ci_level"], out["ci_low_us"], out["ci_high_us"] = None, None, None
-    if min(len(va), len(vb)) >= _MIN_STEPS_FOR_CI:
-        low, high, level = shift_interval(va, vb)
+    if level > 0:
         out["ci_level"], out["ci_low_us"], out["ci_high_us"] = level, round(low, 2), round(high, 2)
     return out
 

@@ -44,7 +44,8 @@ def test_3_and_3_steps_give_the_whole_range_at_its_exact_level():
     d = step_difference(steps(a), steps(b))
     assert d["ci_level"] == pytest.approx(1 - 2 / math.comb(6, 3)) and d["ci_level"] < intervals.CI_LEVEL
     assert (d["ci_low_us"], d["ci_high_us"]) == (min(b) - max(a), max(b) - min(a))
-    assert d["delta_us"] == 14.5 - 11.0  # the estimate stays the difference of the medians
+    # the estimate is the interval's own quantity: the median of the 9 differences (Hodges-Lehmann)
+    assert d["delta_us"] == float(np.median([y - x for x in a for y in b]))
     assert intervals.MIN_STEPS == 4 and intervals.shift_rank(4, 4) == (1, pytest.approx(1 - 2 / math.comb(8, 4)))
 
 
@@ -81,7 +82,27 @@ def test_many_steps_use_the_normal_approximation_and_a_bounded_subset(monkeypatc
     assert first["ci_low_us"] > 0  # a shift of half a standard deviation is clear at a thousand steps a side
 
 
-def test_one_step_on_a_side_gives_no_interval():
-    d = step_difference(steps([10.0]), steps([11.0, 12.0, 13.0]))
-    assert d["delta_us"] == 2.0 and d["ci_low_us"] is None and d["ci_level"] is None
+def test_one_step_a_side_gives_no_interval_and_one_against_many_can_reach_its_level():
+    d = step_difference(steps([10.0]), steps([11.0]))
+    assert d["delta_us"] == 1.0 and d["ci_low_us"] is None and d["ci_level"] is None
     assert step_difference(steps([]), steps([1.0])) is None
+    # one step against 40: the whole range misses the shift with chance 2/41 only, a 95.1% interval
+    d = step_difference(steps([10.0]), steps([11.0 + i / 10 for i in range(40)]))
+    assert d["ci_level"] == pytest.approx(1 - 2 / 41) and d["ci_level"] >= intervals.CI_LEVEL
+    assert (d["ci_low_us"], d["ci_high_us"]) == (1.0, 4.9)
+
+
+def test_the_estimate_agrees_with_its_interval_where_the_medians_do_not():
+    """Steps of two kinds (an optimizer step every other step): B is 10 µs faster on every step but has one slow
+    step more. The difference of the medians is +480 µs; the shift, and its interval, say faster."""
+    jitter = np.linspace(-2, 2, 101)
+    a = np.where(np.arange(101) < 51, 1000.0, 1500.0) + jitter
+    b = np.where(np.arange(101) < 50, 990.0, 1490.0) + jitter
+    d = step_difference(steps(a.tolist()), steps(b.tolist()))
+    assert float(np.median(b) - np.median(a)) > 400
+    assert d["ci_low_us"] <= d["delta_us"] <= d["ci_high_us"] < 0
+
+
+def test_non_finite_step_times_are_left_out():
+    d = step_difference(steps([10.0, float("nan"), 12.0, 11.0]), steps([13.0, float("inf"), 14.0, 15.0]))
+    assert d["a_steps"] == d["b_steps"] == 3 and all(np.isfinite([d["delta_us"], d["ci_low_us"], d["ci_high_us"]]))
