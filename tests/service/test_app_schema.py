@@ -10,11 +10,11 @@ from profiler_svc.web import create_app
 
 
 def test_an_app_on_a_database_behind_the_code_stops_at_creation(engine, monkeypatch, tmp_path, capsys):
-    """Only `serve` checked the schema: create_app() under gunicorn (docker-compose) started on a database behind
+    """Only `serve` checked the schema: create_app() under a WSGI server (gunicorn, `flask --app`) started on a database behind
     the code and failed page by page. Now PostgreSQL is refused at creation with serve's line; SQLite is migrated,
     as serve migrates it."""
     url = engine.url.render_as_string(hide_password=False)
-    monkeypatch.setenv("PROFILER_SVC_DATABASE_URL", url)  # as docker-compose configures the web service
+    monkeypatch.setenv("PROFILER_SVC_DATABASE_URL", url)  # as a WSGI server's environment configures the app
     monkeypatch.setenv("PROFILER_SVC_BLOB_DIR", str(tmp_path / "blobs"))
     storage_db.downgrade(engine, "0003")
     try:
