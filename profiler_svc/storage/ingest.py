@@ -506,6 +506,9 @@ def _store(engine, blobs, upload: Upload, analysed: dict, *, move_blob=None, job
                                  meta=analysed["run_meta"])
         if workload and run.workload != workload:
             note = f"run {run.id} keeps its workload {run.workload!r}; workload {workload!r} was not applied"
+        if upload.name and run.name != _text(upload.name, 255):  # a rank joining a run another rank named
+            note = "; ".join(filter(None, [note, f"run {run.id} keeps its name {run.name!r}; name "
+                                                 f"{_text(upload.name, 255)!r} was not applied"]))
         _check_world(run, named_world_size(analysed["run_meta"]), rank, upload.filename)
         rank = _rank_in(session, run, rank, upload.filename, queue_joint=job is not None)
         trace = TraceRecord(

@@ -106,6 +106,23 @@ def test_file_system_problems_are_one_line(sqlite_env, capsys, tmp_path, monkeyp
     assert one_line_error(capsys).endswith("as the folder of trace files: Not a directory")
 
 
+def test_a_rank_joining_a_named_run_says_it_keeps_that_name(engine, monkeypatch, tmp_path, capsys):
+    """Rank 1 ingested into the run rank 0 made, with another --name: it joins the run, whose name stays; the line
+    says the name asked for was not applied, as for a trace stored before."""
+    monkeypatch.setenv("PROFILER_SVC_DATABASE_URL", engine.url.render_as_string(hide_password=False))
+    monkeypatch.setenv("PROFILER_SVC_BLOB_DIR", str(tmp_path / "blobs"))
+    assert main(["ingest", str(DDP / "gpt2_ddp_rank0.json.gz"), "--run", "job-9", "--name", "first"]) == 0
+    stored = capsys.readouterr().out
+    assert stored.endswith(": stored\n")
+    run = stored.split()[1]
+    assert main(["ingest", str(DDP / "gpt2_ddp_rank1.json.gz"), "--run", "job-9", "--name", "second"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"run {run} trace ") and out.endswith(
+        f": stored (run {run} keeps its name 'first'; name 'second' was not applied)\n"), out
+    assert main(["ingest", str(DDP / "gpt2_ddp_rank1.json.gz"), "--run", "job-9", "--name", "first"]) == 0
+    assert "not applied" not in capsys.readouterr().out  # stored already, as asked: nothing to say
+
+
 def test_a_duplicate_ingest_says_which_run_it_stays_in(engine, monkeypatch, tmp_path, capsys):
     """A stored trace ingested again with another --run and --name printed only "already stored": the user took it
     to be in the run they named. It stays where it is (a trace is one rank of one run), and the line says so."""
