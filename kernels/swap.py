@@ -227,32 +227,39 @@ def _set_child(model: nn.Module, qualified_name: str, new: nn.Module) -> None:
 # nn.Module's per-instance hook registries (dicts a RemovableHandle deletes its id from)
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
                "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks")
-# and the global ones that see every module's calls (register_module_forward_hook...)
-_GLOBAL_HOOK_DICTS = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_forward_hooks_with_kwargs",
-                      "_global_forward_hooks_always_called", "_global_backward_pre_hooks", "_global_backward_hooks")
+
+
+# the registries of those that hold hook functions (the others hold per-hook flags: with kwargs, always called)
+_HOOK_FUNCTION_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_GLOBAL_HOOK_FUNCTION_DICTS = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks",
+                               "_global_backward_hooks")
+
+
+def _silent(*args, **kwargs):
+    return None  # a hook that changes nothing: inputs, outputs and gradients pass as they are
 
 
 @contextmanager
 def hooks_silenced(modules: Iterable[nn.Module]):
-    """Inside, no hook of MODULES and no global module hook fires: the swap's probes call modules on random inputs,
-    which a user's hook (a counter, an activation recorder, a capture's labels) must not see. Each registry is
-    emptied in place and refilled on exit, so the hooks' handles keep reaching them."""
+    """Inside, no hook of MODULES and no global module hook acts: the swap's probes call modules on random inputs,
+    which a user's hook (a counter, an activation recorder, a capture's labels) must not see. Each hook is swapped
+    for one that does nothing, under its own key, and put back on exit: a handle removed meanwhile removes it for
+    good, and a hook registered meanwhile is left as it is. The global hooks are the process's: another thread's
+    forward meanwhile runs without them too."""
     every = nn.modules.module
-    registries = {id(hooks): hooks for module in modules for hooks in (getattr(module, name, None) for name in _HOOK_DICTS)
-                  if hooks is not None}
-    registries.update((id(hooks), hooks) for hooks in (getattr(every, name, None) for name in _GLOBAL_HOOK_DICTS)
-                      if hooks is not None)
-    saved = {key: dict(hooks) for key, hooks in registries.items()}
-    for hooks in registries.values():
-        hooks.clear()
+    registries = {id(hooks): hooks for module in modules for hooks in
+                  (getattr(module, name, None) for name in _HOOK_FUNCTION_DICTS) if hooks}
+    registries.update((id(hooks), hooks) for hooks in (getattr(every, name, None) for name in _GLOBAL_HOOK_FUNCTION_DICTS)
+                      if hooks)
+    silenced = [(hooks, key, hook) for hooks in registries.values() for key, hook in list(hooks.items())]
+    for hooks, key, _ in silenced:
+        hooks[key] = _silent
     try:
         yield
     finally:
-        for key, hooks in registries.items():
-            added = dict(hooks)  # one registered inside stays, after those that were there
-            hooks.clear()
-            hooks.update(saved[key])
-            hooks.update(added)
+        for hooks, key, hook in silenced:
+            if hooks.get(key) is _silent:  # not removed meanwhile
+                hooks[key] = hook
 
 
 def rebuild_replacement(swap_name: str, original: nn.Module) -> nn.Module:

@@ -84,6 +84,29 @@ def test_a_module_reachable_at_several_paths_is_swapped_and_restored_at_every_on
     assert model.mlp.act_fn is originals["act"]
 
 
+def test_a_hook_removed_or_added_while_hooks_are_silenced_stays_so():
+    """Another thread (or a probed module) removes a hook while the probes run: it must stay removed; one registered
+    meanwhile must keep working, its handle included."""
+    from profiler_svc.kernels.swap import hooks_silenced
+    norm = nn.LayerNorm(8)
+    calls = []
+    removed_global = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: calls.append("global"))
+    removed_local = norm.register_forward_hook(lambda m, i, o: calls.append("local"))
+    kept = norm.register_forward_pre_hook(lambda m, i: calls.append("kept"))
+    with hooks_silenced([norm]):
+        norm(torch.randn(2, 8))
+        assert calls == []
+        removed_global.remove()
+        removed_local.remove()
+        added = norm.register_forward_hook(lambda m, i, o: calls.append("added"))
+    norm(torch.randn(2, 8))
+    assert calls == ["kept", "added"]
+    added.remove()
+    kept.remove()
+    norm(torch.randn(2, 8))
+    assert calls == ["kept", "added"]
+
+
 def test_probes_fire_no_user_hook_and_decide_as_without_hooks():
     def llama():
         torch.manual_seed(0)
