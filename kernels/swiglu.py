@@ -5,6 +5,7 @@ gate, up and the output gradient and writes both input gradients, recomputing th
 instead of saving it. Math in fp32, rounded once. The kernels are generic over the gate's
 activation (SiLU, tanh-GELU, erf-GELU), so geglu.py reuses them.
 """
+import functools
 from contextlib import contextmanager
 from typing import Optional, cast
 
@@ -156,6 +157,7 @@ def gated_routed_bwd(dh: torch.Tensor, gate_up: torch.Tensor, weights: torch.Ten
     return gate_up, weighted_act, dot
 
 
+@functools.lru_cache(maxsize=None)  # one per activation, held by no module: a swapped model pickles
 def experts_gate(act: int) -> ExpertsGate:
     return ExpertsGate(lambda pre: gated_act_split(pre, act),
                        lambda dh, pre, weights, pair_of_row: gated_routed_bwd(dh, pre, weights, pair_of_row, act))
@@ -372,7 +374,6 @@ class GatedExperts(nn.Module):
         super().__init__()
         share_state(self, original)
         self.act, self._interface, self._original_class = act, interface, type(original).__name__
-        self._routed_gate = experts_gate(act)
 
     def _apply_gate(self, gate_up_out):
         return gated_act_split(gate_up_out, self.act)
@@ -384,7 +385,7 @@ class GatedExperts(nn.Module):
         # (batched_mm, deepgemm...) and expert-parallel sentinel ids keep transformers' function
         if implementation in (None, "eager", "grouped_mm") and not getattr(self, "_is_expert_parallel", False) \
                 and grouped_mm_fits(hidden_states, gate_up, down):
-            return routed_experts(hidden_states, top_k_index, top_k_weights, gate_up, down, self._routed_gate)
+            return routed_experts(hidden_states, top_k_index, top_k_weights, gate_up, down, experts_gate(self.act))
         if self._interface is not None and implementation not in (None, "eager"):
             return self._interface.get_interface(implementation, None)(self, hidden_states, top_k_index, top_k_weights)
         return experts_loop(self, hidden_states, top_k_index, top_k_weights, self._apply_gate)

@@ -176,6 +176,23 @@ def test_a_swapped_model_pickles_and_comes_back_swapped(copier):
         torch.testing.assert_close(twin(ids).logits, expected, rtol=1e-4, atol=1e-5)
 
 
+def test_a_swapped_moe_model_pickles():
+    """An experts block's routed gate was a pair of lambdas on the module: a swapped Qwen3-MoE did not pickle."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3MoeConfig(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                      head_dim=16, num_experts=4, num_experts_per_tok=2)
+    model = transformers.Qwen3MoeForCausalLM(cfg).eval()
+    assert "swiglu" in {row[2] for row in swap(model).swapped}
+    assert type(model.model.layers[0].mlp.experts).__name__ == "GatedExperts"
+    ids = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(3))
+    twin = pickle.loads(pickle.dumps(model))
+    assert type(twin.model.layers[0].mlp.experts).__name__ == "GatedExperts"
+    with torch.no_grad():
+        torch.testing.assert_close(twin(ids).logits, model(ids).logits)
+
+
 def test_a_model_under_an_installed_plan_pickles_too():
     # ab_test's plans are not kept on the model: each stand-in carries what rebuilds it
     model = _qwen3()
