@@ -9,7 +9,7 @@ import importlib
 import sys
 
 from .errors import UserError
-from .formats import clean
+from .formats import clean, error_line
 
 # Areas that contribute subcommands, in help order. Each module defines add_commands(subparsers).
 COMMAND_MODULES = (
@@ -56,9 +56,8 @@ def main(argv=None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except UserError as exc:  # one line, whatever a path or name in it holds
-        message = str(exc).replace("\n", " ")
-        print(f"profiler_svc: error: {clean(message)}", file=sys.stderr)
+    except UserError as exc:
+        print(error_line(exc), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("profiler_svc: interrupted", file=sys.stderr)

@@ -53,6 +53,11 @@ def plain_json(value):
 _CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f\x9b]")
 
 
+def error_line(exc: BaseException) -> str:
+    """A user error as the commands print it to stderr: one line, whatever a path or name in it holds."""
+    return f"profiler_svc: error: {clean(str(exc).replace(chr(10), ' '))}"
+
+
 def clean(text) -> str:
     """One line without terminal control characters: a hostile kernel name or path must not drive the terminal,
     nor start a line of its own (a forged finding, a broken table row)."""

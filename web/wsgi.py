@@ -7,11 +7,11 @@ stops instead of starting workers that fail the same way.
 import sys
 
 from ..errors import UserError
-from ..formats import clean
+from ..formats import error_line
 from . import create_app
 
 try:
     app = create_app()
 except UserError as exc:
-    print(f"profiler_svc: error: {clean(str(exc).replace(chr(10), ' '))}", file=sys.stderr)
+    print(error_line(exc), file=sys.stderr)
     sys.exit(4)
