@@ -4,3 +4,5 @@ Its own module, free of imports, so that the CLI can list them without loading t
 
 FIX_NAMES = ("tf32", "bf16_autocast", "sdpa", "sdpa_backends", "fused_optimizer", "bundled_adamw", "pad_vocab",
              "cuda_graphs", "channels_last", "cudnn_benchmark", "use_cache")
+# those that act on the optimizer, which steps only in a training step
+OPTIMIZER_FIXES = ("fused_optimizer", "bundled_adamw")

@@ -8,7 +8,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from ..detectors.common import recommended
-from ..fix_names import FIX_NAMES
+from ..fix_names import FIX_NAMES, OPTIMIZER_FIXES
 from ..errors import UserError
 from ..formats import one_line
 
@@ -54,7 +54,7 @@ def run_ab(args) -> int:
     unknown = [f for f in fixes if f not in FIX_NAMES]
     if unknown:
         raise UserError(f"unknown fix {', '.join(map(repr, unknown))}; available: {', '.join(FIX_NAMES)}")
-    for fix in ("fused_optimizer", "bundled_adamw"):  # the fixes that act on the optimizer
+    for fix in OPTIMIZER_FIXES:
         if fix in args.fix and not args.train:
             raise UserError(f"--fix {fix} needs --train: the optimizer steps only in a training step")
     # predicted for what ran (a swap that matched no module and a fix that did not apply are left out), from the
