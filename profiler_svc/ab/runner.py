@@ -585,7 +585,7 @@ def _check_arguments(rounds, warmup, seed, parity_factor, max_rel_error) -> None
     def real(x):
         return isinstance(x, (int, float, np.floating, np.integer)) and not isinstance(x, bool)
 
-    if not whole(rounds) or rounds < 2:  # fewer than stats.MIN_ROUNDS give no_difference: no 95% interval
+    if not whole(rounds) or rounds < 2:  # fewer than intervals.MIN_ROUNDS give no_difference: no 95% interval
         raise UserError(f"rounds must be a whole number >= 2, got {rounds!r}")
     if not whole(warmup) or warmup < 0:
         raise UserError(f"warmup must be a whole number >= 0, got {warmup!r}")

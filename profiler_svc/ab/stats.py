@@ -6,9 +6,8 @@ import time
 import numpy as np
 import torch
 
-# the level and the fewest rounds that reach it live with the interval, where the web reads them without torch
+# the level lives with the interval, where the web reads it without torch
 from ..intervals import CI_LEVEL, binomial_below, sign_test_rank
-from ..intervals import MIN_ROUNDS as MIN_ROUNDS
 
 
 def timer_name(device: torch.device) -> str:

@@ -371,7 +371,7 @@ def test_a_no_op_comes_out_no_difference_19_times_in_20(rounds):
     slower in at most 5% of tests, at the fewest rounds allowed (2) too. A percentile bootstrap of the median called
     47% of them at 2 rounds and 6-7% at 5 to 20; the order-statistic interval is exact, and fewer than 6 rounds
     claim nothing."""
-    from profiler_svc.ab.stats import MIN_ROUNDS
+    from profiler_svc.intervals import MIN_ROUNDS
 
     rng = np.random.default_rng(rounds)
     tests = 4000
