@@ -504,11 +504,12 @@ def _store(engine, blobs, upload: Upload, analysed: dict, *, move_blob=None, job
         run = _get_or_create_run(session, group_key=group_key, name=upload.name or _default_name(upload.filename),
                                  host=upload.host or _text(ours.get("host"), 255), workload=workload,
                                  meta=analysed["run_meta"])
-        if workload and run.workload != workload:
-            note = f"run {run.id} keeps its workload {run.workload!r}; workload {workload!r} was not applied"
-        if upload.name and run.name != _text(upload.name, 255):  # a rank joining a run another rank named
-            note = "; ".join(filter(None, [note, f"run {run.id} keeps its name {run.name!r}; name "
-                                                 f"{_text(upload.name, 255)!r} was not applied"]))
+        # a rank joining a run another rank made: what the run holds stays
+        kept = [f"run {run.id} keeps its {label} {held!r}; {label} {wanted!r} was not applied"
+                for label, held, wanted in (("workload", run.workload, workload),
+                                            ("name", run.name, _text(upload.name, 255) if upload.name else None))
+                if wanted and held != wanted]
+        note = "; ".join(filter(None, [note, *kept])) or None
         _check_world(run, named_world_size(analysed["run_meta"]), rank, upload.filename)
         rank = _rank_in(session, run, rank, upload.filename, queue_joint=job is not None)
         trace = TraceRecord(
