@@ -852,7 +852,8 @@ def _optimizer_name(trace: Trace) -> Optional[str]:
 
 
 def _optimizer_fix(name: Optional[str]) -> tuple:
-    """(summary, snippet, A/B fix) for a foreach optimizer step of torch.optim class NAME: AdamW's is the bundled
+    """(summary, snippet, A/B fix) for an optimizer step of torch.optim class NAME (its foreach kernels, or torch's
+    fused AdamW's): AdamW's is the bundled
     kernel, which makes the fused passes at the copy's rate (docs/kernels.md, "AdamW"); the others', torch's own."""
     if name == "AdamW":
         return ("Step with the bundled AdamW: one Triton kernel per parameter group reads the parameters, gradients "
