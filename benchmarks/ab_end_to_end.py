@@ -4,11 +4,14 @@ profiler_svc recommends for it vs Liger-Kernel's apply_liger_kernel_to_<family>,
     python benchmarks/ab_end_to_end.py [--family llama|gemma|qwen2|mixtral] [--out DIR] [--steps 20]
                                        [--warmup 5] [--budget-s 460] [--skip-ab] [--small] [--child-timeout-s 120]
                                        [--variants ours:train,...] [--swaps rope,rms_norm,swiglu [--fused-loss]] [--ab-tokens 1x512]
-                                       [--profile STEPS] [--bundled-adamw]
+                                       [--profile STEPS] [--bundled-adamw] [--memory-peak]
 
 --swaps skips the recommend stage and measures "ours" with those swaps; --profile adds, after each variant's
 timed steps, a torch.profiler pass: GPU time per step by kernel and the longest idle gaps between kernels;
---bundled-adamw steps "ours" with profiler_svc.kernels.AdamW instead of torch's fused AdamW.
+--bundled-adamw steps "ours" with profiler_svc.kernels.AdamW instead of torch's fused AdamW; --memory-peak
+records every allocation of each measured variant (CUDA allocator history, Python frames; slower, so its step
+times are not the bar's) and reports what is live at the peak, by the line that allocated it and by the step's
+phase (forward, backward, optimizer).
 
 Families are built from configs of one size (hidden 2048, 8 layers, 32k vocabulary; Mixtral: 8 experts
 of 2816, top 2), random weights, bf16, SDPA.
@@ -153,6 +156,11 @@ def stage_recommend(args) -> dict:
 def stage_measure(args) -> dict:
     from profiler_svc.ab.stats import time_ms
 
+    dev = device()
+    recording = args.memory_peak and dev.type == "cuda"
+    if recording:  # from the start, so the parameters' and the optimizer's own allocations are in the history
+        torch.cuda.memory._record_memory_history(stacks="python", max_entries=MEMORY_HISTORY_ENTRIES)
+    mark = _memory_mark if recording else (lambda phase: None)
     model = build(args.family, args.small, liger=args.variant == "liger", use_cache=args.use_cache)
     ids, labels = batch(args.family, args.small)
     swapped = {}
@@ -164,12 +172,14 @@ def stage_measure(args) -> dict:
         report = swap(model, args.swaps)
         for _, _, name, *_ in report.swapped:
             swapped[name] = swapped.get(name, 0) + 1
+        if args.keep_norm_outputs:
+            from profiler_svc.kernels import _norm
+            _norm.RECOMPUTE_MIN_NUMEL = 1 << 62
         if args.keep_activation:
             from profiler_svc.kernels.swiglu import GatedMLP, GateUpMLP
             for module in model.modules():
                 if isinstance(module, (GatedMLP, GateUpMLP)):
                     module.recompute = False
-    dev = device()
     losses = []
     if args.mode == "train":
         model.train()
@@ -180,8 +190,11 @@ def stage_measure(args) -> dict:
             opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=dev.type == "cuda")
 
         def step():
+            mark("forward")
             loss = loss_of(model, ids, labels, fused_loss, low_memory)
+            mark("backward")
             loss.backward()
+            mark("optimizer")
             opt.step()
             opt.zero_grad(set_to_none=True)
             losses.append(loss.detach())
@@ -189,6 +202,7 @@ def stage_measure(args) -> dict:
         model.eval()
 
         def step():
+            mark("forward")
             with torch.no_grad():
                 model(input_ids=ids).logits
 
@@ -200,12 +214,82 @@ def stage_measure(args) -> dict:
     times = [time_ms(step, dev) for _ in range(args.steps)]
     peak = torch.cuda.max_memory_allocated() if dev.type == "cuda" else None
     profile = kernel_breakdown(step, dev, args.profile) if args.profile else None
-    return {"profile": profile, "variant": args.variant, "mode": args.mode, "median_ms": statistics.median(times),
+    memory = None
+    if recording:
+        memory = memory_at_peak(torch.cuda.memory._snapshot(), peak)
+        torch.cuda.memory._record_memory_history(enabled=None)
+    return {"profile": profile, "memory_at_peak": memory, "variant": args.variant, "mode": args.mode, "median_ms": statistics.median(times),
             "min_ms": min(times), "max_ms": max(times), "steps": args.steps, "warmup": args.warmup,
             "peak_gb": peak / 1e9 if peak is not None else None, "swapped": swapped, "fused_loss": fused_loss,
             "keep_activation": bool(ours and args.keep_activation), "use_cache": args.use_cache,
+            "keep_norm_outputs": bool(ours and args.keep_norm_outputs),
             "optimizer": type(opt).__module__ + "." + type(opt).__name__ if args.mode == "train" else None,
             "first_loss": float(losses[0]) if losses else None}
+
+
+MEMORY_HISTORY_ENTRIES = 4_000_000  # a bar step allocates ~10k times; the history must reach back to the model's build
+_MARKS: list = []
+
+
+def _memory_mark(phase: str) -> None:
+    """A one-block allocation that stands in the allocator's history for 'phase starts here': the history
+    records sizes and frames, not names, so the names are kept here in the same order."""
+    _MARKS.append(phase)
+    torch.empty(1, dtype=torch.uint8, device="cuda")
+
+
+def memory_at_peak(snapshot: dict, expected_peak: int | None, top: int = 30) -> dict:
+    """Replays the allocator's history (alloc / free_requested, the points where max_memory_allocated's
+    count moves) and returns what was live at its highest point: bytes by the innermost frame outside torch
+    that allocated it, and by the step phase it was allocated in ('build' before the first step)."""
+    trace = next((t for t in snapshot["device_traces"] if t), [])
+
+    def frame_of(entry) -> str:
+        if any(f["name"] == "_memory_mark" for f in entry.get("frames", ())):
+            return "mark"
+        for f in entry.get("frames", ()):
+            if "/torch/" not in f["filename"]:
+                return f"{'/'.join(f['filename'].split('/')[-2:])}:{f['line']} {f['name']}"
+        return "no Python frame outside torch (autograd's engine, a C++ op)"
+
+    def replay(stop=None):
+        live, total, best, best_at, marks = {}, 0, -1, 0, iter(_MARKS)
+        phase, step = "build", 0
+        for i, entry in enumerate(trace[:stop]):
+            action = entry["action"]
+            if action == "alloc":
+                label = frame_of(entry)
+                if label == "mark":
+                    phase = next(marks, "?")
+                    step += phase == "forward"
+                    label = None
+                live[entry["addr"]] = (entry["size"], label, phase, step)
+                total += entry["size"]
+                if total > best:
+                    best, best_at = total, i
+            elif action == "free_requested" and entry["addr"] in live:
+                total -= live.pop(entry["addr"])[0]
+        return live, best, best_at
+
+    _, best, best_at = replay()
+    live, _, _ = replay(best_at + 1)
+    peak_entry = trace[best_at] if trace else {}
+    by_frame: dict = {}
+    by_phase: dict = {}
+    steps = {s for _, _, _, s in live.values()}
+    for size, label, phase, step in live.values():
+        if label is None:
+            continue
+        by_frame[label] = by_frame.get(label, 0) + size
+        # the peak's own step, one before it (optimizer state made in step 1, kept) or the build
+        key = "build" if phase == "build" else f"{phase} of {'this' if step == max(steps) else 'an earlier'} step"
+        by_phase[key] = by_phase.get(key, 0) + size
+    mb = lambda n: round(n / 1e6, 1)  # noqa: E731
+    return {"peak_bytes": best, "max_memory_allocated": expected_peak, "history_entries": len(trace),
+            "peak_during": f"{live[peak_entry['addr']][2]} (allocating at {frame_of(peak_entry)})" if trace else None,
+            "peak_frames": [f"{f['filename'].split('/')[-1]}:{f['line']} {f['name']}" for f in peak_entry.get("frames", ())][:12],
+            "by_phase_mb": {k: mb(v) for k, v in sorted(by_phase.items(), key=lambda kv: -kv[1])},
+            "by_frame_mb": [{"frame": k, "mb": mb(v)} for k, v in sorted(by_frame.items(), key=lambda kv: -kv[1])[:top]]}
 
 
 def kernel_breakdown(step, dev, steps: int) -> dict:
@@ -296,7 +380,7 @@ def run_child(stage: str, extra: list, args, timeout: float) -> dict:
     cmd = [sys.executable, __file__, "--child", stage, "--family", args.family, "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--ab-tokens", "x".join(map(str, args.ab_tokens)),
            *(["--small"] if args.small else []),
-           *(["--use-cache"] if args.use_cache else []), *extra]
+           *(["--use-cache"] if args.use_cache else []), *(["--memory-peak"] if args.memory_peak else []), *extra]
     t0 = time.time()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(timeout, 1))
@@ -396,8 +480,12 @@ def main(argv=None) -> int:
                    help="build the model with use_cache=True (no packed-sequence check on the host in training)")
     p.add_argument("--keep-activation", action="store_true",
                    help="'ours' gated MLPs keep their activation for the backward (recompute=False)")
+    p.add_argument("--keep-norm-outputs", action="store_true",
+                   help="'ours' keeps its norms' outputs for the backward (no recompute: the memory it saves, the time it costs)")
     p.add_argument("--bundled-adamw", action="store_true",
                    help="'ours' steps with profiler_svc.kernels.AdamW in place of torch's fused AdamW")
+    p.add_argument("--memory-peak", action="store_true",
+                   help="record the CUDA allocator's history and report what is live at the peak (slows the steps)")
     p.add_argument("--profile", type=int, default=0, metavar="STEPS",
                    help="after timing, profile STEPS steps of each variant: GPU time per step by kernel")
     args = p.parse_args(argv)
@@ -423,7 +511,8 @@ def main(argv=None) -> int:
     module_swaps = [s for s in recommended if s in available_swaps() and s != "cross_entropy"]
     fused_loss = "cross_entropy" in recommended or rec.get("fused_loss") or args.fused_loss
     ours = ["--swaps", ",".join(module_swaps)] + (["--fused-loss"] if fused_loss else []) + \
-        (["--keep-activation"] if args.keep_activation else []) + (["--bundled-adamw"] if args.bundled_adamw else [])
+        (["--keep-activation"] if args.keep_activation else []) + (["--bundled-adamw"] if args.bundled_adamw else []) + \
+        (["--keep-norm-outputs"] if args.keep_norm_outputs else [])
     profile = ["--profile", str(args.profile)] if args.profile else []
     runs = []
     for variant, mode in MEASURED:
