@@ -5,6 +5,8 @@ An optional residual is added first and the sum written out (the pre-norm residu
 Backward: dx = rstd * (w·dy - x̂·mean(x̂·w·dy) - [mean(w·dy)]) (+ the sum's own gradient);
 dw, db are summed per program over a grid-stride of rows, then across programs on the host.
 """
+import contextlib
+import weakref
 from typing import Optional
 
 import torch
@@ -23,6 +25,11 @@ BWD_WIDE_ELEMENTS_PER_SM = 8192
 # the SMs at 1024 columns (kernel_settings.md, "Norms' partial sums").
 COLUMN_SUM_BLOCK_N = 16
 
+
+# Norm outputs of at least this many elements can be saved by their consumers as a recipe and recomputed in
+# the backward (`saved_as_recipe`): at the Llama bar's size, 33.5 MB a norm, 0.54 GB a step. Below it a step
+# is short enough that the recompute's launch would cost more host time than the memory is worth.
+RECOMPUTE_MIN_NUMEL = 1 << 22
 
 # Forward rows of up to this many columns keep w and b in L2 (evict_last) while the rows stream past.
 # Not wider ones: there the policy's registers cost a program per SM (kernel_settings.md, "Norms' weight policy").
@@ -302,7 +309,10 @@ def normalize(x, weight, bias, eps: float, offset: float, center: bool, residual
     bias = bias.contiguous() if bias is not None else None
     tensors = (x, weight, bias, residual)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        return NormFunction.apply(x, weight, bias, eps, offset, center, residual)
+        out = NormFunction.apply(x, weight, bias, eps, offset, center, residual)
+        if residual is None and out.numel() >= RECOMPUTE_MIN_NUMEL and not torch.compiler.is_compiling():
+            out._norm_source = _NormSource(x, weight, bias, eps, offset, center)
+        return out
     y, s, _ = _forward(x, weight, bias, eps, offset, center, residual, stats=False)
     return y if residual is None else (y, s.view(x.shape))
 
@@ -344,6 +354,65 @@ class NormFunction(torch.autograd.Function):
             None, None, None,
             dx if ctx.has_residual else None,
         )
+
+
+class _NormSource:
+    """What a norm's output is computed from: its input (held weakly: the norm's backward keeps it while a
+    consumer's backward could need it) at its version then, weight, bias and settings. (The output itself cannot
+    change: autograd refuses an inplace change of a view made inside a Function.)"""
+
+    __slots__ = ("x", "weight", "bias", "eps", "offset", "center", "x_version")
+
+    def __init__(self, x, weight, bias, eps, offset, center):
+        self.x, self.weight, self.bias = weakref.ref(x), weight, bias
+        self.eps, self.offset, self.center, self.x_version = eps, offset, center, x._version
+
+
+class _Recipe:
+    """A consumer's saved copy of a norm output, as the inputs to compute it again. The same kernel on the same
+    rows gives the same bits; the first unpack computes it and later ones (q, k and v's projections) share it."""
+
+    __slots__ = ("source", "x", "out")
+
+    def __init__(self, source: _NormSource, x):
+        self.source, self.x, self.out = source, x, None
+
+    def output(self):
+        if self.out is None:
+            if self.x._version != self.source.x_version:
+                raise RuntimeError("a norm's input was modified by an inplace operation after the forward, so its "
+                                   "output, saved for a backward as a recipe, cannot be computed again")
+            s = self.source
+            self.out = _forward(self.x, s.weight, s.bias, s.eps, s.offset, s.center, None, stats=False)[0]
+        return self.out
+
+
+def saved_as_recipe(y):
+    """saved_tensors_hooks under which the ops that save the norm output `y` (or a view of it: linear saves a
+    2-D one) keep a recipe instead, so y is freed after the forward and computed again, once, in the backward;
+    a null context where y is no large norm output of ours, its input was modified since, or other saved-tensor
+    hooks (checkpointing, offloading) are active, which this would shadow."""
+    source = getattr(y, "_norm_source", None)
+    if source is None or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        return contextlib.nullcontext()
+    x = source.x()
+    if x is None or x._version != source.x_version:
+        return contextlib.nullcontext()
+    storage, dtype, base_offset = y.untyped_storage().data_ptr(), y.dtype, y.storage_offset()
+    recipe = _Recipe(source, x)  # held by the packed views only: freed with the last of them
+
+    def pack(tensor):
+        if tensor.untyped_storage().data_ptr() != storage or tensor.dtype != dtype:
+            return tensor
+        return recipe, tensor.size(), tensor.stride(), tensor.storage_offset() - base_offset
+
+    def unpack(packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        saved, size, stride, offset = packed
+        return saved.output().as_strided(size, stride, offset)
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
 def check_norm_args(x, weight, bias, residual) -> None:

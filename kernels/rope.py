@@ -31,6 +31,7 @@ from torch import nn
 from ._elementwise import check_float, needs_grad
 from ._forwards import SharedStateModule, copy_function, through_decorators
 from ._launch import first_order_only, kernel_op, launch, round_to
+from ._norm import saved_as_recipe
 from .parity import place
 from .swap import SwapEntry
 
@@ -361,6 +362,11 @@ class RopeAttention(SharedStateModule):
 
     def __init__(self, original: nn.Module, forward):
         super().__init__(original, forward, "fused rope")
+
+    def forward(self, *args, **kwargs):
+        # the input, a norm's output, is saved by the q, k and v projections: kept as a recipe, computed again once
+        with saved_as_recipe(args[0] if args else kwargs.get("hidden_states")):
+            return self._fused_forward(self, *args, **kwargs)
 
 
 def _rotary_tables(module: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor):

@@ -20,6 +20,7 @@ from ._elementwise import (
     ACT_NAMES, GELU_ERF, GELU_TANH, SILU, act_and_derivative, act_value, activation_kind, check_float, launch_elementwise, needs_grad, upcast,
 )
 from ._forwards import share_state
+from ._norm import saved_as_recipe
 from ._launch import first_order_only, kernel_op, launch, round_to, takes_native
 from .moe_routing import ExpertsGate, grouped_mm_fits, routed_experts, row_block
 from .parity import place
@@ -298,6 +299,41 @@ class SwiGLU(nn.Module):
         return swiglu(gate, up)
 
 
+class PairProjectionFunction(torch.autograd.Function):
+    """(linear(x, w_gate, b_gate), linear(x, w_up, b_up)), x's gradient one matmul and a second accumulated into it
+    (addmm), where autograd would add the projections' two gradients in a kernel of its own: two passes over an
+    x-sized tensor fewer a layer, which pays for computing x again when x is a norm's output (`saved_as_recipe`)."""
+
+    @staticmethod
+    def forward(ctx, x, w_gate, b_gate, w_up, b_up):
+        ctx.save_for_backward(x, w_gate, w_up)
+        ctx.biases = b_gate is not None, b_up is not None
+        return F.linear(x, w_gate, b_gate), F.linear(x, w_up, b_up)
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, d_gate, d_up):
+        x, w_gate, w_up = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        dg, du = d_gate.reshape(-1, d_gate.shape[-1]), d_up.reshape(-1, d_up.shape[-1])
+        dx = torch.mm(dg, w_gate).addmm_(du, w_up).view(x.shape) if needs[0] else None
+        rows = x.reshape(-1, x.shape[-1]) if needs[1] or needs[3] else None
+        return (dx, dg.t() @ rows if needs[1] else None, dg.sum(0) if ctx.biases[0] and needs[2] else None,
+                du.t() @ rows if needs[3] else None, du.sum(0) if ctx.biases[1] and needs[4] else None)
+
+
+def _pair_fits(gate_proj: nn.Linear, up_proj: nn.Linear, x: torch.Tensor) -> bool:
+    """Do gate_proj and up_proj run as one PairProjectionFunction: plain linears (`_plain_linear`) in a call that
+    trains, in eager, above the size where eager's ops run (the Function's own host time would show there)?"""
+    if not (torch.is_grad_enabled() and not torch.compiler.is_compiling()
+            and _plain_linear(gate_proj, x) and _plain_linear(up_proj, x)):
+        return False
+    # gate's size against NATIVE_BELOW, before gate exists: x's elements against it scaled by in / out features
+    small = takes_native(x, NATIVE_BELOW * x.shape[-1] // max(1, gate_proj.out_features))
+    return not small and (x.requires_grad or any(p.requires_grad for p in (*gate_proj.parameters(),
+                                                                          *up_proj.parameters())))
+
+
 class GatedMLP(nn.Module):
     """down_proj(act(gate_proj(x)) · up_proj(x)) with the fused gated activation.
 
@@ -320,7 +356,12 @@ class GatedMLP(nn.Module):
     def forward(self, x):
         # The projections' outputs are ours alone, their memory reused for their gradients, unless a hook saw them
         # (and may keep them: an activation it records must not turn into a gradient)
-        gate, up = self.gate_proj(x), self.up_proj(x)
+        with saved_as_recipe(x):  # x, a norm's output, is freed after the forward and computed again
+            if _pair_fits(cast(nn.Linear, self.gate_proj), cast(nn.Linear, self.up_proj), x):
+                gate, up = PairProjectionFunction.apply(x, self.gate_proj.weight, self.gate_proj.bias,
+                                                        self.up_proj.weight, self.up_proj.bias)
+            else:
+                gate, up = self.gate_proj(x), self.up_proj(x)
         if _native(gate):  # eager's own ops, and no more host work than eager's: the host sets the time here
             return self.down_proj(_NATIVE_ACT[self.act](gate) * up)
         alone = not (hooked(self.gate_proj) or hooked(self.up_proj))
@@ -349,7 +390,8 @@ class GateUpMLP(nn.Module):
 
     def forward(self, x):
         # the projection's output is ours alone, unless a hook saw it: the backward writes its gradient over it
-        gate_up = self.gate_up_proj(x)
+        with saved_as_recipe(x):  # as GatedMLP's
+            gate_up = self.gate_up_proj(x)
         if _native(gate_up):  # as GatedMLP's
             return self.down_proj(_eager_split(gate_up, self.act))
         alone = not hooked(self.gate_up_proj)
