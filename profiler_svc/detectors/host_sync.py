@@ -5,7 +5,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from ..trace.model import Trace
+from ..trace.model import Trace, element_bytes
 from ..trace.replay import Change
 from .common import Finding, Recommendation, per_step_note
 from .gpu_idle import blocking_calls, gpu_activity
@@ -44,9 +44,17 @@ _FIXES[_PACKED_CHECK] = (
     "find packed sequences (masking_utils.find_packed_sequence_indices); the forward waits there for the GPU to "
     "finish the previous step. Give the forward a cache, which skips the check: use_cache=True (the config's "
     "default), or pass past_key_values. The cache is not free: its first update copies each layer's keys and "
-    "values (a cat onto an empty tensor), GPU time this saving does not count: A/B-test it (profiler_svc ab --fix "
+    "values (a cat onto an empty tensor), and the backward copies their gradients back; this saving counts those "
+    "copies where the trace labels the k/v projections (profiler_svc.capture). A/B-test it (profiler_svc ab --fix "
     "use_cache).",
     "model.config.use_cache = True  # or: model(input_ids, past_key_values=DynamicCache(config=model.config))")
+_KV_PROJECTION = re.compile(r"\.(?:k_proj|v_proj) \(")
+_V_PROJECTION = re.compile(r"\.v_proj \(")
+# The cache's copies' rates, as shares of the device's copy bandwidth: the forward's cat reads each projection's
+# output across heads ([B, S, H, D] into [B, H, S, D]); the backward's copy writes a gradient back. Read off the
+# real trace tests/data/agent/llama8_bf16_4x2048_train_h200_clocks (H200, with a cache): cats of 16.8 MB tensors
+# 53.7-55.1 µs, the gradients' copies 25.8-26.2 µs, both read and written.
+_CACHE_COPY_SHARE = {False: 0.14, True: 0.30}  # backward?
 
 
 def detect(trace: Trace) -> list[Finding]:
@@ -110,10 +118,53 @@ def detect(trace: Trace) -> list[Finding]:
                                    for c, i, _ in sorted(calls, key=lambda x: -x[1])[:5]],
                       **({"modules": modules[:10]} if modules else {})},
             recommendation=Recommendation(fix, None, snippet, fix=config_fix),
-            change=Change(unblocked={c.Index for c, _, _ in calls}),
+            change=Change(unblocked={c.Index for c, _, _ in calls},
+                          gpu_added=_cache_copies(trace) if cause == _PACKED_CHECK else {}),
             key=f"host_sync:{cause}:{inner}" + (f":{copy}" if copy else ""),
         ))
     return findings
+
+
+def _cache_copies(trace: Trace) -> dict:
+    """The device time a cache's copies add (Change.gpu_added), on the k/v projections' kernels in the window: each
+    forward call's output copied once after its GEMM; in the backward the values' gradient copied back (spread over
+    v_proj's backward GEMMs), and the keys' too where our rope kernel runs (it writes them in the projection's
+    layout, which the cache's slice undoes; eager's rope has that copy already). Empty without module labels or
+    recorded shapes."""
+    k = trace.window_kernels
+    if not len(k) or "module" not in k:
+        return {}
+    modules = k["module"].astype(str)
+    mine = k[modules.str.contains(_KV_PROJECTION, na=False).to_numpy() & (k["op_name"] == "aten::mm").to_numpy()]
+    if not len(mine):
+        return {}
+    keys_too = bool(k["name"].str.contains("_rope_kernel", regex=False, na=False).any())
+    rate = trace.device.memory_bandwidth_gbps * 1e3  # bytes per µs
+    added: dict = {}
+    backward_us: dict = defaultdict(float)
+    for row in mine[~mine["backward"].to_numpy()].itertuples():
+        out = _linear_output_bytes(trace, row.top_op)
+        if out:
+            copy_us = 2 * out / rate  # read and written
+            added[row.Index] = copy_us / _CACHE_COPY_SHARE[False]
+            if keys_too or _V_PROJECTION.search(row.module):
+                backward_us[row.module] += copy_us / _CACHE_COPY_SHARE[True]
+    grads = mine[mine["backward"].to_numpy()]
+    for module, rows in grads.groupby("module", sort=False).groups.items():
+        for index in rows:  # each backward GEMM of the projection takes an equal part
+            added[index] = backward_us.get(module, 0.0) / len(rows)
+    return {i: us for i, us in added.items() if us > 0}
+
+
+def _linear_output_bytes(trace: Trace, op: int) -> int:
+    """Bytes of aten::linear's output (input [..., K], weight [N, K]) from OP's recorded shapes, else 0."""
+    if op < 0 or trace.cpu["name"].iat[op] != "aten::linear":
+        return 0
+    tensors = trace.op_inputs(op).tensors()
+    if len(tensors) < 2 or len(tensors[1][0]) != 2:
+        return 0
+    (x, dtype, _), (weight, _, _) = tensors[0], tensors[1]
+    return int(np.prod(x[:-1])) * weight[0] * (element_bytes(dtype) or 0)
 
 
 def _after_packed_check(cpu, top: int) -> bool:

@@ -291,6 +291,7 @@ def _gpu_time_saved(trace: Trace, change: Change) -> float:
         saved += float(k["dur"].to_numpy()[list(change.removed)].sum())
     if change.copies_removed:
         saved += float(trace.memory["dur"].to_numpy()[list(change.copies_removed)].sum())
+    saved -= sum(change.gpu_added.values())
     if change.graphs:
         saved += 0.0  # graphs remove host time and launch latency, not kernel time
     return saved / trace.step_count

@@ -97,6 +97,8 @@ class Change:
     not_before: trace.kernels index -> the earliest the kernel can start (µs, the trace's clock): a collective
         starts no earlier than its last peer on the other ranks (job_replay).
     fused_into: trace.kernels index of a removed kernel -> the kernel whose new duration does its work (a fusion).
+    gpu_added: trace.kernels index -> device time (µs) the fix adds right after that kernel on its stream (work it
+        brings: a KV cache's copies); not a claim on the kernel, which other fixes may change.
     """
     durations: dict = field(default_factory=dict)
     removed: set = field(default_factory=set)
@@ -109,6 +111,7 @@ class Change:
     no_collective_wait: bool = False
     not_before: dict = field(default_factory=dict)
     fused_into: dict = field(default_factory=dict)
+    gpu_added: dict = field(default_factory=dict)
 
     def merged(self, other: "Change") -> "Change":
         return Change.union([self, other])
@@ -133,6 +136,8 @@ class Change:
             out.no_collective_wait = out.no_collective_wait or c.no_collective_wait
             out.not_before.update(c.not_before)
             out.fused_into.update(c.fused_into)
+            for k, us in c.gpu_added.items():
+                out.gpu_added[k] = out.gpu_added.get(k, 0.0) + us
         return out
 
     @property
@@ -153,7 +158,8 @@ class Change:
                       host_removed=self.host_removed, host_added=self.host_added,
                       unblocked=self.unblocked, tightened=self.tightened, graphs=self.graphs,
                       no_collective_wait=self.no_collective_wait, not_before=self.not_before,
-                      fused_into={k: v for k, v in self.fused_into.items() if k not in kernels})
+                      fused_into={k: v for k, v in self.fused_into.items() if k not in kernels},
+                      gpu_added=self.gpu_added)
 
     def _shed_claimed(self, kernels: set, kernel_dur: np.ndarray, durations: dict, removed: set) -> None:
         """Each fusion that lost kernels to KERNELS keeps the share of its fused time that its unclaimed kernels
@@ -175,7 +181,8 @@ class Change:
     @property
     def empty(self) -> bool:
         return not (self.durations or self.removed or self.copies_removed or self.host_removed or self.host_added
-                    or self.unblocked or self.tightened or self.graphs or self.no_collective_wait or self.not_before)
+                    or self.unblocked or self.tightened or self.graphs or self.no_collective_wait or self.not_before
+                    or self.gpu_added)
 
 
 def take_host_time(gaps: np.ndarray, own: np.ndarray, is_sync: np.ndarray, at: np.ndarray, amounts: np.ndarray) -> None:
@@ -454,6 +461,9 @@ class Timeline:
         if change.durations:
             rows, new = self._per_kernel(change.durations)
             dur[rows] = new
+        if change.gpu_added:
+            rows, added = self._per_kernel(change.gpu_added)
+            np.add.at(dur, rows, added)
         if change.removed or change.copies_removed:
             alive[self.rows_of_kernels(list(change.removed))] = False
             alive[self.rows_of_copies(list(change.copies_removed))] = False
