@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import threading
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -235,31 +237,60 @@ _GLOBAL_HOOK_FUNCTION_DICTS = ("_global_forward_pre_hooks", "_global_forward_hoo
                                "_global_backward_hooks")
 
 
-def _silent(*args, **kwargs):
-    return None  # a hook that changes nothing: inputs, outputs and gradients pass as they are
+# True on a thread inside hooks_silenced: the guards below skip their hooks there, and only there.
+_probing: ContextVar[bool] = ContextVar("profiler_svc_swap_probing", default=False)
+# The guards are shared by the windows open at once (two threads planning swaps): put on by the first window that
+# finds a hook, taken off when the last window closes, so no window takes a guard off under another.
+_guards_lock = threading.Lock()
+_open_windows = 0
+_guarded: list = []  # (registry, key, hook, guard) of every hook under a guard now
+
+
+class _SkippedWhileProbing:
+    """A hook that runs as it is, except on a thread inside hooks_silenced."""
+
+    __slots__ = ("hook",)
+
+    def __init__(self, hook: Callable):
+        self.hook = hook
+
+    def __call__(self, *args, **kwargs):
+        return None if _probing.get() else self.hook(*args, **kwargs)
 
 
 @contextmanager
 def hooks_silenced(modules: Iterable[nn.Module]):
-    """Inside, no hook of MODULES and no global module hook acts: the swap's probes call modules on random inputs,
-    which a user's hook (a counter, an activation recorder, a capture's labels) must not see. Each hook is swapped
-    for one that does nothing, under its own key, and put back on exit: a handle removed meanwhile removes it for
-    good, and a hook registered meanwhile is left as it is. The global hooks are the process's: another thread's
-    forward meanwhile runs without them too."""
+    """Inside, no hook of MODULES and no global module hook acts on this thread's module calls: the swap's probes call
+    modules on random inputs, which a user's hook (a counter, an activation recorder, a capture's labels) must not
+    see. Another thread's calls (a serving thread, a capture's global labels) still run every hook. Each hook is put
+    under a guard, under its own key, and put back when the last open window closes: a handle removed meanwhile
+    removes it for good, and a hook registered meanwhile is left as it is."""
+    global _open_windows
     every = nn.modules.module
     registries = {id(hooks): hooks for module in modules for hooks in
                   (getattr(module, name, None) for name in _HOOK_FUNCTION_DICTS) if hooks}
     registries.update((id(hooks), hooks) for hooks in (getattr(every, name, None) for name in _GLOBAL_HOOK_FUNCTION_DICTS)
                       if hooks)
-    silenced = [(hooks, key, hook) for hooks in registries.values() for key, hook in list(hooks.items())]
-    for hooks, key, _ in silenced:
-        hooks[key] = _silent
+    with _guards_lock:
+        for hooks in registries.values():
+            for key, hook in list(hooks.items()):
+                if not isinstance(hook, _SkippedWhileProbing):  # else an open window (any thread's) guards it
+                    guard = _SkippedWhileProbing(hook)
+                    hooks[key] = guard
+                    _guarded.append((hooks, key, hook, guard))
+        _open_windows += 1
+    probing = _probing.set(True)
     try:
         yield
     finally:
-        for hooks, key, hook in silenced:
-            if hooks.get(key) is _silent:  # not removed meanwhile
-                hooks[key] = hook
+        _probing.reset(probing)
+        with _guards_lock:
+            _open_windows -= 1
+            if not _open_windows:
+                for hooks, key, hook, guard in _guarded:
+                    if hooks.get(key) is guard:  # not removed meanwhile
+                        hooks[key] = hook
+                _guarded.clear()
 
 
 def rebuild_replacement(swap_name: str, original: nn.Module) -> nn.Module:

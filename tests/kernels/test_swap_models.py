@@ -107,6 +107,106 @@ def test_a_hook_removed_or_added_while_hooks_are_silenced_stays_so():
     assert calls == ["kept", "added"]
 
 
+class SignallingLayerNorm(nn.LayerNorm):
+    """A LayerNorm whose first call (a swap probe's) lets another thread run and waits until it has."""
+
+    def __init__(self, n, probing, other_done):
+        super().__init__(n)
+        self.probing, self.other_done, self.waited = probing, other_done, []
+
+    def forward(self, x):
+        if not self.probing.is_set():
+            self.probing.set()
+            self.waited.append(self.other_done.wait(30))
+        return super().forward(x)
+
+
+def test_probes_silence_hooks_on_their_own_thread_only():
+    """The probes ran with every global module hook swapped for a no-op: another thread's module calls meanwhile (a
+    serving thread, a capture's labels) lost their global hooks, and its calls of the model's modules their own."""
+    import threading
+    from profiler_svc.kernels import SwapEntry
+
+    probing, other_done = threading.Event(), threading.Event()
+    probed = SignallingLayerNorm(16, probing, other_done)
+    model = nn.Sequential(probed, nn.Linear(16, 16))
+    elsewhere = nn.Linear(16, 16)  # another model's module
+    calls, errors = [], []
+    model[1].register_forward_hook(lambda *_: calls.append((threading.current_thread().name, "local")))
+    handle = nn.modules.module.register_module_forward_hook(
+        lambda module, *_: calls.append((threading.current_thread().name, type(module).__name__)))
+
+    def other_thread():
+        try:
+            assert probing.wait(30)
+            with torch.no_grad():
+                elsewhere(torch.randn(2, 16))
+                model[1](torch.randn(2, 16))
+        except Exception as err:  # seen by the main thread's asserts
+            errors.append(err)
+        finally:
+            other_done.set()
+
+    entry = SwapEntry(name="signalling_norm", summary="a norm whose probe lets another thread run",
+                      matches=lambda m: isinstance(m, SignallingLayerNorm), replace=lambda m: nn.LayerNorm(16),
+                      example_inputs=lambda m: (torch.randn(2, 16),))
+    thread = threading.Thread(target=other_thread, name="other")
+    thread.start()
+    try:
+        report = swap(model, [entry])
+    finally:
+        other_done.set()
+        thread.join(30)
+        handle.remove()
+    assert errors == [] and probed.waited == [True]
+    assert [row[2] for row in report.swapped] == ["signalling_norm"]
+    assert sorted(calls) == [("other", "Linear"), ("other", "Linear"), ("other", "local")]
+
+
+def test_hooks_stay_silenced_until_the_last_window_open_on_any_thread_closes():
+    """Two threads' windows overlap: the first to close put the hooks back under the second's probes."""
+    import threading
+    from profiler_svc.kernels.swap import hooks_silenced
+
+    every = nn.modules.module
+    norm = nn.LayerNorm(8)
+    calls = []
+
+    def global_hook(*_):
+        calls.append("global")
+
+    def local_hook(*_):
+        calls.append("local")
+
+    handles = [every.register_module_forward_hook(global_hook), norm.register_forward_hook(local_hook)]
+    opened, close, closed = threading.Event(), threading.Event(), threading.Event()
+
+    def first_window():
+        with hooks_silenced([norm]):
+            opened.set()
+            close.wait(30)
+        closed.set()
+
+    thread = threading.Thread(target=first_window)
+    thread.start()
+    try:
+        assert opened.wait(30)
+        with hooks_silenced([norm]):
+            close.set()
+            assert closed.wait(30)
+            norm(torch.randn(2, 8))
+            assert calls == []
+        assert every._global_forward_hooks[handles[0].id] is global_hook  # the very objects back
+        assert norm._forward_hooks[handles[1].id] is local_hook
+        norm(torch.randn(2, 8))
+        assert calls == ["global", "local"]
+    finally:
+        close.set()
+        thread.join(30)
+        for handle in handles:
+            handle.remove()
+
+
 def test_probes_fire_no_user_hook_and_decide_as_without_hooks():
     def llama():
         torch.manual_seed(0)
