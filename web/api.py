@@ -70,18 +70,21 @@ def upload_trace():
     else:
         raise UserError("send the trace as multipart field 'file' (or as the request body)")
     form = request.form if upload is not None else request.args
+    asked = ingest.Asked(name=_text(form, "name"),
+                         group_key=_text(form, "run", limit=4096),  # the store keeps a longer key's hash, not its cut
+                         workload=_text(form, "workload", limit=None))
     submitted = ingest.submit_upload(
         current_app.extensions["profiler_svc.engine"], stream, filename=filename,
-        blobs=current_app.extensions["profiler_svc.blobs"], name=_text(form, "name"),
-        group_key=_text(form, "run", limit=4096),  # the store keeps a longer key's hash, not its cut
-        host=_text(form, "host") or request.remote_addr,
-        workload=_text(form, "workload", limit=None),
+        blobs=current_app.extensions["profiler_svc.blobs"], name=asked.name, group_key=asked.group_key,
+        host=_text(form, "host") or request.remote_addr, workload=asked.workload,
         max_bytes=current_app.config.get("MAX_TRACE_BYTES"))
     if isinstance(submitted, ingest.IngestResult):  # this content is stored already
         return jsonify(submitted.to_dict()), 200
-    # Stored and queued: a worker analyses it (the web app never parses a trace).
+    # Stored and queued: a worker analyses it (the web app never parses a trace). The same content queued before:
+    # the note says what of this upload's request was not applied.
     status_url = url_for("api.upload_status", upload_id=submitted.id)
-    return (jsonify(upload_id=submitted.id, status=submitted.status, status_url=status_url, duplicate=False),
+    return (jsonify(upload_id=submitted.id, status=submitted.status, status_url=status_url, duplicate=False,
+                    note=ingest.queued_note(submitted, asked)),
             202, {"Location": status_url})
 
 

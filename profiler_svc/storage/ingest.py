@@ -244,7 +244,8 @@ def _lock_content(session, sha256: str) -> None:
 def ingest_path(engine: Engine, path, *, name: str | None = None, group_key: str | None = None,
                 host: str | None = None, workload: str | None = None,
                 blobs: BlobStore | None = None) -> list[IngestResult]:
-    """Ingest a trace file, or a folder of per-rank traces as one run."""
+    """Ingest a trace file, or a folder of per-rank traces as one run. A trace is stored once: where some of a
+    folder's files were stored before, in another run, each result's note says which ranks are in which run."""
     path = Path(path)
     asked = Asked(name, group_key, workload)  # before a folder's defaults, which nobody asked for
     if path.is_dir():
@@ -286,7 +287,41 @@ def ingest_path(engine: Engine, path, *, name: str | None = None, group_key: str
         raise
     if new and not whole_run:  # joined a run holding other traces: its ranks analysed together from the store
         _analyse_together(engine, blobs, new[0].run_id)
+    if path.is_dir():
+        _say_where_ranks_went(engine, results)
     return results
+
+
+def _say_where_ranks_went(engine, results: list[IngestResult]) -> None:
+    """A folder whose ranks are not all in the one run it made (some were stored in another run before, and a trace
+    is stored once): each result's note says which ranks are in which run."""
+    with session_scope(engine) as session:
+        ranks = {row.id: row.rank for row in session.execute(
+            select(TraceRecord.id, TraceRecord.rank).where(TraceRecord.id.in_([r.trace_id for r in results])))}
+    groups: dict[tuple[int, bool], list[int]] = {}  # (run, stored before) -> ranks, in the folder's order
+    for r in results:
+        if r.trace_id in ranks:
+            groups.setdefault((r.run_id, r.duplicate), []).append(ranks[r.trace_id])
+    runs = {run_id for run_id, _ in groups}
+    if len(runs) < 2:
+        return
+    note = f"this folder's ranks are split across {len(runs)} runs: " + "; ".join(
+        f"{_ranks_text(held)} {'stay' if len(held) > 1 else 'stays'} in run {run_id} (already stored there)"
+        if before else f"{_ranks_text(held)} went to run {run_id}" for (run_id, before), held in groups.items())
+    for r in results:
+        r.note = "; ".join(filter(None, [r.note, note]))
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    """'rank 3', 'ranks 0-2, 5'."""
+    spans: list[list[int]] = []
+    for rank in sorted(set(ranks)):
+        if spans and rank == spans[-1][1] + 1:
+            spans[-1][1] = rank
+        else:
+            spans.append([rank, rank])
+    listed = ", ".join(f"{first}-{last}" if last > first else str(first) for first, last in spans)
+    return f"rank {listed}" if len(set(ranks)) == 1 else f"ranks {listed}"
 
 
 def _analyse_together(engine, blobs, run_id: int) -> None:
@@ -461,9 +496,7 @@ def _find_trace(engine, sha256, asked: Asked) -> IngestResult | None:
 def _settle_asked(run: Run, asked: Asked) -> str | None:
     """A stored trace asked for again: a workload its run lacks is given to it; another run key, name or workload
     is said and not applied (the trace stays in the one run it belongs to, which other ranks may share)."""
-    differ = [(label, held, wanted) for label, held, wanted in (
-        ("run key", run.group_key, _run_key(asked.group_key)), ("name", run.name, _text(asked.name, 255)))
-        if wanted and wanted != held]
+    differ = _key_and_name_differ(asked, run.group_key, run.name)
     given = None
     if asked.workload and not run.workload:
         run.workload = given = asked.workload
@@ -471,14 +504,34 @@ def _settle_asked(run: Run, asked: Asked) -> str | None:
         differ.append(("workload", run.workload, asked.workload))
     if not differ and not given:
         return None
-    parts = [f"already stored in run {run.id}"]
-    if differ:
-        parts[0] += " with " + ", ".join(f"{label} {held!r}" if held else f"no {label}" for label, held, _ in differ)
-        parts.append(", ".join(f"{label} {wanted!r}" for label, _, wanted in differ)
-                     + (" was" if len(differ) == 1 else " were") + " not applied")
-    if given:
-        parts.append(f"its workload is now {given!r}")
-    return "; ".join(parts)
+    where = f"already stored in run {run.id}"
+    return "; ".join([_not_applied(where, differ) if differ else where]
+                     + ([f"its workload is now {given!r}"] if given else []))
+
+
+def queued_note(job: AnalysisJob, asked: Asked) -> str | None:
+    """An upload of content that an earlier upload queued (`submit_upload` gave its job back): the run key, name or
+    workload ASKED for that differ from the queued upload's, which stay, are said and not applied."""
+    differ = _key_and_name_differ(asked, job.group_key, job.name)
+    if asked.workload and asked.workload != job.workload:
+        differ.append(("workload", job.workload, asked.workload))
+    if not differ:
+        return None
+    return _not_applied(f"already {'analysed' if job.status == 'done' else 'queued'} as upload {job.id}", differ)
+
+
+def _key_and_name_differ(asked: Asked, group_key: str | None, name: str | None) -> list[tuple[str, str | None, str]]:
+    """(label, held, asked) of the run key and name ASKED for that differ from the ones held."""
+    return [(label, held, wanted) for label, held, wanted in (
+        ("run key", group_key, _run_key(asked.group_key)), ("name", name, _text(asked.name, 255)))
+        if wanted and wanted != held]
+
+
+def _not_applied(where: str, differ: list[tuple[str, str | None, str]]) -> str:
+    """WHERE the content is, with what it holds there, and what was asked for instead, not applied."""
+    held = ", ".join(f"{label} {held!r}" if held else f"no {label}" for label, held, _ in differ)
+    return (f"{where} with {held}; " + ", ".join(f"{label} {wanted!r}" for label, _, wanted in differ)
+            + (" was" if len(differ) == 1 else " were") + " not applied")
 
 
 def _store(engine, blobs, upload: Upload, analysed: dict, *, move_blob=None, job=None) -> IngestResult | None:

@@ -159,3 +159,17 @@ def test_a_duplicate_ingest_says_which_run_it_stays_in(engine, monkeypatch, tmp_
     with session_scope(engine) as session:
         assert [(r.group_key, r.name) for r in session.scalars(select(Run).order_by(Run.id))] == \
             [("job-1", "first"), (ANY, "gpt2_ddp"), (None, "variant-plain")]
+
+
+def test_ingest_of_a_folder_whose_first_rank_is_stored_says_where_its_ranks_went(sqlite_env, capsys):
+    """Rank 0 ingested alone under a run key, then its folder with none: rank 1 goes to a run of its own, and the
+    command says so (it said nothing of the split)."""
+    assert main(["db", "upgrade"]) == 0
+    rank0 = sorted(DDP.glob("*.json.gz"))[0]
+    assert main(["ingest", "--run", "KEY", str(rank0)]) == 0
+    assert main(["ingest", str(DDP)]) == 0
+    assert capsys.readouterr().out.strip().split("\n")[-2:] == [
+        "run 1 trace 1: already stored (this folder's ranks are split across 2 runs: rank 0 stays in run 1 (already "
+        "stored there); rank 1 went to run 2)",
+        "run 2 trace 2: stored (this folder's ranks are split across 2 runs: rank 0 stays in run 1 (already stored "
+        "there); rank 1 went to run 2)"]
