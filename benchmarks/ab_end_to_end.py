@@ -173,8 +173,8 @@ def stage_measure(args) -> dict:
         for _, _, name, *_ in report.swapped:
             swapped[name] = swapped.get(name, 0) + 1
         if args.keep_norm_outputs:
-            from profiler_svc.kernels import _norm
-            _norm.RECOMPUTE_MIN_NUMEL = 1 << 62
+            from profiler_svc.kernels import placement
+            placement.RECOMPUTE_NORM_OUTPUT_MIN = 1 << 62
         if args.keep_activation:
             from profiler_svc.kernels.swiglu import GatedMLP, GateUpMLP
             for module in model.modules():

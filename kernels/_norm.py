@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _launch
+from . import _launch, placement
 from ._launch import as_rows, first_order_only, kernel_op, launch, persistent_programs, require_triton, round_to, row_tiles
 
 # Backward on whole rows wider than _launch.BWD_SMALL_N: programs per SM = this // the row's tile width,
@@ -25,11 +25,6 @@ BWD_WIDE_ELEMENTS_PER_SM = 8192
 # the SMs at 1024 columns (kernel_settings.md, "Norms' partial sums").
 COLUMN_SUM_BLOCK_N = 16
 
-
-# Norm outputs of at least this many elements can be saved by their consumers as a recipe and recomputed in
-# the backward (`saved_as_recipe`): at the Llama bar's size, 33.5 MB a norm, 0.54 GB a step. Below it a step
-# is short enough that the recompute's launch would cost more host time than the memory is worth.
-RECOMPUTE_MIN_NUMEL = 1 << 22
 
 # Forward rows of up to this many columns keep w and b in L2 (evict_last) while the rows stream past.
 # Not wider ones: there the policy's registers cost a program per SM (kernel_settings.md, "Norms' weight policy").
@@ -310,7 +305,8 @@ def normalize(x, weight, bias, eps: float, offset: float, center: bool, residual
     tensors = (x, weight, bias, residual)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         out = NormFunction.apply(x, weight, bias, eps, offset, center, residual)
-        if residual is None and out.numel() >= RECOMPUTE_MIN_NUMEL and not torch.compiler.is_compiling():
+        # placement's rule (the analyser prices the recompute by it): at the Llama bar's size 0.54 GB a step
+        if residual is None and out.numel() >= placement.RECOMPUTE_NORM_OUTPUT_MIN and not torch.compiler.is_compiling():
             out._norm_source = _NormSource(x, weight, bias, eps, offset, center)
         return out
     y, s, _ = _forward(x, weight, bias, eps, offset, center, residual, stats=False)

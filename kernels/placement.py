@@ -35,6 +35,11 @@ _KEEPS_CHILDREN = ("residual_rms_norm", "rope")
 NATIVE_BELOW = {"rms_norm": 1 << 22, "rms_norm_offset": 1 << 22, "swiglu": 1 << 22, "geglu": 1 << 22,
                 "layer_norm": 1 << 22, "softmax": 1 << 22, "cross_entropy": 1 << 22, "gelu_tanh": 1 << 22}
 NATIVE_IS_EAGER = frozenset({"swiglu", "geglu"})
+# In training, a norm output of ours of at least this many elements (no fused residual) is not kept by the
+# projections that read it inside our stand-ins (rope's attention, the gated MLPs): they keep a recipe and run the
+# norm's forward kernel again in the backward (kernels/_norm.py, saved_as_recipe). Below it a step is short enough
+# that the recompute's launch would cost more host time than the memory is worth.
+RECOMPUTE_NORM_OUTPUT_MIN = 1 << 22
 
 # swap -> class-name pattern of the module it replaces, for the swaps matched on one leaf module
 _LEAF_CLASSES = {
@@ -90,6 +95,17 @@ def gated_backward_passes(tree, name: str) -> int:
     children = _children(tree, name) if isinstance(tree, dict) and name in tree else {}
     fused = "gate_up_proj" in children and _LINEAR.search(str(children["gate_up_proj"].get("class", "")))
     return 5 if fused else 6
+
+
+def norm_output_recomputed(tree, name: str, elements: int) -> bool:
+    """Is the norm swap's output at module `name` computed again in the backward: ELEMENTS (its output's) at least
+    RECOMPUTE_NORM_OUTPUT_MIN, and a sibling that the rope or a gated swap replaces (the pre-norm layer's attention
+    or MLP, whose projections read it)? Without a module tree: no."""
+    if elements < RECOMPUTE_NORM_OUTPUT_MIN or not isinstance(tree, dict) or name not in tree or "." not in name:
+        return False
+    parent = name.rsplit(".", 1)[0]
+    return any(swap in ("rope", "swiglu", "geglu") for sibling in _children(tree, parent)
+               if f"{parent}.{sibling}" != name for swap in swaps_for_module(tree, f"{parent}.{sibling}"))
 
 
 def _gated_activation(tree: dict, name: str, node: dict):

@@ -63,6 +63,13 @@ def experts_hidden_size(tree, module: str) -> Optional[int]:
     return placement.experts_hidden_size(tree, module)
 
 
+def norm_output_recomputed(tree, module: str, elements: int) -> bool:
+    """Does the norm swap compute its output at the module (qualified name) again in the backward, for a swapped
+    attention's or MLP's projections (kernels/placement.py's rule)? False where the rules cannot be read."""
+    placement = _placement()
+    return placement is not None and bool(placement.norm_output_recomputed(tree, module, elements))
+
+
 def gated_backward_passes(tree, module: str) -> Optional[int]:
     """Activation-sized passes of the gated swaps' backward kernel for the module (qualified name), by
     kernels/placement.py's rule; None where the rules cannot be read."""

@@ -21,7 +21,8 @@ from ..trace.replay import Change
 from .common import (Finding, Recommendation, fmt_us, fused, fused_chains, module_class, numel, op_bytes, op_record_codes, per_step,
                      per_step_note, plural, short_kernel_name, tensor_bytes)
 from .swap_costs import (
-    experts_block, experts_hidden_size, gated_backward_passes, native_below, native_is_eager, swap_applies, swap_host_cost,
+    experts_block, experts_hidden_size, gated_backward_passes, native_below, native_is_eager, norm_output_recomputed,
+    swap_applies, swap_host_cost,
 )
 
 # How many kernels after an activation its gated product may come: the up projection (a GEMM, with
@@ -733,7 +734,7 @@ def _finding(trace, kind, cls, group, bandwidth) -> Finding:
     optimizer = "AdamW" if kind == "fused_adamw" else _optimizer_name(trace) if kind == "optimizer" else None
     if optimizer in FUSED_OPTIMIZER_PASSES:
         pattern = replace(pattern, passes=FUSED_OPTIMIZER_PASSES[optimizer])
-    fused_bytes_each = [_passes(trace, pattern, c, gated) * (_gated_bytes(c) if gated else c.end_bytes) for c in group]
+    fused_bytes_each = [_fused_bytes(trace, pattern, c, gated) for c in group]
     fused_times = [max(b / bandwidth, _FUSED_FLOOR_US) for b in fused_bytes_each]
     unsized = kind == "optimizer" and not any(c.bytes for c in group)
     if unsized:  # no shapes inside the tensor lists: the fused step at the foreach kernels' own pace, by passes
@@ -1008,6 +1009,19 @@ def _passes(trace, pattern: Pattern, chain: Chain, gated: bool) -> float:
         if passes is not None:
             return passes
     return pattern.passes_for(chain.backward)
+
+
+def _fused_bytes(trace, pattern: Pattern, chain: Chain, gated: bool) -> int:
+    """What the chain's fused kernel moves: its passes over the tensor at its ends; a norm's backward also computes
+    its output again where the swaps do (placement's rule), for the attention's or MLP's projections."""
+    moved = _passes(trace, pattern, chain, gated) * (_gated_bytes(chain) if gated else chain.end_bytes)
+    tree, name = trace.capture_metadata.get("modules"), _module_name(chain.module or "")
+    if pattern.swap in ("rms_norm", "layer_norm") and chain.backward and chain.shape \
+            and norm_output_recomputed(tree, name, numel(chain.shape)):
+        # its input read and its output written, in the norm's weight dtype, which a swapped norm computes in
+        weight = ((tree[name].get("params") or {}).get("weight") or {}).get("dtype")
+        moved += 2 * numel(chain.shape) * (element_bytes(_TORCH_DTYPES.get(str(weight), "")) or 0)
+    return int(moved)
 
 
 def _gated_bytes(chain: Chain) -> int:

@@ -730,6 +730,23 @@ def test_unseen_gemma_norm_geglu_and_loss():
     assert not [f for f in r.findings if f.category in ("misalignment", "fallback_kernel")]
 
 
+@pytest.mark.parametrize("name, tokens, hidden, layers, recomputed", [
+    ("llama8_bf16_4x2048_train_h200_clocks", 4 * 2048, 2048, 8, True),
+    ("llama_bf16_train", 4 * 512, 1024, 2, False),
+])
+def test_a_norm_backward_computes_its_output_again_from_the_recompute_size(name, tokens, hidden, layers, recomputed):
+    """From 2^22 output elements the swapped norms' outputs that a swapped attention or MLP reads are computed again
+    in the backward (kernels/_norm.py): the layers' norms' fused backward also reads their input and writes their
+    output (bf16), the final norm's (its reader is lm_head) does not. Below that size nothing is added. Eager's
+    backward chains end at the fp32 upcast: 3 passes of tokens x hidden x 4 bytes each."""
+    norm = one(name, "unfused_chain:rms_norm")
+    backward = norm.evidence["directions"]["backward"]
+    steps = backward["chains"] // (2 * layers + 1)
+    assert backward["chains"] == steps * (2 * layers + 1)
+    extra = steps * 2 * layers * 2 * tokens * hidden * 2 if recomputed else 0
+    assert backward["fused_min_bytes"] == backward["chains"] * 3 * tokens * hidden * 4 + extra
+
+
 def test_transformers_packed_sequence_check_is_named_with_the_cache_that_skips_it():
     """use_cache=False and no attention mask: transformers reads the position ids on the host in each forward. The
     finding names that check and the fix in the user's hands (a cache), not `if t:` advice about library code;

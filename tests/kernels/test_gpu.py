@@ -285,7 +285,7 @@ def test_norm_outputs_recomputed_free_their_memory_and_keep_the_bits():
     the graph holds 33.5 MB less, and every gradient is bit-identical to keeping it."""
     from torch import nn
 
-    from profiler_svc.kernels import _norm
+    from profiler_svc.kernels import _norm, placement
     torch.manual_seed(0)
     x = torch.randn(4, 2048, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = torch.ones(2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -296,7 +296,7 @@ def test_norm_outputs_recomputed_free_their_memory_and_keep_the_bits():
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         y = K.rms_norm(x * 1.0, w)
-        assert x.numel() >= _norm.RECOMPUTE_MIN_NUMEL
+        assert x.numel() >= placement.RECOMPUTE_NORM_OUTPUT_MIN
         with _norm.saved_as_recipe(y) if recipe else torch.enable_grad():
             out = (gate(y).float() * up(y).float()).mean()
         del y

@@ -8,12 +8,12 @@ import torch
 import transformers
 from torch import nn
 
-from profiler_svc.kernels import _norm, rms_norm, swap
+from profiler_svc.kernels import _norm, placement, rms_norm, swap
 
 
 @pytest.fixture
 def every_size(monkeypatch):
-    monkeypatch.setattr(_norm, "RECOMPUTE_MIN_NUMEL", 0)
+    monkeypatch.setattr(placement, "RECOMPUTE_NORM_OUTPUT_MIN", 0)
 
 
 def _inputs():
@@ -56,7 +56,7 @@ def test_the_output_is_freed_and_computed_again_bit_for_bit_once(every_size, mon
 
 def test_below_the_size_the_output_is_kept():
     x, w, q, k = _inputs()
-    assert x.numel() < _norm.RECOMPUTE_MIN_NUMEL
+    assert x.numel() < placement.RECOMPUTE_NORM_OUTPUT_MIN
     out, _, alive = _step(x, w, q, k, recipe=True)
     assert alive() is not None and out.grad_fn is not None
 
@@ -95,7 +95,7 @@ def test_a_swapped_llama_frees_its_norm_outputs_and_trains_as_before(monkeypatch
     ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1))
     grads, alive = {}, {}
     for recompute in (False, True):
-        monkeypatch.setattr(_norm, "RECOMPUTE_MIN_NUMEL", 0 if recompute else 1 << 62)
+        monkeypatch.setattr(placement, "RECOMPUTE_NORM_OUTPUT_MIN", 0 if recompute else 1 << 62)
         model = _llama()
         report = swap(model, ["rms_norm", "rope", "swiglu"])
         assert {row[2] for row in report.swapped} == {"rms_norm", "rope", "swiglu"}
