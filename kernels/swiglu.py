@@ -299,41 +299,6 @@ class SwiGLU(nn.Module):
         return swiglu(gate, up)
 
 
-class PairProjectionFunction(torch.autograd.Function):
-    """(linear(x, w_gate, b_gate), linear(x, w_up, b_up)), x's gradient one matmul and a second accumulated into it
-    (addmm), where autograd would add the projections' two gradients in a kernel of its own: two passes over an
-    x-sized tensor fewer a layer, which pays for computing x again when x is a norm's output (`saved_as_recipe`)."""
-
-    @staticmethod
-    def forward(ctx, x, w_gate, b_gate, w_up, b_up):
-        ctx.save_for_backward(x, w_gate, w_up)
-        ctx.biases = b_gate is not None, b_up is not None
-        return F.linear(x, w_gate, b_gate), F.linear(x, w_up, b_up)
-
-    @staticmethod
-    @first_order_only
-    def backward(ctx, d_gate, d_up):
-        x, w_gate, w_up = ctx.saved_tensors
-        needs = ctx.needs_input_grad
-        dg, du = d_gate.reshape(-1, d_gate.shape[-1]), d_up.reshape(-1, d_up.shape[-1])
-        dx = torch.mm(dg, w_gate).addmm_(du, w_up).view(x.shape) if needs[0] else None
-        rows = x.reshape(-1, x.shape[-1]) if needs[1] or needs[3] else None
-        return (dx, dg.t() @ rows if needs[1] else None, dg.sum(0) if ctx.biases[0] and needs[2] else None,
-                du.t() @ rows if needs[3] else None, du.sum(0) if ctx.biases[1] and needs[4] else None)
-
-
-def _pair_fits(gate_proj: nn.Linear, up_proj: nn.Linear, x: torch.Tensor) -> bool:
-    """Do gate_proj and up_proj run as one PairProjectionFunction: plain linears (`_plain_linear`) in a call that
-    trains, in eager, above the size where eager's ops run (the Function's own host time would show there)?"""
-    if not (torch.is_grad_enabled() and not torch.compiler.is_compiling()
-            and _plain_linear(gate_proj, x) and _plain_linear(up_proj, x)):
-        return False
-    # gate's size against NATIVE_BELOW, before gate exists: x's elements against it scaled by in / out features
-    small = takes_native(x, NATIVE_BELOW * x.shape[-1] // max(1, gate_proj.out_features))
-    return not small and (x.requires_grad or any(p.requires_grad for p in (*gate_proj.parameters(),
-                                                                          *up_proj.parameters())))
-
-
 class GatedMLP(nn.Module):
     """down_proj(act(gate_proj(x)) · up_proj(x)) with the fused gated activation.
 
@@ -357,11 +322,7 @@ class GatedMLP(nn.Module):
         # The projections' outputs are ours alone, their memory reused for their gradients, unless a hook saw them
         # (and may keep them: an activation it records must not turn into a gradient)
         with saved_as_recipe(x):  # x, a norm's output, is freed after the forward and computed again
-            if _pair_fits(cast(nn.Linear, self.gate_proj), cast(nn.Linear, self.up_proj), x):
-                gate, up = PairProjectionFunction.apply(x, self.gate_proj.weight, self.gate_proj.bias,
-                                                        self.up_proj.weight, self.up_proj.bias)
-            else:
-                gate, up = self.gate_proj(x), self.up_proj(x)
+            gate, up = self.gate_proj(x), self.up_proj(x)
         if _native(gate):  # eager's own ops, and no more host work than eager's: the host sets the time here
             return self.down_proj(_NATIVE_ACT[self.act](gate) * up)
         alone = not (hooked(self.gate_proj) or hooked(self.up_proj))

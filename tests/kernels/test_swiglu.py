@@ -6,7 +6,7 @@ from torch import nn
 
 from profiler_svc.kernels import geglu, swap, swapped, swiglu, unswap
 from profiler_svc.kernels._elementwise import GELU_TANH, SILU
-from profiler_svc.kernels.swiglu import SWAP, GatedMLP, GateUpMLP, PairProjectionFunction
+from profiler_svc.kernels.swiglu import SWAP, GatedMLP, GateUpMLP
 
 transformers = pytest.importorskip("transformers")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -130,50 +130,13 @@ def test_gated_mlp_backward_reuses_the_projections_outputs():
     mlp = GatedMLP(gate_proj, up_proj, down_proj, act=SILU)
     x = torch.randn(3, 16, requires_grad=True)
     # The gradients written over gate_proj(x) and up_proj(x) equal the ones written to new buffers.
-    gate, up = PairProjectionFunction.apply(x, gate_proj.weight, gate_proj.bias, up_proj.weight, up_proj.bias)
-    fresh = torch.autograd.grad(down_proj(swiglu(gate, up)).sum(), [x, *mlp.parameters()])
+    fresh = torch.autograd.grad(down_proj(swiglu(gate_proj(x), up_proj(x))).sum(), [x, *mlp.parameters()])
     out = mlp(x).sum()
     reused = torch.autograd.grad(out, [x, *mlp.parameters()], retain_graph=True)
     for a, b in zip(fresh, reused):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         torch.autograd.grad(out, [x])  # the saved activations now hold gradients: refused, not misread
-
-
-@pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("shape", [(3, 16), (2, 5, 16)])
-def test_the_projection_pair_gives_eagers_gradients_with_one_for_x(shape, bias):
-    """gate_proj and up_proj as one Function: x's gradient is one matmul plus one accumulated into it, not two
-    gradients that autograd adds; in fp64 every gradient is eager's, and only the ones asked for are computed."""
-    torch.manual_seed(0)
-    gate_proj, up_proj = (nn.Linear(16, 40, bias=bias, dtype=torch.float64) for _ in range(2))
-    x = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
-    weights = torch.randn(*shape[:-1], 40, dtype=torch.float64)
-    params = [x, *gate_proj.parameters(), *up_proj.parameters()]
-    expected = torch.autograd.grad((gate_proj(x) * weights + up_proj(x).pow(2)).sum(), params)
-    gate, up = PairProjectionFunction.apply(x, gate_proj.weight, gate_proj.bias, up_proj.weight, up_proj.bias)
-    assert type(gate.grad_fn).__name__ == "PairProjectionFunctionBackward"
-    got = torch.autograd.grad((gate * weights + up.pow(2)).sum(), params)
-    for a, b in zip(expected, got):
-        torch.testing.assert_close(a, b)
-    # x's gradient alone: the weights' are not computed
-    gate, up = PairProjectionFunction.apply(x, gate_proj.weight.detach(), gate_proj.bias, up_proj.weight.detach(),
-                                            up_proj.bias)
-    torch.testing.assert_close(torch.autograd.grad((gate * weights + up.pow(2)).sum(), x)[0], expected[0])
-
-
-def test_a_training_gated_mlp_runs_its_projections_as_a_pair_and_inference_as_linears():
-    torch.manual_seed(0)
-    mlp = GatedMLP(nn.Linear(16, 40), nn.Linear(16, 40), nn.Linear(40, 16), act=SILU, recompute=False)
-    seen = []
-    mlp.down_proj.register_forward_pre_hook(lambda _m, args: seen.append(type(args[0].grad_fn).__name__))
-    mlp(torch.randn(3, 16))
-    with torch.no_grad():
-        mlp(torch.randn(3, 16))
-    mlp.gate_proj.register_forward_hook(lambda *_: None)  # a hooked projection runs as itself
-    mlp(torch.randn(3, 16))
-    assert seen[0] == "GatedActFunctionBackward" and seen[1] == "NoneType"
-    assert "PairProjection" not in seen[2]
 
 
 @pytest.mark.parametrize("shape", [(3, 16), (2, 5, 16)])  # 3-D: linear saves a 2-D view of its input
@@ -291,7 +254,7 @@ def test_a_small_call_runs_eagers_ops_and_nothing_else(monkeypatch, fused_projec
     from torch.utils._python_dispatch import TorchDispatchMode
 
     # the op file's module: `profiler_svc.kernels.swiglu` as an attribute is the function of that name
-    monkeypatch.setattr(sys.modules["profiler_svc.kernels.swiglu"], "takes_native", lambda t, below: True)
+    monkeypatch.setattr(sys.modules["profiler_svc.kernels.swiglu"], "_native", lambda t: True)
 
     class Calls(TorchDispatchMode):
         def __init__(self):
