@@ -101,6 +101,10 @@ def detect(trace: Trace) -> list[Finding]:
         if (fix, snippet) == _FIXES["aten::item"] and not training:  # no loss to read: a value the loop tests
             fix, snippet = _ITEM_WITHOUT_BACKWARD
         config_fix = "use_cache" if cause == _PACKED_CHECK else None  # A/B-testable: profiler_svc ab --fix use_cache
+        added = _cache_copies(trace) if cause == _PACKED_CHECK else {}
+        copies_note = (f" The cache this calls for copies each layer's keys and values: "
+                       f"{per_step_note(trace, sum(added.values()))} of GPU time, which the saving counts."
+                       if added else "")
         modules = sorted({m for _, _, m in calls if isinstance(m, str)})
         copy = direction if cause not in _FIXES else None  # .item() and the like: the op is the point
         what = f"{copy} copy" if copy else "sync"
@@ -109,9 +113,10 @@ def detect(trace: Trace) -> list[Finding]:
             title=f"host {what} in {cause}" + (f" ({inner})" if inner != cause else "") + f": {len(calls)} calls",
             detail=(f"{len(calls)} blocking {', '.join(sorted({c.name for c, _, _ in calls}))} calls ({per_step:.0f} per step) "
                     f"from {cause} held the CPU {per_step_note(trace, blocked)}; after each the GPU sat idle "
-                    f"until the CPU launched again: {per_step_note(trace, idle)}."),
+                    f"until the CPU launched again: {per_step_note(trace, idle)}.{copies_note}"),
             evidence={"op": cause, "inner_op": inner, "runtime_calls": sorted({c.name for c, _, _ in calls}),
                       **({"copy": direction} if direction else {}),
+                      **({"cache_copies_us_per_step": round(sum(added.values()) / trace.step_count, 2)} if added else {}),
                       "calls": len(calls), "per_step": round(per_step, 1), "host_blocked_us": round(blocked, 2),
                       "gpu_idle_after_us": round(idle, 2),
                       "examples": [{"ts_us": round(c.ts, 2), "blocked_us": round(c.dur, 2), "idle_after_us": round(i, 2)}
@@ -119,7 +124,7 @@ def detect(trace: Trace) -> list[Finding]:
                       **({"modules": modules[:10]} if modules else {})},
             recommendation=Recommendation(fix, None, snippet, fix=config_fix),
             change=Change(unblocked={c.Index for c, _, _ in calls},
-                          gpu_added=_cache_copies(trace) if cause == _PACKED_CHECK else {}),
+                          gpu_added=added),
             key=f"host_sync:{cause}:{inner}" + (f":{copy}" if copy else ""),
         ))
     return findings

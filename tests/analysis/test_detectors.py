@@ -786,6 +786,8 @@ def test_the_cache_fix_adds_its_copies_of_the_keys_and_values():
     assert len(linears) and expected > 0
     assert sum(f.change.gpu_added.values()) == pytest.approx(expected, rel=1e-6)
     assert f.gpu_time_saved_us_per_step == pytest.approx(-expected / trace.step_count, rel=0.01)
+    assert f.evidence["cache_copies_us_per_step"] == pytest.approx(expected / trace.step_count, abs=0.01)
+    assert "copies each layer's keys and values" in f.detail and "which the saving counts" in f.detail
 
 
 def test_unseen_opt_vocab_and_hidden_sync():
