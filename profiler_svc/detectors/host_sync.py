@@ -5,9 +5,9 @@ from collections import defaultdict
 
 import numpy as np
 
-from ..trace.model import Trace, element_bytes
+from ..trace.model import Trace
 from ..trace.replay import Change
-from .common import Finding, Recommendation, per_step_note
+from .common import Finding, Recommendation, per_step_note, tensor_bytes
 from .gpu_idle import blocking_calls, gpu_activity
 
 _FIXES = {
@@ -169,7 +169,7 @@ def _linear_output_bytes(trace: Trace, op: int) -> int:
     if len(tensors) < 2 or len(tensors[1][0]) != 2:
         return 0
     (x, dtype, _), (weight, _, _) = tensors[0], tensors[1]
-    return int(np.prod(x[:-1])) * weight[0] * (element_bytes(dtype) or 0)
+    return tensor_bytes([*x[:-1], weight[0]], dtype)
 
 
 def _after_packed_check(cpu, top: int) -> bool:

@@ -1019,9 +1019,15 @@ def _fused_bytes(trace, pattern: Pattern, chain: Chain, gated: bool) -> int:
     if pattern.swap in ("rms_norm", "layer_norm") and chain.backward and chain.shape \
             and norm_output_recomputed(tree, name, numel(chain.shape)):
         # its input read and its output written, in the norm's weight dtype, which a swapped norm computes in
-        weight = ((tree[name].get("params") or {}).get("weight") or {}).get("dtype")
-        moved += 2 * numel(chain.shape) * (element_bytes(_TORCH_DTYPES.get(str(weight), "")) or 0)
+        moved += 2 * tensor_bytes(chain.shape, _TORCH_DTYPES.get(str(_param_field(tree[name], "weight", "dtype")), ""))
     return int(moved)
+
+
+def _param_field(module, param: str, key: str):
+    """module["params"][param][key] of a capture's module-tree node, None where the metadata lacks it or is malformed."""
+    params = module.get("params") if isinstance(module, dict) else None
+    entry = params.get(param) if isinstance(params, dict) else None
+    return entry.get(key) if isinstance(entry, dict) else None
 
 
 def _gated_bytes(chain: Chain) -> int:

@@ -747,6 +747,22 @@ def test_a_norm_backward_computes_its_output_again_from_the_recompute_size(name,
     assert backward["fused_min_bytes"] == backward["chains"] * 3 * tokens * hidden * 4 + extra
 
 
+def test_a_malformed_norm_node_prices_no_recompute_and_is_not_fatal(tmp_path):
+    """The norms' nodes in the module tree with their params a list, or a weight without a dtype: the recompute's
+    bytes cannot be read there, so none are added, and the analysis goes on."""
+    with gzip.open(fixture_path("llama8_bf16_4x2048_train_h200_clocks")) as f:
+        data = json.load(f)
+    norms = [name for name in data["profiler_svc"]["modules"] if name.endswith("layernorm")]
+    for i, name in enumerate(norms):
+        data["profiler_svc"]["modules"][name]["params"] = ["weight"] if i % 2 else {"weight": {"shape": [2048]}}
+    path = tmp_path / "variant.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump(data, f)
+    [norm] = [f for f in recommend(path).findings if f.key.startswith("unfused_chain:rms_norm")]
+    backward = norm.evidence["directions"]["backward"]
+    assert backward["fused_min_bytes"] == backward["chains"] * 3 * 4 * 2048 * 2048 * 4  # no recompute priced
+
+
 def test_transformers_packed_sequence_check_is_named_with_the_cache_that_skips_it():
     """use_cache=False and no attention mask: transformers reads the position ids on the host in each forward. The
     finding names that check and the fix in the user's hands (a cache), not `if t:` advice about library code;
