@@ -276,13 +276,13 @@ def memory_at_peak(snapshot: dict, expected_peak: int | None, top: int = 30) -> 
     peak_entry = trace[best_at] if trace else {}
     by_frame: dict = {}
     by_phase: dict = {}
-    steps = {s for _, _, _, s in live.values()}
+    this_step = max((step for *_, step in live.values()), default=0)  # the peak's: the latest allocation's
     for size, label, phase, step in live.values():
         if label is None:
             continue
         by_frame[label] = by_frame.get(label, 0) + size
         # the peak's own step, one before it (optimizer state made in step 1, kept) or the build
-        key = "build" if phase == "build" else f"{phase} of {'this' if step == max(steps) else 'an earlier'} step"
+        key = "build" if phase == "build" else f"{phase} of {'this' if step == this_step else 'an earlier'} step"
         by_phase[key] = by_phase.get(key, 0) + size
     mb = lambda n: round(n / 1e6, 1)  # noqa: E731
     return {"peak_bytes": best, "max_memory_allocated": expected_peak, "history_entries": len(trace),
